@@ -1,0 +1,114 @@
+// The C++ client of trainstreamd: connect over the control socket, attach a rank of a job, and drive
+// the data plane (rings and the job's shared-memory regions).
+//
+// This header is free of gRPC, CUDA and torch types: the Python layer (and C++ training programs)
+// hand it raw pointers, sizes and dtypes. Errors are thrown as trainstream::Error; a daemon that dies
+// or refuses turns every later call (and every wait in progress, within about 100 ms) into an Error.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "shm/error.h"
+#include "shm/job_layout.h"
+#include "shm/message.h"
+
+namespace trainstream {
+
+struct DaemonInfo {
+  std::string daemon_version;
+  uint32_t protocol_version = 0;
+  int64_t pid = 0;
+  std::string kernel;
+};
+
+struct JobReport {
+  std::string name, job_key;
+  uint32_t uid = 0, buckets = 0, world_size = 0;
+  uint64_t params = 0, elements = 0, completed_step = 0, state_bytes = 0, rank_bytes = 0, updates = 0,
+           nonfinite_steps = 0;
+  std::vector<uint32_t> attached_ranks;
+};
+
+struct StatsReport {
+  std::vector<JobReport> jobs;
+  uint64_t host_bytes = 0, rss_bytes = 0;
+  uint32_t worker_threads = 0;
+  std::string kernel;
+};
+
+class RankSession;
+
+class Client {
+ public:
+  // Connects to the daemon on the Unix socket `socket_path` and performs the version handshake.
+  // kUnavailable if nothing answers within `timeout`.
+  static std::shared_ptr<Client> Connect(const std::string& socket_path,
+                                         std::chrono::milliseconds timeout = std::chrono::seconds(5));
+  ~Client();
+
+  [[nodiscard]] const DaemonInfo& info() const { return info_; }
+  [[nodiscard]] const std::string& socket_path() const { return socket_path_; }
+  DaemonInfo Ping();
+  StatsReport Stats();
+  void DropJob(const std::string& job, bool force);
+  // Creates the job if needed and attaches `rank`; the rank stays attached until the session closes.
+  std::unique_ptr<RankSession> Attach(const std::string& job, uint32_t rank, const shm::LayoutSpec& spec,
+                                      uint64_t seed);
+
+  struct Impl;
+
+ private:
+  Client(std::string socket_path, std::unique_ptr<Impl> impl);
+  std::string socket_path_;
+  std::unique_ptr<Impl> impl_;
+  DaemonInfo info_;
+};
+
+class RankSession {
+ public:
+  ~RankSession();  // detaches
+  RankSession(const RankSession&) = delete;
+  RankSession& operator=(const RankSession&) = delete;
+
+  [[nodiscard]] const shm::LayoutSpec& spec() const;
+  [[nodiscard]] const shm::JobLayout& layout() const;
+  [[nodiscard]] uint32_t rank() const;
+  [[nodiscard]] bool created() const;      // this attach created the job
+  [[nodiscard]] bool initialized() const;  // the job held weights when this rank attached
+  [[nodiscard]] uint64_t completed_step() const;
+  [[nodiscard]] uint64_t applied_step(uint32_t bucket) const;  // last step applied to a bucket
+  [[nodiscard]] shm::StateView state() const;
+  [[nodiscard]] shm::RankView view() const;
+  [[nodiscard]] size_t state_bytes() const;
+  [[nodiscard]] size_t rank_bytes() const;
+
+  // Tells the daemon that this rank's gradients of `bucket` for (step, micro) are in its grad region.
+  void SendGradReady(uint32_t bucket, uint64_t step, uint32_t micro, bool final_micro);
+  // Tells the daemon that the client wrote master weights / moments / step counts: publish as `step`.
+  void SendLoadState(uint64_t step);
+  // Pushes an arbitrary message (tests use it to send malformed ones).
+  void SendRaw(const shm::Message& message);
+
+  // Blocks until the daemon published bucket's weights of `step` (or later).
+  void WaitParamsReady(uint32_t bucket, uint64_t step);
+  // Blocks until the daemon released bucket's grad region (nothing of it outstanding).
+  void WaitSlotFree(uint32_t bucket);
+  [[nodiscard]] bool ParamsReady(uint32_t bucket, uint64_t step);
+  // Throws the session's error if it failed (daemon gone, protocol error, shutdown).
+  void CheckHealthy();
+  // Warnings the daemon sent since the last call.
+  std::vector<std::string> TakeWarnings();
+  void Close();
+
+  struct Impl;
+  explicit RankSession(std::unique_ptr<Impl> impl);
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace trainstream

@@ -1,0 +1,104 @@
+// Client: the control-plane calls (handshake, stats, drop) over gRPC on the Unix socket.
+#include "trainstream/client.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include "client/src/grpc_status.h"
+#include "client/src/rank_session_impl.h"
+#include "shm/version.h"
+#include "trainstream/v1/control.grpc.pb.h"
+
+namespace trainstream {
+
+namespace {
+constexpr auto kRpcTimeout = std::chrono::seconds(30);
+
+void SetDeadline(grpc::ClientContext& context, std::chrono::milliseconds timeout) {
+  context.set_deadline(std::chrono::system_clock::now() + timeout);
+}
+}  // namespace
+
+struct Client::Impl {
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::Control::Stub> stub;
+};
+
+Client::Client(std::string socket_path, std::unique_ptr<Impl> impl)
+    : socket_path_(std::move(socket_path)), impl_(std::move(impl)) {}
+
+Client::~Client() = default;
+
+std::shared_ptr<Client> Client::Connect(const std::string& socket_path, std::chrono::milliseconds timeout) {
+  auto impl = std::make_unique<Impl>();
+  impl->channel = grpc::CreateChannel("unix:" + socket_path, grpc::InsecureChannelCredentials());
+  impl->stub = v1::Control::NewStub(impl->channel);
+  std::shared_ptr<Client> client(new Client(socket_path, std::move(impl)));
+  grpc::ClientContext context;
+  SetDeadline(context, timeout);
+  v1::HandshakeRequest request;
+  request.set_protocol_version(kProtocolVersion);
+  request.set_client_version(std::string(kVersion));
+  v1::HandshakeReply reply;
+  const grpc::Status status = client->impl_->stub->Handshake(&context, request, &reply);
+  ThrowIfFailed(status, fmt::format("cannot reach trainstreamd at {}", socket_path));
+  client->info_ = DaemonInfo{reply.daemon_version(), reply.protocol_version(), reply.pid(), reply.kernel()};
+  return client;
+}
+
+DaemonInfo Client::Ping() {
+  grpc::ClientContext context;
+  SetDeadline(context, std::chrono::seconds(5));
+  v1::HandshakeRequest request;
+  request.set_protocol_version(kProtocolVersion);
+  request.set_client_version(std::string(kVersion));
+  v1::HandshakeReply reply;
+  ThrowIfFailed(impl_->stub->Handshake(&context, request, &reply), "ping");
+  return DaemonInfo{reply.daemon_version(), reply.protocol_version(), reply.pid(), reply.kernel()};
+}
+
+StatsReport Client::Stats() {
+  grpc::ClientContext context;
+  SetDeadline(context, kRpcTimeout);
+  v1::StatsReply reply;
+  ThrowIfFailed(impl_->stub->Stats(&context, v1::StatsRequest(), &reply), "stats");
+  StatsReport report{.jobs = {},
+                     .host_bytes = reply.host_bytes(),
+                     .rss_bytes = reply.rss_bytes(),
+                     .worker_threads = reply.worker_threads(),
+                     .kernel = reply.kernel()};
+  for (const v1::JobStats& job : reply.jobs()) {
+    report.jobs.push_back(JobReport{
+        .name = job.name(),
+        .job_key = job.job_key(),
+        .uid = job.uid(),
+        .buckets = job.buckets(),
+        .world_size = job.world_size(),
+        .params = job.params(),
+        .elements = job.elements(),
+        .completed_step = job.completed_step(),
+        .state_bytes = job.state_bytes(),
+        .rank_bytes = job.rank_bytes(),
+        .updates = job.updates(),
+        .nonfinite_steps = job.nonfinite_steps(),
+        .attached_ranks = {job.attached_ranks().begin(), job.attached_ranks().end()},
+    });
+  }
+  return report;
+}
+
+void Client::DropJob(const std::string& job, bool force) {
+  grpc::ClientContext context;
+  SetDeadline(context, kRpcTimeout);
+  v1::DropJobRequest request;
+  request.set_job(job);
+  request.set_force(force);
+  v1::DropJobReply reply;
+  ThrowIfFailed(impl_->stub->DropJob(&context, request, &reply), fmt::format("drop job '{}'", job));
+}
+
+std::unique_ptr<RankSession> Client::Attach(const std::string& job, uint32_t rank, const shm::LayoutSpec& spec,
+                                            uint64_t seed) {
+  return std::make_unique<RankSession>(RankSession::Impl::Open(*impl_->stub, job, rank, spec, seed, info_.pid));
+}
+
+}  // namespace trainstream

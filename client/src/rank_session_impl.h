@@ -1,0 +1,58 @@
+// The state behind a RankSession: the gRPC Session stream (the rank's lifetime and the daemon's
+// liveness), the mapped segments, the rings, and what the completions have told us per bucket.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <mutex>
+#include <optional>
+#include <thread>
+
+#include "shm/segment.h"
+#include "trainstream/client.h"
+#include "trainstream/v1/control.grpc.pb.h"
+
+namespace trainstream {
+
+struct RankSession::Impl {
+  static std::unique_ptr<Impl> Open(v1::Control::Stub& stub, const std::string& job, uint32_t rank,
+                                    const shm::LayoutSpec& spec, uint64_t seed, int64_t daemon_pid);
+  ~Impl();
+
+  void ReadEvents();  // the reader thread
+  void Drain();       // requires mutex
+  void Fail(const std::string& message);
+  void CheckHealthy();
+  void Push(const shm::Message& message);
+  template <typename Ready>
+  void WaitUntil(Ready ready);
+
+  shm::LayoutSpec spec;
+  shm::JobLayout layout;
+  uint32_t rank = 0;
+  bool created = false, initialized = false;
+  uint64_t completed_step = 0;
+  int64_t daemon_pid = 0;
+
+  shm::Segment state_segment, rank_segment;
+  shm::StateView state{};
+  shm::RankView view{};
+
+  std::mutex mutex;  // guards the rings and the per-bucket bookkeeping
+  shm::RingProducer requests;
+  shm::RingConsumer completions;
+  std::vector<int64_t> params_ready;  // per bucket: last published step, -1 before the first
+  std::vector<uint8_t> outstanding;   // per bucket: grads sent, not yet released
+
+  grpc::ClientContext context;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::SessionRequest, v1::SessionEvent>> stream;
+  std::thread reader;
+  std::atomic<bool> failed{false};
+  std::atomic<bool> closing{false};
+  std::mutex event_mutex;  // guards failure and warnings
+  std::optional<std::string> failure;
+  std::vector<std::string> warnings;
+};
+
+}  // namespace trainstream

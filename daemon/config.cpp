@@ -1,0 +1,99 @@
+#include "daemon/config.h"
+
+#include <CLI/CLI.hpp>
+#include <toml++/toml.h>
+
+#include <algorithm>
+#include <iostream>
+
+#include "shm/version.h"
+#include "shm/error.h"
+
+namespace trainstream::daemon {
+
+namespace {
+
+template <typename T>
+void ReadKey(const toml::table& table, const char* key, T& out) {
+  const toml::node* node = table.get(key);
+  if (node == nullptr) return;
+  if constexpr (std::is_same_v<T, std::string>) {
+    const auto value = node->value<std::string>();
+    TS_CHECK(value.has_value(), Code::kInvalidArgument, "config key '{}' must be a string", key);
+    out = *value;
+  } else {
+    const auto value = node->value<int64_t>();
+    TS_CHECK(value.has_value() && *value >= 0, Code::kInvalidArgument, "config key '{}' must be a non-negative integer",
+             key);
+    out = static_cast<T>(*value);
+  }
+}
+
+}  // namespace
+
+void LoadConfigFile(const std::string& path, Config& config) {
+  toml::table table;
+  try {
+    table = toml::parse_file(path);
+  } catch (const toml::parse_error& e) {
+    Throw(Code::kInvalidArgument, "cannot parse config file {}: {} (line {})", path, e.description(),
+          e.source().begin.line);
+  }
+  static const std::vector<std::string> kKnown = {"socket",   "threads",        "log_level", "socket_mode",
+                                                  "job_ttl_seconds", "max_jobs", "max_host_bytes"};
+  for (const auto& [key, value] : table) {
+    TS_CHECK(std::find(kKnown.begin(), kKnown.end(), key.str()) != kKnown.end(), Code::kInvalidArgument,
+             "unknown key '{}' in config file {}", key.str(), path);
+  }
+  ReadKey(table, "socket", config.socket);
+  ReadKey(table, "threads", config.threads);
+  ReadKey(table, "log_level", config.log_level);
+  ReadKey(table, "socket_mode", config.socket_mode);
+  ReadKey(table, "job_ttl_seconds", config.job_ttl_seconds);
+  ReadKey(table, "max_jobs", config.max_jobs);
+  ReadKey(table, "max_host_bytes", config.max_host_bytes);
+}
+
+std::optional<Config> ParseConfig(int argc, char** argv) {
+  Config defaults;
+  CLI::App app{"trainstreamd: per-node optimizer offload daemon for PyTorch training"};
+  app.set_version_flag("--version", std::string(kVersion));
+  std::string config_file;
+  app.add_option("--config", config_file, "TOML file with the same keys as these flags");
+  // Flags are parsed into optionals so that a flag overrides the file only when given.
+  std::optional<std::string> socket, log_level;
+  std::optional<uint32_t> threads, max_jobs;
+  std::optional<uint64_t> ttl, max_host_bytes;
+  std::optional<int64_t> parent_pid;
+  app.add_option("--socket", socket, "Unix socket to listen on (default " + defaults.socket + ")");
+  app.add_option("--threads", threads, "optimizer worker threads (default: one per core)");
+  app.add_option("--log-level", log_level, "trace, debug, info, warn, error")
+      ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "critical", "off"}));
+  app.add_option("--job-ttl", ttl, "seconds a job with no attached rank is kept (default 3600)");
+  app.add_option("--max-jobs", max_jobs, "maximum number of jobs (default 64)");
+  app.add_option("--max-host-bytes", max_host_bytes, "maximum bytes of shared memory over all jobs (0: no limit)");
+  app.add_option("--parent-pid", parent_pid, "exit when this process exits (private daemons)");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::Success& e) {
+    app.exit(e);
+    return std::nullopt;
+  } catch (const CLI::ParseError& e) {
+    Throw(Code::kInvalidArgument, "{}", e.what());
+  }
+  Config config;
+  if (!config_file.empty()) {
+    LoadConfigFile(config_file, config);
+    config.config_file = config_file;
+  }
+  if (socket) config.socket = *socket;
+  if (threads) config.threads = *threads;
+  if (log_level) config.log_level = *log_level;
+  if (ttl) config.job_ttl_seconds = *ttl;
+  if (max_jobs) config.max_jobs = *max_jobs;
+  if (max_host_bytes) config.max_host_bytes = *max_host_bytes;
+  if (parent_pid) config.parent_pid = *parent_pid;
+  return config;
+}
+
+}  // namespace trainstream::daemon

@@ -1,0 +1,31 @@
+// trainstreamd's configuration: command line flags and the same keys in a TOML file.
+// Precedence: command line > config file > defaults.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace trainstream::daemon {
+
+struct Config {
+  std::string socket = "/run/trainstream/trainstreamd.sock";
+  uint32_t threads = 0;  // 0: one per core
+  std::string log_level = "info";
+  uint32_t socket_mode = 0660;
+  uint64_t job_ttl_seconds = 3600;  // a job with no rank attached is dropped after this
+  uint32_t max_jobs = 64;
+  uint64_t max_host_bytes = 0;  // 0: unlimited
+  int64_t parent_pid = 0;       // private daemon: exit when this process dies
+  std::string config_file;
+};
+
+// Parses argv. Returns the config, or nullopt after printing help/version (exit 0).
+// Throws trainstream::Error (kInvalidArgument) with a message naming the bad flag or key.
+std::optional<Config> ParseConfig(int argc, char** argv);
+
+// Loads the keys of a TOML file into `config` (used by ParseConfig; exposed for tests).
+void LoadConfigFile(const std::string& path, Config& config);
+
+}  // namespace trainstream::daemon

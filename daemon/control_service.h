@@ -1,0 +1,32 @@
+// The gRPC Control service (proto/trainstream/v1/control.proto): the boundary where trainstream::Error
+// becomes grpc::Status. Every request field is validated before it reaches the registry.
+#pragma once
+
+#include <atomic>
+
+#include "daemon/job_registry.h"
+#include "trainstream/v1/control.grpc.pb.h"
+
+namespace trainstream::daemon {
+
+class ControlService final : public v1::Control::Service {
+ public:
+  ControlService(JobRegistry& registry, const WorkerPool& pool) : registry_(registry), pool_(pool) {}
+
+  grpc::Status Handshake(grpc::ServerContext* context, const v1::HandshakeRequest* request,
+                         v1::HandshakeReply* reply) override;
+  grpc::Status Session(grpc::ServerContext* context,
+                       grpc::ServerReaderWriter<v1::SessionEvent, v1::SessionRequest>* stream) override;
+  grpc::Status Stats(grpc::ServerContext* context, const v1::StatsRequest* request, v1::StatsReply* reply) override;
+  grpc::Status DropJob(grpc::ServerContext* context, const v1::DropJobRequest* request,
+                       v1::DropJobReply* reply) override;
+
+ private:
+  JobRegistry& registry_;
+  const WorkerPool& pool_;
+};
+
+// Converts the wire layout into the shared one, validating enum values.
+shm::LayoutSpec LayoutFromProto(const v1::LayoutSpec& proto);
+
+}  // namespace trainstream::daemon

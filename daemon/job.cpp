@@ -1,0 +1,101 @@
+#include "daemon/job.h"
+
+#include <spdlog/spdlog.h>
+
+#include <random>
+
+#include "shm/error.h"
+
+namespace trainstream::daemon {
+
+namespace {
+std::string RandomKey() {
+  std::random_device device;
+  const uint64_t value = (static_cast<uint64_t>(device()) << 32) ^ device();
+  return fmt::format("{:016x}", value);
+}
+}  // namespace
+
+Job::Job(std::string name, uint32_t uid, shm::LayoutSpec spec, uint64_t seed, WorkerPool& pool)
+    : name_(std::move(name)),
+      uid_(uid),
+      spec_(std::move(spec)),
+      layout_(shm::ComputeLayout(spec_)),
+      key_(RandomKey()),
+      idle_since_(std::chrono::steady_clock::now()) {
+  state_ = shm::Segment::Create(shm::SegmentName(uid_, key_, "state"), layout_.state_bytes);
+  state_.RemoveOnDestroy();
+  shm::InitStateSegment(state_.data(), layout_);
+  engine_ = std::make_unique<StepEngine>(name_, spec_, layout_, shm::ViewState(state_.data(), layout_, spec_), seed,
+                                         pool);
+  spdlog::info("job '{}' created: {} parameters in {} buckets, {} state bytes, key {}", name_, spec_.params.size(),
+               layout_.buckets.size(), layout_.state_bytes, key_);
+}
+
+Job::~Job() {
+  engine_.reset();  // waits for in-flight work before the segments go away
+  for (uint32_t rank = 0; rank < spec_.world_size; ++rank) shm::Segment::Remove(RankSegmentName(rank));
+  spdlog::info("job '{}' removed", name_);
+}
+
+std::string Job::RankSegmentName(uint32_t rank) const {
+  return shm::SegmentName(uid_, key_, fmt::format("rank{}", rank));
+}
+
+Job::Attachment Job::Attach(uint32_t rank, std::shared_ptr<SessionSink> session) {
+  TS_CHECK(rank < spec_.world_size, Code::kInvalidArgument, "rank {} out of range for job '{}' (world size {})", rank,
+           name_, spec_.world_size);
+  std::lock_guard lock(mutex_);  // one attach/detach at a time: they share the rank's segment name
+  TS_CHECK(!engine_->HasRank(rank), Code::kAlreadyExists, "rank {} of job '{}' is already attached by another client",
+           rank, name_);
+  const std::string name = RankSegmentName(rank);
+  shm::Segment::Remove(name);  // left over from a rank that died while its removal raced this attach
+  shm::Segment segment = shm::Segment::Create(name, layout_.rank_bytes);
+  shm::InitRankSegment(segment.data(), layout_, rank);
+  segment.RemoveOnDestroy();  // unlinked when the engine's last reference goes
+  engine_->AddRank(std::make_shared<RankChannel>(rank, std::move(segment), layout_, std::move(session)));
+  ++attached_;
+  const auto* header = static_cast<const shm::StateHeader*>(state_.data());
+  spdlog::info("job '{}': rank {} attached", name_, rank);
+  return Attachment{name, header->initialized != 0, header->completed_step.load()};
+}
+
+void Job::Detach(uint32_t rank) {
+  std::lock_guard lock(mutex_);
+  if (!engine_->HasRank(rank)) return;
+  engine_->RemoveRank(rank);
+  if (--attached_ == 0) idle_since_ = std::chrono::steady_clock::now();
+  spdlog::info("job '{}': rank {} detached", name_, rank);
+}
+
+uint64_t Job::host_bytes() { return layout_.state_bytes + attached_ranks() * layout_.rank_bytes; }
+
+size_t Job::attached_ranks() {
+  std::lock_guard lock(mutex_);
+  return attached_;
+}
+
+std::optional<std::chrono::steady_clock::time_point> Job::idle_since() {
+  std::lock_guard lock(mutex_);
+  if (attached_ != 0) return std::nullopt;
+  return idle_since_;
+}
+
+JobInfo Job::Info() {
+  const auto* header = static_cast<const shm::StateHeader*>(state_.data());
+  return JobInfo{
+      .name = name_,
+      .key = key_,
+      .uid = uid_,
+      .params = spec_.params.size(),
+      .elements = layout_.total_elems,
+      .state_bytes = layout_.state_bytes,
+      .rank_bytes = layout_.rank_bytes,
+      .completed_step = header->completed_step.load(),
+      .buckets = static_cast<uint32_t>(layout_.buckets.size()),
+      .world_size = spec_.world_size,
+      .engine = engine_->Stats(),
+  };
+}
+
+}  // namespace trainstream::daemon

@@ -1,0 +1,76 @@
+// One training job in the daemon: its layout, its state segment (master weights, moments, upload
+// staging), the rank segments of attached ranks, and the engine that runs its steps.
+//
+// A job outlives its ranks: when every rank has detached (or died) the state stays until the job is
+// dropped or its idle TTL expires, so a restarted training process re-attaches and resumes.
+// Thread-safe: gRPC handler threads attach and detach concurrently.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+
+#include "daemon/session_sink.h"
+#include "daemon/step_engine.h"
+#include "daemon/worker_pool.h"
+#include "shm/job_layout.h"
+#include "shm/segment.h"
+
+namespace trainstream::daemon {
+
+struct JobInfo {
+  std::string name, key;
+  uint32_t uid = 0;
+  uint64_t params = 0, elements = 0, state_bytes = 0, rank_bytes = 0, completed_step = 0;
+  uint32_t buckets = 0, world_size = 0;
+  EngineStats engine;
+};
+
+class Job {
+ public:
+  Job(std::string name, uint32_t uid, shm::LayoutSpec spec, uint64_t seed, WorkerPool& pool);
+  ~Job();  // stops the engine, then unlinks every segment of the job
+  Job(const Job&) = delete;
+  Job& operator=(const Job&) = delete;
+
+  struct Attachment {
+    std::string rank_segment;
+    bool initialized = false;
+    uint64_t completed_step = 0;
+  };
+  // Maps a fresh rank segment and hands it to the engine. kAlreadyExists if the rank is taken.
+  Attachment Attach(uint32_t rank, std::shared_ptr<SessionSink> session);
+  void Detach(uint32_t rank);
+  void FailAll(const std::string& message) { engine_->FailAll(message); }
+
+  [[nodiscard]] const std::string& name() const { return name_; }
+  [[nodiscard]] const std::string& key() const { return key_; }
+  [[nodiscard]] uint32_t uid() const { return uid_; }
+  [[nodiscard]] const shm::LayoutSpec& spec() const { return spec_; }
+  [[nodiscard]] const shm::JobLayout& layout() const { return layout_; }
+  [[nodiscard]] const std::string& state_segment_name() const { return state_.name(); }
+  [[nodiscard]] uint64_t host_bytes();  // state + attached rank segments
+  [[nodiscard]] size_t attached_ranks();
+  // Since when no rank has been attached (nullopt while one is).
+  [[nodiscard]] std::optional<std::chrono::steady_clock::time_point> idle_since();
+  JobInfo Info();
+
+ private:
+  std::string RankSegmentName(uint32_t rank) const;
+
+  const std::string name_;
+  const uint32_t uid_;
+  const shm::LayoutSpec spec_;
+  const shm::JobLayout layout_;
+  const std::string key_;
+  shm::Segment state_;
+  std::unique_ptr<StepEngine> engine_;
+
+  std::mutex mutex_;  // guards the fields below
+  size_t attached_ = 0;
+  std::chrono::steady_clock::time_point idle_since_;
+};
+
+}  // namespace trainstream::daemon

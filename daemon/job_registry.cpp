@@ -1,0 +1,113 @@
+#include "daemon/job_registry.h"
+
+#include <spdlog/spdlog.h>
+
+#include "shm/error.h"
+
+namespace trainstream::daemon {
+
+namespace {
+
+// Names what differs between two layouts, for the error a mismatching rank gets.
+std::string DescribeMismatch(const shm::LayoutSpec& have, const shm::LayoutSpec& want) {
+  if (have.params.size() != want.params.size()) {
+    return fmt::format("the job has {} parameters, this rank {}", have.params.size(), want.params.size());
+  }
+  for (size_t i = 0; i < have.params.size(); ++i) {
+    const auto& a = have.params[i];
+    const auto& b = want.params[i];
+    if (a.name != b.name || a.shape != b.shape || a.dtype != b.dtype || a.group != b.group) {
+      return fmt::format("parameter {} differs: job has '{}' {} {} group {}, this rank '{}' {} {} group {}", i, a.name,
+                         fmt::join(a.shape, "x"), NameOf(a.dtype), a.group, b.name, fmt::join(b.shape, "x"),
+                         NameOf(b.dtype), b.group);
+    }
+  }
+  return fmt::format(
+      "options differ (job: world_size={} accumulation_steps={} max_grad_norm={} bucket_bytes={} moments={}; "
+      "this rank: world_size={} accumulation_steps={} max_grad_norm={} bucket_bytes={} moments={})",
+      have.world_size, have.accumulation_steps, have.max_grad_norm, have.bucket_bytes, NameOf(have.moment_dtype),
+      want.world_size, want.accumulation_steps, want.max_grad_norm, want.bucket_bytes, NameOf(want.moment_dtype));
+}
+
+}  // namespace
+
+JobRegistry::Found JobRegistry::FindOrCreate(const std::string& name, uint32_t uid, const shm::LayoutSpec& spec,
+                                             uint64_t seed) {
+  TS_CHECK(!name.empty() && name.size() <= 256, Code::kInvalidArgument, "job name must have 1 to 256 characters");
+  const shm::JobLayout layout = shm::ComputeLayout(spec);  // validates the spec
+  std::lock_guard lock(mutex_);
+  if (auto it = jobs_.find(name); it != jobs_.end()) {
+    const std::shared_ptr<Job>& job = it->second;
+    TS_CHECK(job->uid() == uid, Code::kPermissionDenied, "job '{}' belongs to uid {}", name, job->uid());
+    TS_CHECK(job->layout().hash == layout.hash, Code::kInvalidArgument, "layout mismatch for job '{}': {}", name,
+             DescribeMismatch(job->spec(), spec));
+    return {job, false};
+  }
+  TS_CHECK(jobs_.size() < config_.max_jobs, Code::kResourceExhausted, "job limit reached: {} of max_jobs={}",
+           jobs_.size(), config_.max_jobs);
+  if (config_.max_host_bytes != 0) {
+    uint64_t used = 0;
+    for (auto& [_, job] : jobs_) used += job->host_bytes();
+    const uint64_t needed = layout.state_bytes + uint64_t{spec.world_size} * layout.rank_bytes;
+    TS_CHECK(used + needed <= config_.max_host_bytes, Code::kResourceExhausted,
+             "host memory quota exceeded: job '{}' needs {} bytes, {} of max_host_bytes={} in use", name, needed, used,
+             config_.max_host_bytes);
+  }
+  auto job = std::make_shared<Job>(name, uid, spec, seed, pool_);
+  jobs_.emplace(name, job);
+  return {job, true};
+}
+
+void JobRegistry::Drop(const std::string& name, uint32_t uid, bool force) {
+  std::shared_ptr<Job> job;
+  {
+    std::lock_guard lock(mutex_);
+    auto it = jobs_.find(name);
+    TS_CHECK(it != jobs_.end(), Code::kNotFound, "no job named '{}'", name);
+    TS_CHECK(it->second->uid() == uid, Code::kPermissionDenied, "job '{}' belongs to uid {}", name, it->second->uid());
+    const size_t attached = it->second->attached_ranks();
+    TS_CHECK(attached == 0 || force, Code::kFailedPrecondition,
+             "job '{}' has {} attached rank(s); detach them or drop with force", name, attached);
+    job = std::move(it->second);
+    jobs_.erase(it);
+  }
+  job->FailAll(fmt::format("job '{}' was dropped", name));
+}
+
+std::vector<std::shared_ptr<Job>> JobRegistry::Jobs() {
+  std::lock_guard lock(mutex_);
+  std::vector<std::shared_ptr<Job>> jobs;
+  for (auto& [_, job] : jobs_) jobs.push_back(job);
+  return jobs;
+}
+
+size_t JobRegistry::ExpireIdle() {
+  const auto now = std::chrono::steady_clock::now();
+  const auto ttl = std::chrono::seconds(config_.job_ttl_seconds);
+  std::vector<std::shared_ptr<Job>> expired;
+  {
+    std::lock_guard lock(mutex_);
+    for (auto it = jobs_.begin(); it != jobs_.end();) {
+      const auto idle = it->second->idle_since();
+      if (idle && now - *idle >= ttl) {
+        spdlog::info("job '{}' idle for over {} s: dropping it", it->first, config_.job_ttl_seconds);
+        expired.push_back(std::move(it->second));
+        it = jobs_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  return expired.size();  // destroyed here, outside the lock
+}
+
+void JobRegistry::Shutdown(const std::string& reason) {
+  std::map<std::string, std::shared_ptr<Job>> jobs;
+  {
+    std::lock_guard lock(mutex_);
+    jobs.swap(jobs_);
+  }
+  for (auto& [_, job] : jobs) job->FailAll(reason);
+}
+
+}  // namespace trainstream::daemon

@@ -1,0 +1,42 @@
+// All jobs of the daemon, by name: create-or-attach, quotas, idle expiry, shutdown.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "daemon/config.h"
+#include "daemon/job.h"
+#include "daemon/worker_pool.h"
+
+namespace trainstream::daemon {
+
+class JobRegistry {
+ public:
+  JobRegistry(const Config& config, WorkerPool& pool) : config_(config), pool_(pool) {}
+
+  struct Found {
+    std::shared_ptr<Job> job;
+    bool created = false;
+  };
+  // The job called `name`, created from `spec` if it does not exist. An existing job must have been
+  // created by the same uid and with an identical layout (kInvalidArgument naming the difference).
+  Found FindOrCreate(const std::string& name, uint32_t uid, const shm::LayoutSpec& spec, uint64_t seed);
+  // Removes the job; kFailedPrecondition if ranks are attached and not `force` (their sessions fail).
+  void Drop(const std::string& name, uint32_t uid, bool force);
+  std::vector<std::shared_ptr<Job>> Jobs();
+  // Drops jobs idle for longer than the TTL. Returns how many.
+  size_t ExpireIdle();
+  // Fails every session and drops every job.
+  void Shutdown(const std::string& reason);
+
+ private:
+  const Config& config_;
+  WorkerPool& pool_;
+  std::mutex mutex_;
+  std::map<std::string, std::shared_ptr<Job>> jobs_;
+};
+
+}  // namespace trainstream::daemon

@@ -1,0 +1,114 @@
+// trainstreamd: parses the configuration, serves the Control service on a Unix socket, and shuts down
+// cleanly on SIGTERM/SIGINT (sessions told, segments removed, socket unlinked).
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <signal.h>
+#include <spdlog/spdlog.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <thread>
+
+#include "daemon/config.h"
+#include "daemon/control_service.h"
+#include "daemon/job_registry.h"
+#include "daemon/optimizer/adamw_kernels.h"
+#include "daemon/systemd_notify.h"
+#include "shm/error.h"
+#include "shm/version.h"
+
+namespace trainstream::daemon {
+namespace {
+
+// True if a process accepts connections on the Unix socket at `path`.
+bool SomeoneListens(const std::string& path) {
+  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  sockaddr_un address{};
+  address.sun_family = AF_UNIX;
+  path.copy(address.sun_path, sizeof(address.sun_path) - 1);
+  const bool listening = connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0;
+  close(fd);
+  return listening;
+}
+
+void PrepareSocketPath(const std::string& path) {
+  TS_CHECK(path.size() < sizeof(sockaddr_un::sun_path), Code::kInvalidArgument,
+           "socket path '{}' is longer than {} bytes", path, sizeof(sockaddr_un::sun_path) - 1);
+  const std::filesystem::path parent = std::filesystem::path(path).parent_path();
+  std::error_code error;
+  if (!parent.empty()) std::filesystem::create_directories(parent, error);
+  TS_CHECK(!error, Code::kFailedPrecondition, "cannot create socket directory {}: {}", parent.string(), error.message());
+  if (std::filesystem::exists(path)) {
+    TS_CHECK(!SomeoneListens(path), Code::kAlreadyExists, "another trainstreamd is listening on {}", path);
+    std::filesystem::remove(path);  // stale: left by a daemon that died
+  }
+}
+
+int Serve(const Config& config) {
+  spdlog::set_level(spdlog::level::from_str(config.log_level));
+  spdlog::set_pattern("[%Y-%m-%d %H:%M:%S.%e] [trainstreamd] [%l] %v");
+
+  // Signals are taken synchronously by the main loop below; every thread inherits the mask.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  if (config.parent_pid != 0) {
+    prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (getppid() != config.parent_pid) return 0;  // the parent is already gone
+  }
+
+  PrepareSocketPath(config.socket);
+  const uint32_t threads = config.threads != 0 ? config.threads : std::max(1u, std::thread::hardware_concurrency());
+  WorkerPool pool(threads);
+  JobRegistry registry(config, pool);
+  ControlService service(registry, pool);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("unix:" + config.socket, grpc::InsecureServerCredentials());
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  TS_CHECK(server != nullptr, Code::kUnavailable, "cannot listen on {}", config.socket);
+  chmod(config.socket.c_str(), config.socket_mode);
+  spdlog::info("trainstreamd {} listening on {} ({} worker threads, kernel {}, pid {})", kVersion, config.socket,
+               threads, optimizer::ActiveKernelName(), getpid());
+  NotifySystemd("READY=1");
+
+  for (;;) {
+    const timespec tick{.tv_sec = 1, .tv_nsec = 0};
+    const int signal = sigtimedwait(&signals, nullptr, &tick);
+    if (signal == SIGTERM || signal == SIGINT) {
+      spdlog::info("received {}, shutting down", strsignal(signal));
+      break;
+    }
+    registry.ExpireIdle();
+  }
+
+  NotifySystemd("STOPPING=1");
+  registry.Shutdown("trainstreamd is shutting down");
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  std::filesystem::remove(config.socket);
+  spdlog::info("stopped");
+  return 0;
+}
+
+}  // namespace
+}  // namespace trainstream::daemon
+
+int main(int argc, char** argv) {
+  try {
+    const auto config = trainstream::daemon::ParseConfig(argc, argv);
+    if (!config) return 0;
+    return trainstream::daemon::Serve(*config);
+  } catch (const trainstream::Error& e) {
+    fmt::print(stderr, "trainstreamd: error: {}\n", e.what());
+    return 2;
+  }
+}

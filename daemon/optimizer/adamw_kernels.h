@@ -1,0 +1,74 @@
+// The optimizer kernels: one fused pass over a range of one parameter that sums the ranks' gradients,
+// scales them, applies Adam/AdamW to the fp32 master weights and moments, and writes the new weights in
+// the GPU's dtype into upload staging. Plus the cheap passes around it: squared norm (for clipping),
+// accumulation (for gradient accumulation) and master -> upload conversion.
+//
+// Semantics are torch.optim.AdamW / Adam (foreach=False), element by element:
+//   g  = scale * (accum + sum_r grad_r)            (fp32)
+//   AdamW: p *= 1 - lr*wd          Adam: g += wd*p
+//   m  = lerp(m, g, 1-beta1);  v = beta2*v + (1-beta2)*g*g
+//   p -= step_size * m / (sqrt(v)/bias_correction2_sqrt + eps)
+// with step_size and bias_correction2_sqrt computed in double per parameter (AdamWStep::For).
+// bf16 moments are stored with stochastic rounding driven by a counter-based hash of
+// (seed, element index): the same job, step and element always round the same way.
+//
+// Every function handles any n (tails) and any alignment. The implementation is chosen once at
+// start-up for the CPU (see ActiveKernelName).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include "shm/dtype.h"
+
+namespace trainstream::optimizer {
+
+struct GradSources {
+  std::span<const void* const> slots;  // one pointer per rank that has this gradient, at the range start
+  DType dtype = DType::kFloat32;       // of every slot
+  const float* accum = nullptr;        // optional fp32 accumulator at the range start, added first
+  float scale = 1.0f;                  // multiplies the sum (1/ranks, clip coefficient)
+};
+
+struct AdamWStep {
+  float lr = 0, beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0;
+  bool decoupled = true;  // AdamW (true) or Adam with L2 weight decay (false)
+  float step_size = 0;                // lr / (1 - beta1^step)
+  float bias_correction2_sqrt = 0;    // sqrt(1 - beta2^step)
+
+  // Scalars for a parameter's `step`-th update (step >= 1), computed as torch does, in double.
+  static AdamWStep For(double lr, double beta1, double beta2, double eps, double weight_decay, bool decoupled,
+                       uint64_t step);
+};
+
+struct MomentBuffers {
+  void* exp_avg = nullptr;  // at the range start
+  void* exp_avg_sq = nullptr;
+  DType dtype = DType::kFloat32;  // kFloat32 or kBFloat16
+  uint64_t sr_seed = 0;           // stochastic rounding: seed for this job and step
+  uint64_t element_base = 0;      // global index of the range's first element, so rounding is per element
+};
+
+struct Upload {
+  void* data = nullptr;  // at the range start; nullptr: no upload copy
+  DType dtype = DType::kFloat32;
+};
+
+// The fused update of n elements.
+void AdamWUpdate(const GradSources& grads, const AdamWStep& step, float* master, const MomentBuffers& moments,
+                 const Upload& upload, size_t n);
+
+// sum(g^2) of g = scale * (accum + sum_r grad_r), in double; sets *nonfinite if any g is inf/NaN.
+double SumOfSquares(const GradSources& grads, size_t n, bool* nonfinite);
+
+// accum = (overwrite ? 0 : accum) + scale * sum_r grad_r   (accum's own value is not scaled)
+void Accumulate(const GradSources& grads, float* accum, bool overwrite, size_t n);
+
+// upload = master rounded to nearest even in the upload dtype.
+void ConvertMaster(const float* master, const Upload& upload, size_t n);
+
+// Which implementation runs on this CPU ("scalar", "avx2", "avx512", ...), for logs and benchmarks.
+const char* ActiveKernelName();
+
+}  // namespace trainstream::optimizer

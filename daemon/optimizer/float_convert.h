@@ -1,0 +1,89 @@
+// Scalar conversions between fp32 and the 16-bit float formats, bit-exact with torch:
+// round-to-nearest-even for bf16/fp16 stores, stochastic rounding for bf16 moments.
+#pragma once
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "shm/dtype.h"
+
+namespace trainstream::optimizer {
+
+inline float BF16ToFloat(uint16_t bits) { return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16); }
+
+inline uint16_t FloatToBF16(float value) {  // round to nearest even; NaN stays NaN
+  const uint32_t bits = std::bit_cast<uint32_t>(value);
+  if (std::isnan(value)) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  const uint32_t rounding = 0x7FFF + ((bits >> 16) & 1);
+  return static_cast<uint16_t>((bits + rounding) >> 16);
+}
+
+// Stochastic rounding: add 16 random low bits, truncate. E[result] == value for finite values.
+inline uint16_t FloatToBF16Stochastic(float value, uint32_t random16) {
+  const uint32_t bits = std::bit_cast<uint32_t>(value);
+  if (!std::isfinite(value)) return FloatToBF16(value);
+  return static_cast<uint16_t>((bits + (random16 & 0xFFFF)) >> 16);
+}
+
+inline float HalfToFloat(uint16_t bits) {
+  const uint32_t sign = static_cast<uint32_t>(bits & 0x8000) << 16;
+  const uint32_t exponent = (bits >> 10) & 0x1F;
+  uint32_t mantissa = bits & 0x3FF;
+  if (exponent == 0) {
+    if (mantissa == 0) return std::bit_cast<float>(sign);
+    // subnormal: normalize
+    int e = -1;
+    do {
+      ++e;
+      mantissa <<= 1;
+    } while ((mantissa & 0x400) == 0);
+    mantissa &= 0x3FF;
+    return std::bit_cast<float>(sign | static_cast<uint32_t>(127 - 15 - e) << 23 | mantissa << 13);
+  }
+  if (exponent == 0x1F) return std::bit_cast<float>(sign | 0x7F800000u | mantissa << 13);
+  return std::bit_cast<float>(sign | (exponent + 127 - 15) << 23 | mantissa << 13);
+}
+
+inline uint16_t FloatToHalf(float value) {  // round to nearest even
+  const uint32_t bits = std::bit_cast<uint32_t>(value);
+  const uint32_t sign = (bits >> 16) & 0x8000;
+  const uint32_t abs = bits & 0x7FFFFFFF;
+  if (abs >= 0x7F800000) return static_cast<uint16_t>(sign | 0x7C00 | (abs > 0x7F800000 ? 0x200 : 0));
+  if (abs >= 0x477FF000) return static_cast<uint16_t>(sign | 0x7C00);  // overflows to inf after rounding
+  if (abs < 0x38800000) {  // result is subnormal or zero: let the FPU round via a magic add
+    const float magic = std::bit_cast<float>(0x3F000000u);  // 0.5: shifts the mantissa into place
+    const float f = std::bit_cast<float>(abs) + magic;
+    return static_cast<uint16_t>(sign | (std::bit_cast<uint32_t>(f) - 0x3F000000u));
+  }
+  const uint32_t rounded = abs + 0xFFF + ((abs >> 13) & 1);
+  return static_cast<uint16_t>(sign | ((rounded - 0x38000000u) >> 13));
+}
+
+inline float LoadAsFloat(const void* base, size_t i, DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return static_cast<const float*>(base)[i];
+    case DType::kBFloat16: return BF16ToFloat(static_cast<const uint16_t*>(base)[i]);
+    case DType::kFloat16: return HalfToFloat(static_cast<const uint16_t*>(base)[i]);
+  }
+  return 0;
+}
+
+inline void StoreFromFloat(void* base, size_t i, DType dtype, float value) {
+  switch (dtype) {
+    case DType::kFloat32: static_cast<float*>(base)[i] = value; break;
+    case DType::kBFloat16: static_cast<uint16_t*>(base)[i] = FloatToBF16(value); break;
+    case DType::kFloat16: static_cast<uint16_t*>(base)[i] = FloatToHalf(value); break;
+  }
+}
+
+// Counter-based random bits (splitmix64 finalizer): independent per (seed, index), no state.
+inline uint32_t RandomBits(uint64_t seed, uint64_t index) {
+  uint64_t z = seed + index * 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return static_cast<uint32_t>((z ^ (z >> 31)) >> 16);
+}
+
+}  // namespace trainstream::optimizer

@@ -1,0 +1,481 @@
+#include "daemon/step_engine.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+
+#include "daemon/optimizer/adamw_kernels.h"
+#include "shm/error.h"
+
+namespace trainstream::daemon {
+
+namespace {
+
+constexpr uint64_t kChunkElements = 1 << 16;  // static chunk of one piece of work
+constexpr uint32_t kMaxMessagesPerRankPerRound = 256;  // fairness between ranks
+constexpr auto kIdleWait = std::chrono::milliseconds(100);
+
+struct Piece {
+  uint32_t param;
+  uint64_t begin;
+  uint64_t count;
+};
+
+// Gathers the gradient slots of the ranks that have `param`, at element `begin` of it.
+struct SlotList {
+  std::array<const void*, 256> pointers{};
+  size_t count = 0;
+  [[nodiscard]] std::span<const void* const> span() const { return {pointers.data(), count}; }
+};
+
+void CheckHParams(const shm::HParams& h, uint32_t group) {
+  const bool ok = std::isfinite(h.lr) && h.lr >= 0 && std::isfinite(h.beta1) && h.beta1 >= 0 && h.beta1 < 1 &&
+                  std::isfinite(h.beta2) && h.beta2 >= 0 && h.beta2 < 1 && std::isfinite(h.eps) && h.eps >= 0 &&
+                  std::isfinite(h.weight_decay) && h.weight_decay >= 0;
+  TS_CHECK(ok, Code::kInvalidArgument,
+           "invalid hyperparameters for group {}: lr={} betas=({}, {}) eps={} weight_decay={}", group, h.lr, h.beta1,
+           h.beta2, h.eps, h.weight_decay);
+}
+
+}  // namespace
+
+StepEngine::StepEngine(std::string job_name, const shm::LayoutSpec& spec, const shm::JobLayout& layout,
+                       shm::StateView state, uint64_t seed, WorkerPool& pool)
+    : job_name_(std::move(job_name)),
+      spec_(spec),
+      layout_(layout),
+      state_(state),
+      seed_(seed),
+      pool_(pool),
+      ranks_(spec.world_size),
+      buckets_(layout.buckets.size()),
+      had_grad_(spec.params.size(), 0) {
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    buckets_[b].step = state_.bucket_state[b].applied_step.load() + 1;
+    buckets_[b].delivered.assign(spec.world_size, 0);
+  }
+  thread_ = std::thread([this] { Loop(); });
+}
+
+StepEngine::~StepEngine() {
+  stopping_ = true;
+  state_.header->doorbell.Ring();
+  thread_.join();
+  std::unique_lock lock(inflight_mutex_);
+  inflight_zero_.wait(lock, [this] { return inflight_.load() == 0; });
+}
+
+void StepEngine::AddRank(std::shared_ptr<RankChannel> channel) {
+  std::lock_guard lock(mutex_);
+  const uint32_t rank = channel->rank;
+  TS_CHECK(rank < ranks_.size(), Code::kInvalidArgument, "rank {} out of range (world size {})", rank, ranks_.size());
+  TS_CHECK(ranks_[rank] == nullptr, Code::kAlreadyExists, "rank {} of job '{}' is already attached by another client",
+           rank, job_name_);
+  ranks_[rank] = std::move(channel);
+}
+
+void StepEngine::RemoveRank(uint32_t rank) {
+  std::lock_guard lock(mutex_);
+  if (rank >= ranks_.size() || ranks_[rank] == nullptr) return;
+  ranks_[rank] = nullptr;
+  ResetCollecting(fmt::format("rank {} detached", rank));
+}
+
+bool StepEngine::HasRank(uint32_t rank) {
+  std::lock_guard lock(mutex_);
+  return rank < ranks_.size() && ranks_[rank] != nullptr;
+}
+
+EngineStats StepEngine::Stats() {
+  EngineStats stats{.updates = updates_.load(), .nonfinite_steps = nonfinite_steps_.load(), .attached_ranks = {}};
+  std::lock_guard lock(mutex_);
+  for (const auto& channel : ranks_) {
+    if (channel) stats.attached_ranks.push_back(channel->rank);
+  }
+  return stats;
+}
+
+void StepEngine::FailAll(const std::string& message) {
+  std::lock_guard lock(mutex_);
+  for (const auto& channel : ranks_) {
+    if (channel) channel->session->Fail(message);
+  }
+}
+
+// A rank left while others were mid-step: its share of the step's gradients is gone, so the partial
+// step is discarded. Buckets already being updated finish normally.
+void StepEngine::ResetCollecting(const std::string& reason) {
+  bool discarded = false;
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    BucketProgress& progress = buckets_[b];
+    if (progress.phase != Phase::kCollecting || (progress.delivered_count == 0 && progress.micro == 0)) continue;
+    discarded = true;
+    progress.micro = 0;
+    progress.delivered_count = 0;
+    std::fill(progress.delivered.begin(), progress.delivered.end(), 0);
+    for (uint32_t p : layout_.buckets[b].params) had_grad_[p] = 0;
+  }
+  if (!discarded) return;
+  const std::string message = fmt::format("{} in the middle of a step; that step's gradients were discarded", reason);
+  spdlog::warn("job '{}': {}", job_name_, message);
+  for (const auto& channel : ranks_) {
+    if (channel) channel->session->Warn(message);
+  }
+}
+
+void StepEngine::Loop() {
+  shm::Doorbell& doorbell = state_.header->doorbell;
+  while (!stopping_.load()) {
+    const uint32_t seen = doorbell.Seq();
+    bool progress = DrainFinished();
+    progress |= DrainRequests();
+    if (!progress) doorbell.Wait(seen, kIdleWait);
+  }
+}
+
+bool StepEngine::DrainRequests() {
+  std::lock_guard lock(mutex_);
+  bool progress = false;
+  for (const auto& channel : ranks_) {
+    if (!channel || channel->failed) continue;
+    try {
+      channel->FlushBacklog();
+      shm::Message message;
+      for (uint32_t n = 0; n < kMaxMessagesPerRankPerRound && channel->requests.TryPop(&message); ++n) {
+        progress = true;
+        Handle(*channel, message);
+      }
+    } catch (const Error& e) {
+      channel->failed = true;
+      spdlog::warn("job '{}' rank {}: {}", job_name_, channel->rank, e.what());
+      channel->session->Fail(e.what());
+    }
+  }
+  return progress;
+}
+
+bool StepEngine::DrainFinished() {
+  std::vector<std::function<void()>> finished;
+  {
+    std::lock_guard lock(finished_mutex_);
+    finished.swap(finished_);
+  }
+  if (finished.empty()) return false;
+  std::lock_guard lock(mutex_);
+  for (auto& continuation : finished) {
+    try {
+      continuation();
+    } catch (const Error& e) {  // e.g. hyperparameters rewritten between validation and use
+      spdlog::error("job '{}': {}", job_name_, e.what());
+      for (const auto& channel : ranks_) {
+        if (channel) channel->session->Fail(e.what());
+      }
+    }
+  }
+  return true;
+}
+
+void StepEngine::Handle(RankChannel& channel, const shm::Message& message) {
+  switch (message.kind) {
+    case shm::MessageKind::kGradReady: return OnGradReady(channel, message);
+    case shm::MessageKind::kLoadState: return OnLoadState(channel, message);
+    default:
+      Throw(Code::kInvalidArgument, "unknown ring message kind {} from rank {}", static_cast<int>(message.kind),
+            channel.rank);
+  }
+}
+
+void StepEngine::OnGradReady(RankChannel& channel, const shm::Message& message) {
+  const uint32_t b = message.bucket;
+  TS_CHECK(b < buckets_.size(), Code::kInvalidArgument, "GRAD_READY for bucket {}, but the job has {} buckets", b,
+           buckets_.size());
+  BucketProgress& progress = buckets_[b];
+  TS_CHECK(!loading_, Code::kFailedPrecondition, "GRAD_READY for bucket {} while a state load is in progress", b);
+  TS_CHECK(message.step == progress.step, Code::kInvalidArgument,
+           "GRAD_READY for bucket {} of step {}, but that bucket expects step {}", b, message.step, progress.step);
+  TS_CHECK(progress.phase == Phase::kCollecting && message.micro == progress.micro, Code::kInvalidArgument,
+           "GRAD_READY for bucket {} micro-batch {} of step {}, but that bucket is {}", b, message.micro, message.step,
+           progress.phase == Phase::kCollecting ? fmt::format("collecting micro-batch {}", progress.micro)
+                                                 : std::string("still being processed (slot not yet released)"));
+  TS_CHECK(!progress.delivered[channel.rank], Code::kInvalidArgument,
+           "rank {} delivered bucket {} of step {} micro-batch {} twice", channel.rank, b, message.step, message.micro);
+  const bool final_micro = (message.flags & shm::kFinalMicro) != 0;
+  TS_CHECK(final_micro == (message.micro + 1 == spec_.accumulation_steps), Code::kInvalidArgument,
+           "GRAD_READY micro-batch {} marked {}final, but accumulation_steps is {}", message.micro,
+           final_micro ? "" : "not ", spec_.accumulation_steps);
+
+  progress.delivered[channel.rank] = 1;
+  ++progress.delivered_count;
+  for (uint32_t p : layout_.buckets[b].params) had_grad_[p] |= channel.view.presence[p] != 0 ? 1 : 0;
+  if (progress.delivered_count == spec_.world_size) OnBucketDelivered(b);
+}
+
+void StepEngine::OnBucketDelivered(uint32_t b) {
+  BucketProgress& progress = buckets_[b];
+  const bool final_micro = progress.micro + 1 == spec_.accumulation_steps;
+  if (final_micro) HParamsFor(progress.step);  // refuse bad hyperparameters before any work starts
+  progress.phase = Phase::kBusy;
+  if (!final_micro) return StartAccumulate(b);
+  if (spec_.max_grad_norm > 0) return StartNorm(b);
+  StartUpdate(b, 1.0f);
+}
+
+// The hyperparameters in force for `step`: those rank 0 wrote (the lowest attached rank if 0 is gone).
+const shm::HParams* StepEngine::HParamsFor(uint64_t step) {
+  for (const auto& channel : ranks_) {
+    if (!channel) continue;
+    const shm::HParams* table = channel->view.hparams + (step % 2) * spec_.num_groups;
+    for (uint32_t g = 0; g < spec_.num_groups; ++g) CheckHParams(table[g], g);
+    return table;
+  }
+  Throw(Code::kFailedPrecondition, "no rank attached to read hyperparameters from");
+}
+
+StepEngine::Sources StepEngine::SnapshotSources() { return ranks_; }
+
+template <typename Work, typename Include>
+void StepEngine::Schedule(uint32_t bucket, int64_t priority, Include include, Work work, std::function<void()> done) {
+  auto pieces = std::make_shared<std::vector<Piece>>();
+  for (uint32_t p : layout_.buckets[bucket].params) {
+    if (!include(p)) continue;
+    const uint64_t numel = layout_.params[p].numel;
+    for (uint64_t begin = 0; begin < numel; begin += kChunkElements) {
+      pieces->push_back(Piece{p, begin, std::min(kChunkElements, numel - begin)});
+    }
+  }
+  ++inflight_;
+  pool_.Submit(
+      pieces->size(), [pieces, work = std::move(work)](size_t i) { work(i, (*pieces)[i]); },
+      [this, done = std::move(done)] {
+        {
+          std::lock_guard lock(finished_mutex_);
+          finished_.push_back(done);
+        }
+        state_.header->doorbell.Ring();
+        if (--inflight_ == 0) {
+          std::lock_guard lock(inflight_mutex_);
+          inflight_zero_.notify_all();
+        }
+      },
+      priority);
+}
+
+namespace {
+
+// Where one parameter's elements live, for one bucket of one job.
+struct ParamAddress {
+  const shm::JobLayout& layout;
+  const shm::StateView& state;
+  DType moment_dtype;
+
+  [[nodiscard]] uint64_t Element(const Piece& piece) const {
+    const shm::ParamLayout& p = layout.params[piece.param];
+    return layout.buckets[p.bucket].elem_offset + p.offset_in_bucket + piece.begin;
+  }
+  [[nodiscard]] uint64_t ByteInBucket(const Piece& piece) const {
+    const shm::ParamLayout& p = layout.params[piece.param];
+    return (p.offset_in_bucket + piece.begin) * SizeOf(layout.buckets[p.bucket].dtype);
+  }
+  [[nodiscard]] SlotList Slots(const Piece& piece, const std::vector<std::shared_ptr<RankChannel>>& sources) const {
+    const shm::BucketLayout& bucket = layout.buckets[layout.params[piece.param].bucket];
+    SlotList list;
+    for (const auto& channel : sources) {
+      if (channel && channel->view.presence[piece.param] != 0) {
+        list.pointers[list.count++] = channel->view.grads + bucket.grad_offset + ByteInBucket(piece);
+      }
+    }
+    return list;
+  }
+  [[nodiscard]] optimizer::Upload Upload(const Piece& piece) const {
+    const shm::BucketLayout& bucket = layout.buckets[layout.params[piece.param].bucket];
+    return {state.upload + bucket.upload_offset + ByteInBucket(piece), bucket.dtype};
+  }
+};
+
+}  // namespace
+
+void StepEngine::StartAccumulate(uint32_t b) {
+  const bool overwrite = buckets_[b].micro == 0;
+  const ParamAddress at{layout_, state_, spec_.moment_dtype};
+  const DType dtype = layout_.buckets[b].dtype;
+  Schedule(
+      b, 0, [](uint32_t) { return true; },
+      [at, dtype, overwrite, sources = SnapshotSources()](size_t, const Piece& piece) {
+        const SlotList slots = at.Slots(piece, sources);
+        if (slots.count == 0 && !overwrite) return;
+        const optimizer::GradSources grads{.slots = slots.span(), .dtype = dtype, .accum = nullptr, .scale = 1.0f};
+        optimizer::Accumulate(grads, at.state.accum + at.Element(piece), overwrite, piece.count);
+      },
+      [this, b] {
+        BucketProgress& progress = buckets_[b];
+        const uint32_t micro = progress.micro++;
+        progress.delivered_count = 0;
+        std::fill(progress.delivered.begin(), progress.delivered.end(), 0);
+        progress.phase = Phase::kCollecting;
+        PostToAll(shm::Message{.kind = shm::MessageKind::kSlotFree, .bucket = b, .step = progress.step, .micro = micro});
+      });
+}
+
+void StepEngine::StartNorm(uint32_t b) {
+  const ParamAddress at{layout_, state_, spec_.moment_dtype};
+  const DType dtype = layout_.buckets[b].dtype;
+  const float scale = 1.0f / static_cast<float>(spec_.world_size);
+  const float* accum = state_.accum;
+  auto include = [this](uint32_t p) { return had_grad_[p] != 0; };
+  size_t pieces = 0;
+  for (uint32_t p : layout_.buckets[b].params) {
+    if (include(p)) pieces += (layout_.params[p].numel + kChunkElements - 1) / kChunkElements;
+  }
+  auto partial = std::make_shared<std::vector<double>>(pieces, 0.0);
+  auto nonfinite = std::make_shared<std::atomic<bool>>(false);
+  Schedule(
+      b, 0, include,
+      [at, dtype, scale, accum, partial, nonfinite, sources = SnapshotSources()](size_t i, const Piece& piece) {
+        const SlotList slots = at.Slots(piece, sources);
+        const optimizer::GradSources grads{.slots = slots.span(),
+                                           .dtype = dtype,
+                                           .accum = accum != nullptr ? accum + at.Element(piece) : nullptr,
+                                           .scale = scale};
+        bool bad = false;
+        (*partial)[i] = optimizer::SumOfSquares(grads, piece.count, &bad);
+        if (bad) nonfinite->store(true);
+      },
+      [this, b, partial, nonfinite] {
+        double sum = 0;
+        for (double value : *partial) sum += value;  // fixed order: deterministic
+        OnNormed(b, sum, nonfinite->load());
+      });
+}
+
+void StepEngine::OnNormed(uint32_t b, double sum_of_squares, bool nonfinite) {
+  BucketProgress& progress = buckets_[b];
+  progress.phase = Phase::kAwaitingClip;
+  ClipGate& gate = clip_gates_[progress.step];
+  gate.sum_of_squares += sum_of_squares;
+  gate.nonfinite |= nonfinite;
+  if (++gate.normed < buckets_.size()) return;
+  // Every bucket's norm is in: torch's clip_grad_norm_ coefficient, then updates in forward order
+  // (the highest bucket holds the first parameters, which the next forward needs first).
+  const double total_norm = std::sqrt(gate.sum_of_squares);
+  const double coefficient = std::min(1.0, spec_.max_grad_norm / (total_norm + 1e-6));
+  if (gate.nonfinite) {
+    nonfinite_steps_++;
+    for (const auto& channel : ranks_) {
+      if (channel) channel->session->Warn(fmt::format("step {}: gradients contain inf or NaN", progress.step));
+    }
+  }
+  for (uint32_t bucket = static_cast<uint32_t>(buckets_.size()); bucket-- > 0;) {
+    StartUpdate(bucket, static_cast<float>(coefficient));
+  }
+}
+
+void StepEngine::StartUpdate(uint32_t b, float clip_coefficient) {
+  BucketProgress& progress = buckets_[b];
+  const uint64_t step = progress.step;
+  const shm::HParams* hparams = HParamsFor(step);
+  const bool decoupled = spec_.optimizer == shm::OptimizerKind::kAdamW;
+  auto scalars = std::make_shared<std::vector<optimizer::AdamWStep>>(spec_.params.size());
+  for (uint32_t p : layout_.buckets[b].params) {
+    if (!had_grad_[p]) continue;
+    const shm::HParams& h = hparams[spec_.params[p].group];
+    const uint64_t param_step = ++state_.param_state[p].step;
+    (*scalars)[p] = optimizer::AdamWStep::For(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, decoupled, param_step);
+  }
+  const ParamAddress at{layout_, state_, spec_.moment_dtype};
+  const DType dtype = layout_.buckets[b].dtype;
+  const float scale = clip_coefficient / static_cast<float>(spec_.world_size);
+  const uint64_t sr_seed = seed_ ^ (step * 0xD1B54A32D192ED03ull);
+  Schedule(
+      b, static_cast<int64_t>(b), [this](uint32_t p) { return had_grad_[p] != 0; },
+      [at, dtype, scale, sr_seed, scalars, sources = SnapshotSources()](size_t, const Piece& piece) {
+        const SlotList slots = at.Slots(piece, sources);
+        const uint64_t element = at.Element(piece);
+        const size_t moment_size = SizeOf(at.moment_dtype);
+        const optimizer::GradSources grads{.slots = slots.span(),
+                                           .dtype = dtype,
+                                           .accum = at.state.accum != nullptr ? at.state.accum + element : nullptr,
+                                           .scale = scale};
+        const optimizer::MomentBuffers moments{
+            .exp_avg = static_cast<std::byte*>(at.state.exp_avg) + element * moment_size,
+            .exp_avg_sq = static_cast<std::byte*>(at.state.exp_avg_sq) + element * moment_size,
+            .dtype = at.moment_dtype,
+            .sr_seed = sr_seed,
+            .element_base = element};
+        optimizer::AdamWUpdate(grads, (*scalars)[piece.param], at.state.master + element, moments, at.Upload(piece),
+                               piece.count);
+      },
+      [this, b, step] { OnUpdated(b, step); });
+}
+
+void StepEngine::OnUpdated(uint32_t b, uint64_t step) {
+  state_.bucket_state[b].applied_step.store(step);
+  BucketProgress& progress = buckets_[b];
+  progress.step = step + 1;
+  progress.micro = 0;
+  progress.delivered_count = 0;
+  std::fill(progress.delivered.begin(), progress.delivered.end(), 0);
+  progress.phase = Phase::kCollecting;
+  for (uint32_t p : layout_.buckets[b].params) had_grad_[p] = 0;
+  updates_++;
+  PostToAll(shm::Message{.kind = shm::MessageKind::kParamsReady, .bucket = b, .step = step});
+  if (++updated_[step] == buckets_.size()) {
+    updated_.erase(step);
+    clip_gates_.erase(step);
+    state_.header->completed_step.store(step);
+  }
+}
+
+void StepEngine::OnLoadState(RankChannel& channel, const shm::Message& message) {
+  TS_CHECK(!loading_, Code::kFailedPrecondition, "LOAD_STATE while another load is in progress");
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    const BucketProgress& progress = buckets_[b];
+    TS_CHECK(progress.phase == Phase::kCollecting && progress.delivered_count == 0 && progress.micro == 0,
+             Code::kFailedPrecondition,
+             "LOAD_STATE from rank {} while bucket {} is in the middle of step {}; call synchronize() first",
+             channel.rank, b, progress.step);
+  }
+  TS_CHECK(message.step < (uint64_t{1} << 62), Code::kInvalidArgument, "LOAD_STATE step {} out of range",
+           message.step);
+  loading_ = true;
+  const uint64_t step = message.step;
+  auto remaining = std::make_shared<size_t>(buckets_.size());
+  const ParamAddress at{layout_, state_, spec_.moment_dtype};
+  for (uint32_t b = 0; b < buckets_.size(); ++b) {
+    buckets_[b].phase = Phase::kBusy;
+    Schedule(
+        b, 0, [](uint32_t) { return true; },
+        [at](size_t, const Piece& piece) {
+          optimizer::ConvertMaster(at.state.master + at.Element(piece), at.Upload(piece), piece.count);
+        },
+        [this, remaining, step] {
+          if (--*remaining != 0) return;
+          for (uint32_t bucket = 0; bucket < buckets_.size(); ++bucket) {
+            state_.bucket_state[bucket].applied_step.store(step);
+            buckets_[bucket].step = step + 1;
+            buckets_[bucket].phase = Phase::kCollecting;
+          }
+          state_.header->completed_step.store(step);
+          state_.header->initialized = 1;
+          loading_ = false;
+          for (uint32_t bucket = buckets_.size(); bucket-- > 0;) {
+            PostToAll(shm::Message{.kind = shm::MessageKind::kParamsReady, .bucket = bucket, .step = step});
+          }
+        });
+  }
+}
+
+void StepEngine::PostToAll(const shm::Message& message) {
+  for (const auto& channel : ranks_) {
+    if (!channel || channel->failed) continue;
+    try {
+      channel->Post(message);
+    } catch (const Error& e) {
+      channel->failed = true;
+      channel->session->Fail(e.what());
+    }
+  }
+}
+
+}  // namespace trainstream::daemon

@@ -1,0 +1,122 @@
+// The per-job step pipeline (DESIGN.md "One step", CPU transport).
+//
+// One engine thread per job waits on the job's doorbell, drains every attached rank's request ring,
+// validates each message, and tracks per bucket which ranks have delivered which micro-batch. When all
+// `world_size` ranks have delivered a bucket it schedules worker-pool work:
+//   micro-batch < k-1   -> accumulate into the fp32 accumulator, then SLOT_FREE to every rank;
+//   last micro-batch    -> (clipping: squared norm first; updates wait for every bucket's norm and then
+//                          run in forward order) fused AdamW update, then PARAMS_READY to every rank.
+// Worker completions come back to the engine thread through a queue plus the same doorbell, so all
+// protocol state below is touched by the engine thread only; `mutex_` guards the rank table against
+// attach/detach from gRPC threads.
+//
+// Each bucket advances through steps on its own: a fast rank may deliver bucket b of step t+1 while
+// bucket c of step t is still updating.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "daemon/rank_channel.h"
+#include "daemon/worker_pool.h"
+#include "shm/job_layout.h"
+
+namespace trainstream::daemon {
+
+struct EngineStats {
+  uint64_t updates = 0;          // bucket updates completed
+  uint64_t nonfinite_steps = 0;  // steps whose gradient norm was inf/NaN
+  std::vector<uint32_t> attached_ranks;
+};
+
+class StepEngine {
+ public:
+  StepEngine(std::string job_name, const shm::LayoutSpec& spec, const shm::JobLayout& layout, shm::StateView state,
+             uint64_t seed, WorkerPool& pool);
+  ~StepEngine();  // stops the thread and waits for in-flight work
+  StepEngine(const StepEngine&) = delete;
+  StepEngine& operator=(const StepEngine&) = delete;
+
+  // Thread-safe. AddRank fails (kAlreadyExists) if the rank is attached.
+  void AddRank(std::shared_ptr<RankChannel> channel);
+  void RemoveRank(uint32_t rank);
+  [[nodiscard]] bool HasRank(uint32_t rank);
+  EngineStats Stats();
+  // Fails every attached session (daemon shutdown, job dropped).
+  void FailAll(const std::string& message);
+
+ private:
+  enum class Phase { kCollecting, kBusy, kAwaitingClip };
+  struct BucketProgress {
+    uint64_t step = 1;  // the step being collected
+    uint32_t micro = 0;
+    std::vector<uint8_t> delivered;  // per rank, for (step, micro)
+    uint32_t delivered_count = 0;
+    Phase phase = Phase::kCollecting;
+    double sum_of_squares = 0;
+    bool nonfinite = false;
+  };
+  struct ClipGate {  // per step, with clipping: buckets whose norm is known
+    uint32_t normed = 0;
+    double sum_of_squares = 0;
+    bool nonfinite = false;
+  };
+  using Sources = std::vector<std::shared_ptr<RankChannel>>;  // indexed by rank
+
+  void Loop();
+  bool DrainRequests();
+  bool DrainFinished();
+  void Handle(RankChannel& channel, const shm::Message& message);
+  void OnGradReady(RankChannel& channel, const shm::Message& message);
+  void OnLoadState(RankChannel& channel, const shm::Message& message);
+  void OnBucketDelivered(uint32_t bucket);
+  void StartAccumulate(uint32_t bucket);
+  void StartNorm(uint32_t bucket);
+  void StartUpdate(uint32_t bucket, float clip_coefficient);
+  void OnNormed(uint32_t bucket, double sum_of_squares, bool nonfinite);
+  void OnUpdated(uint32_t bucket, uint64_t step);
+  void PostToAll(const shm::Message& message);
+  void ResetCollecting(const std::string& reason);
+  const shm::HParams* HParamsFor(uint64_t step);
+  Sources SnapshotSources();
+  // Runs `work` on the pool for every piece of `bucket`'s params selected by `include`; `done` runs on
+  // the engine thread afterwards.
+  template <typename Work, typename Include>
+  void Schedule(uint32_t bucket, int64_t priority, Include include, Work work, std::function<void()> done);
+
+  const std::string job_name_;
+  const shm::LayoutSpec spec_;
+  const shm::JobLayout layout_;
+  const shm::StateView state_;
+  const uint64_t seed_;
+  WorkerPool& pool_;
+
+  std::mutex mutex_;  // guards ranks_
+  std::vector<std::shared_ptr<RankChannel>> ranks_;  // by rank; nullptr when not attached
+
+  // Engine-thread state.
+  std::vector<BucketProgress> buckets_;
+  std::vector<uint8_t> had_grad_;  // per parameter, for the step its bucket is collecting
+  std::map<uint64_t, ClipGate> clip_gates_;
+  std::map<uint64_t, uint32_t> updated_;  // per step: buckets updated
+  bool loading_ = false;
+
+  std::mutex finished_mutex_;
+  std::vector<std::function<void()>> finished_;  // continuations from worker threads
+
+  std::atomic<uint64_t> updates_{0};
+  std::atomic<uint64_t> nonfinite_steps_{0};
+  std::atomic<int64_t> inflight_{0};
+  std::mutex inflight_mutex_;
+  std::condition_variable inflight_zero_;
+  std::atomic<bool> stopping_{false};
+  std::thread thread_;
+};
+
+}  // namespace trainstream::daemon

@@ -1,0 +1,225 @@
+// trainstream._C: the pybind11 binding of the C++ client. It takes and returns plain Python values
+// and buffers (no torch types), so one build serves every torch version.
+//
+// Shared-memory regions are exposed as `Region` objects implementing the buffer protocol; each holds
+// a reference to its RankSession, so a tensor made with torch.frombuffer keeps the mapping alive.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "shm/version.h"
+#include "trainstream/client.h"
+
+namespace py = pybind11;
+using trainstream::Client;
+using trainstream::RankSession;
+
+namespace {
+
+struct Region {
+  std::shared_ptr<RankSession> owner;
+  void* data;
+  size_t bytes;
+};
+
+Region MakeRegion(const std::shared_ptr<RankSession>& session, void* data, size_t bytes) {
+  return Region{session, data, bytes};
+}
+
+py::dict ToDict(const trainstream::DaemonInfo& info) {
+  py::dict d;
+  d["daemon_version"] = info.daemon_version;
+  d["protocol_version"] = info.protocol_version;
+  d["pid"] = info.pid;
+  d["kernel"] = info.kernel;
+  return d;
+}
+
+py::dict ToDict(const trainstream::StatsReport& report) {
+  py::list jobs;
+  for (const auto& job : report.jobs) {
+    py::dict j;
+    j["name"] = job.name;
+    j["job_key"] = job.job_key;
+    j["uid"] = job.uid;
+    j["params"] = job.params;
+    j["elements"] = job.elements;
+    j["buckets"] = job.buckets;
+    j["world_size"] = job.world_size;
+    j["attached_ranks"] = job.attached_ranks;
+    j["completed_step"] = job.completed_step;
+    j["state_bytes"] = job.state_bytes;
+    j["rank_bytes"] = job.rank_bytes;
+    j["updates"] = job.updates;
+    j["nonfinite_steps"] = job.nonfinite_steps;
+    jobs.append(j);
+  }
+  py::dict d;
+  d["jobs"] = jobs;
+  d["host_bytes"] = report.host_bytes;
+  d["rss_bytes"] = report.rss_bytes;
+  d["worker_threads"] = report.worker_threads;
+  d["kernel"] = report.kernel;
+  return d;
+}
+
+trainstream::shm::LayoutSpec MakeSpec(const py::list& params, uint32_t num_groups, uint64_t bucket_bytes,
+                                      int moment_dtype, int optimizer, uint32_t accumulation_steps,
+                                      uint32_t world_size, double max_grad_norm) {
+  trainstream::shm::LayoutSpec spec;
+  for (const py::handle item : params) {
+    const auto tuple = item.cast<py::tuple>();
+    TS_CHECK(tuple.size() == 4, trainstream::Code::kInvalidArgument, "parameter entries are (name, shape, dtype, group)");
+    const int dtype = tuple[2].cast<int>();
+    TS_CHECK(trainstream::IsValidDType(static_cast<uint32_t>(dtype)), trainstream::Code::kInvalidArgument, "unknown dtype code {}",
+             dtype);
+    spec.params.push_back(trainstream::shm::ParamSpec{.name = tuple[0].cast<std::string>(),
+                                                      .shape = tuple[1].cast<std::vector<int64_t>>(),
+                                                      .dtype = static_cast<trainstream::DType>(dtype),
+                                                      .group = tuple[3].cast<uint32_t>()});
+  }
+  spec.num_groups = num_groups;
+  spec.bucket_bytes = bucket_bytes;
+  spec.moment_dtype = static_cast<trainstream::DType>(moment_dtype);
+  spec.optimizer = static_cast<trainstream::shm::OptimizerKind>(optimizer);
+  spec.accumulation_steps = accumulation_steps;
+  spec.world_size = world_size;
+  spec.max_grad_norm = max_grad_norm;
+  return spec;
+}
+
+py::list Buckets(const RankSession& session) {
+  py::list out;
+  for (const auto& bucket : session.layout().buckets) {
+    py::dict d;
+    d["dtype"] = static_cast<int>(bucket.dtype);
+    d["params"] = bucket.params;
+    d["numel"] = bucket.numel;
+    d["elem_offset"] = bucket.elem_offset;
+    d["upload_offset"] = bucket.upload_offset;
+    d["grad_offset"] = bucket.grad_offset;
+    out.append(d);
+  }
+  return out;
+}
+
+py::list Params(const RankSession& session) {
+  py::list out;
+  for (const auto& p : session.layout().params) out.append(py::make_tuple(p.bucket, p.offset_in_bucket, p.numel));
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "trainstream's C++ client";
+  m.attr("__version__") = std::string(trainstream::kVersion);
+  m.attr("PROTOCOL_VERSION") = trainstream::kProtocolVersion;
+  static py::exception<trainstream::Error> error(m, "TrainstreamError", PyExc_RuntimeError);
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const trainstream::Error& e) {
+      py::set_error(error, e.what());
+    }
+  });
+
+  py::class_<Region>(m, "Region", py::buffer_protocol())
+      .def_buffer([](Region& r) -> py::buffer_info {
+        return py::buffer_info(r.data, 1, py::format_descriptor<uint8_t>::format(), 1, {r.bytes}, {1});
+      })
+      .def_property_readonly("nbytes", [](const Region& r) { return r.bytes; })
+      .def_property_readonly("address", [](const Region& r) { return reinterpret_cast<uintptr_t>(r.data); });
+
+  py::class_<Client, std::shared_ptr<Client>>(m, "Client")
+      .def_static(
+          "connect",
+          [](const std::string& path, double timeout_s) {
+            py::gil_scoped_release release;
+            return Client::Connect(path, std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
+          },
+          py::arg("socket_path"), py::arg("timeout_s") = 5.0)
+      .def_property_readonly("socket_path", &Client::socket_path)
+      .def_property_readonly("info", [](const Client& c) { return ToDict(c.info()); })
+      .def("ping", [](Client& c) { return ToDict(c.Ping()); })
+      .def("stats", [](Client& c) { return ToDict(c.Stats()); })
+      .def("drop_job", &Client::DropJob, py::arg("job"), py::arg("force") = false,
+           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "attach",
+          [](Client& c, const std::string& job, uint32_t rank, const py::list& params, uint32_t num_groups,
+             uint64_t bucket_bytes, int moment_dtype, int optimizer, uint32_t accumulation_steps, uint32_t world_size,
+             double max_grad_norm, uint64_t seed) {
+            auto spec = MakeSpec(params, num_groups, bucket_bytes, moment_dtype, optimizer, accumulation_steps,
+                                 world_size, max_grad_norm);
+            py::gil_scoped_release release;
+            return std::shared_ptr<RankSession>(c.Attach(job, rank, spec, seed));
+          },
+          py::arg("job"), py::arg("rank"), py::arg("params"), py::arg("num_groups"), py::arg("bucket_bytes"),
+          py::arg("moment_dtype"), py::arg("optimizer"), py::arg("accumulation_steps"), py::arg("world_size"),
+          py::arg("max_grad_norm"), py::arg("seed"));
+
+  py::class_<RankSession, std::shared_ptr<RankSession>>(m, "RankSession")
+      .def_property_readonly("rank", &RankSession::rank)
+      .def_property_readonly("created", &RankSession::created)
+      .def_property_readonly("initialized", &RankSession::initialized)
+      .def_property_readonly("completed_step", &RankSession::completed_step)
+      .def_property_readonly("buckets", &Buckets)
+      .def_property_readonly("params", &Params)
+      .def_property_readonly("total_elems", [](const RankSession& s) { return s.layout().total_elems; })
+      .def_property_readonly("layout_hash", [](const RankSession& s) { return s.layout().hash; })
+      .def("applied_step", &RankSession::applied_step)
+      .def("master", [](const std::shared_ptr<RankSession>& s) {
+        return MakeRegion(s, s->state().master, s->layout().total_elems * sizeof(float));
+      })
+      .def("exp_avg", [](const std::shared_ptr<RankSession>& s) {
+        return MakeRegion(s, s->state().exp_avg, s->layout().total_elems * trainstream::SizeOf(s->spec().moment_dtype));
+      })
+      .def("exp_avg_sq", [](const std::shared_ptr<RankSession>& s) {
+        return MakeRegion(s, s->state().exp_avg_sq, s->layout().total_elems * trainstream::SizeOf(s->spec().moment_dtype));
+      })
+      .def("upload", [](const std::shared_ptr<RankSession>& s) {
+        return MakeRegion(s, s->state().upload, s->layout().upload_bytes);
+      })
+      .def("grads", [](const std::shared_ptr<RankSession>& s) {
+        return MakeRegion(s, s->view().grads, s->layout().grad_bytes);
+      })
+      .def("presence", [](const std::shared_ptr<RankSession>& s) {
+        return MakeRegion(s, s->view().presence, s->spec().params.size());
+      })
+      .def("param_steps", [](const std::shared_ptr<RankSession>& s) {
+        return MakeRegion(s, s->state().param_state, s->spec().params.size() * sizeof(trainstream::shm::ParamState));
+      })
+      .def(
+          "set_hparams",
+          [](RankSession& s, uint64_t step, uint32_t group, double lr, double beta1, double beta2, double eps,
+             double weight_decay) {
+            TS_CHECK(group < s.spec().num_groups, trainstream::Code::kInvalidArgument, "group {} out of range", group);
+            s.view().hparams[(step % 2) * s.spec().num_groups + group] =
+                trainstream::shm::HParams{lr, beta1, beta2, eps, weight_decay};
+          },
+          py::arg("step"), py::arg("group"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+          py::arg("weight_decay"))
+      .def("send_grad_ready", &RankSession::SendGradReady, py::arg("bucket"), py::arg("step"), py::arg("micro"),
+           py::arg("final"), py::call_guard<py::gil_scoped_release>())
+      .def("send_load_state", &RankSession::SendLoadState, py::arg("step"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "send_raw",
+          [](RankSession& s, int kind, int flags, uint32_t bucket, uint64_t step, uint32_t micro) {
+            trainstream::shm::Message message;
+            message.kind = static_cast<trainstream::shm::MessageKind>(kind);
+            message.flags = static_cast<uint16_t>(flags);
+            message.bucket = bucket;
+            message.step = step;
+            message.micro = micro;
+            py::gil_scoped_release release;
+            s.SendRaw(message);
+          },
+          py::arg("kind"), py::arg("flags"), py::arg("bucket"), py::arg("step"), py::arg("micro"))
+      .def("wait_params_ready", &RankSession::WaitParamsReady, py::arg("bucket"), py::arg("step"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("wait_slot_free", &RankSession::WaitSlotFree, py::arg("bucket"), py::call_guard<py::gil_scoped_release>())
+      .def("params_ready", &RankSession::ParamsReady, py::arg("bucket"), py::arg("step"))
+      .def("check_healthy", &RankSession::CheckHealthy)
+      .def("take_warnings", &RankSession::TakeWarnings)
+      .def("close", &RankSession::Close, py::call_guard<py::gil_scoped_release>());
+}

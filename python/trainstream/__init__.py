@@ -1,0 +1,15 @@
+"""trainstream: train PyTorch models whose optimizer state lives in host RAM, updated by trainstreamd.
+
+    import trainstream
+    model, optimizer = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-4))
+
+`wrap` connects to the node's daemon (or starts a private one), moves the optimizer state into it, and
+returns the model (same object, with hooks) and an optimizer that behaves like the torch one.
+"""
+
+from trainstream._C import TrainstreamError
+from trainstream._C import __version__
+from trainstream._connect import Client, connect
+from trainstream._wrap import synchronize, unwrap, wrap
+
+__all__ = ["Client", "TrainstreamError", "connect", "synchronize", "unwrap", "wrap", "__version__"]

@@ -1,0 +1,145 @@
+"""Finding or starting trainstreamd, and the Python face of a connection to it.
+
+Address resolution (connect(address=None, spawn="auto")):
+  1. the `address` argument, else 2. $TRAINSTREAM_ADDRESS, else 3. the service socket
+     /run/trainstream/trainstreamd.sock.
+Only when neither 1 nor 2 is given and nothing listens on 3 does spawn="auto" start a private daemon
+for this process (it exits with the process). An explicit address where nothing listens is an error.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from trainstream import _C
+from trainstream._C import TrainstreamError
+
+SERVICE_SOCKET = "/run/trainstream/trainstreamd.sock"
+_private_daemon: "PrivateDaemon | None" = None
+
+
+def _socket_path(address: str) -> str:
+    return address[len("unix:"):] if address.startswith("unix:") else address
+
+
+def daemon_binary() -> str:
+    """The trainstreamd executable: $TRAINSTREAMD, else the one on PATH (pip installs it there)."""
+    explicit = os.environ.get("TRAINSTREAMD")
+    if explicit:
+        if not os.access(explicit, os.X_OK):
+            raise TrainstreamError(f"TRAINSTREAMD={explicit} is not an executable file")
+        return explicit
+    found = shutil.which("trainstreamd")
+    if found is None:
+        raise TrainstreamError("trainstreamd not found: install trainstream with pip, or set TRAINSTREAMD")
+    return found
+
+
+class PrivateDaemon:
+    """A trainstreamd started for this process only; it exits when this process does."""
+
+    def __init__(self, threads: int | None = None, log_level: str = "warn", startup_timeout_s: float = 20.0):
+        runtime = os.environ.get("XDG_RUNTIME_DIR")
+        base = runtime if runtime and os.access(runtime, os.W_OK) else tempfile.gettempdir()
+        self._dir = tempfile.mkdtemp(prefix="trainstream-", dir=base)
+        self.socket_path = os.path.join(self._dir, "trainstreamd.sock")
+        self._log_path = os.path.join(self._dir, "trainstreamd.log")
+        args = [daemon_binary(), "--socket", self.socket_path, "--log-level", log_level,
+                "--parent-pid", str(os.getpid())]
+        if threads:
+            args += ["--threads", str(threads)]
+        with open(self._log_path, "wb") as log:
+            self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        self._wait_ready(startup_timeout_s)
+        atexit.register(self.stop)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise TrainstreamError(f"private trainstreamd exited with code {self.process.returncode}: "
+                                       f"{self.log_tail()}")
+            if os.path.exists(self.socket_path):
+                try:
+                    _C.Client.connect(self.socket_path, 1.0)
+                    return
+                except TrainstreamError:
+                    pass
+            time.sleep(0.02)
+        self.stop()
+        raise TrainstreamError(f"private trainstreamd did not start within {timeout_s} s: {self.log_tail()}")
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(Path(self._log_path).read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class Client:
+    """A connection to trainstreamd."""
+
+    def __init__(self, native: _C.Client, private: PrivateDaemon | None = None):
+        self._native = native
+        self.private_daemon = private
+
+    @property
+    def socket_path(self) -> str:
+        return self._native.socket_path
+
+    def ping(self) -> dict:
+        """The daemon's version and pid: {'daemon_version', 'protocol_version', 'pid', 'kernel'}."""
+        return self._native.ping()
+
+    def stats(self) -> dict:
+        """Jobs and memory figures of the daemon."""
+        return self._native.stats()
+
+    def drop_job(self, job: str, force: bool = False) -> None:
+        """Removes a job and its state from the daemon."""
+        self._native.drop_job(job, force)
+
+    def __repr__(self) -> str:
+        kind = "private" if self.private_daemon else "shared"
+        return f"trainstream.Client({self.socket_path!r}, {kind})"
+
+
+def connect(address: str | None = None, spawn: str | bool = "auto", timeout_s: float = 5.0) -> Client:
+    """Connects to trainstreamd; see the module docstring for how the address is found."""
+    global _private_daemon
+    if spawn not in ("auto", False, True):
+        raise ValueError(f"spawn must be 'auto', True or False, not {spawn!r}")
+    explicit = address or os.environ.get("TRAINSTREAM_ADDRESS")
+    if explicit:
+        path = _socket_path(explicit)
+        if not os.path.exists(path):
+            raise TrainstreamError(f"nothing listens at {path} (from "
+                                   f"{'the address argument' if address else '$TRAINSTREAM_ADDRESS'})")
+        return Client(_C.Client.connect(path, timeout_s))
+    if spawn is not True and os.path.exists(SERVICE_SOCKET):
+        try:
+            return Client(_C.Client.connect(SERVICE_SOCKET, timeout_s))
+        except TrainstreamError:
+            if spawn is False:
+                raise
+    if spawn is False:
+        raise TrainstreamError(f"no trainstreamd listens on {SERVICE_SOCKET} and spawn=False")
+    if _private_daemon is None or _private_daemon.process.poll() is not None:
+        _private_daemon = PrivateDaemon()
+    return Client(_C.Client.connect(_private_daemon.socket_path, timeout_s), _private_daemon)

@@ -1,0 +1,66 @@
+"""Describing a torch optimizer's parameters to the daemon: dtypes, groups, names, and validation of
+what trainstream supports (raised at wrap time, never mid-training)."""
+
+from __future__ import annotations
+
+import torch
+
+from trainstream._C import TrainstreamError
+
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+MOMENT_DTYPES = {"float32": 0, "bfloat16": 1}
+ADAMW, ADAM = 0, 1
+_REGION_DTYPES = {0: torch.float32, 1: torch.bfloat16, 2: torch.float16}
+
+
+def torch_dtype(code: int) -> torch.dtype:
+    return _REGION_DTYPES[code]
+
+
+def optimizer_kind(optimizer: torch.optim.Optimizer) -> int:
+    """ADAMW or ADAM; raises for anything trainstream cannot run exactly."""
+    if isinstance(optimizer, torch.optim.AdamW):
+        kind = ADAMW
+    elif isinstance(optimizer, torch.optim.Adam):
+        kind = ADAMW if optimizer.defaults.get("decoupled_weight_decay", False) else ADAM
+    else:
+        raise TrainstreamError(f"trainstream runs torch.optim.AdamW and Adam; got {type(optimizer).__name__}")
+    for i, group in enumerate(optimizer.param_groups):
+        for flag in ("amsgrad", "maximize", "capturable", "differentiable"):
+            if group.get(flag, False):
+                raise TrainstreamError(f"param group {i}: {flag}=True is not supported by trainstream")
+        if group.get("decoupled_weight_decay", kind == ADAMW) != (kind == ADAMW):
+            raise TrainstreamError(f"param group {i}: decoupled_weight_decay differs between groups")
+    return kind
+
+
+def parameters_of(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
+    """The optimizer's parameters in state_dict order, checked for what trainstream can offload."""
+    params, seen = [], set()
+    for gi, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) in seen:
+                raise TrainstreamError(f"a parameter appears twice in the optimizer (group {gi})")
+            seen.add(id(p))
+            if not p.requires_grad:
+                raise TrainstreamError(f"param group {gi} holds a parameter that does not require grad")
+            if p.dtype not in DTYPE_CODES:
+                raise TrainstreamError(f"parameter dtype {p.dtype} unsupported (float32, bfloat16, float16)")
+            if p.is_sparse:
+                raise TrainstreamError("sparse parameters are not supported")
+            if p.device.type != "cpu":
+                raise TrainstreamError(
+                    f"parameter on {p.device}: this build of trainstream offloads CPU models only")
+            params.append(p)
+    if not params:
+        raise TrainstreamError("the optimizer has no parameters")
+    return params
+
+
+def layout_entries(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   params: list[torch.nn.Parameter]) -> list[tuple]:
+    """(name, shape, dtype code, group) for each parameter, as _C.Client.attach takes them."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    return [(names.get(id(p), f"param{i}"), list(p.shape), DTYPE_CODES[p.dtype], group_of[id(p)])
+            for i, p in enumerate(params)]

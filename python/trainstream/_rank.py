@@ -1,0 +1,287 @@
+"""This process's rank of a job: the parameters' places in shared memory, the hooks, and the step
+protocol (DESIGN.md, "One step", CPU transport).
+
+Per backward pass (a micro-batch): each parameter's gradient is copied into this rank's slot of its
+bucket as soon as autograd has accumulated it, and `p.grad` is freed; a bucket whose parameters are
+all in is sent (GRAD_READY) at once, the rest at the end of the backward pass. After the last
+micro-batch, optimizer.step() only records which step's weights each bucket must show; the forward
+pre-hook of a module waits for its buckets' new weights and copies them in.
+
+Invariants: a bucket's slot is written only after the daemon released it (SLOT_FREE / PARAMS_READY);
+a parameter is read by the model only after its bucket's weights of the last step are in place.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from typing import Iterable
+
+import torch
+
+from trainstream import _layout
+from trainstream._C import TrainstreamError
+
+
+class Rank:
+    def __init__(self, client, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, job: str, rank: int,
+                 world_size: int, max_grad_norm: float | None, accumulation_steps: int, bucket_mb: float,
+                 moment_dtype: str, seed: int):
+        if accumulation_steps < 1:
+            raise TrainstreamError(f"accumulation_steps must be >= 1, not {accumulation_steps}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise TrainstreamError(f"max_grad_norm must be > 0 or None, not {max_grad_norm}")
+        if moment_dtype not in _layout.MOMENT_DTYPES:
+            raise TrainstreamError(f"moment_dtype must be one of {sorted(_layout.MOMENT_DTYPES)}, not {moment_dtype!r}")
+        if not 0 <= rank < world_size:
+            raise TrainstreamError(f"rank {rank} out of range for world_size {world_size}")
+        self.client = client
+        self.model = model
+        self.kind = _layout.optimizer_kind(optimizer)
+        self.params = _layout.parameters_of(optimizer)
+        self.groups = optimizer.param_groups
+        self.accumulation_steps = accumulation_steps
+        self.job = job
+        self.session = client._native.attach(
+            job, rank, _layout.layout_entries(model, optimizer, self.params), len(optimizer.param_groups),
+            int(bucket_mb * (1 << 20)), _layout.MOMENT_DTYPES[moment_dtype], self.kind, accumulation_steps,
+            world_size, float(max_grad_norm or 0.0), seed)
+        self._moment_dtype = torch.float32 if moment_dtype == "float32" else torch.bfloat16
+        self._map_regions()
+        self._lock = threading.RLock()  # hooks may run on autograd threads
+        self._micro = 0                 # micro-batches finished in this step
+        self._step_pending = False      # all micro-batches in; optimizer.step() is due
+        self._in_backward = False
+        self._opened: set[int] = set()  # buckets whose slot this micro-batch writes
+        self._arrived = [0] * len(self.buckets)
+        self._sent = [False] * len(self.buckets)
+        self._handles = []
+        self._initialize_weights(rank)
+        self._install_hooks()
+
+    # ----- shared memory -----
+
+    def _map_regions(self) -> None:
+        s = self.session
+        self.buckets = s.buckets
+        self.param_layout = s.params
+        self._bucket_of = [b for (b, _, _) in self.param_layout]
+        self._bucket_params = [bucket["params"] for bucket in self.buckets]
+        grads = torch.frombuffer(s.grads(), dtype=torch.uint8)
+        upload = torch.frombuffer(s.upload(), dtype=torch.uint8)
+        self._presence = torch.frombuffer(s.presence(), dtype=torch.uint8)
+        self._steps = torch.frombuffer(s.param_steps(), dtype=torch.int64)
+        self._master = torch.frombuffer(s.master(), dtype=torch.float32)
+        self._exp_avg = torch.frombuffer(s.exp_avg(), dtype=torch.uint8).view(self._moment_dtype)
+        self._exp_avg_sq = torch.frombuffer(s.exp_avg_sq(), dtype=torch.uint8).view(self._moment_dtype)
+        self.grad_views, self.upload_views, self.elem_ranges = [], [], []
+        for i, p in enumerate(self.params):
+            bucket_index, offset, numel = self.param_layout[i]
+            bucket = self.buckets[bucket_index]
+            size = p.element_size()
+            start = offset * size
+            self.grad_views.append(
+                grads[bucket["grad_offset"] + start:bucket["grad_offset"] + start + numel * size].view(p.dtype).view(p.shape))
+            self.upload_views.append(
+                upload[bucket["upload_offset"] + start:bucket["upload_offset"] + start + numel * size].view(p.dtype).view(p.shape))
+            first = bucket["elem_offset"] + offset
+            self.elem_ranges.append((first, first + numel))
+        self._bucket_step = [1] * len(self.buckets)  # the step each bucket is collecting
+        self._ready_step = [0] * len(self.buckets)   # the step whose weights the model must show
+        self._stale: set[int] = set()                # buckets whose new weights are not yet copied in
+
+    def master_view(self, i: int) -> torch.Tensor:
+        first, last = self.elem_ranges[i]
+        return self._master[first:last].view(self.params[i].shape)
+
+    def moment_views(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        first, last = self.elem_ranges[i]
+        shape = self.params[i].shape
+        return self._exp_avg[first:last].view(shape), self._exp_avg_sq[first:last].view(shape)
+
+    def param_step(self, i: int) -> int:
+        return int(self._steps[i])
+
+    # ----- weights -----
+
+    def _initialize_weights(self, rank: int) -> None:
+        """Rank 0 of a new job seeds the master weights from its parameters; every rank then takes the
+        job's weights (those of rank 0, or the state a restarted process resumes from)."""
+        s = self.session
+        if not s.initialized and rank == 0:
+            with torch.no_grad():
+                for i, p in enumerate(self.params):
+                    self.master_view(i).copy_(p.detach().reshape(p.shape))
+            s.send_load_state(0)
+            self._mark_all_stale(0)
+        elif s.initialized:
+            for b in range(len(self.buckets)):
+                self._bucket_step[b] = s.applied_step(b) + 1
+                self._ready_step[b] = s.applied_step(b)
+            self._stale = set(range(len(self.buckets)))
+        else:
+            self._mark_all_stale(0)
+        self.synchronize()
+
+    def _mark_all_stale(self, step: int) -> None:
+        for b in range(len(self.buckets)):
+            self._bucket_step[b] = step + 1
+            self._ready_step[b] = step
+        self._stale = set(range(len(self.buckets)))
+
+    def refresh(self, buckets: Iterable[int]) -> None:
+        """Makes the parameters of `buckets` show their latest weights (waits for the daemon)."""
+        with self._lock:
+            for b in buckets:
+                if b not in self._stale:
+                    continue
+                self.session.wait_params_ready(b, self._ready_step[b])
+                with torch.no_grad():
+                    for i in self._bucket_params[b]:
+                        self.params[i].copy_(self.upload_views[i])
+                self._stale.discard(b)
+        self._report_warnings()
+
+    def synchronize(self) -> None:
+        self.refresh(sorted(self._stale, reverse=True))
+
+    def push_weights(self) -> None:
+        """Publishes the parameters' current values as the master weights (after model.load_state_dict)."""
+        with self._lock:
+            self._require_idle("load weights")
+            with torch.no_grad():
+                for i, p in enumerate(self.params):
+                    self.master_view(i).copy_(p.detach())
+            self._publish()
+
+    def _publish(self) -> None:
+        step = self.session.completed_step
+        self.session.send_load_state(step)
+        self._mark_all_stale(step)
+        self.synchronize()
+
+    def _require_idle(self, what: str) -> None:
+        if self._micro or self._in_backward or self._step_pending:
+            raise TrainstreamError(f"cannot {what} in the middle of a step (after backward, before optimizer.step())")
+        self.synchronize()
+
+    # ----- hooks -----
+
+    def _install_hooks(self) -> None:
+        for i, p in enumerate(self.params):
+            self._handles.append(p.register_post_accumulate_grad_hook(lambda param, i=i: self._on_grad(i, param)))
+        index = {id(p): i for i, p in enumerate(self.params)}
+        for module in self.model.modules():
+            buckets = sorted({self._bucket_of[index[id(p)]] for p in module.parameters(recurse=False) if id(p) in index})
+            if buckets:
+                self._handles.append(module.register_forward_pre_hook(lambda m, args, b=tuple(buckets): self.refresh(b)))
+        self._handles.append(self.model.register_state_dict_pre_hook(lambda *args, **kwargs: self.synchronize()))
+        self._handles.append(self.model.register_load_state_dict_post_hook(lambda module, keys: self.push_weights()))
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _begin_backward(self) -> None:
+        if self._step_pending:
+            raise TrainstreamError(
+                "backward() ran again before optimizer.step(): with accumulation_steps="
+                f"{self.accumulation_steps}, call optimizer.step() after every {self.accumulation_steps} backward pass(es)")
+        self._in_backward = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        if self._micro == 0:
+            self._write_hparams()
+
+    def _write_hparams(self) -> None:
+        """The param groups' current values (LR schedulers change them between steps)."""
+        for step in set(self._bucket_step):
+            for g, group in enumerate(self.groups):
+                beta1, beta2 = group["betas"]
+                self.session.set_hparams(step, g, float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
+                                         float(group["weight_decay"]))
+
+    def _open(self, b: int) -> None:
+        """Before the first gradient of bucket b in this micro-batch: its slot must be free."""
+        self.session.wait_slot_free(b)
+        for i in self._bucket_params[b]:
+            self._presence[i] = 0
+        self._opened.add(b)
+
+    def _on_grad(self, i: int, p: torch.nn.Parameter) -> None:
+        with self._lock:
+            if not self._in_backward:
+                self._begin_backward()
+            b = self._bucket_of[i]
+            if b not in self._opened:
+                self._open(b)
+            if self._presence[i]:
+                raise TrainstreamError(f"parameter {i} received two gradients in one backward pass")
+            grad = p.grad
+            if grad.is_sparse:
+                raise TrainstreamError("sparse gradients are not supported")
+            self.grad_views[i].copy_(grad)
+            self._presence[i] = 1
+            p.grad = None
+            self._arrived[b] += 1
+            if self._arrived[b] == len(self._bucket_params[b]):
+                self._send(b)
+
+    def _send(self, b: int) -> None:
+        final = self._micro + 1 == self.accumulation_steps
+        self.session.send_grad_ready(b, self._bucket_step[b], self._micro, final)
+        self._sent[b] = True
+
+    def _end_backward(self) -> None:
+        with self._lock:
+            for b in range(len(self.buckets)):
+                if not self._sent[b]:
+                    if b not in self._opened:
+                        self._open(b)
+                    self._send(b)
+            self._micro += 1
+            self._in_backward = False
+            self._opened.clear()
+            self._arrived = [0] * len(self.buckets)
+            self._sent = [False] * len(self.buckets)
+            if self._micro == self.accumulation_steps:
+                self._step_pending = True
+
+    # ----- optimizer.step() -----
+
+    def step(self) -> None:
+        with self._lock:
+            if self._in_backward:
+                raise TrainstreamError("optimizer.step() called during backward()")
+            if self._micro == 0:
+                return  # no gradients since the last step: torch's step() does nothing either
+            if not self._step_pending:
+                raise TrainstreamError(
+                    f"optimizer.step() after {self._micro} of accumulation_steps={self.accumulation_steps} "
+                    "micro-batches")
+            for b in range(len(self.buckets)):
+                self._ready_step[b] = self._bucket_step[b]
+                self._bucket_step[b] += 1
+            self._stale = set(range(len(self.buckets)))
+            self._micro = 0
+            self._step_pending = False
+        self._report_warnings()
+
+    def _report_warnings(self) -> None:
+        for message in self.session.take_warnings():
+            warnings.warn(f"trainstreamd: {message}", RuntimeWarning, stacklevel=3)
+
+    def close(self, drop: bool = False) -> None:
+        self.remove_hooks()
+        self.session.close()
+        if drop:
+            try:
+                self.client.drop_job(self.job)
+            except TrainstreamError:
+                pass
+
+
+def default_job_name() -> str:
+    Rank._counter = getattr(Rank, "_counter", 0) + 1
+    return f"{os.uname().nodename}-{os.getpid()}-{Rank._counter}"

@@ -1,0 +1,84 @@
+"""wrap / unwrap / synchronize: the user-facing entry points."""
+
+from __future__ import annotations
+
+import atexit
+import random
+import weakref
+
+import torch
+
+from trainstream._C import TrainstreamError
+from trainstream._connect import Client, connect
+from trainstream._optimizer import OffloadedOptimizer
+from trainstream._rank import Rank, default_job_name
+
+_ranks: "weakref.WeakKeyDictionary[torch.nn.Module, Rank]" = weakref.WeakKeyDictionary()
+_auto_named: list[Rank] = []
+
+
+def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Client | None = None,
+         job: str | None = None, rank: int = 0, world_size: int = 1, max_grad_norm: float | None = None,
+         accumulation_steps: int = 1, bucket_mb: float = 32, moment_dtype: str = "float32",
+         seed: int | None = None) -> tuple[torch.nn.Module, OffloadedOptimizer]:
+    """Offloads `optimizer` (torch.optim.AdamW or Adam) of `model` to trainstreamd.
+
+    Returns the same model, with hooks that stream gradients out during backward and bring new weights
+    in before forward, and an optimizer that behaves as the torch one. `job` names the job in the
+    daemon: ranks of one data-parallel job pass the same name, and a restarted process that passes it
+    again resumes from the daemon's state. `max_grad_norm` clips like torch.nn.utils.clip_grad_norm_
+    (do not clip p.grad yourself: gradients leave during backward). With `accumulation_steps=k`, call
+    optimizer.step() after every k backward passes.
+    """
+    if model in _ranks:
+        raise TrainstreamError("this model is already wrapped; call trainstream.unwrap(model) first")
+    if world_size > 1 and job is None:
+        raise TrainstreamError("ranks of a job with world_size > 1 must pass the same job name")
+    client = client or connect()
+    auto_named = job is None
+    state = optimizer.state_dict() if optimizer.state else None
+    r = Rank(client, model, optimizer, job=job or default_job_name(), rank=rank, world_size=world_size,
+             max_grad_norm=max_grad_norm, accumulation_steps=accumulation_steps, bucket_mb=bucket_mb,
+             moment_dtype=moment_dtype, seed=random.getrandbits(63) if seed is None else seed)
+    _ranks[model] = r
+    if auto_named:
+        _auto_named.append(r)  # nobody can resume it: dropped when the process exits
+    wrapped = OffloadedOptimizer(optimizer, r)
+    if state is not None:
+        wrapped.load_state_dict(state)  # an optimizer that already stepped keeps its moments
+    return model, wrapped
+
+
+def _rank_of(model: torch.nn.Module) -> Rank:
+    r = _ranks.get(model)
+    if r is None:
+        raise TrainstreamError("this model is not wrapped by trainstream")
+    return r
+
+
+def synchronize(model: torch.nn.Module | None = None) -> None:
+    """Waits for in-flight updates and makes the parameters show the latest weights (every wrapped
+    model when `model` is None)."""
+    for r in ([_rank_of(model)] if model is not None else list(_ranks.values())):
+        r.synchronize()
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """Removes trainstream from `model` and returns it with its current weights. The job's state stays
+    in the daemon (dropped if the job was auto-named)."""
+    r = _rank_of(model)
+    r.synchronize()
+    r.close(drop=r in _auto_named)
+    if r in _auto_named:
+        _auto_named.remove(r)
+    del _ranks[model]
+    return model
+
+
+@atexit.register
+def _drop_auto_named_jobs() -> None:
+    for r in list(_auto_named):
+        try:
+            r.close(drop=True)
+        except Exception:  # the daemon may be gone already; nothing to clean then
+            pass

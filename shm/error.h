@@ -1,0 +1,48 @@
+// The one error idiom of trainstream.
+//
+// Inside a component, code throws trainstream::Error (via TS_CHECK / TS_THROW). At every boundary —
+// a gRPC handler, a ring message handler, the pybind11 module, main() — the error is caught once and
+// turned into that boundary's status: a grpc::Status, a session event, a Python TrainstreamError, an
+// exit code. Errors never cross a process boundary as exceptions.
+#pragma once
+
+#include <fmt/format.h>
+
+#include <stdexcept>
+#include <string>
+
+namespace trainstream {
+
+// Mirrors the gRPC status codes we use, so boundaries can map 1:1 without shm/ depending on gRPC.
+enum class Code : int {
+  kInvalidArgument = 3,
+  kNotFound = 5,
+  kAlreadyExists = 6,
+  kPermissionDenied = 7,
+  kResourceExhausted = 8,
+  kFailedPrecondition = 9,
+  kInternal = 13,
+  kUnavailable = 14,
+};
+
+class Error : public std::runtime_error {
+ public:
+  Error(Code code, const std::string& message) : std::runtime_error(message), code_(code) {}
+  [[nodiscard]] Code code() const noexcept { return code_; }
+
+ private:
+  Code code_;
+};
+
+template <typename... Args>
+[[noreturn]] void Throw(Code code, fmt::format_string<Args...> format, Args&&... args) {
+  throw Error(code, fmt::format(format, std::forward<Args>(args)...));
+}
+
+}  // namespace trainstream
+
+// TS_CHECK(cond, Code::kX, "message {}", arg): throws trainstream::Error when cond is false.
+#define TS_CHECK(cond, code, ...)                                   \
+  do {                                                              \
+    if (!(cond)) ::trainstream::Throw(code, __VA_ARGS__); \
+  } while (0)

@@ -1,0 +1,228 @@
+#include "shm/job_layout.h"
+
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <new>
+
+#include "shm/error.h"
+
+namespace trainstream::shm {
+
+uint64_t ParamSpec::numel() const {
+  uint64_t n = 1;
+  for (int64_t d : shape) n *= static_cast<uint64_t>(d);
+  return n;
+}
+
+namespace {
+
+constexpr uint64_t AlignUp(uint64_t value, uint64_t alignment) { return (value + alignment - 1) / alignment * alignment; }
+
+class Hasher {  // FNV-1a: stable across processes and builds
+ public:
+  void Add(const void* data, size_t size) {
+    const auto* bytes = static_cast<const uint8_t*>(data);
+    for (size_t i = 0; i < size; ++i) hash_ = (hash_ ^ bytes[i]) * 1099511628211ull;
+  }
+  template <typename T>
+  void Add(const T& value) {
+    static_assert(std::is_trivially_copyable_v<T>);
+    Add(&value, sizeof(value));
+  }
+  void Add(const std::string& s) {
+    Add(s.size());
+    Add(s.data(), s.size());
+  }
+  [[nodiscard]] uint64_t value() const { return hash_; }
+
+ private:
+  uint64_t hash_ = 14695981039346656037ull;
+};
+
+uint64_t HashSpec(const LayoutSpec& spec) {
+  Hasher h;
+  h.Add(kSegmentVersion);
+  h.Add(spec.params.size());
+  for (const ParamSpec& p : spec.params) {
+    h.Add(p.name);
+    h.Add(p.shape.size());
+    for (int64_t d : p.shape) h.Add(d);
+    h.Add(p.dtype);
+    h.Add(p.group);
+  }
+  h.Add(spec.num_groups);
+  h.Add(spec.bucket_bytes);
+  h.Add(spec.moment_dtype);
+  h.Add(spec.optimizer);
+  h.Add(spec.accumulation_steps);
+  h.Add(spec.world_size);
+  h.Add(std::bit_cast<uint64_t>(spec.max_grad_norm));
+  return h.value();
+}
+
+void Validate(const LayoutSpec& spec) {
+  TS_CHECK(!spec.params.empty(), Code::kInvalidArgument, "layout has no parameters");
+  TS_CHECK(spec.params.size() < (1u << 24), Code::kInvalidArgument, "layout has {} parameters (limit 16M)",
+           spec.params.size());
+  TS_CHECK(spec.num_groups >= 1 && spec.num_groups <= 4096, Code::kInvalidArgument,
+           "num_groups {} out of range [1, 4096]", spec.num_groups);
+  TS_CHECK(spec.bucket_bytes >= 4096, Code::kInvalidArgument, "bucket_bytes {} is below 4096", spec.bucket_bytes);
+  TS_CHECK(spec.moment_dtype == DType::kFloat32 || spec.moment_dtype == DType::kBFloat16, Code::kInvalidArgument,
+           "moment dtype {} unsupported (float32 or bfloat16)", NameOf(spec.moment_dtype));
+  TS_CHECK(spec.optimizer == OptimizerKind::kAdamW || spec.optimizer == OptimizerKind::kAdam, Code::kInvalidArgument,
+           "unknown optimizer kind {}", static_cast<int>(spec.optimizer));
+  TS_CHECK(spec.accumulation_steps >= 1 && spec.accumulation_steps <= 65536, Code::kInvalidArgument,
+           "accumulation_steps {} out of range [1, 65536]", spec.accumulation_steps);
+  TS_CHECK(spec.world_size >= 1 && spec.world_size <= 256, Code::kInvalidArgument,
+           "world_size {} out of range [1, 256]", spec.world_size);
+  TS_CHECK(std::isfinite(spec.max_grad_norm) && spec.max_grad_norm >= 0, Code::kInvalidArgument,
+           "max_grad_norm {} must be finite and >= 0", spec.max_grad_norm);
+  uint64_t total = 0;
+  for (size_t i = 0; i < spec.params.size(); ++i) {
+    const ParamSpec& p = spec.params[i];
+    TS_CHECK(IsValidDType(static_cast<uint32_t>(p.dtype)), Code::kInvalidArgument, "parameter {} ({}) has an unknown dtype",
+             i, p.name);
+    TS_CHECK(p.group < spec.num_groups, Code::kInvalidArgument, "parameter {} ({}) is in group {} of {}", i, p.name,
+             p.group, spec.num_groups);
+    TS_CHECK(p.shape.size() <= 16, Code::kInvalidArgument, "parameter {} ({}) has {} dimensions", i, p.name,
+             p.shape.size());
+    for (int64_t d : p.shape) {
+      TS_CHECK(d >= 0 && d < (int64_t{1} << 40), Code::kInvalidArgument, "parameter {} ({}) has dimension {}", i,
+               p.name, d);
+    }
+    total += p.numel();
+    TS_CHECK(total < (uint64_t{1} << 40), Code::kInvalidArgument, "layout has over 2^40 elements");
+  }
+}
+
+}  // namespace
+
+JobLayout ComputeLayout(const LayoutSpec& spec) {
+  Validate(spec);
+  JobLayout layout;
+  layout.params.resize(spec.params.size());
+
+  // Reverse registration order, one open bucket per dtype.
+  int open[3] = {-1, -1, -1};
+  for (size_t i = spec.params.size(); i-- > 0;) {
+    const ParamSpec& p = spec.params[i];
+    const uint64_t elem_align = kAlign / SizeOf(p.dtype);
+    const uint64_t numel = p.numel();
+    int& b = open[static_cast<int>(p.dtype)];
+    if (b >= 0) {
+      const BucketLayout& bucket = layout.buckets[b];
+      if ((AlignUp(bucket.numel, elem_align) + numel) * SizeOf(p.dtype) > spec.bucket_bytes) b = -1;
+    }
+    if (b < 0) {
+      b = static_cast<int>(layout.buckets.size());
+      layout.buckets.emplace_back().dtype = p.dtype;
+    }
+    BucketLayout& bucket = layout.buckets[b];
+    bucket.numel = AlignUp(bucket.numel, elem_align);
+    layout.params[i] = ParamLayout{.bucket = static_cast<uint32_t>(b), .offset_in_bucket = bucket.numel, .numel = numel};
+    bucket.params.push_back(static_cast<uint32_t>(i));
+    bucket.numel += numel;
+  }
+
+  for (BucketLayout& bucket : layout.buckets) {
+    bucket.numel = AlignUp(bucket.numel, kAlign / SizeOf(bucket.dtype));
+    bucket.elem_offset = layout.total_elems;
+    layout.total_elems = AlignUp(layout.total_elems + bucket.numel, 32);  // 64 B in fp32 and in bf16 moments
+    bucket.upload_offset = layout.upload_bytes;
+    bucket.grad_offset = layout.upload_bytes;  // the grad region mirrors the upload region
+    layout.upload_bytes = AlignUp(layout.upload_bytes + bucket.bytes(), kAlign);
+  }
+  layout.grad_bytes = layout.upload_bytes;
+  layout.hash = HashSpec(spec);
+
+  const size_t moment_bytes = layout.total_elems * SizeOf(spec.moment_dtype);
+  size_t at = AlignUp(sizeof(StateHeader), kAlign);
+  auto take = [&at](size_t bytes) {
+    const size_t offset = at;
+    at = AlignUp(at + bytes, kAlign);
+    return offset;
+  };
+  layout.param_state_offset = take(sizeof(ParamState) * spec.params.size());
+  layout.bucket_state_offset = take(sizeof(BucketState) * layout.buckets.size());
+  layout.master_offset = take(layout.total_elems * sizeof(float));
+  layout.exp_avg_offset = take(moment_bytes);
+  layout.exp_avg_sq_offset = take(moment_bytes);
+  layout.accum_offset = spec.accumulation_steps > 1 ? take(layout.total_elems * sizeof(float)) : 0;
+  layout.upload_offset = take(layout.upload_bytes);
+  layout.state_bytes = at;
+
+  at = AlignUp(sizeof(RankHeader), kAlign);
+  layout.request_ring_offset = take(RingBytes(kRingCapacity));
+  layout.completion_ring_offset = take(RingBytes(kRingCapacity));
+  layout.hparams_offset = take(sizeof(HParams) * 2 * spec.num_groups);
+  layout.presence_offset = take(spec.params.size());
+  layout.grads_offset = take(layout.grad_bytes);
+  layout.rank_bytes = at;
+  return layout;
+}
+
+StateView ViewState(void* base, const JobLayout& layout, const LayoutSpec& spec) {
+  auto* bytes = static_cast<std::byte*>(base);
+  return StateView{
+      .header = reinterpret_cast<StateHeader*>(bytes),
+      .param_state = reinterpret_cast<ParamState*>(bytes + layout.param_state_offset),
+      .bucket_state = reinterpret_cast<BucketState*>(bytes + layout.bucket_state_offset),
+      .master = reinterpret_cast<float*>(bytes + layout.master_offset),
+      .exp_avg = bytes + layout.exp_avg_offset,
+      .exp_avg_sq = bytes + layout.exp_avg_sq_offset,
+      .accum = spec.accumulation_steps > 1 ? reinterpret_cast<float*>(bytes + layout.accum_offset) : nullptr,
+      .upload = bytes + layout.upload_offset,
+  };
+}
+
+RankView ViewRank(void* base, const JobLayout& layout) {
+  auto* bytes = static_cast<std::byte*>(base);
+  return RankView{
+      .header = reinterpret_cast<RankHeader*>(bytes),
+      .request_ring = reinterpret_cast<RingHeader*>(bytes + layout.request_ring_offset),
+      .completion_ring = reinterpret_cast<RingHeader*>(bytes + layout.completion_ring_offset),
+      .hparams = reinterpret_cast<HParams*>(bytes + layout.hparams_offset),
+      .presence = reinterpret_cast<uint8_t*>(bytes + layout.presence_offset),
+      .grads = bytes + layout.grads_offset,
+  };
+}
+
+void InitStateSegment(void* base, const JobLayout& layout) {
+  auto* header = new (base) StateHeader();
+  header->layout_hash = layout.hash;
+  auto* buckets = reinterpret_cast<BucketState*>(static_cast<std::byte*>(base) + layout.bucket_state_offset);
+  for (size_t b = 0; b < layout.buckets.size(); ++b) new (&buckets[b]) BucketState();
+}
+
+void InitRankSegment(void* base, const JobLayout& layout, uint32_t rank) {
+  auto* header = new (base) RankHeader();
+  header->rank = rank;
+  header->layout_hash = layout.hash;
+  auto* bytes = static_cast<std::byte*>(base);
+  InitRing(bytes + layout.request_ring_offset, kRingCapacity);
+  InitRing(bytes + layout.completion_ring_offset, kRingCapacity);
+}
+
+void CheckStateSegment(const void* base, size_t size, const JobLayout& layout) {
+  TS_CHECK(size >= layout.state_bytes, Code::kInvalidArgument, "state segment has {} bytes, layout needs {}", size,
+           layout.state_bytes);
+  const auto* header = static_cast<const StateHeader*>(base);
+  TS_CHECK(header->magic == StateHeader::kMagic && header->version == kSegmentVersion, Code::kInvalidArgument,
+           "state segment has a foreign format (magic {:#x}, version {})", header->magic, header->version);
+  TS_CHECK(header->layout_hash == layout.hash, Code::kInvalidArgument,
+           "state segment was laid out for another layout (hash {:#x}, expected {:#x})", header->layout_hash,
+           layout.hash);
+}
+
+void CheckRankSegment(const void* base, size_t size, const JobLayout& layout, uint32_t rank) {
+  TS_CHECK(size >= layout.rank_bytes, Code::kInvalidArgument, "rank segment has {} bytes, layout needs {}", size,
+           layout.rank_bytes);
+  const auto* header = static_cast<const RankHeader*>(base);
+  TS_CHECK(header->magic == RankHeader::kMagic && header->version == kSegmentVersion, Code::kInvalidArgument,
+           "rank segment has a foreign format (magic {:#x}, version {})", header->magic, header->version);
+  TS_CHECK(header->layout_hash == layout.hash && header->rank == rank, Code::kInvalidArgument,
+           "rank segment belongs to another layout or rank");
+}
+
+}  // namespace trainstream::shm

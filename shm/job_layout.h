@@ -1,0 +1,157 @@
+// The fixed memory layout of one job: how parameters are grouped into buckets and where every region
+// lies in the job's two kinds of segments. Computed by the same code (ComputeLayout) in the daemon and
+// in the client from the same LayoutSpec, so both sides agree byte for byte; the daemon additionally
+// compares a hash of the spec when a rank attaches.
+//
+// State segment ("state", one per job, owned by the daemon):
+//   StateHeader | ParamState[P] | BucketState[B] | master f32 | exp_avg | exp_avg_sq | accum f32? | upload
+// Rank segment ("rank<r>", one per attached rank):
+//   RankHeader | request ring | completion ring | HParams[2][G] | presence u8[P] | grads
+//
+// Buckets follow DESIGN.md: parameters in reverse registration order (≈ backward order), one dtype per
+// bucket, about `bucket_bytes` each; a parameter is never split, a larger one gets its own bucket.
+// Every parameter starts on a 64-byte boundary inside its bucket, and every region on a 64-byte
+// boundary in its segment, so kernels see aligned data and GPU views are aligned alike.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "shm/dtype.h"
+#include "shm/ring.h"
+
+namespace trainstream::shm {
+
+constexpr uint32_t kSegmentVersion = 1;
+constexpr uint32_t kRingCapacity = 1024;
+constexpr size_t kAlign = 64;
+
+enum class OptimizerKind : uint8_t { kAdamW = 0, kAdam = 1 };
+
+struct ParamSpec {
+  std::string name;
+  std::vector<int64_t> shape;
+  DType dtype = DType::kFloat32;
+  uint32_t group = 0;
+  [[nodiscard]] uint64_t numel() const;
+};
+
+// Everything that fixes the job's memory layout and semantics. Ranks of one job must agree on all of it.
+struct LayoutSpec {
+  std::vector<ParamSpec> params;  // in the optimizer's order (the state_dict's parameter indices)
+  uint32_t num_groups = 1;
+  uint64_t bucket_bytes = 32ull << 20;
+  DType moment_dtype = DType::kFloat32;
+  OptimizerKind optimizer = OptimizerKind::kAdamW;
+  uint32_t accumulation_steps = 1;
+  uint32_t world_size = 1;       // ranks on this node
+  double max_grad_norm = 0.0;    // 0: no clipping
+};
+
+struct BucketLayout {
+  DType dtype = DType::kFloat32;
+  std::vector<uint32_t> params;  // parameter indices, in bucket order
+  uint64_t numel = 0;            // elements including alignment padding
+  uint64_t elem_offset = 0;      // into master / moments / accum (elements)
+  uint64_t upload_offset = 0;    // bytes into the upload region
+  uint64_t grad_offset = 0;      // bytes into a rank's grad region
+  [[nodiscard]] uint64_t bytes() const { return numel * SizeOf(dtype); }
+};
+
+struct ParamLayout {
+  uint32_t bucket = 0;
+  uint64_t offset_in_bucket = 0;  // elements
+  uint64_t numel = 0;
+};
+
+// Per-group hyperparameters, written by the client at the first gradient of each step (double-buffered
+// by step parity), read by the daemon. Doubles, as in Python, so bias corrections match torch exactly.
+struct HParams {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+};
+
+struct ParamState {
+  uint64_t step = 0;  // AdamW step count of this parameter (torch keeps one per parameter)
+};
+
+struct alignas(64) BucketState {
+  std::atomic<uint64_t> applied_step{0};
+};
+
+struct alignas(64) StateHeader {
+  static constexpr uint64_t kMagic = 0x5453544154450001ull;  // "TSTATE" + 1
+  uint64_t magic = kMagic;
+  uint32_t version = kSegmentVersion;
+  uint32_t initialized = 0;  // master weights hold real values
+  uint64_t layout_hash = 0;
+  std::atomic<uint64_t> completed_step{0};
+  Doorbell doorbell;  // rung by every rank's request ring and by the daemon's workers
+};
+
+struct alignas(64) RankHeader {
+  static constexpr uint64_t kMagic = 0x5452414E4B000001ull;  // "TRANK" + 1
+  uint64_t magic = kMagic;
+  uint32_t version = kSegmentVersion;
+  uint32_t rank = 0;
+  uint64_t layout_hash = 0;
+  Doorbell completion_doorbell;  // rung by the daemon when it pushes a completion
+};
+
+struct JobLayout {
+  std::vector<BucketLayout> buckets;
+  std::vector<ParamLayout> params;
+  uint64_t total_elems = 0;  // master / moments elements, padding included
+  uint64_t upload_bytes = 0;
+  uint64_t grad_bytes = 0;
+  uint64_t hash = 0;
+
+  // state segment
+  size_t param_state_offset = 0, bucket_state_offset = 0, master_offset = 0, exp_avg_offset = 0,
+         exp_avg_sq_offset = 0, accum_offset = 0, upload_offset = 0, state_bytes = 0;
+  // rank segment
+  size_t request_ring_offset = 0, completion_ring_offset = 0, hparams_offset = 0, presence_offset = 0,
+         grads_offset = 0, rank_bytes = 0;
+};
+
+// Validates the spec (throws Error kInvalidArgument naming what is wrong) and lays it out.
+JobLayout ComputeLayout(const LayoutSpec& spec);
+
+// Views of the regions of mapped segments.
+struct StateView {
+  StateHeader* header;
+  ParamState* param_state;
+  BucketState* bucket_state;
+  float* master;
+  void* exp_avg;
+  void* exp_avg_sq;
+  float* accum;  // nullptr unless accumulation_steps > 1
+  std::byte* upload;
+};
+struct RankView {
+  RankHeader* header;
+  RingHeader* request_ring;
+  RingHeader* completion_ring;
+  HParams* hparams;  // [2][num_groups]
+  uint8_t* presence;
+  std::byte* grads;
+};
+
+StateView ViewState(void* base, const JobLayout& layout, const LayoutSpec& spec);
+RankView ViewRank(void* base, const JobLayout& layout);
+
+// Initializes freshly created (zeroed) segments: headers, rings.
+void InitStateSegment(void* base, const JobLayout& layout);
+void InitRankSegment(void* base, const JobLayout& layout, uint32_t rank);
+
+// Checks that mapped memory holds a segment of this layout (magic, version, hash, size).
+void CheckStateSegment(const void* base, size_t size, const JobLayout& layout);
+void CheckRankSegment(const void* base, size_t size, const JobLayout& layout, uint32_t rank);
+
+}  // namespace trainstream::shm

@@ -1,0 +1,37 @@
+// The data-plane messages carried by the rings: exactly 64 bytes, trivially copyable.
+// Every field is validated by the receiver (see daemon/job_engine.cpp); the wire values are part of
+// the segment format: never renumber.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+namespace trainstream::shm {
+
+enum class MessageKind : uint16_t {
+  // client -> daemon
+  kGradReady = 1,   // rank's gradients for `bucket` of micro-batch `micro` of `step` are in its grad region
+  kLoadState = 2,   // the client wrote master weights / moments / step counts; publish them as `step`
+  // daemon -> client
+  kSlotFree = 16,     // the daemon has consumed the grad region of `bucket` for (`step`, `micro`)
+  kParamsReady = 17,  // the new weights of `bucket` after `step` are in the upload region
+};
+
+enum MessageFlags : uint16_t {
+  kFinalMicro = 1,  // kGradReady: the last micro-batch of the step; the update follows
+};
+
+struct alignas(64) Message {
+  MessageKind kind{};
+  uint16_t flags = 0;
+  uint32_t bucket = 0;
+  uint64_t step = 0;
+  uint32_t micro = 0;
+  uint32_t slot = 0;  // staging slot (GPU transport); 0 in CPU mode
+  uint8_t reserved[40] = {};
+};
+
+static_assert(sizeof(Message) == 64);
+static_assert(std::is_trivially_copyable_v<Message>);
+
+}  // namespace trainstream::shm
