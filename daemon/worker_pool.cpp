@@ -15,15 +15,30 @@ struct WorkerPool::Batch {
   std::atomic<size_t> finished{0};  // pieces done
 };
 
+namespace {
+// The CPUs this process may run on (a cgroup cpuset or taskset may exclude some).
+std::vector<int> AllowedCpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  std::vector<int> cpus;
+  if (sched_getaffinity(0, sizeof(set), &set) != 0) return cpus;
+  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+    if (CPU_ISSET(cpu, &set)) cpus.push_back(cpu);
+  }
+  return cpus;
+}
+}  // namespace
+
 WorkerPool::WorkerPool(size_t threads, bool pin_threads) {
   if (threads == 0) threads = 1;
-  const auto cores = static_cast<size_t>(std::thread::hardware_concurrency());
+  const std::vector<int> cpus = AllowedCpus();
   for (size_t i = 0; i < threads; ++i) {
     threads_.emplace_back([this, i] { Run(i); });
-    if (pin_threads && threads <= cores) {
+    // Pinned only when every thread gets a CPU of its own: sharing would only add migrations.
+    if (pin_threads && threads <= cpus.size()) {
       cpu_set_t set;
       CPU_ZERO(&set);
-      CPU_SET(i % cores, &set);
+      CPU_SET(cpus[i], &set);
       pthread_setaffinity_np(threads_.back().native_handle(), sizeof(set), &set);
     }
   }

@@ -1,10 +1,13 @@
-// Portable implementation of the kernels in adamw_kernels.h: a clear element loop the compiler
-// vectorizes for the fp32 paths. SIMD-dispatched variants replace it where the CPU allows.
+// The public entry points of adamw_kernels.h: the step scalars, and forwarding to the kernel variant
+// chosen once for this CPU (kernel_table.h). The variants themselves live in kernels_*.cpp.
 #include "daemon/optimizer/adamw_kernels.h"
 
 #include <cmath>
+#include <cstdlib>
+#include <string>
 
-#include "daemon/optimizer/float_convert.h"
+#include "daemon/optimizer/kernel_table.h"
+#include "shm/error.h"
 
 namespace trainstream::optimizer {
 
@@ -21,80 +24,74 @@ AdamWStep AdamWStep::For(double lr, double beta1, double beta2, double eps, doub
       .decoupled = decoupled,
       .step_size = static_cast<float>(lr / bias_correction1),
       .bias_correction2_sqrt = static_cast<float>(std::sqrt(bias_correction2)),
+      .one_minus_beta1 = static_cast<float>(1.0 - beta1),
+      .one_minus_beta2 = static_cast<float>(1.0 - beta2),
+      .decay = static_cast<float>(1.0 - lr * weight_decay),
   };
 }
 
+#if defined(__x86_64__) || defined(__i386__)
 namespace {
-
-inline float GradAt(const GradSources& grads, size_t i) {
-  float sum = grads.accum != nullptr ? grads.accum[i] : 0.0f;
-  for (const void* slot : grads.slots) sum += LoadAsFloat(slot, i, grads.dtype);
-  return sum * grads.scale;
+bool CpuHasAvx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
 }
-
-inline float LoadMoment(const void* base, size_t i, DType dtype) { return LoadAsFloat(base, i, dtype); }
-
-inline void StoreMoment(void* base, size_t i, const MomentBuffers& moments, float value, uint64_t stream) {
-  if (moments.dtype == DType::kFloat32) {
-    static_cast<float*>(base)[i] = value;
-  } else {
-    const uint32_t random = RandomBits(moments.sr_seed ^ stream, moments.element_base + i);
-    static_cast<uint16_t*>(base)[i] = FloatToBF16Stochastic(value, random);
-  }
+bool CpuHasAvx512() {
+  __builtin_cpu_init();
+  // libgcc also checks that the OS saves the AVX-512 state (XGETBV).
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
 }
-
 }  // namespace
+#endif
+
+std::vector<const KernelTable*> SupportedKernels() {
+  std::vector<const KernelTable*> kernels;
+#if defined(__x86_64__) || defined(__i386__)
+  if (Avx512Kernels() != nullptr && CpuHasAvx512()) kernels.push_back(Avx512Kernels());
+  if (Avx2Kernels() != nullptr && CpuHasAvx2()) kernels.push_back(Avx2Kernels());
+#endif
+  kernels.push_back(&PortableKernels());
+  return kernels;
+}
+
+const KernelTable& KernelByName(std::string_view name) {
+  if (name == "scalar") name = "portable";
+  for (const KernelTable* kernel : SupportedKernels()) {
+    if (name == kernel->name) return *kernel;
+  }
+  std::string supported;
+  for (const KernelTable* kernel : SupportedKernels()) supported += std::string(supported.empty() ? "" : ", ") + kernel->name;
+  Throw(Code::kFailedPrecondition, "optimizer kernel '{}' is unknown or not supported by this CPU (supported: {})",
+        name, supported);
+}
+
+const KernelTable& ActiveKernels() {
+  static const KernelTable& active = [&]() -> const KernelTable& {
+    const char* forced = std::getenv("TRAINSTREAM_KERNEL");
+    if (forced != nullptr && *forced != '\0') return KernelByName(forced);
+    return *SupportedKernels().front();
+  }();
+  return active;
+}
 
 void AdamWUpdate(const GradSources& grads, const AdamWStep& step, float* master, const MomentBuffers& moments,
                  const Upload& upload, size_t n) {
-  const float decay = 1.0f - step.lr * step.weight_decay;
-  const float one_minus_beta1 = 1.0f - step.beta1;
-  const float one_minus_beta2 = 1.0f - step.beta2;
-  for (size_t i = 0; i < n; ++i) {
-    float g = GradAt(grads, i);
-    float p = master[i];
-    if (step.decoupled) {
-      p *= decay;
-    } else {
-      g += step.weight_decay * p;
-    }
-    float m = LoadMoment(moments.exp_avg, i, moments.dtype);
-    float v = LoadMoment(moments.exp_avg_sq, i, moments.dtype);
-    m += one_minus_beta1 * (g - m);
-    v = v * step.beta2 + one_minus_beta2 * g * g;
-    const float denom = std::sqrt(v) / step.bias_correction2_sqrt + step.eps;
-    p -= step.step_size * (m / denom);
-    master[i] = p;
-    StoreMoment(moments.exp_avg, i, moments, m, 0x6D);
-    StoreMoment(moments.exp_avg_sq, i, moments, v, 0x76);
-    if (upload.data != nullptr) StoreFromFloat(upload.data, i, upload.dtype, p);
-  }
+  ActiveKernels().update(grads, step, master, moments, upload, n);
 }
 
 double SumOfSquares(const GradSources& grads, size_t n, bool* nonfinite) {
-  double sum = 0;
-  bool bad = false;
-  for (size_t i = 0; i < n; ++i) {
-    const float g = GradAt(grads, i);
-    bad |= !std::isfinite(g);
-    sum += static_cast<double>(g) * g;
-  }
-  if (bad && nonfinite != nullptr) *nonfinite = true;
-  return sum;
+  return ActiveKernels().sum_of_squares(grads, n, nonfinite);
 }
 
 void Accumulate(const GradSources& grads, float* accum, bool overwrite, size_t n) {
-  for (size_t i = 0; i < n; ++i) {
-    float sum = 0;
-    for (const void* slot : grads.slots) sum += LoadAsFloat(slot, i, grads.dtype);
-    accum[i] = (overwrite ? 0.0f : accum[i]) + sum * grads.scale;
-  }
+  ActiveKernels().accumulate(grads, accum, overwrite, n);
 }
 
 void ConvertMaster(const float* master, const Upload& upload, size_t n) {
-  for (size_t i = 0; i < n; ++i) StoreFromFloat(upload.data, i, upload.dtype, master[i]);
+  ActiveKernels().convert_master(master, upload, n);
 }
 
-const char* ActiveKernelName() { return "portable"; }
+const char* ActiveKernelName() { return ActiveKernels().name; }
 
 }  // namespace trainstream::optimizer

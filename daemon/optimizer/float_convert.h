@@ -1,5 +1,10 @@
 // Scalar conversions between fp32 and the 16-bit float formats, bit-exact with torch:
-// round-to-nearest-even for bf16/fp16 stores, stochastic rounding for bf16 moments.
+// round-to-nearest-even for bf16/fp16 stores, stochastic rounding for bf16 moments, and the
+// counter-based random bits that drive it. The SIMD kernels reproduce these bit for bit.
+//
+// Everything here has internal linkage (unnamed namespace) on purpose: this header is included by
+// translation units compiled with -mavx2 / -mavx512*, and an ordinary inline function emitted there
+// could be picked by the linker for the portable code too, then crash with SIGILL on an older CPU.
 #pragma once
 
 #include <bit>
@@ -10,6 +15,7 @@
 #include "shm/dtype.h"
 
 namespace trainstream::optimizer {
+namespace {  // see the header comment: internal linkage per translation unit
 
 inline float BF16ToFloat(uint16_t bits) { return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16); }
 
@@ -79,11 +85,23 @@ inline void StoreFromFloat(void* base, size_t i, DType dtype, float value) {
 }
 
 // Counter-based random bits (splitmix64 finalizer): independent per (seed, index), no state.
+// The SIMD kernels vectorize exactly this (with 64-bit lane multiplies); change both or neither.
+inline constexpr uint64_t kRandomGolden = 0x9E3779B97F4A7C15ull;
+inline constexpr uint64_t kRandomMix1 = 0xBF58476D1CE4E5B9ull;
+inline constexpr uint64_t kRandomMix2 = 0x94D049BB133111EBull;
+
 inline uint32_t RandomBits(uint64_t seed, uint64_t index) {
-  uint64_t z = seed + index * 0x9E3779B97F4A7C15ull;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  uint64_t z = seed + index * kRandomGolden;
+  z = (z ^ (z >> 30)) * kRandomMix1;
+  z = (z ^ (z >> 27)) * kRandomMix2;
   return static_cast<uint32_t>((z ^ (z >> 31)) >> 16);
 }
 
+// One RandomBits(seed, element) serves both moments of an element: its low 16 bits round exp_avg, its
+// high 16 bits round exp_avg_sq (one hash per element instead of two: the hash, not memory, bounds the
+// bf16-moment kernels on few cores).
+inline uint32_t ExpAvgRandom(uint32_t bits) { return bits & 0xFFFF; }
+inline uint32_t ExpAvgSqRandom(uint32_t bits) { return bits >> 16; }
+
+}  // namespace
 }  // namespace trainstream::optimizer

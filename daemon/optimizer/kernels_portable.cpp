@@ -1,0 +1,53 @@
+// The portable variant: the scalar element definitions of adamw_element.h in a plain loop. It is the
+// reference the SIMD variants are tested against, and the fallback on CPUs without AVX2 (on ARM the
+// compiler auto-vectorizes its fp32 paths with NEON).
+#include <cmath>
+
+#include "daemon/optimizer/adamw_element.h"
+#include "daemon/optimizer/kernel_table.h"
+
+namespace trainstream::optimizer {
+namespace {
+
+void PortableUpdate(const GradSources& grads, const AdamWStep& step, float* master, const MomentBuffers& moments,
+            const Upload& upload, size_t n) {
+  const StepConstants c(step, moments);
+  DispatchUpdate(grads.dtype, moments.dtype, UploadKindOf(upload), step.decoupled,
+                 [&]<DType kG, DType kM, UploadKind kU, bool kD>() {
+                   for (size_t i = 0; i < n; ++i) UpdateElement<kG, kM, kU, kD>(grads, c, master, moments, upload, i);
+                 });
+}
+
+double PortableSumOfSquares(const GradSources& grads, size_t n, bool* nonfinite) {
+  double sum = 0;
+  DispatchGrad(grads.dtype, [&]<DType kG>() {
+    for (size_t i = 0; i < n; ++i) {
+      const double g = GradElement<kG>(grads, i);
+      sum += g * g;
+    }
+  });
+  // A non-finite g makes the sum non-finite, and finite squares cannot overflow a double sum.
+  if (!std::isfinite(sum) && nonfinite != nullptr) *nonfinite = true;
+  return sum;
+}
+
+void PortableAccumulate(const GradSources& grads, float* accum, bool overwrite, size_t n) {
+  DispatchGrad(grads.dtype, [&]<DType kG>() {
+    for (size_t i = 0; i < n; ++i) AccumulateElement<kG>(grads, accum, overwrite, i);
+  });
+}
+
+void PortableConvertMaster(const float* master, const Upload& upload, size_t n) {
+  DispatchUploadKind(UploadKindOf(upload), [&]<UploadKind kU>() {
+    for (size_t i = 0; i < n; ++i) StoreUploadElement<kU>(upload.data, i, master[i]);
+  });
+}
+
+}  // namespace
+
+const KernelTable& PortableKernels() {
+  static const KernelTable table{"portable", &PortableUpdate, &PortableSumOfSquares, &PortableAccumulate, &PortableConvertMaster};
+  return table;
+}
+
+}  // namespace trainstream::optimizer

@@ -1,0 +1,298 @@
+// Every kernel variant this CPU supports against the portable scalar reference, bit for bit: all dtype
+// combinations, 1..4 ranks, with and without accumulator, sizes 1 through several vector widths plus
+// tails, misaligned starts, and sizes large enough to take the streaming-store path. Bit-exact (0 ulp)
+// is the contract: the variants perform the same IEEE operations in the same order (adamw_element.h).
+#include <gtest/gtest.h>
+
+#include <bit>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <span>
+#include <vector>
+
+#include "daemon/optimizer/adamw_kernels.h"
+#include "daemon/optimizer/kernel_table.h"
+#include "shm/error.h"
+#include "tests/cpp/optimizer/test_util.h"
+
+namespace trainstream::optimizer {
+namespace {
+
+using testing::Buffer;
+using testing::FillUniform;
+
+std::vector<size_t> TestSizes() {
+  std::vector<size_t> sizes;
+  for (size_t n = 1; n <= 70; ++n) sizes.push_back(n);  // 16-lane AVX-512: up to 4 vectors + tails
+  for (size_t n : {127, 128, 129, 255, 257, 1000, 1023}) sizes.push_back(n);
+  return sizes;
+}
+
+struct Grads {
+  std::vector<Buffer> slots;
+  std::vector<const void*> pointers;
+  Buffer accum;
+  GradSources sources;
+
+  Grads(DType dtype, size_t ranks, bool with_accum, size_t n, size_t misalign, std::mt19937_64& rng) {
+    for (size_t r = 0; r < ranks; ++r) {
+      slots.emplace_back(dtype, n, (misalign + r) % 5);
+      FillUniform(slots.back(), rng, -2.0f, 2.0f);
+    }
+    for (auto& slot : slots) pointers.push_back(slot.data());
+    if (with_accum) {
+      accum = Buffer(DType::kFloat32, n, misalign);
+      FillUniform(accum, rng, -1.0f, 1.0f);
+    }
+    sources.slots = pointers;
+    sources.dtype = dtype;
+    sources.accum = with_accum ? accum.f32() : nullptr;
+    sources.scale = 1.0f / static_cast<float>(ranks + 1) * 0.7f;
+  }
+};
+
+// The state one update touches, so two copies can run side by side and be compared.
+struct State {
+  Buffer master, exp_avg, exp_avg_sq, upload;
+  bool has_upload;
+
+  State(size_t n, DType moment, bool has_upload_, DType upload_dtype, size_t misalign, std::mt19937_64& rng)
+      : master(DType::kFloat32, n, misalign),
+        exp_avg(moment, n, misalign + 1),
+        exp_avg_sq(moment, n, misalign + 2),
+        upload(upload_dtype, n, misalign + 3),
+        has_upload(has_upload_) {
+    FillUniform(master, rng, -1.0f, 1.0f);
+    FillUniform(exp_avg, rng, -0.1f, 0.1f);
+    FillUniform(exp_avg_sq, rng, 0.0f, 0.01f);
+  }
+  State Copy() const {
+    State copy = *this;
+    return copy;
+  }
+  void Run(const KernelTable& kernel, const GradSources& grads, const AdamWStep& step, uint64_t seed, size_t n) {
+    MomentBuffers moments{exp_avg.data(), exp_avg_sq.data(), exp_avg.dtype(), seed, 1000003};
+    Upload up{has_upload ? upload.data() : nullptr, upload.dtype()};
+    kernel.update(grads, step, master.f32(), moments, up, n);
+  }
+};
+
+class VariantTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  const KernelTable& kernel() const { return KernelByName(GetParam()); }
+  const KernelTable& reference() const { return PortableKernels(); }
+};
+
+void ExpectSameState(State& a, State& b, const std::string& what) {
+  EXPECT_TRUE(a.master.SameBytes(b.master)) << what << ": master";
+  EXPECT_TRUE(a.exp_avg.SameBytes(b.exp_avg)) << what << ": exp_avg";
+  EXPECT_TRUE(a.exp_avg_sq.SameBytes(b.exp_avg_sq)) << what << ": exp_avg_sq";
+  if (a.has_upload) {
+    EXPECT_TRUE(a.upload.SameBytes(b.upload)) << what << ": upload";
+  }
+}
+
+void CheckUpdate(const KernelTable& kernel, size_t n, size_t misalign, DType grad, size_t ranks, bool accum,
+                 DType moment, int upload, bool decoupled, int* failures) {
+  std::mt19937_64 rng(n * 1315423911u + misalign * 7 + ranks * 131 + static_cast<size_t>(grad) * 17);
+  Grads grads(grad, ranks, accum, n, misalign, rng);
+  const bool has_upload = upload >= 0;
+  const DType upload_dtype = has_upload ? static_cast<DType>(upload) : DType::kFloat32;
+  State expected(n, moment, has_upload, upload_dtype, misalign, rng);
+  State actual = expected.Copy();
+  const AdamWStep step = AdamWStep::For(1e-3, 0.9, 0.999, 1e-8, decoupled ? 0.01 : 0.1, decoupled, 7);
+  expected.Run(PortableKernels(), grads.sources, step, 0xC0FFEE, n);
+  actual.Run(kernel, grads.sources, step, 0xC0FFEE, n);
+  const std::string what = ::testing::PrintToString(std::make_tuple(n, misalign, NameOf(grad), ranks, accum,
+                                                                      NameOf(moment), upload, decoupled));
+  ExpectSameState(expected, actual, what);
+  if (::testing::Test::HasFailure()) ++*failures;
+}
+
+TEST_P(VariantTest, UpdateMatchesReferenceBitForBit) {
+  int failures = 0;
+  for (size_t n : TestSizes()) {
+    for (DType grad : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+      for (DType moment : {DType::kFloat32, DType::kBFloat16}) {
+        for (int upload : {-1, 0, 1, 2}) {
+          for (size_t ranks : {1, 2, 4}) {
+            const size_t misalign = (n + ranks) % 3;
+            const bool accum = (n % 2) == 1;
+            const bool decoupled = (n % 4) != 0;
+            CheckUpdate(kernel(), n, misalign, grad, ranks, accum, moment, upload, decoupled, &failures);
+            if (failures > 0) return;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_P(VariantTest, UpdateMatchesReferenceOnStreamingSizes) {
+  // Large enough for non-temporal upload stores (>= 64 KiB), with an unaligned start and a tail.
+  int failures = 0;
+  for (size_t misalign : {0, 1, 7}) {
+    for (DType moment : {DType::kFloat32, DType::kBFloat16}) {
+      for (int upload : {0, 1, 2}) {
+        CheckUpdate(kernel(), 40000 + 13, misalign, DType::kBFloat16, 2, false, moment, upload, true, &failures);
+        CheckUpdate(kernel(), 20000 + 5, misalign, DType::kFloat32, 1, true, moment, upload, false, &failures);
+        if (failures > 0) return;
+      }
+    }
+  }
+}
+
+TEST_P(VariantTest, RepeatedStepsStayIdentical) {
+  // 20 steps of every variant against 20 of the reference: no drift from any 1-ulp difference.
+  const size_t n = 1000 + 3;
+  std::mt19937_64 rng(42);
+  State expected(n, DType::kBFloat16, true, DType::kBFloat16, 1, rng);
+  State actual = expected.Copy();
+  for (uint64_t t = 1; t <= 20; ++t) {
+    Grads grads(DType::kBFloat16, 2, false, n, 2, rng);
+    const AdamWStep step = AdamWStep::For(1e-2, 0.9, 0.999, 1e-8, 0.01, true, t);
+    expected.Run(PortableKernels(), grads.sources, step, 1000 + t, n);
+    actual.Run(kernel(), grads.sources, step, 1000 + t, n);
+  }
+  ExpectSameState(expected, actual, "20 steps");
+}
+
+TEST_P(VariantTest, SumOfSquaresMatchesReference) {
+  for (size_t n : TestSizes()) {
+    for (DType grad : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+      for (size_t ranks : {1, 3}) {
+        std::mt19937_64 rng(n + ranks);
+        Grads grads(grad, ranks, n % 2 == 0, n, n % 3, rng);
+        bool bad_ref = false, bad = false;
+        const double expected = reference().sum_of_squares(grads.sources, n, &bad_ref);
+        const double actual = kernel().sum_of_squares(grads.sources, n, &bad);
+        // Summation order differs (per-lane partial sums); each term is exact in double.
+        EXPECT_NEAR(actual, expected, 1e-12 * expected) << n;
+        EXPECT_FALSE(bad);
+        EXPECT_FALSE(bad_ref);
+      }
+    }
+  }
+}
+
+TEST_P(VariantTest, SumOfSquaresFlagsNonFinite) {
+  for (float special : {INFINITY, -INFINITY, NAN}) {
+    for (size_t where : {0, 5, 16, 37, 99}) {
+      std::mt19937_64 rng(where);
+      Grads grads(DType::kFloat32, 2, false, 100, 0, rng);
+      grads.slots[1].Set(where, special);
+      bool bad = false;
+      const double sum = kernel().sum_of_squares(grads.sources, 100, &bad);
+      EXPECT_TRUE(bad) << where;
+      EXPECT_FALSE(std::isfinite(sum));
+    }
+  }
+  std::mt19937_64 rng(1);
+  Grads grads(DType::kFloat32, 1, false, 100, 0, rng);
+  grads.slots[0].Set(3, 3.0e38f);  // large but finite: no false alarm
+  bool bad = false;
+  kernel().sum_of_squares(grads.sources, 100, &bad);
+  EXPECT_FALSE(bad);
+}
+
+TEST_P(VariantTest, AccumulateMatchesReferenceBitForBit) {
+  for (size_t n : TestSizes()) {
+    for (DType grad : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+      for (bool overwrite : {false, true}) {
+        std::mt19937_64 rng(n * 3 + overwrite);
+        Grads grads(grad, 1 + n % 4, false, n, n % 5, rng);
+        Buffer expected(DType::kFloat32, n, n % 3);
+        FillUniform(expected, rng, -1.0f, 1.0f);
+        Buffer actual = expected.CopyAt((n + 1) % 3);
+        reference().accumulate(grads.sources, expected.f32(), overwrite, n);
+        kernel().accumulate(grads.sources, actual.f32(), overwrite, n);
+        ASSERT_TRUE(expected.SameBytes(actual)) << n << " " << NameOf(grad) << " " << overwrite;
+      }
+    }
+  }
+}
+
+// Floats that exercise every conversion corner: all bf16 and fp16 values as floats, their midpoints
+// (ties), neighbours of ties, denormals, overflow, inf, NaN.
+std::vector<float> ConversionInputs() {
+  std::vector<float> values;
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    const float b = BF16ToFloat(static_cast<uint16_t>(h));
+    values.push_back(b);
+    const uint32_t bits = static_cast<uint32_t>(h) << 16;
+    for (uint32_t low : {0x8000u, 0x7FFFu, 0x8001u, 0x1000u}) values.push_back(std::bit_cast<float>(bits | low));
+    const float f = HalfToFloat(static_cast<uint16_t>(h));
+    const uint32_t fbits = std::bit_cast<uint32_t>(f);
+    for (uint32_t low : {0u, 0x1000u, 0xFFFu, 0x1001u}) values.push_back(std::bit_cast<float>(fbits | low));
+  }
+  std::mt19937 rng(7);
+  for (int i = 0; i < 100000; ++i) values.push_back(std::bit_cast<float>(static_cast<uint32_t>(rng())));
+  return values;
+}
+
+TEST_P(VariantTest, ConvertMasterMatchesReference) {
+  const std::vector<float> values = ConversionInputs();
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    for (size_t misalign : {0, 1}) {
+      Buffer master(DType::kFloat32, values.size(), misalign);
+      std::memcpy(master.data(), values.data(), master.bytes());
+      Buffer expected(dtype, values.size(), 0), actual(dtype, values.size(), misalign + 2);
+      reference().convert_master(master.f32(), Upload{expected.data(), dtype}, values.size());
+      kernel().convert_master(master.f32(), Upload{actual.data(), dtype}, values.size());
+      size_t mismatches = 0;
+      for (size_t i = 0; i < values.size(); ++i) {
+        const float e = expected.Get(i), a = actual.Get(i);
+        // fp16 NaN payloads may differ (VCVTPS2PH keeps payload bits); NaN-ness must not.
+        const bool same = std::isnan(e) ? std::isnan(a)
+                                        : std::bit_cast<uint32_t>(e) == std::bit_cast<uint32_t>(a);
+        if (!same && ++mismatches < 5) {
+          ADD_FAILURE() << NameOf(dtype) << " input bits 0x" << std::hex << std::bit_cast<uint32_t>(values[i])
+                        << " expected 0x" << std::bit_cast<uint32_t>(e) << " got 0x" << std::bit_cast<uint32_t>(a);
+        }
+      }
+      EXPECT_EQ(mismatches, 0u) << NameOf(dtype);
+    }
+  }
+}
+
+TEST_P(VariantTest, GradientLoadsAreExactForEveryHalfValue) {
+  // bf16/fp16 -> fp32 widening on all 65536 bit patterns (via Accumulate with scale 1, overwrite).
+  for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+    Buffer grads(dtype, 0x10000, 1);
+    for (uint32_t h = 0; h < 0x10000; ++h) static_cast<uint16_t*>(grads.data())[h] = static_cast<uint16_t>(h);
+    const void* slot = grads.data();
+    GradSources sources{std::span<const void* const>(&slot, 1), dtype, nullptr, 1.0f};
+    Buffer expected(DType::kFloat32, 0x10000, 0), actual(DType::kFloat32, 0x10000, 3);
+    reference().accumulate(sources, expected.f32(), true, 0x10000);
+    kernel().accumulate(sources, actual.f32(), true, 0x10000);
+    for (uint32_t h = 0; h < 0x10000; ++h) {
+      const float e = expected.Get(h), a = actual.Get(h);
+      if (std::isnan(e)) {
+        ASSERT_TRUE(std::isnan(a)) << h;
+      } else {
+        ASSERT_EQ(std::bit_cast<uint32_t>(e), std::bit_cast<uint32_t>(a)) << NameOf(dtype) << " 0x" << std::hex << h;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Supported, VariantTest, ::testing::ValuesIn(testing::SupportedKernelNames()),
+                         [](const auto& info) { return info.param; });
+
+TEST(Dispatch, ActiveKernelIsTheBestSupportedOrTheForcedOne) {
+  const char* forced = std::getenv("TRAINSTREAM_KERNEL");
+  const std::string expected = forced != nullptr && *forced != '\0' ? (std::string(forced) == "scalar" ? "portable" : forced)
+                                                                    : SupportedKernels().front()->name;
+  EXPECT_EQ(ActiveKernelName(), expected);
+  EXPECT_EQ(std::string(SupportedKernels().back()->name), "portable");
+}
+
+TEST(Dispatch, UnknownOrUnsupportedKernelIsAClearError) {
+  EXPECT_THROW(KernelByName("sse9"), Error);
+  EXPECT_EQ(std::string(KernelByName("scalar").name), "portable");
+}
+
+}  // namespace
+}  // namespace trainstream::optimizer
