@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Installs what building and testing trainstream needs on Debian 12 / Ubuntu 22.04+: the C++ libraries
+# from the distribution, and the Python dependencies (torch pinned: a CPU build here).
+#   scripts/setup.sh            # system packages + Python dependencies
+set -euo pipefail
+SUDO=""
+if [[ $(id -u) -ne 0 ]]; then SUDO="sudo"; fi
+
+packages=(build-essential cmake ninja-build pkg-config
+          libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+          libboost-dev libspdlog-dev libfmt-dev libgtest-dev libgmock-dev libcli11-dev libtomlplusplus-dev
+          libsystemd-dev libhwy-dev pybind11-dev python3-dev)
+missing=()
+for p in "${packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+if ((${#missing[@]})); then
+  echo "setup: installing ${missing[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+PYTHON=${PYTHON:-python3}
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+"$PYTHON" -c "import torch" 2>/dev/null || "$PYTHON" -m pip install -q "$TORCH_SPEC"
+"$PYTHON" -m pip install -q "pybind11>=2.12" "scikit-build-core>=0.10" pytest ninja numpy
+echo "setup: done"

@@ -1,0 +1,76 @@
+"""Fixtures that run real trainstreamd processes on private sockets.
+
+The daemon binary comes from $TRAINSTREAMD (scripts/test.sh points it at the build tree) or PATH.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import tempfile
+import time
+
+import pytest
+import torch
+
+import trainstream
+from trainstream import _C
+from trainstream._connect import daemon_binary
+
+
+class Daemon:
+    """A trainstreamd on its own socket, stopped (SIGTERM, then SIGKILL) at teardown."""
+
+    def __init__(self, *extra: str, threads: int = 2):
+        self.dir = tempfile.mkdtemp(prefix="ts-test-")
+        self.socket = os.path.join(self.dir, "d.sock")
+        self.log = open(os.path.join(self.dir, "log"), "w+b")
+        self.process = subprocess.Popen([daemon_binary(), "--socket", self.socket, "--threads", str(threads),
+                                         "--log-level", "debug", *extra], stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, f"trainstreamd exited early:\n{self.output()}"
+            if os.path.exists(self.socket):
+                try:
+                    _C.Client.connect(self.socket, 1.0)
+                    return
+                except trainstream.TrainstreamError:
+                    pass
+            time.sleep(0.02)
+        raise AssertionError(f"trainstreamd did not start:\n{self.output()}")
+
+    def client(self) -> trainstream.Client:
+        return trainstream.connect(self.socket)
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+@pytest.fixture
+def daemon():
+    d = Daemon()
+    yield d
+    d.stop()
+
+
+@pytest.fixture
+def client(daemon):
+    return daemon.client()
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

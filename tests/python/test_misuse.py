@@ -1,0 +1,98 @@
+"""What trainstream refuses, and that it says so clearly, at wrap time or at the faulty call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import trainstream
+from trainstream import TrainstreamError
+
+
+def model_and_adamw(**kw):
+    model = torch.nn.Linear(4, 4)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3, **kw)
+
+
+def backward(model):
+    model(torch.randn(2, 4)).sum().backward()
+
+
+def test_unsupported_optimizer(client):
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(TrainstreamError, match="AdamW and Adam; got SGD"):
+        trainstream.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), client=client)
+
+
+@pytest.mark.parametrize("flag", ["amsgrad", "maximize"])
+def test_unsupported_flags(client, flag):
+    model, opt = model_and_adamw(**{flag: True})
+    with pytest.raises(TrainstreamError, match=f"{flag}=True is not supported"):
+        trainstream.wrap(model, opt, client=client)
+
+
+def test_bad_options(client):
+    model, opt = model_and_adamw()
+    with pytest.raises(TrainstreamError, match="accumulation_steps must be >= 1"):
+        trainstream.wrap(model, opt, client=client, accumulation_steps=0)
+    with pytest.raises(TrainstreamError, match="moment_dtype must be one of"):
+        trainstream.wrap(model, opt, client=client, moment_dtype="float16")
+    with pytest.raises(TrainstreamError, match="max_grad_norm must be > 0"):
+        trainstream.wrap(model, opt, client=client, max_grad_norm=-1.0)
+    with pytest.raises(TrainstreamError, match="must pass the same job name"):
+        trainstream.wrap(model, opt, client=client, world_size=2)
+
+
+def test_add_param_group_refused(client):
+    model, opt = trainstream.wrap(*model_and_adamw(), client=client)
+    with pytest.raises(TrainstreamError, match="add_param_group is not supported"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+
+
+def test_two_backward_passes_without_step(client):
+    model, opt = trainstream.wrap(*model_and_adamw(), client=client)
+    backward(model)
+    with pytest.raises(Exception, match="backward\\(\\) ran again before optimizer.step\\(\\)"):
+        backward(model)
+
+
+def test_step_before_all_micro_batches(client):
+    model, opt = trainstream.wrap(*model_and_adamw(), client=client, accumulation_steps=4)
+    backward(model)
+    backward(model)
+    with pytest.raises(TrainstreamError, match="after 2 of accumulation_steps=4"):
+        opt.step()
+
+
+def test_step_without_backward_is_a_no_op(client):
+    model, opt = trainstream.wrap(*model_and_adamw(), client=client)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    trainstream.synchronize(model)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_wrapping_twice(client):
+    model, opt = model_and_adamw()
+    trainstream.wrap(model, opt, client=client)
+    with pytest.raises(TrainstreamError, match="already wrapped"):
+        trainstream.wrap(model, opt, client=client)
+
+
+def test_unwrap_returns_trained_model(client):
+    model, opt = trainstream.wrap(*model_and_adamw(), client=client)
+    before = [p.detach().clone() for p in model.parameters()]
+    backward(model)
+    opt.step()
+    plain = trainstream.unwrap(model)
+    assert plain is model
+    assert any(not torch.equal(a, b) for a, b in zip(before, plain.parameters()))
+    backward(plain)  # hooks are gone: gradients stay on the parameters
+    assert all(p.grad is not None for p in plain.parameters())
+    assert client.stats()["jobs"] == []  # an auto-named job is dropped with its last rank
+
+
+def test_gradients_leave_the_parameters(client):
+    model, opt = trainstream.wrap(*model_and_adamw(), client=client)
+    backward(model)
+    assert all(p.grad is None for p in model.parameters())

@@ -1,0 +1,32 @@
+"""A training process for the fault tests: trains a small model through trainstreamd, printing
+"step N" after each step, until killed (or for --steps steps)."""
+
+import argparse
+import sys
+
+import torch
+
+import trainstream
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--socket", required=True)
+    parser.add_argument("--job", required=True)
+    parser.add_argument("--steps", type=int, default=10**9)
+    parser.add_argument("--width", type=int, default=256)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(args.width, args.width), torch.nn.Linear(args.width, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = trainstream.wrap(model, opt, client=trainstream.connect(args.socket), job=args.job, bucket_mb=0.1)
+    for step in range(args.steps):
+        model(torch.randn(32, args.width)).pow(2).mean().backward()
+        opt.step()
+        print(f"step {step}", flush=True)
+    trainstream.synchronize()
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
