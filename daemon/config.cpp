@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <iostream>
+#include <limits>
 
 #include "shm/version.h"
 #include "shm/error.h"
@@ -12,6 +13,8 @@
 namespace trainstream::daemon {
 
 namespace {
+
+const std::vector<std::string> kLogLevels = {"trace", "debug", "info", "warn", "error", "critical", "off"};
 
 template <typename T>
 void ReadKey(const toml::table& table, const char* key, T& out) {
@@ -23,8 +26,8 @@ void ReadKey(const toml::table& table, const char* key, T& out) {
     out = *value;
   } else {
     const auto value = node->value<int64_t>();
-    TS_CHECK(value.has_value() && *value >= 0, Code::kInvalidArgument, "config key '{}' must be a non-negative integer",
-             key);
+    TS_CHECK(value.has_value() && *value >= 0 && static_cast<uint64_t>(*value) <= std::numeric_limits<T>::max(),
+             Code::kInvalidArgument, "config key '{}' must be an integer in [0, {}]", key, std::numeric_limits<T>::max());
     out = static_cast<T>(*value);
   }
 }
@@ -48,6 +51,9 @@ void LoadConfigFile(const std::string& path, Config& config) {
   ReadKey(table, "socket", config.socket);
   ReadKey(table, "threads", config.threads);
   ReadKey(table, "log_level", config.log_level);
+  TS_CHECK(std::find(kLogLevels.begin(), kLogLevels.end(), config.log_level) != kLogLevels.end(),
+           Code::kInvalidArgument, "config key 'log_level' is '{}'; expected one of {}", config.log_level,
+           fmt::join(kLogLevels, ", "));
   ReadKey(table, "socket_mode", config.socket_mode);
   ReadKey(table, "job_ttl_seconds", config.job_ttl_seconds);
   ReadKey(table, "max_jobs", config.max_jobs);
@@ -68,7 +74,7 @@ std::optional<Config> ParseConfig(int argc, char** argv) {
   app.add_option("--socket", socket, "Unix socket to listen on (default " + defaults.socket + ")");
   app.add_option("--threads", threads, "optimizer worker threads (default: one per core)");
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error")
-      ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "critical", "off"}));
+      ->check(CLI::IsMember(kLogLevels));
   app.add_option("--job-ttl", ttl, "seconds a job with no attached rank is kept (default 3600)");
   app.add_option("--max-jobs", max_jobs, "maximum number of jobs (default 64)");
   app.add_option("--max-host-bytes", max_host_bytes, "maximum bytes of shared memory over all jobs (0: no limit)");

@@ -52,7 +52,6 @@ Job::Attachment Job::Attach(uint32_t rank, std::shared_ptr<SessionSink> session)
   shm::Segment::Remove(name);  // left over from a rank that died while its removal raced this attach
   shm::Segment segment = shm::Segment::Create(name, layout_.rank_bytes);
   shm::InitRankSegment(segment.data(), layout_, rank);
-  segment.RemoveOnDestroy();  // unlinked when the engine's last reference goes
   engine_->AddRank(std::make_shared<RankChannel>(rank, std::move(segment), layout_, std::move(session)));
   ++attached_;
   const auto* header = static_cast<const shm::StateHeader*>(state_.data());
@@ -64,6 +63,9 @@ void Job::Detach(uint32_t rank) {
   std::lock_guard lock(mutex_);
   if (!engine_->HasRank(rank)) return;
   engine_->RemoveRank(rank);
+  // Unlinked now, not when the last in-flight task drops its mapping: by then a re-attached rank may
+  // own a new segment of the same name.
+  shm::Segment::Remove(RankSegmentName(rank));
   if (--attached_ == 0) idle_since_ = std::chrono::steady_clock::now();
   spdlog::info("job '{}': rank {} detached", name_, rank);
 }

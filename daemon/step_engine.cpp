@@ -419,12 +419,12 @@ void StepEngine::OnUpdated(uint32_t b, uint64_t step) {
   progress.phase = Phase::kCollecting;
   for (uint32_t p : layout_.buckets[b].params) had_grad_[p] = 0;
   updates_++;
-  PostToAll(shm::Message{.kind = shm::MessageKind::kParamsReady, .bucket = b, .step = step});
-  if (++updated_[step] == buckets_.size()) {
+  if (++updated_[step] == buckets_.size()) {  // before the last PARAMS_READY: a client may read it then
     updated_.erase(step);
     clip_gates_.erase(step);
     state_.header->completed_step.store(step);
   }
+  PostToAll(shm::Message{.kind = shm::MessageKind::kParamsReady, .bucket = b, .step = step});
 }
 
 void StepEngine::OnLoadState(RankChannel& channel, const shm::Message& message) {

@@ -1,0 +1,189 @@
+// Tests of trainstreamd's configuration (daemon/config.h): defaults, every flag, the TOML file,
+// flag-over-file precedence, and errors that name the offending flag or key.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdio>
+#include <fstream>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "daemon/config.h"
+#include "shm/error.h"
+#include "shm/version.h"
+#include "tests/cpp/shm/test_support.h"
+
+namespace trainstream::daemon {
+namespace {
+
+// ParseConfig on `args` (without the program name).
+std::optional<Config> Parse(std::vector<std::string> args) {
+  args.insert(args.begin(), "trainstreamd");
+  std::vector<char*> argv;
+  for (std::string& arg : args) argv.push_back(arg.data());
+  argv.push_back(nullptr);
+  return ParseConfig(static_cast<int>(args.size()), argv.data());
+}
+
+Config ParseOk(const std::vector<std::string>& args) {
+  std::optional<Config> config = Parse(args);
+  EXPECT_TRUE(config.has_value());
+  return config.value_or(Config{});
+}
+
+// A TOML file that exists for the lifetime of the object.
+class TempToml {
+ public:
+  explicit TempToml(const std::string& content) {
+    static std::atomic<int> counter{0};
+    path_ = "/tmp/trainstream_config_test." + std::to_string(getpid()) + "." + std::to_string(counter++) + ".toml";
+    std::ofstream(path_) << content;
+  }
+  ~TempToml() { std::remove(path_.c_str()); }
+  TempToml(const TempToml&) = delete;
+  TempToml& operator=(const TempToml&) = delete;
+  [[nodiscard]] const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+void ExpectRejected(const std::vector<std::string>& args, const std::string& needle) {
+  SCOPED_TRACE(::testing::PrintToString(args));
+  TS_EXPECT_ERROR(Parse(args), Code::kInvalidArgument, needle);
+}
+
+void ExpectFileRejected(const std::string& toml, const std::string& needle) {
+  SCOPED_TRACE(toml);
+  TempToml file(toml);
+  ExpectRejected({"--config", file.path()}, needle);
+}
+
+TEST(ParseConfig, DefaultsWithoutArguments) {
+  const Config config = ParseOk({});
+  const Config defaults;
+  EXPECT_EQ(config.socket, "/run/trainstream/trainstreamd.sock");
+  EXPECT_EQ(config.socket, defaults.socket);
+  EXPECT_EQ(config.threads, 0u);
+  EXPECT_EQ(config.log_level, "info");
+  EXPECT_EQ(config.socket_mode, 0660u);
+  EXPECT_EQ(config.job_ttl_seconds, 3600u);
+  EXPECT_EQ(config.max_jobs, 64u);
+  EXPECT_EQ(config.max_host_bytes, 0u);
+  EXPECT_EQ(config.parent_pid, 0);
+  EXPECT_EQ(config.config_file, "");
+}
+
+TEST(ParseConfig, EveryFlag) {
+  EXPECT_EQ(ParseOk({"--socket", "/tmp/x.sock"}).socket, "/tmp/x.sock");
+  EXPECT_EQ(ParseOk({"--socket=/tmp/y.sock"}).socket, "/tmp/y.sock");
+  EXPECT_EQ(ParseOk({"--threads", "3"}).threads, 3u);
+  EXPECT_EQ(ParseOk({"--log-level", "debug"}).log_level, "debug");
+  EXPECT_EQ(ParseOk({"--job-ttl", "17"}).job_ttl_seconds, 17u);
+  EXPECT_EQ(ParseOk({"--max-jobs", "5"}).max_jobs, 5u);
+  EXPECT_EQ(ParseOk({"--max-host-bytes", "123456789012"}).max_host_bytes, 123456789012u);
+  EXPECT_EQ(ParseOk({"--parent-pid", "4242"}).parent_pid, 4242);
+}
+
+TEST(ParseConfig, FlagsCombine) {
+  const Config config = ParseOk({"--threads", "2", "--max-jobs", "9", "--log-level", "warn"});
+  EXPECT_EQ(config.threads, 2u);
+  EXPECT_EQ(config.max_jobs, 9u);
+  EXPECT_EQ(config.log_level, "warn");
+  EXPECT_EQ(config.job_ttl_seconds, 3600u);  // untouched
+}
+
+TEST(ParseConfig, ConfigFileSetsEveryKey) {
+  TempToml file(R"(
+socket = "/tmp/from-file.sock"
+threads = 6
+log_level = "error"
+socket_mode = 0o600
+job_ttl_seconds = 99
+max_jobs = 12
+max_host_bytes = 1073741824
+)");
+  const Config config = ParseOk({"--config", file.path()});
+  EXPECT_EQ(config.socket, "/tmp/from-file.sock");
+  EXPECT_EQ(config.threads, 6u);
+  EXPECT_EQ(config.log_level, "error");
+  EXPECT_EQ(config.socket_mode, 0600u);
+  EXPECT_EQ(config.job_ttl_seconds, 99u);
+  EXPECT_EQ(config.max_jobs, 12u);
+  EXPECT_EQ(config.max_host_bytes, 1073741824u);
+  EXPECT_EQ(config.config_file, file.path());
+}
+
+TEST(ParseConfig, FlagsOverrideTheFileAndTheFileOverridesDefaults) {
+  TempToml file("threads = 4\nmax_jobs = 7\nsocket = \"/tmp/file.sock\"\n");
+  const Config config = ParseOk({"--threads", "2", "--config", file.path(), "--socket", "/tmp/flag.sock"});
+  EXPECT_EQ(config.threads, 2u);
+  EXPECT_EQ(config.socket, "/tmp/flag.sock");
+  EXPECT_EQ(config.max_jobs, 7u);
+  EXPECT_EQ(config.job_ttl_seconds, 3600u);
+}
+
+TEST(ParseConfig, LoadConfigFileKeepsKeysItDoesNotSet) {
+  TempToml file("max_jobs = 3\n");
+  Config config;
+  config.threads = 11;
+  LoadConfigFile(file.path(), config);
+  EXPECT_EQ(config.max_jobs, 3u);
+  EXPECT_EQ(config.threads, 11u);
+}
+
+TEST(ParseConfig, UnknownKeyInFileIsRejected) { ExpectFileRejected("threads = 2\nbogus_key = 1\n", "bogus_key"); }
+
+TEST(ParseConfig, WrongTypedKeysInFileAreRejected) {
+  ExpectFileRejected("threads = \"many\"\n", "threads");
+  ExpectFileRejected("socket = 5\n", "socket");
+  ExpectFileRejected("max_jobs = -1\n", "max_jobs");
+  ExpectFileRejected("job_ttl_seconds = 1.5\n", "job_ttl_seconds");
+  ExpectFileRejected("log_level = true\n", "log_level");
+}
+
+TEST(ParseConfig, MalformedFileIsRejected) {
+  TempToml file("threads = = 3\n[unterminated\n");
+  ExpectRejected({"--config", file.path()}, file.path());
+}
+
+TEST(ParseConfig, MissingFileIsRejected) {
+  const std::string path = "/tmp/trainstream_config_test.does-not-exist." + std::to_string(getpid()) + ".toml";
+  ExpectRejected({"--config", path}, path);
+}
+
+TEST(ParseConfig, UnknownFlagIsRejected) { ExpectRejected({"--bogus-flag", "1"}, "--bogus-flag"); }
+
+TEST(ParseConfig, BadLogLevelFlagIsRejected) { ExpectRejected({"--log-level", "loud"}, "loud"); }
+
+TEST(ParseConfig, NonNumericFlagIsRejected) { ExpectRejected({"--threads", "lots"}, "threads"); }
+
+// The file accepts "the same keys as these flags": a level the flag refuses must not pass through the file
+// (spdlog::level::from_str turns an unknown name into "off", silencing the daemon).
+TEST(ParseConfig, BadLogLevelInFileIsRejected) { ExpectFileRejected("log_level = \"loud\"\n", "log_level"); }
+
+// A value that does not fit the key's type must not wrap around (threads = 2^32 would become 0).
+TEST(ParseConfig, OutOfRangeValueInFileIsRejected) {
+  ExpectFileRejected("threads = 4294967296\n", "threads");
+  ExpectFileRejected("max_jobs = 4294967297\n", "max_jobs");
+}
+
+// --version / --help print (to stdout) and return nullopt, so main() exits 0 without starting.
+std::string PrintedBy(const std::vector<std::string>& args) {
+  ::testing::internal::CaptureStdout();
+  const bool parsed = Parse(args).has_value();
+  const std::string printed = ::testing::internal::GetCapturedStdout();
+  EXPECT_FALSE(parsed) << ::testing::PrintToString(args) << " returned a config";
+  return printed;
+}
+
+TEST(ParseConfig, VersionAndHelpReturnNothing) {
+  EXPECT_NE(PrintedBy({"--version"}).find(std::string(kVersion)), std::string::npos);
+  EXPECT_NE(PrintedBy({"--help"}).find("--max-host-bytes"), std::string::npos);
+  EXPECT_NE(PrintedBy({"-h", "--threads", "3"}).find("Usage"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace trainstream::daemon

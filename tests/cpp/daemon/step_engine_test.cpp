@@ -1,0 +1,522 @@
+// Tests of the step pipeline (daemon/job.h, daemon/step_engine.h) driven in-process through real shared
+// memory: a Job with a WorkerPool, a recording SessionSink, and a client side built from shm:: pieces
+// (the rank and state segments opened by name, the request and completion rings). Checks the AdamW
+// result against a double-precision reference, multi-rank averaging, attach/detach, and that protocol
+// violations fail only the offending session.
+#include <gtest/gtest.h>
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <functional>
+#include <future>
+#include <latch>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <stop_token>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "daemon/job.h"
+#include "daemon/session_sink.h"
+#include "daemon/worker_pool.h"
+#include "shm/error.h"
+#include "shm/job_layout.h"
+#include "shm/message.h"
+#include "shm/ring.h"
+#include "shm/segment.h"
+#include "tests/cpp/shm/test_support.h"
+
+namespace trainstream::daemon {
+namespace {
+
+using namespace std::chrono_literals;
+using shm::HParams;
+using shm::Message;
+using shm::MessageKind;
+
+constexpr auto kReplyTimeout = 5s;
+constexpr double kTolerance = 1e-6;
+
+// Records what the daemon tells one session.
+class RecordingSink : public SessionSink {
+ public:
+  void Warn(const std::string& message) override {
+    std::lock_guard lock(mutex_);
+    warnings_.push_back(message);
+  }
+  void Fail(const std::string& message) override {
+    std::lock_guard lock(mutex_);
+    failures_.push_back(message);
+    changed_.notify_all();
+  }
+  // The first failure, waiting for it up to `timeout`.
+  std::optional<std::string> WaitForFailure(std::chrono::milliseconds timeout = kReplyTimeout) {
+    std::unique_lock lock(mutex_);
+    if (!changed_.wait_for(lock, timeout, [&] { return !failures_.empty(); })) return std::nullopt;
+    return failures_.front();
+  }
+  std::vector<std::string> failures() {
+    std::lock_guard lock(mutex_);
+    return failures_;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::vector<std::string> warnings_, failures_;
+};
+
+// Two fp32 parameters that land in two buckets (bucket 0 holds "b", bucket 1 holds "w").
+shm::LayoutSpec TwoParamSpec(uint32_t world_size) {
+  shm::LayoutSpec spec;
+  spec.params = {shm::ParamSpec{.name = "w", .shape = {40, 25}, .dtype = DType::kFloat32, .group = 0},
+                 shm::ParamSpec{.name = "b", .shape = {300}, .dtype = DType::kFloat32, .group = 0}};
+  spec.bucket_bytes = 4096;
+  spec.world_size = world_size;
+  return spec;
+}
+
+HParams TestHParams(double lr = 0.1) {
+  return HParams{.lr = lr, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01};
+}
+
+float InitialWeight(uint32_t param, uint64_t i) { return static_cast<float>(0.9 * std::sin(0.37 * i + param)); }
+
+float Gradient(uint32_t param, uint32_t rank, uint64_t step, uint64_t i) {
+  const double g = 0.5 * std::cos(0.11 * i + 1.7 * rank + 0.9 * step + param);
+  return static_cast<float>(std::abs(g) < 1e-3 ? 0.01 : g);
+}
+
+// One rank's client side, made of shm:: pieces only.
+class RankClient {
+ public:
+  RankClient(Job& job, uint32_t rank, std::shared_ptr<RecordingSink> sink = std::make_shared<RecordingSink>())
+      : job_(job), rank_(rank), sink_(std::move(sink)) {
+    Attach();
+  }
+
+  // Attaches (again) with a fresh session and maps the segments the daemon names.
+  void Attach() {
+    attachment_ = job_.Attach(rank_, sink_);
+    state_segment_ = shm::Segment::Open(job_.state_segment_name());
+    rank_segment_ = shm::Segment::Open(attachment_.rank_segment);
+    shm::CheckStateSegment(state_segment_.data(), state_segment_.size(), layout());
+    shm::CheckRankSegment(rank_segment_.data(), rank_segment_.size(), layout(), rank_);
+    state_ = shm::ViewState(state_segment_.data(), layout(), job_.spec());
+    view_ = shm::ViewRank(rank_segment_.data(), layout());
+    requests_ = shm::RingProducer(view_.request_ring, &state_.header->doorbell);
+    completions_ = shm::RingConsumer(view_.completion_ring);
+  }
+  void Reattach(std::shared_ptr<RecordingSink> sink = std::make_shared<RecordingSink>()) {
+    job_.Detach(rank_);
+    sink_ = std::move(sink);
+    Attach();
+  }
+
+  [[nodiscard]] const shm::JobLayout& layout() const { return job_.layout(); }
+  [[nodiscard]] uint32_t rank() const { return rank_; }
+  [[nodiscard]] uint32_t buckets() const { return static_cast<uint32_t>(layout().buckets.size()); }
+  [[nodiscard]] const Job::Attachment& attachment() const { return attachment_; }
+  [[nodiscard]] RecordingSink& sink() const { return *sink_; }
+  [[nodiscard]] const shm::StateView& state() const { return state_; }
+  [[nodiscard]] const shm::RankView& view() const { return view_; }
+
+  // Parameter p's elements in the master weights, the upload staging, and this rank's gradient slot.
+  [[nodiscard]] std::span<float> Master(uint32_t p) const { return {state_.master + Element(p), Numel(p)}; }
+  [[nodiscard]] std::span<float> Upload(uint32_t p) const {
+    return {reinterpret_cast<float*>(state_.upload + Byte(p, /*upload=*/true)), Numel(p)};
+  }
+  [[nodiscard]] std::span<float> Grad(uint32_t p) const {
+    return {reinterpret_cast<float*>(view_.grads + Byte(p, /*upload=*/false)), Numel(p)};
+  }
+
+  void SetHParams(uint64_t step, const HParams& h) {
+    for (uint32_t g = 0; g < job_.spec().num_groups; ++g) view_.hparams[(step % 2) * job_.spec().num_groups + g] = h;
+  }
+  // Writes this rank's gradients of `step` for every parameter and marks them present.
+  void SetGradients(uint64_t step) {
+    for (uint32_t p = 0; p < layout().params.size(); ++p) {
+      std::span<float> grad = Grad(p);
+      for (uint64_t i = 0; i < grad.size(); ++i) grad[i] = Gradient(p, rank_, step, i);
+      view_.presence[p] = 1;
+    }
+  }
+
+  void Send(const Message& message) { ASSERT_TRUE(requests_.TryPush(message)) << "request ring full"; }
+  void SendGradReady(uint32_t bucket, uint64_t step) {
+    Send(Message{.kind = MessageKind::kGradReady, .flags = shm::kFinalMicro, .bucket = bucket, .step = step});
+  }
+  // Hyperparameters, gradients and GRAD_READY of every bucket for `step`, as a training step does.
+  void DeliverStep(uint64_t step, const HParams& h) {
+    SetHParams(step, h);
+    SetGradients(step);
+    for (uint32_t b = 0; b < buckets(); ++b) SendGradReady(b, step);
+  }
+
+  // The next completion if there is one, without waiting.
+  std::optional<Message> Poll() {
+    Message message;
+    if (completions_.TryPop(&message)) return message;
+    return std::nullopt;
+  }
+  // The next completion, waiting on the completion doorbell.
+  std::optional<Message> Receive(std::chrono::milliseconds timeout = kReplyTimeout) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    shm::Doorbell& doorbell = view_.header->completion_doorbell;
+    for (;;) {
+      const uint32_t seen = doorbell.Seq();
+      if (std::optional<Message> message = Poll()) return message;
+      const auto now = std::chrono::steady_clock::now();
+      if (now >= deadline) return std::nullopt;
+      doorbell.Wait(seen, std::min<std::chrono::microseconds>(
+                              std::chrono::duration_cast<std::chrono::microseconds>(deadline - now), 10ms));
+    }
+  }
+  // Expects PARAMS_READY{b, step} for every bucket b (in any order) and nothing else.
+  void ExpectParamsReady(uint64_t step) {
+    std::vector<int> seen(buckets(), 0);
+    for (uint32_t n = 0; n < buckets(); ++n) {
+      const std::optional<Message> message = Receive();
+      ASSERT_TRUE(message.has_value()) << "rank " << rank_ << ": no PARAMS_READY for step " << step;
+      ASSERT_EQ(message->kind, MessageKind::kParamsReady);
+      ASSERT_EQ(message->step, step);
+      ASSERT_LT(message->bucket, buckets());
+      ++seen[message->bucket];
+    }
+    for (uint32_t b = 0; b < buckets(); ++b) EXPECT_EQ(seen[b], 1) << "bucket " << b;
+  }
+  void ExpectNoCompletion(std::chrono::milliseconds wait) {
+    const std::optional<Message> message = Receive(wait);
+    EXPECT_FALSE(message.has_value()) << "unexpected completion kind " << static_cast<int>(message->kind)
+                                      << " bucket " << message->bucket << " step " << message->step;
+  }
+  // Rank 0's start: write the initial master weights and publish them as step 0.
+  void LoadInitialState() {
+    for (uint32_t p = 0; p < layout().params.size(); ++p) {
+      std::span<float> master = Master(p);
+      for (uint64_t i = 0; i < master.size(); ++i) master[i] = InitialWeight(p, i);
+    }
+    Send(Message{.kind = MessageKind::kLoadState, .step = 0});
+  }
+
+ private:
+  [[nodiscard]] size_t Numel(uint32_t p) const { return layout().params[p].numel; }
+  [[nodiscard]] uint64_t Element(uint32_t p) const {
+    const shm::ParamLayout& param = layout().params[p];
+    return layout().buckets[param.bucket].elem_offset + param.offset_in_bucket;
+  }
+  [[nodiscard]] uint64_t Byte(uint32_t p, bool upload) const {
+    const shm::ParamLayout& param = layout().params[p];
+    const shm::BucketLayout& bucket = layout().buckets[param.bucket];
+    return (upload ? bucket.upload_offset : bucket.grad_offset) + param.offset_in_bucket * SizeOf(bucket.dtype);
+  }
+
+  Job& job_;
+  const uint32_t rank_;
+  std::shared_ptr<RecordingSink> sink_;
+  Job::Attachment attachment_;
+  shm::Segment state_segment_, rank_segment_;
+  shm::StateView state_{};
+  shm::RankView view_{};
+  shm::RingProducer requests_;
+  shm::RingConsumer completions_;
+};
+
+// torch.optim.AdamW, element by element in double, for every parameter of TwoParamSpec.
+class AdamWReference {
+ public:
+  explicit AdamWReference(const shm::LayoutSpec& spec) : world_size_(spec.world_size) {
+    for (uint32_t p = 0; p < spec.params.size(); ++p) {
+      State& s = params_.emplace_back();
+      const uint64_t numel = spec.params[p].numel();
+      for (uint64_t i = 0; i < numel; ++i) s.p.push_back(InitialWeight(p, i));
+      s.m.assign(numel, 0);
+      s.v.assign(numel, 0);
+    }
+  }
+  // One step with the ranks' gradients of `step` averaged; `updated[p]` false skips parameter p.
+  void Step(uint64_t step, const HParams& h, const std::vector<bool>& updated = {}) {
+    for (uint32_t p = 0; p < params_.size(); ++p) {
+      if (!updated.empty() && !updated[p]) continue;
+      State& s = params_[p];
+      const uint64_t t = ++s.t;
+      const double bc1 = 1 - std::pow(h.beta1, static_cast<double>(t));
+      const double bc2 = 1 - std::pow(h.beta2, static_cast<double>(t));
+      for (uint64_t i = 0; i < s.p.size(); ++i) {
+        double g = 0;
+        for (uint32_t r = 0; r < world_size_; ++r) g += Gradient(p, r, step, i);
+        g /= world_size_;
+        s.p[i] *= 1 - h.lr * h.weight_decay;
+        s.m[i] = h.beta1 * s.m[i] + (1 - h.beta1) * g;
+        s.v[i] = h.beta2 * s.v[i] + (1 - h.beta2) * g * g;
+        s.p[i] -= h.lr / bc1 * s.m[i] / (std::sqrt(s.v[i]) / std::sqrt(bc2) + h.eps);
+      }
+    }
+  }
+  // The daemon's master weights and upload staging both hold the reference weights.
+  void ExpectMatches(const RankClient& client) const {
+    for (uint32_t p = 0; p < params_.size(); ++p) {
+      const std::span<float> master = client.Master(p), upload = client.Upload(p);
+      size_t off = 0, upload_off = 0;
+      double worst = 0;
+      for (uint64_t i = 0; i < master.size(); ++i) {
+        const double error = std::abs(master[i] - params_[p].p[i]);
+        worst = std::max(worst, error);
+        off += error > kTolerance;
+        upload_off += upload[i] != master[i];
+      }
+      EXPECT_EQ(off, 0u) << "param " << p << ": " << off << " master weights off, worst by " << worst;
+      EXPECT_EQ(upload_off, 0u) << "param " << p << ": upload differs from master";
+    }
+  }
+
+ private:
+  struct State {
+    std::vector<double> p, m, v;
+    uint64_t t = 0;
+  };
+  uint32_t world_size_;
+  std::vector<State> params_;
+};
+
+class StepEngineTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() { spdlog::set_level(spdlog::level::err); }
+
+  std::unique_ptr<Job> MakeJob(uint32_t world_size = 1, const std::string& name = "job") {
+    return std::make_unique<Job>(name, static_cast<uint32_t>(getuid()), TwoParamSpec(world_size), /*seed=*/7, pool_);
+  }
+  // Attaches every rank of `job` and loads the initial state through rank 0.
+  static std::vector<std::unique_ptr<RankClient>> StartJob(Job& job) {
+    std::vector<std::unique_ptr<RankClient>> clients;
+    for (uint32_t r = 0; r < job.spec().world_size; ++r) clients.push_back(std::make_unique<RankClient>(job, r));
+    clients[0]->LoadInitialState();
+    for (auto& client : clients) client->ExpectParamsReady(0);
+    return clients;
+  }
+  // Every rank delivers `step`; every rank gets PARAMS_READY for every bucket.
+  static void RunStep(const std::vector<std::unique_ptr<RankClient>>& clients, uint64_t step, const HParams& h) {
+    for (auto& client : clients) client->DeliverStep(step, h);
+    for (auto& client : clients) client->ExpectParamsReady(step);
+  }
+
+  WorkerPool pool_{2, /*pin_threads=*/false};
+};
+
+TEST_F(StepEngineTest, LoadStatePublishesEveryBucket) {
+  auto job = MakeJob();
+  RankClient client(*job, 0);
+  EXPECT_FALSE(client.attachment().initialized);
+  EXPECT_EQ(client.buckets(), 2u);
+  client.LoadInitialState();
+  client.ExpectParamsReady(0);
+  AdamWReference(job->spec()).ExpectMatches(client);  // nothing updated: upload == master == initial
+  EXPECT_EQ(client.state().header->initialized, 1u);
+  EXPECT_EQ(client.state().header->completed_step.load(), 0u);
+}
+
+TEST_F(StepEngineTest, StepsMatchAdamW) {
+  auto job = MakeJob();
+  auto clients = StartJob(*job);
+  AdamWReference reference(job->spec());
+  RunStep(clients, 1, TestHParams(0.1));
+  reference.Step(1, TestHParams(0.1));
+  reference.ExpectMatches(*clients[0]);
+  // Step 2 reads the other half of the double-buffered hyperparameters.
+  RunStep(clients, 2, TestHParams(0.05));
+  reference.Step(2, TestHParams(0.05));
+  reference.ExpectMatches(*clients[0]);
+  for (uint32_t b = 0; b < clients[0]->buckets(); ++b) {
+    EXPECT_EQ(clients[0]->state().bucket_state[b].applied_step.load(), 2u);
+  }
+  EXPECT_EQ(job->Info().engine.updates, 4u);
+}
+
+TEST_F(StepEngineTest, ParameterWithoutGradientIsLeftAlone) {
+  auto job = MakeJob();
+  auto clients = StartJob(*job);
+  RankClient& client = *clients[0];
+  AdamWReference reference(job->spec());
+  client.SetHParams(1, TestHParams());
+  client.SetGradients(1);
+  client.view().presence[1] = 0;  // "b" got no gradient this step: no decay, no step count
+  for (uint32_t b = 0; b < client.buckets(); ++b) client.SendGradReady(b, 1);
+  client.ExpectParamsReady(1);
+  reference.Step(1, TestHParams(), {true, false});
+  reference.ExpectMatches(client);
+  EXPECT_EQ(client.state().param_state[0].step, 1u);
+  EXPECT_EQ(client.state().param_state[1].step, 0u);
+}
+
+// A client that has PARAMS_READY of every bucket of step t reads completed_step == t (the state segment is
+// the client's record of progress). Many short steps with a client that busy-polls its completion ring
+// while another thread sleeps on its doorbell (so every push is followed by a futex wake-up): a store
+// that comes after the last PARAMS_READY is then seen late in most steps.
+TEST_F(StepEngineTest, CompletedStepIsPublishedWithTheLastParamsReady) {
+  auto job = MakeJob();
+  auto clients = StartJob(*job);
+  RankClient& client = *clients[0];
+  std::jthread sleeper([&](const std::stop_token& stop) {
+    shm::Doorbell& doorbell = client.view().header->completion_doorbell;
+    while (!stop.stop_requested()) doorbell.Wait(doorbell.Seq(), 1ms);
+  });
+  int stale = 0;
+  for (uint64_t step = 1; step <= 200; ++step) {
+    client.DeliverStep(step, TestHParams(1e-3));
+    uint32_t ready = 0;
+    const auto deadline = std::chrono::steady_clock::now() + kReplyTimeout;
+    while (ready < client.buckets() && std::chrono::steady_clock::now() < deadline) {
+      if (std::optional<Message> message = client.Poll()) ready += message->kind == MessageKind::kParamsReady;
+    }
+    ASSERT_EQ(ready, client.buckets()) << "step " << step;
+    if (client.state().header->completed_step.load() != step) ++stale;
+  }
+  EXPECT_EQ(stale, 0) << "completed_step lagged behind the last PARAMS_READY in " << stale << " of 200 steps";
+}
+
+TEST_F(StepEngineTest, AttachingATakenRankFailsWithAlreadyExists) {
+  auto job = MakeJob();
+  RankClient client(*job, 0);
+  TS_EXPECT_ERROR(job->Attach(0, std::make_shared<RecordingSink>()), Code::kAlreadyExists, "rank 0");
+  TS_EXPECT_ERROR(job->Attach(1, std::make_shared<RecordingSink>()), Code::kInvalidArgument, "rank 1");
+  EXPECT_EQ(job->attached_ranks(), 1u);
+}
+
+TEST_F(StepEngineTest, DetachThenReattachResumesFromTheKeptState) {
+  auto job = MakeJob();
+  auto clients = StartJob(*job);
+  AdamWReference reference(job->spec());
+  RunStep(clients, 1, TestHParams());
+  reference.Step(1, TestHParams());
+
+  clients[0]->Reattach();
+  EXPECT_TRUE(clients[0]->attachment().initialized);
+  EXPECT_EQ(clients[0]->attachment().completed_step, 1u);
+  EXPECT_EQ(job->attached_ranks(), 1u);
+  RunStep(clients, 2, TestHParams());
+  reference.Step(2, TestHParams());  // moments and step counts survived the detach
+  reference.ExpectMatches(*clients[0]);
+}
+
+TEST_F(StepEngineTest, TwoRanksWaitForBothAndAverageTheirGradients) {
+  auto job = MakeJob(/*world_size=*/2);
+  auto clients = StartJob(*job);
+  AdamWReference reference(job->spec());
+  clients[0]->DeliverStep(1, TestHParams());
+  clients[0]->ExpectNoCompletion(200ms);
+  clients[1]->ExpectNoCompletion(0ms);
+  AdamWReference(job->spec()).ExpectMatches(*clients[0]);  // still the initial weights
+  clients[1]->DeliverStep(1, TestHParams());
+  clients[0]->ExpectParamsReady(1);
+  clients[1]->ExpectParamsReady(1);
+  reference.Step(1, TestHParams());
+  reference.ExpectMatches(*clients[0]);
+  reference.ExpectMatches(*clients[1]);
+}
+
+// A rank that detaches and re-attaches while an update that read its old gradients is still queued: the
+// old rank segment is released when that update finishes, and must not take the new segment's name along.
+TEST_F(StepEngineTest, ReattachDuringAnInFlightUpdateKeepsTheNewRankSegment) {
+  WorkerPool single(1, false);
+  Job job("job", static_cast<uint32_t>(getuid()), TwoParamSpec(1), 7, single);
+  std::vector<std::unique_ptr<RankClient>> clients;
+  clients.push_back(std::make_unique<RankClient>(job, 0));
+  clients[0]->LoadInitialState();
+  clients[0]->ExpectParamsReady(0);
+
+  std::latch started(1);
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  single.Submit(1, [&](size_t) { started.count_down(); released.wait(); }, [] {}, 1000);
+  started.wait();  // the only worker is busy: the update below stays queued
+  clients[0]->DeliverStep(1, TestHParams());
+  const shm::RingHeader* requests = clients[0]->view().request_ring;
+  ASSERT_TRUE(trainstream::testing::PollUntil([&] { return requests->tail.load() == requests->head.load(); }));
+
+  clients[0]->Reattach();
+  const std::string name = clients[0]->attachment().rank_segment;
+  release.set_value();
+  clients[0]->ExpectParamsReady(1);
+  std::this_thread::sleep_for(100ms);
+  EXPECT_TRUE(shm::Segment::Exists(name)) << "the re-attached rank's segment " << name << " was unlinked";
+  EXPECT_NO_THROW(shm::Segment::Open(name));
+}
+
+// One protocol violation: what rank 0 does wrong, and what the failure message must mention.
+struct Violation {
+  std::string label;
+  uint32_t world_size;
+  std::function<void(RankClient&)> act;
+  std::string needle;
+};
+
+void PrintTo(const Violation& violation, std::ostream* os) { *os << violation.label; }
+
+class ProtocolViolation : public StepEngineTest, public ::testing::WithParamInterface<Violation> {};
+
+TEST_P(ProtocolViolation, FailsOnlyTheOffendingSession) {
+  const Violation& violation = GetParam();
+  auto bystander_job = MakeJob(1, "bystander");
+  auto bystanders = StartJob(*bystander_job);
+  auto job = MakeJob(violation.world_size, "offended");
+  auto clients = StartJob(*job);
+
+  violation.act(*clients[0]);
+  const std::optional<std::string> failure = clients[0]->sink().WaitForFailure();
+  ASSERT_TRUE(failure.has_value()) << "no Fail() for " << violation.label;
+  EXPECT_NE(failure->find(violation.needle), std::string::npos)
+      << "failure '" << *failure << "' does not mention '" << violation.needle << "'";
+  for (size_t r = 1; r < clients.size(); ++r) EXPECT_TRUE(clients[r]->sink().failures().empty());
+
+  // Another job on the same pool keeps working.
+  AdamWReference bystander_reference(bystander_job->spec());
+  RunStep(bystanders, 1, TestHParams());
+  bystander_reference.Step(1, TestHParams());
+  bystander_reference.ExpectMatches(*bystanders[0]);
+  EXPECT_TRUE(bystanders[0]->sink().failures().empty());
+
+  // The offended job serves the rank again once it re-attaches, from the state before the violation.
+  clients[0]->Reattach();
+  AdamWReference reference(job->spec());
+  RunStep(clients, 1, TestHParams());
+  reference.Step(1, TestHParams());
+  reference.ExpectMatches(*clients[0]);
+  EXPECT_TRUE(clients[0]->sink().failures().empty());
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    StepEngine, ProtocolViolation,
+    ::testing::Values(
+        Violation{"BucketOutOfRange", 1, [](RankClient& c) { c.SendGradReady(99, 1); }, "bucket 99"},
+        Violation{"WrongStep", 1, [](RankClient& c) { c.SendGradReady(0, 5); }, "step 5"},
+        Violation{"DuplicateDelivery", 2,
+                  [](RankClient& c) {
+                    c.SetHParams(1, TestHParams());
+                    c.SendGradReady(0, 1);
+                    c.SendGradReady(0, 1);
+                  },
+                  "twice"},
+        Violation{"FinalFlagMissing", 1,
+                  [](RankClient& c) {
+                    c.Send(Message{.kind = MessageKind::kGradReady, .flags = 0, .bucket = 0, .step = 1, .micro = 0});
+                  },
+                  "final"},
+        Violation{"UnknownKind", 1, [](RankClient& c) { c.Send(Message{.kind = static_cast<MessageKind>(99)}); },
+                  "kind 99"},
+        Violation{"NegativeLearningRate", 1,
+                  [](RankClient& c) {
+                    c.SetHParams(1, TestHParams(-1));
+                    c.SetGradients(1);
+                    c.SendGradReady(0, 1);
+                  },
+                  "lr=-1"}),
+    [](const ::testing::TestParamInfo<Violation>& info) { return info.param.label; });
+
+}  // namespace
+}  // namespace trainstream::daemon

@@ -1,0 +1,316 @@
+// Tests of the job layout (shm/job_layout.h): bucketing rules, alignment and non-overlap of every
+// region, the spec hash, spec validation, and the state/rank segment headers.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "shm/error.h"
+#include "shm/job_layout.h"
+#include "shm/segment.h"
+#include "tests/cpp/shm/test_support.h"
+
+namespace trainstream::shm {
+namespace {
+
+using trainstream::testing::ScopedSegmentName;
+
+ParamSpec Param(std::string name, std::vector<int64_t> shape, DType dtype = DType::kFloat32, uint32_t group = 0) {
+  return ParamSpec{.name = std::move(name), .shape = std::move(shape), .dtype = dtype, .group = group};
+}
+
+// A spec of `count` fp32 parameters of `numel` elements each.
+LayoutSpec UniformSpec(size_t count, int64_t numel, uint64_t bucket_bytes) {
+  LayoutSpec spec;
+  for (size_t i = 0; i < count; ++i) spec.params.push_back(Param("p" + std::to_string(i), {numel}));
+  spec.bucket_bytes = bucket_bytes;
+  return spec;
+}
+
+// A varied spec: mixed dtypes, odd sizes, a scalar, an empty tensor, a parameter larger than a bucket.
+LayoutSpec MixedSpec() {
+  LayoutSpec spec;
+  spec.num_groups = 2;
+  spec.bucket_bytes = 4096;
+  spec.accumulation_steps = 4;
+  spec.moment_dtype = DType::kBFloat16;
+  spec.params = {Param("embed", {50, 33}, DType::kBFloat16, 0),
+                 Param("w1", {17, 3}, DType::kFloat32, 1),
+                 Param("scalar", {}, DType::kFloat32, 0),
+                 Param("empty", {0, 5}, DType::kFloat32, 1),
+                 Param("big", {3000}, DType::kFloat32, 0),
+                 Param("b1", {7}, DType::kBFloat16, 1),
+                 Param("h", {2, 2, 255}, DType::kFloat16, 0),
+                 Param("w2", {999}, DType::kFloat32, 1)};
+  return spec;
+}
+
+using Range = std::pair<uint64_t, uint64_t>;  // [begin, end)
+
+void ExpectDisjoint(std::vector<Range> ranges, const std::string& what) {
+  std::sort(ranges.begin(), ranges.end());
+  for (size_t i = 1; i < ranges.size(); ++i) {
+    EXPECT_LE(ranges[i - 1].second, ranges[i].first) << what << " overlap";
+  }
+}
+
+void ExpectRegionsAlignedDisjointInside(const std::vector<Range>& regions, uint64_t header_bytes, uint64_t total,
+                                        const std::string& what) {
+  for (const auto& [begin, end] : regions) {
+    EXPECT_EQ(begin % kAlign, 0u) << what << " region at " << begin << " is not 64-byte aligned";
+    EXPECT_GE(begin, header_bytes) << what << " region overlaps the header";
+    EXPECT_LE(end, total) << what << " region ends past the segment";
+  }
+  ExpectDisjoint(regions, what + " regions");
+}
+
+// Every structural invariant of a layout, checked for any spec.
+void ExpectConsistent(const LayoutSpec& spec, const JobLayout& layout) {
+  ASSERT_EQ(layout.params.size(), spec.params.size());
+  std::vector<int> seen(spec.params.size(), 0);
+  std::vector<Range> bucket_elems, uploads;
+  for (size_t b = 0; b < layout.buckets.size(); ++b) {
+    const BucketLayout& bucket = layout.buckets[b];
+    EXPECT_FALSE(bucket.params.empty()) << "bucket " << b;
+    std::vector<Range> param_elems;
+    for (uint32_t p : bucket.params) {
+      ++seen[p];
+      const ParamLayout& param = layout.params[p];
+      EXPECT_EQ(param.bucket, b);
+      EXPECT_EQ(spec.params[p].dtype, bucket.dtype) << "bucket " << b << " mixes dtypes";
+      EXPECT_EQ(param.numel, spec.params[p].numel());
+      EXPECT_EQ(param.offset_in_bucket * SizeOf(bucket.dtype) % kAlign, 0u) << "param " << p << " unaligned";
+      EXPECT_LE(param.offset_in_bucket + param.numel, bucket.numel) << "param " << p << " outside its bucket";
+      param_elems.emplace_back(param.offset_in_bucket, param.offset_in_bucket + param.numel);
+    }
+    ExpectDisjoint(param_elems, "params of bucket " + std::to_string(b));
+    EXPECT_EQ(bucket.elem_offset * sizeof(float) % kAlign, 0u);
+    EXPECT_EQ(bucket.elem_offset * 2 % kAlign, 0u);  // bf16 moments too
+    EXPECT_LE(bucket.elem_offset + bucket.numel, layout.total_elems);
+    bucket_elems.emplace_back(bucket.elem_offset, bucket.elem_offset + bucket.numel);
+    EXPECT_EQ(bucket.upload_offset % kAlign, 0u);
+    EXPECT_EQ(bucket.grad_offset % kAlign, 0u);
+    EXPECT_LE(bucket.upload_offset + bucket.bytes(), layout.upload_bytes);
+    EXPECT_LE(bucket.grad_offset + bucket.bytes(), layout.grad_bytes);
+    uploads.emplace_back(bucket.upload_offset, bucket.upload_offset + bucket.bytes());
+  }
+  for (size_t p = 0; p < seen.size(); ++p) EXPECT_EQ(seen[p], 1) << "param " << p << " is in " << seen[p] << " buckets";
+  ExpectDisjoint(bucket_elems, "bucket element ranges");
+  ExpectDisjoint(uploads, "bucket upload ranges");
+
+  const uint64_t moment_bytes = layout.total_elems * SizeOf(spec.moment_dtype);
+  std::vector<Range> state = {
+      {layout.param_state_offset, layout.param_state_offset + sizeof(ParamState) * spec.params.size()},
+      {layout.bucket_state_offset, layout.bucket_state_offset + sizeof(BucketState) * layout.buckets.size()},
+      {layout.master_offset, layout.master_offset + layout.total_elems * sizeof(float)},
+      {layout.exp_avg_offset, layout.exp_avg_offset + moment_bytes},
+      {layout.exp_avg_sq_offset, layout.exp_avg_sq_offset + moment_bytes},
+      {layout.upload_offset, layout.upload_offset + layout.upload_bytes}};
+  if (spec.accumulation_steps > 1) {
+    state.emplace_back(layout.accum_offset, layout.accum_offset + layout.total_elems * sizeof(float));
+  }
+  ExpectRegionsAlignedDisjointInside(state, sizeof(StateHeader), layout.state_bytes, "state");
+  const std::vector<Range> rank = {
+      {layout.request_ring_offset, layout.request_ring_offset + RingBytes(kRingCapacity)},
+      {layout.completion_ring_offset, layout.completion_ring_offset + RingBytes(kRingCapacity)},
+      {layout.hparams_offset, layout.hparams_offset + sizeof(HParams) * 2 * spec.num_groups},
+      {layout.presence_offset, layout.presence_offset + spec.params.size()},
+      {layout.grads_offset, layout.grads_offset + layout.grad_bytes}};
+  ExpectRegionsAlignedDisjointInside(rank, sizeof(RankHeader), layout.rank_bytes, "rank");
+}
+
+// Bytes of a bucket's real content: up to the end of its last parameter.
+uint64_t UsedBytes(const JobLayout& layout, const BucketLayout& bucket) {
+  uint64_t end = 0;
+  for (uint32_t p : bucket.params) end = std::max(end, layout.params[p].offset_in_bucket + layout.params[p].numel);
+  return end * SizeOf(bucket.dtype);
+}
+
+TEST(ComputeLayout, BucketsFollowReverseRegistrationOrder) {
+  const JobLayout one = ComputeLayout(UniformSpec(3, 100, 1 << 20));
+  ASSERT_EQ(one.buckets.size(), 1u);
+  EXPECT_EQ(one.buckets[0].params, (std::vector<uint32_t>{2, 1, 0}));
+
+  const JobLayout each = ComputeLayout(UniformSpec(3, 1000, 4096));  // 4000 bytes: one per bucket
+  ASSERT_EQ(each.buckets.size(), 3u);
+  for (uint32_t b = 0; b < 3; ++b) EXPECT_EQ(each.buckets[b].params, (std::vector<uint32_t>{2 - b}));
+  EXPECT_LT(each.buckets[0].elem_offset, each.buckets[1].elem_offset);
+}
+
+TEST(ComputeLayout, OneDtypePerBucket) {
+  LayoutSpec spec;
+  for (int i = 0; i < 6; ++i) {
+    spec.params.push_back(Param("p" + std::to_string(i), {10}, i % 2 == 0 ? DType::kFloat32 : DType::kBFloat16));
+  }
+  const JobLayout layout = ComputeLayout(spec);
+  ASSERT_EQ(layout.buckets.size(), 2u);
+  EXPECT_EQ(layout.buckets[0].dtype, DType::kBFloat16);  // the last parameter's dtype opens the first bucket
+  EXPECT_EQ(layout.buckets[0].params, (std::vector<uint32_t>{5, 3, 1}));
+  EXPECT_EQ(layout.buckets[1].params, (std::vector<uint32_t>{4, 2, 0}));
+  ExpectConsistent(spec, layout);
+}
+
+TEST(ComputeLayout, BucketSizeLimitIsRespected) {
+  const LayoutSpec spec = UniformSpec(40, 300, 4096);  // 1200 bytes each, padded to 1216: three per bucket
+  const JobLayout layout = ComputeLayout(spec);
+  ASSERT_EQ(layout.buckets.size(), 14u);
+  for (size_t b = 0; b < layout.buckets.size(); ++b) {
+    EXPECT_LE(UsedBytes(layout, layout.buckets[b]), spec.bucket_bytes);
+    // Filled as far as the limit allows; the last one takes the remaining parameter.
+    EXPECT_EQ(layout.buckets[b].params.size(), b + 1 < layout.buckets.size() ? 3u : 1u) << "bucket " << b;
+  }
+  ExpectConsistent(spec, layout);
+}
+
+TEST(ComputeLayout, ParameterLargerThanABucketGetsItsOwnBucket) {
+  LayoutSpec spec = UniformSpec(4, 100, 4096);
+  spec.params.insert(spec.params.begin() + 2, Param("huge", {5000}));  // 20000 bytes
+  const JobLayout layout = ComputeLayout(spec);
+  const BucketLayout& own = layout.buckets[layout.params[2].bucket];
+  EXPECT_EQ(own.params, (std::vector<uint32_t>{2}));
+  EXPECT_GE(own.bytes(), 20000u);
+  for (uint32_t p : {0u, 1u, 3u, 4u}) EXPECT_NE(layout.params[p].bucket, layout.params[2].bucket);
+  ExpectConsistent(spec, layout);
+}
+
+TEST(ComputeLayout, EveryRegionIsAlignedDisjointAndInside) {
+  for (const LayoutSpec& spec : {MixedSpec(), UniformSpec(1, 1, 4096), UniformSpec(100, 33, 1 << 16)}) {
+    SCOPED_TRACE(spec.params.size());
+    ExpectConsistent(spec, ComputeLayout(spec));
+  }
+}
+
+TEST(ComputeLayout, AccumulatorOnlyWithAccumulation) {
+  LayoutSpec spec = UniformSpec(2, 100, 4096);
+  const JobLayout without = ComputeLayout(spec);
+  spec.accumulation_steps = 2;
+  const JobLayout with = ComputeLayout(spec);
+  EXPECT_GE(with.state_bytes, without.state_bytes + without.total_elems * sizeof(float));
+}
+
+TEST(ComputeLayout, HashIsEqualForEqualSpecs) {
+  EXPECT_EQ(ComputeLayout(MixedSpec()).hash, ComputeLayout(MixedSpec()).hash);
+}
+
+TEST(ComputeLayout, HashChangesWithEveryField) {
+  const std::vector<std::pair<std::string, std::function<void(LayoutSpec&)>>> changes = {
+      {"name", [](LayoutSpec& s) { s.params[1].name = "w1x"; }},
+      {"shape", [](LayoutSpec& s) { s.params[1].shape = {3, 17}; }},
+      {"rank of shape", [](LayoutSpec& s) { s.params[1].shape = {17, 3, 1}; }},
+      {"dtype", [](LayoutSpec& s) { s.params[1].dtype = DType::kBFloat16; }},
+      {"group", [](LayoutSpec& s) { s.params[1].group = 0; }},
+      {"param order", [](LayoutSpec& s) { std::swap(s.params[0], s.params[1]); }},
+      {"num_groups", [](LayoutSpec& s) { s.num_groups = 3; }},
+      {"world_size", [](LayoutSpec& s) { s.world_size = 2; }},
+      {"accumulation_steps", [](LayoutSpec& s) { s.accumulation_steps = 5; }},
+      {"max_grad_norm", [](LayoutSpec& s) { s.max_grad_norm = 1.0; }},
+      {"bucket_bytes", [](LayoutSpec& s) { s.bucket_bytes = 8192; }},
+      {"moment dtype", [](LayoutSpec& s) { s.moment_dtype = DType::kFloat32; }},
+      {"optimizer", [](LayoutSpec& s) { s.optimizer = OptimizerKind::kAdam; }},
+  };
+  const uint64_t base = ComputeLayout(MixedSpec()).hash;
+  for (const auto& [what, change] : changes) {
+    LayoutSpec spec = MixedSpec();
+    change(spec);
+    EXPECT_NE(ComputeLayout(spec).hash, base) << "hash ignores " << what;
+  }
+}
+
+TEST(ComputeLayout, InvalidSpecsAreRejectedNamingTheProblem) {
+  const std::vector<std::tuple<std::string, std::function<void(LayoutSpec&)>, std::string>> cases = {
+      {"no params", [](LayoutSpec& s) { s.params.clear(); }, "no parameters"},
+      {"group out of range", [](LayoutSpec& s) { s.params[1].group = 2; }, "group 2"},
+      {"world_size 0", [](LayoutSpec& s) { s.world_size = 0; }, "world_size"},
+      {"negative dim", [](LayoutSpec& s) { s.params[1].shape = {4, -3}; }, "dimension -3"},
+      {"fp16 moments", [](LayoutSpec& s) { s.moment_dtype = DType::kFloat16; }, "moment dtype"},
+      {"accumulation 0", [](LayoutSpec& s) { s.accumulation_steps = 0; }, "accumulation_steps"},
+      {"max_grad_norm negative", [](LayoutSpec& s) { s.max_grad_norm = -1; }, "max_grad_norm"},
+      {"max_grad_norm NaN", [](LayoutSpec& s) { s.max_grad_norm = std::numeric_limits<double>::quiet_NaN(); },
+       "max_grad_norm"},
+      {"max_grad_norm inf", [](LayoutSpec& s) { s.max_grad_norm = std::numeric_limits<double>::infinity(); },
+       "max_grad_norm"},
+      {"num_groups 0", [](LayoutSpec& s) { s.num_groups = 0; }, "num_groups"},
+      {"tiny buckets", [](LayoutSpec& s) { s.bucket_bytes = 100; }, "bucket_bytes"},
+      {"unknown dtype", [](LayoutSpec& s) { s.params[0].dtype = static_cast<DType>(9); }, "dtype"},
+  };
+  for (const auto& [what, change, needle] : cases) {
+    SCOPED_TRACE(what);
+    LayoutSpec spec = MixedSpec();
+    change(spec);
+    TS_EXPECT_ERROR(ComputeLayout(spec), Code::kInvalidArgument, needle);
+  }
+}
+
+// A segment created and initialized for `layout`, as the daemon does.
+Segment InitializedState(const ScopedSegmentName& name, const JobLayout& layout) {
+  Segment segment = Segment::Create(name.str(), layout.state_bytes);
+  InitStateSegment(segment.data(), layout);
+  return segment;
+}
+
+TEST(SegmentHeaders, StateSegmentAcceptsItsOwnLayoutOnly) {
+  const JobLayout layout = ComputeLayout(MixedSpec());
+  LayoutSpec other_spec = MixedSpec();
+  other_spec.world_size = 2;
+  const JobLayout other = ComputeLayout(other_spec);
+  ScopedSegmentName name;
+  Segment segment = InitializedState(name, layout);
+  EXPECT_NO_THROW(CheckStateSegment(segment.data(), segment.size(), layout));
+  Segment reopened = Segment::Open(name.str());
+  EXPECT_NO_THROW(CheckStateSegment(reopened.data(), reopened.size(), layout));
+  TS_EXPECT_ERROR(CheckStateSegment(segment.data(), segment.size(), other), Code::kInvalidArgument, "layout");
+  TS_EXPECT_ERROR(CheckStateSegment(segment.data(), layout.state_bytes - 64, layout), Code::kInvalidArgument,
+                  "bytes");
+  const auto* header = static_cast<const StateHeader*>(segment.data());
+  EXPECT_EQ(header->completed_step.load(), 0u);
+  EXPECT_EQ(header->initialized, 0u);
+}
+
+TEST(SegmentHeaders, ZeroedMemoryIsNotAStateOrRankSegment) {
+  const JobLayout layout = ComputeLayout(MixedSpec());
+  ScopedSegmentName name;
+  Segment segment = Segment::Create(name.str(), std::max(layout.state_bytes, layout.rank_bytes));
+  TS_EXPECT_ERROR(CheckStateSegment(segment.data(), segment.size(), layout), Code::kInvalidArgument, "format");
+  TS_EXPECT_ERROR(CheckRankSegment(segment.data(), segment.size(), layout, 0), Code::kInvalidArgument, "format");
+}
+
+TEST(SegmentHeaders, RankSegmentAcceptsItsOwnLayoutAndRankOnly) {
+  const JobLayout layout = ComputeLayout(MixedSpec());
+  LayoutSpec other_spec = MixedSpec();
+  other_spec.params[0].name = "renamed";
+  const JobLayout other = ComputeLayout(other_spec);
+  ScopedSegmentName name;
+  Segment segment = Segment::Create(name.str(), layout.rank_bytes);
+  InitRankSegment(segment.data(), layout, 3);
+  EXPECT_NO_THROW(CheckRankSegment(segment.data(), segment.size(), layout, 3));
+  TS_EXPECT_ERROR(CheckRankSegment(segment.data(), segment.size(), layout, 2), Code::kInvalidArgument, "rank");
+  TS_EXPECT_ERROR(CheckRankSegment(segment.data(), segment.size(), other, 3), Code::kInvalidArgument, "layout");
+  TS_EXPECT_ERROR(CheckRankSegment(segment.data(), layout.rank_bytes - 1, layout, 3), Code::kInvalidArgument,
+                  "bytes");
+}
+
+TEST(SegmentHeaders, RankSegmentRingsAreReadyToUse) {
+  const JobLayout layout = ComputeLayout(MixedSpec());
+  ScopedSegmentName name;
+  Segment segment = Segment::Create(name.str(), layout.rank_bytes);
+  InitRankSegment(segment.data(), layout, 0);
+  const RankView view = ViewRank(segment.data(), layout);
+  for (RingHeader* ring : {view.request_ring, view.completion_ring}) {
+    RingProducer producer(ring, &view.header->completion_doorbell);
+    RingConsumer consumer(ring);
+    uint32_t pushed = 0;
+    while (producer.TryPush(Message{.kind = MessageKind::kGradReady, .bucket = pushed})) ++pushed;
+    EXPECT_EQ(pushed, kRingCapacity);
+    Message message;
+    ASSERT_TRUE(consumer.TryPop(&message));
+    EXPECT_EQ(message.bucket, 0u);
+  }
+}
+
+}  // namespace
+}  // namespace trainstream::shm
