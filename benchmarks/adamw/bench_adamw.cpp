@@ -45,12 +45,13 @@ struct Options {
   std::string json;
   bool huge_pages = false;
   bool all_kernels = true;  // also the fp32 baseline with every other supported variant
+  std::string only;         // non-empty: only the update configurations whose name contains it, no norms
 };
 
 [[noreturn]] void Usage(const char* argv0) {
   std::fprintf(stderr,
                "usage: %s [--params N] [--threads T] [--reps R] [--kernel avx512|avx2|portable] [--json FILE]\n"
-               "          [--huge-pages] [--no-all-kernels]\n",
+               "          [--huge-pages] [--no-all-kernels] [--only NAME-SUBSTRING]\n",
                argv0);
   std::exit(2);
 }
@@ -70,6 +71,7 @@ Options Parse(int argc, char** argv) {
     else if (arg == "--json") o.json = value();
     else if (arg == "--huge-pages") o.huge_pages = true;
     else if (arg == "--no-all-kernels") o.all_kernels = false;
+    else if (arg == "--only") o.only = value();
     else Usage(argv[0]);
   }
   if (o.params < 1024 || o.threads == 0 || o.reps < 1) Usage(argv[0]);
@@ -296,6 +298,12 @@ int Run(int argc, char** argv) {
     results.push_back(r);
   };
   std::printf("  %-44s %-8s %10s %17s %13s\n", "AdamW update (one fused pass)", "kernel", "bytes", "params/s", "bandwidth");
+  if (!o.only.empty()) {  // a quick look at some configurations (no json, no norms, no other variants)
+    for (const Config& c : configs) {
+      if (std::string(c.name).find(o.only) != std::string::npos) run_update(kernel, c);
+    }
+    return 0;
+  }
   for (const Config& c : configs) run_update(kernel, c);
   if (o.all_kernels) {
     for (const auto* k : opt::SupportedKernels()) {

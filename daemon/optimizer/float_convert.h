@@ -84,17 +84,43 @@ inline void StoreFromFloat(void* base, size_t i, DType dtype, float value) {
   }
 }
 
-// Counter-based random bits (splitmix64 finalizer): independent per (seed, index), no state.
-// The SIMD kernels vectorize exactly this (with 64-bit lane multiplies); change both or neither.
+// Counter-based random bits: independent per (seed, element index), no state. Two parts:
+//  - a 32-bit key per (seed, high 32 bits of the index): the splitmix64 finalizer, once per range
+//    (and per 2^32-element segment), so every bit of the 64-bit seed and of the index reaches the key;
+//  - per element, the 32-bit "lowbias32" integer hash (C. Wellons' 2-round multiply-xorshift, avalanche
+//    bias ~0.17%) of (low 32 bits of the index * golden32) XOR key. The Weyl multiply spreads adjacent
+//    indices over many bits before hashing; in the SIMD kernels it is one vector add per vector.
+// 32-bit lanes keep the per-element hash at two 32-bit multiplies (vpmulld) instead of two 64-bit ones
+// (vpmullq, 3 uops each on Intel; emulated with 3 vpmuludq on AVX2), which bounded the bf16-moment kernel.
+// The SIMD kernels vectorize exactly this; change both or neither (tests compare them bit for bit).
 inline constexpr uint64_t kRandomGolden = 0x9E3779B97F4A7C15ull;
 inline constexpr uint64_t kRandomMix1 = 0xBF58476D1CE4E5B9ull;
 inline constexpr uint64_t kRandomMix2 = 0x94D049BB133111EBull;
+inline constexpr uint32_t kRandomWeyl = 0x9E3779B9u;  // golden ratio * 2^32, odd
+inline constexpr uint32_t kRandomHash1 = 0x7FEB352Du;
+inline constexpr uint32_t kRandomHash2 = 0x846CA68Bu;
 
-inline uint32_t RandomBits(uint64_t seed, uint64_t index) {
-  uint64_t z = seed + index * kRandomGolden;
+// The key of every element whose index has these high 32 bits.
+inline uint32_t RandomKey(uint64_t seed, uint64_t index_high32) {
+  uint64_t z = seed + index_high32 * kRandomGolden;
   z = (z ^ (z >> 30)) * kRandomMix1;
   z = (z ^ (z >> 27)) * kRandomMix2;
   return static_cast<uint32_t>((z ^ (z >> 31)) >> 16);
+}
+
+// lowbias32 of x ^ key, where x = (low 32 bits of the index) * kRandomWeyl.
+inline uint32_t RandomHash(uint32_t x, uint32_t key) {
+  x ^= key;
+  x ^= x >> 16;
+  x *= kRandomHash1;
+  x ^= x >> 15;
+  x *= kRandomHash2;
+  x ^= x >> 16;
+  return x;
+}
+
+inline uint32_t RandomBits(uint64_t seed, uint64_t index) {
+  return RandomHash(static_cast<uint32_t>(index) * kRandomWeyl, RandomKey(seed, index >> 32));
 }
 
 // One RandomBits(seed, element) serves both moments of an element: its low 16 bits round exp_avg, its

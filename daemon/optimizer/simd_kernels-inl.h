@@ -11,9 +11,9 @@
 //    both the AVX2 and the AVX-512 variants of this body run at the same bandwidth as the STREAM
 //    triad, and the portable (auto-vectorized) build already reaches most of it on fp32-only paths.
 //    Highway would generate the same instructions; it cannot beat the roofline.
-//  - Where instruction choice matters (bf16 stochastic rounding: a 64-bit-multiply hash per element and
-//    per moment), Highway 1.0.3 (Debian 12) has no portable fast path either; we want explicit control
-//    (vpmullq on AVX-512, three vpmuludq on AVX2) and bit-exact integer RNE/SR conversions (Highway's
+//  - Where instruction choice matters (bf16 stochastic rounding: a 32-bit multiply-xorshift hash per
+//    element, packing two vectors of bf16 into one store), we want explicit control (vpmulld, vpermt2w)
+//    and bit-exact integer RNE/SR conversions (Highway's
 //    and avx512_bf16's f32->bf16 demotions differ from torch for NaN payloads / denormals).
 //  - No new build or runtime dependency on the GPU machine's sysroot (libhwy is not there).
 //  - ARM stays reachable: the portable variant auto-vectorizes with NEON today, and a NEON/SVE variant is
@@ -81,56 +81,139 @@ inline size_t StreamPeel(const void* upload, size_t n, bool* stream) {
   }
 }
 
-// Stores exp_avg and exp_avg_sq; bf16 with stochastic rounding from one hash per element (float_convert.h).
-template <class Ops, DType kMoment>
-inline void StoreMomentsV(void* exp_avg, void* exp_avg_sq, size_t i, typename Ops::F m, typename Ops::F v, uint64_t seed,
-                          uint64_t index) {
-  if constexpr (kMoment == DType::kFloat32) {
-    Ops::StoreF32(static_cast<float*>(exp_avg) + i, m);
-    Ops::StoreF32(static_cast<float*>(exp_avg_sq) + i, v);
+// The vector constants of one update.
+template <class Ops>
+struct StepVectors {
+  using F = typename Ops::F;
+  F decay, weight_decay, one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps;
+  explicit StepVectors(const StepConstants& c)
+      : decay(Ops::Set(c.decay)),
+        weight_decay(Ops::Set(c.weight_decay)),
+        one_minus_beta1(Ops::Set(c.one_minus_beta1)),
+        beta2(Ops::Set(c.beta2)),
+        one_minus_beta2(Ops::Set(c.one_minus_beta2)),
+        step_size(Ops::Set(c.step_size)),
+        bc2_sqrt(Ops::Set(c.bc2_sqrt)),
+        eps(Ops::Set(c.eps)) {}
+};
+
+// The math of one vector of elements at i: UpdateElement's operations in its order. Stores master; returns
+// the new p, m, v for the caller to store.
+template <class Ops, DType kG, DType kM, bool kD>
+inline void UpdateMath(const GradSources& grads, const void* const* slots, size_t ranks, const StepVectors<Ops>& k,
+                       float* master, const MomentBuffers& moments, size_t i, typename Ops::F* p_out,
+                       typename Ops::F* m_out, typename Ops::F* v_out) {
+  using F = typename Ops::F;
+  F g = GradV<Ops, kG>(grads, slots, ranks, i);
+  F p = Ops::LoadF32(master + i);
+  if constexpr (kD) {
+    p = Ops::Mul(p, k.decay);
   } else {
-    const auto random = Ops::Random32(seed + index * kRandomGolden, kRandomGolden, kRandomMix1, kRandomMix2);
-    Ops::StoreBF16Stochastic(static_cast<uint16_t*>(exp_avg) + i, m, Ops::Low16(random));
-    Ops::StoreBF16Stochastic(static_cast<uint16_t*>(exp_avg_sq) + i, v, Ops::High16(random));
+    g = Ops::Add(g, Ops::Mul(k.weight_decay, p));
   }
+  F m = LoadV<Ops, kM>(moments.exp_avg, i);
+  F v = LoadV<Ops, kM>(moments.exp_avg_sq, i);
+  m = Ops::Add(m, Ops::Mul(k.one_minus_beta1, Ops::Sub(g, m)));
+  v = Ops::Add(Ops::Mul(v, k.beta2), Ops::Mul(Ops::Mul(k.one_minus_beta2, g), g));
+  const F denom = Ops::Add(Ops::Div(Ops::Sqrt(v), k.bc2_sqrt), k.eps);
+  p = Ops::Sub(p, Ops::Mul(k.step_size, Ops::Div(m, denom)));
+  Ops::StoreF32(master + i, p);
+  *p_out = p, *m_out = m, *v_out = v;
+}
+
+// fp32 moments: one vector per iteration.
+template <class Ops, DType kG, UploadKind kU, bool kD>
+size_t UpdateVectorsF32(const GradSources& grads, const StepVectors<Ops>& k, float* master, const MomentBuffers& moments,
+                        const Upload& upload, size_t i, size_t end, bool stream) {
+  using F = typename Ops::F;
+  const void* const* slots = grads.slots.data();
+  const size_t ranks = grads.slots.size();
+  for (; i + Ops::kLanes <= end; i += Ops::kLanes) {
+    F p, m, v;
+    UpdateMath<Ops, kG, DType::kFloat32, kD>(grads, slots, ranks, k, master, moments, i, &p, &m, &v);
+    Ops::StoreF32(static_cast<float*>(moments.exp_avg) + i, m);
+    Ops::StoreF32(static_cast<float*>(moments.exp_avg_sq) + i, v);
+    StoreUploadV<Ops, kU>(upload.data, i, p, stream);
+  }
+  return i;
+}
+
+// bf16 moments with stochastic rounding, for elements [i, end) whose global indices share their high 32
+// bits (key = RandomKey of them): two vectors per iteration, so each bf16 stream is one full-width store
+// (one word permute packs two vectors), then at most one single vector. One hash per element.
+template <class Ops, DType kG, UploadKind kU, bool kD>
+size_t UpdateVectorsBF16(const GradSources& grads, const StepVectors<Ops>& k, float* master,
+                         const MomentBuffers& moments, const Upload& upload, size_t i, size_t end, bool stream,
+                         uint32_t key) {
+  using F = typename Ops::F;
+  using I = typename Ops::I;
+  constexpr size_t kLanes = Ops::kLanes;
+  const void* const* slots = grads.slots.data();
+  const size_t ranks = grads.slots.size();
+  auto* exp_avg = static_cast<uint16_t*>(moments.exp_avg);
+  auto* exp_avg_sq = static_cast<uint16_t*>(moments.exp_avg_sq);
+  const I key_v = Ops::SetI(key), h1 = Ops::SetI(kRandomHash1), h2 = Ops::SetI(kRandomHash2);
+  const I step = Ops::SetI(static_cast<uint32_t>(kLanes) * kRandomWeyl);
+  I counter = Ops::WeylCounter(static_cast<uint32_t>(moments.element_base + i) * kRandomWeyl, kRandomWeyl);
+  for (; i + 2 * kLanes <= end; i += 2 * kLanes) {
+    F p0, m0, v0, p1, m1, v1;
+    UpdateMath<Ops, kG, DType::kBFloat16, kD>(grads, slots, ranks, k, master, moments, i, &p0, &m0, &v0);
+    UpdateMath<Ops, kG, DType::kBFloat16, kD>(grads, slots, ranks, k, master, moments, i + kLanes, &p1, &m1, &v1);
+    const I r0 = Ops::Hash(counter, key_v, h1, h2);
+    counter = Ops::AddI(counter, step);
+    const I r1 = Ops::Hash(counter, key_v, h1, h2);
+    counter = Ops::AddI(counter, step);
+    Ops::StoreHigh16x2(exp_avg + i, Ops::StochasticWord(m0, Ops::Low16(r0)), Ops::StochasticWord(m1, Ops::Low16(r1)));
+    Ops::StoreHigh16x2(exp_avg_sq + i, Ops::StochasticWord(v0, Ops::High16(r0)),
+                       Ops::StochasticWord(v1, Ops::High16(r1)));
+    if constexpr (kU == UploadKind::kBFloat16) {
+      uint16_t* up = static_cast<uint16_t*>(upload.data) + i;
+      const I w0 = Ops::NearestWord(p0), w1 = Ops::NearestWord(p1);
+      stream ? Ops::StreamHigh16x2(up, w0, w1) : Ops::StoreHigh16x2(up, w0, w1);
+    } else {
+      StoreUploadV<Ops, kU>(upload.data, i, p0, stream);
+      StoreUploadV<Ops, kU>(upload.data, i + kLanes, p1, stream);
+    }
+  }
+  if (i + kLanes <= end) {
+    F p, m, v;
+    UpdateMath<Ops, kG, DType::kBFloat16, kD>(grads, slots, ranks, k, master, moments, i, &p, &m, &v);
+    const I r = Ops::Hash(counter, key_v, h1, h2);
+    Ops::StoreHigh16(exp_avg + i, Ops::StochasticWord(m, Ops::Low16(r)));
+    Ops::StoreHigh16(exp_avg_sq + i, Ops::StochasticWord(v, Ops::High16(r)));
+    StoreUploadV<Ops, kU>(upload.data, i, p, stream);
+    i += kLanes;
+  }
+  return i;
 }
 
 template <class Ops, DType kG, DType kM, UploadKind kU, bool kD>
 void UpdateRange(const GradSources& grads, const StepConstants& c, float* master, const MomentBuffers& moments,
                  const Upload& upload, size_t n) {
-  using F = typename Ops::F;
-  constexpr size_t kLanes = Ops::kLanes;
   bool stream = false;
   const size_t peel = StreamPeel<Ops, kU>(upload.data, n, &stream);
+  const bool fence = stream;
   size_t i = 0;
   for (; i < peel; ++i) UpdateElement<kG, kM, kU, kD>(grads, c, master, moments, upload, i);
-
-  const void* const* slots = grads.slots.data();
-  const size_t ranks = grads.slots.size();
-  const F decay = Ops::Set(c.decay), weight_decay = Ops::Set(c.weight_decay);
-  const F one_minus_beta1 = Ops::Set(c.one_minus_beta1), beta2 = Ops::Set(c.beta2);
-  const F one_minus_beta2 = Ops::Set(c.one_minus_beta2), step_size = Ops::Set(c.step_size);
-  const F bc2_sqrt = Ops::Set(c.bc2_sqrt), eps = Ops::Set(c.eps);
-  for (; i + kLanes <= n; i += kLanes) {
-    F g = GradV<Ops, kG>(grads, slots, ranks, i);
-    F p = Ops::LoadF32(master + i);
-    if constexpr (kD) {
-      p = Ops::Mul(p, decay);
-    } else {
-      g = Ops::Add(g, Ops::Mul(weight_decay, p));
+  const StepVectors<Ops> k(c);
+  if constexpr (kM == DType::kFloat32) {
+    i = UpdateVectorsF32<Ops, kG, kU, kD>(grads, k, master, moments, upload, i, n, stream);
+  } else {
+    // The hash key changes where the global index crosses a multiple of 2^32: one segment per key (in
+    // practice one). A segment's scalar tail can leave the upload unaligned: no streaming after it.
+    while (true) {
+      const uint64_t index = moments.element_base + i;
+      const uint64_t to_boundary = (uint64_t{1} << 32) - (index & 0xFFFFFFFFu);
+      const size_t end = to_boundary < n - i ? i + static_cast<size_t>(to_boundary) : n;
+      i = UpdateVectorsBF16<Ops, kG, kU, kD>(grads, k, master, moments, upload, i, end, stream,
+                                             RandomKey(c.sr_seed, index >> 32));
+      if (end == n) break;
+      for (; i < end; ++i) UpdateElement<kG, kM, kU, kD>(grads, c, master, moments, upload, i);
+      stream = false;
     }
-    F m = LoadV<Ops, kM>(moments.exp_avg, i);
-    F v = LoadV<Ops, kM>(moments.exp_avg_sq, i);
-    m = Ops::Add(m, Ops::Mul(one_minus_beta1, Ops::Sub(g, m)));
-    v = Ops::Add(Ops::Mul(v, beta2), Ops::Mul(Ops::Mul(one_minus_beta2, g), g));
-    const F denom = Ops::Add(Ops::Div(Ops::Sqrt(v), bc2_sqrt), eps);
-    p = Ops::Sub(p, Ops::Mul(step_size, Ops::Div(m, denom)));
-    Ops::StoreF32(master + i, p);
-    StoreMomentsV<Ops, kM>(moments.exp_avg, moments.exp_avg_sq, i, m, v, c.sr_seed, moments.element_base + i);
-    StoreUploadV<Ops, kU>(upload.data, i, p, stream);
   }
   for (; i < n; ++i) UpdateElement<kG, kM, kU, kD>(grads, c, master, moments, upload, i);
-  if (stream) Ops::StreamFence();  // streamed stores are weakly ordered: publish before completion
+  if (fence) Ops::StreamFence();  // streamed stores are weakly ordered: publish before completion
 }
 
 template <class Ops>

@@ -1,7 +1,6 @@
 // The vector operations the SIMD kernel body (simd_kernels-inl.h) needs, for AVX2 + F16C: 8 fp32
 // lanes. Include only from a translation unit compiled with -mavx2 -mf16c. Same bit-exact conversions
-// as simd_ops_avx512.h; 64-bit lane multiplies (for the stochastic-rounding hash) are emulated with
-// three 32x32->64 multiplies.
+// as simd_ops_avx512.h.
 #pragma once
 
 // GCC 12's AVX-512 headers trip -Wuninitialized on their own _mm512_undefined_* (GCC bug 105593, fixed in
@@ -63,39 +62,48 @@ struct Avx2Ops {
     _mm_stream_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
 
-  static __m256i MulLo64(__m256i a, __m256i b_lo, __m256i b_hi) {  // a * b mod 2^64, b split in 32-bit halves
-    const __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a, 32), b_lo), _mm256_mul_epu32(a, b_hi));
-    return _mm256_add_epi64(_mm256_mul_epu32(a, b_lo), _mm256_slli_epi64(cross, 32));
+  // ---- bf16 stochastic rounding of the moments (float_convert.h), on 32-bit "words" (bf16 in the high half).
+  using I = __m256i;
+  static I WeylCounter(uint32_t c0_times_weyl, uint32_t weyl) {
+    const I lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(c0_times_weyl)),
+                            _mm256_mullo_epi32(lanes, _mm256_set1_epi32(static_cast<int>(weyl))));
   }
-
-  // RandomBits(seed, index0 + k) for lanes k = 0..7, given z0 = seed + index0 * golden.
-  static __m256i Random32(uint64_t z0, uint64_t golden, uint64_t mix1, uint64_t mix2) {
-    auto ll = [](uint64_t x) { return static_cast<long long>(x); };
-    const __m256i z_lo = _mm256_setr_epi64x(ll(z0), ll(z0 + golden), ll(z0 + 2 * golden), ll(z0 + 3 * golden));
-    const __m256i z_hi = _mm256_add_epi64(z_lo, _mm256_set1_epi64x(ll(4 * golden)));
-    const __m256i m1_lo = _mm256_set1_epi64x(ll(mix1 & 0xFFFFFFFFu)), m1_hi = _mm256_set1_epi64x(ll(mix1 >> 32));
-    const __m256i m2_lo = _mm256_set1_epi64x(ll(mix2 & 0xFFFFFFFFu)), m2_hi = _mm256_set1_epi64x(ll(mix2 >> 32));
-    auto mix = [&](__m256i z) {
-      z = MulLo64(_mm256_xor_si256(z, _mm256_srli_epi64(z, 30)), m1_lo, m1_hi);
-      z = MulLo64(_mm256_xor_si256(z, _mm256_srli_epi64(z, 27)), m2_lo, m2_hi);
-      return _mm256_srli_epi64(_mm256_xor_si256(z, _mm256_srli_epi64(z, 31)), 16);
-    };
-    // Gather the low 32 bits of the 8 64-bit lanes, in order.
-    const __m256 packed = _mm256_shuffle_ps(_mm256_castsi256_ps(mix(z_lo)), _mm256_castsi256_ps(mix(z_hi)),
-                                            _MM_SHUFFLE(2, 0, 2, 0));  // lo0 lo1 hi0 hi1 | lo2 lo3 hi2 hi3
-    return _mm256_permute4x64_epi64(_mm256_castps_si256(packed), _MM_SHUFFLE(3, 1, 2, 0));
+  static I SetI(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }
+  static I AddI(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I Hash(I x, I key, I h1, I h2) {
+    x = _mm256_xor_si256(x, key);
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    x = _mm256_mullo_epi32(x, h1);
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+    x = _mm256_mullo_epi32(x, h2);
+    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
   }
-  static __m256i Low16(__m256i bits) { return _mm256_and_si256(bits, _mm256_set1_epi32(0xFFFF)); }
-  static __m256i High16(__m256i bits) { return _mm256_srli_epi32(bits, 16); }
-
-  static void StoreBF16Stochastic(uint16_t* p, F v, __m256i random16) {
-    const __m256i bits = _mm256_castps_si256(v);
-    const __m256i sr = _mm256_srli_epi32(_mm256_add_epi32(bits, random16), 16);
-    const __m256i exp_mask = _mm256_set1_epi32(0x7F800000);
-    const __m256i nonfinite = _mm256_cmpeq_epi32(_mm256_and_si256(bits, exp_mask), exp_mask);
-    const __m256i result = _mm256_blendv_epi8(sr, RoundBF16(v), nonfinite);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), Narrow(result));
+  static I Low16(I bits) { return _mm256_and_si256(bits, _mm256_set1_epi32(0xFFFF)); }
+  static I High16(I bits) { return _mm256_srli_epi32(bits, 16); }
+  static I StochasticWord(F v, I random16) {
+    const I bits = _mm256_castps_si256(v);
+    const I nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    const I quiet = _mm256_or_si256(bits, _mm256_set1_epi32(0x400000));
+    return _mm256_blendv_epi8(_mm256_add_epi32(bits, random16), quiet, nan);
   }
+  static I NearestWord(F v) {
+    const I bits = _mm256_castps_si256(v);
+    const I lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const I rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+    const I nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    return _mm256_blendv_epi8(rounded, _mm256_or_si256(bits, _mm256_set1_epi32(0x400000)), nan);
+  }
+  static void StoreHigh16(uint16_t* p, I w) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), Narrow(_mm256_srli_epi32(w, 16)));
+  }
+  // High halves of a's lanes then b's lanes (packus within 128-bit halves, then put the quadwords in order).
+  static I PackHigh16(I a, I b) {
+    const I packed = _mm256_packus_epi32(_mm256_srli_epi32(a, 16), _mm256_srli_epi32(b, 16));  // a0-3 b0-3 | a4-7 b4-7
+    return _mm256_permute4x64_epi64(packed, _MM_SHUFFLE(3, 1, 2, 0));
+  }
+  static void StoreHigh16x2(uint16_t* p, I a, I b) { _mm256_storeu_si256(reinterpret_cast<I*>(p), PackHigh16(a, b)); }
+  static void StreamHigh16x2(uint16_t* p, I a, I b) { _mm256_stream_si256(reinterpret_cast<I*>(p), PackHigh16(a, b)); }
 
   struct SquareSum {
     __m256d a = _mm256_setzero_pd(), b = _mm256_setzero_pd();

@@ -70,35 +70,55 @@ struct Avx512Ops {
     _mm256_stream_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
 
-  // RandomBits(seed, index0 + k) for lanes k = 0..15, given z0 = seed + index0 * golden.
-  static __m512i Random32(uint64_t z0, uint64_t golden, uint64_t mix1, uint64_t mix2) {
-    const __m512i lanes = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m512i step = _mm512_set1_epi64(static_cast<long long>(golden));
-    const __m512i z_lo = _mm512_add_epi64(_mm512_set1_epi64(static_cast<long long>(z0)), _mm512_mullo_epi64(lanes, step));
-    const __m512i z_hi = _mm512_add_epi64(z_lo, _mm512_set1_epi64(static_cast<long long>(golden * 8)));
-    const __m512i m1 = _mm512_set1_epi64(static_cast<long long>(mix1));
-    const __m512i m2 = _mm512_set1_epi64(static_cast<long long>(mix2));
-    auto mix = [&](__m512i z) {
-      z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 30)), m1);
-      z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 27)), m2);
-      return _mm512_srli_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 31)), 16);
-    };
-    const __m256i lo = _mm512_cvtepi64_epi32(mix(z_lo));  // low 32 bits of each 64-bit lane
-    const __m256i hi = _mm512_cvtepi64_epi32(mix(z_hi));
-    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  // ---- bf16 stochastic rounding of the moments (float_convert.h), on 32-bit "words": the bf16 result is
+  // the high half of each 32-bit lane, so two vectors pack into one store with a single word permute.
+  using I = __m512i;
+  // Lane k: (c0 + k) * kRandomWeyl, the hash counter of element c0 + k (mod 2^32), and its step per vector.
+  static I WeylCounter(uint32_t c0_times_weyl, uint32_t weyl) {
+    const I lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(c0_times_weyl)),
+                            _mm512_mullo_epi32(lanes, _mm512_set1_epi32(static_cast<int>(weyl))));
   }
-  static __m512i Low16(__m512i bits) { return _mm512_and_si512(bits, _mm512_set1_epi32(0xFFFF)); }
-  static __m512i High16(__m512i bits) { return _mm512_srli_epi32(bits, 16); }
-
-  // Stochastic rounding to bf16 (finite: add 16 random low bits, truncate; inf/NaN: as RoundBF16).
-  static void StoreBF16Stochastic(uint16_t* p, F v, __m512i random16) {
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i sr = _mm512_srli_epi32(_mm512_add_epi32(bits, random16), 16);
-    const __m512i exponent = _mm512_and_si512(bits, _mm512_set1_epi32(0x7F800000));
-    const __mmask16 nonfinite = _mm512_cmpeq_epi32_mask(exponent, _mm512_set1_epi32(0x7F800000));
-    const __m512i result = _mm512_mask_mov_epi32(sr, nonfinite, RoundBF16(v));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), Narrow(result));
+  static I SetI(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
+  static I AddI(I a, I b) { return _mm512_add_epi32(a, b); }
+  // RandomHash(x, key) per lane; h1, h2: the multipliers, broadcast.
+  static I Hash(I x, I key, I h1, I h2) {
+    x = _mm512_xor_si512(x, key);
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    x = _mm512_mullo_epi32(x, h1);
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+    x = _mm512_mullo_epi32(x, h2);
+    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
   }
+  static I Low16(I bits) { return _mm512_and_si512(bits, _mm512_set1_epi32(0xFFFF)); }
+  static I High16(I bits) { return _mm512_srli_epi32(bits, 16); }
+  // Stochastic rounding word: finite and inf: bits + random16 (inf + r < 2^16 stays inf); NaN: quieted, as
+  // RoundBF16 (bits | 0x400000). High halves equal FloatToBF16Stochastic.
+  static I StochasticWord(F v, I random16) {
+    const I bits = _mm512_castps_si512(v);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    return _mm512_mask_or_epi32(_mm512_add_epi32(bits, random16), nan, bits, _mm512_set1_epi32(0x400000));
+  }
+  // Round-to-nearest-even word (high halves equal FloatToBF16).
+  static I NearestWord(F v) {
+    const I bits = _mm512_castps_si512(v);
+    const I lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const I rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    return _mm512_mask_or_epi32(rounded, nan, bits, _mm512_set1_epi32(0x400000));
+  }
+  static void StoreHigh16(uint16_t* p, I w) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(w, 16)));
+  }
+  // High halves of a's lanes then b's lanes: 2 * kLanes bf16 in one 64-byte store.
+  static I PackHigh16(I a, I b) {
+    const I odd = _mm512_setr_epi32(0x00030001, 0x00070005, 0x000B0009, 0x000F000D, 0x00130011, 0x00170015,
+                                    0x001B0019, 0x001F001D, 0x00230021, 0x00270025, 0x002B0029, 0x002F002D,
+                                    0x00330031, 0x00370035, 0x003B0039, 0x003F003D);
+    return _mm512_permutex2var_epi16(a, odd, b);
+  }
+  static void StoreHigh16x2(uint16_t* p, I a, I b) { _mm512_storeu_si512(p, PackHigh16(a, b)); }
+  static void StreamHigh16x2(uint16_t* p, I a, I b) { _mm512_stream_si512(reinterpret_cast<__m512i*>(p), PackHigh16(a, b)); }
 
   // Sum of squares in double: two accumulators of 8 doubles.
   struct SquareSum {
