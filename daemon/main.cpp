@@ -2,6 +2,7 @@
 // cleanly on SIGTERM/SIGINT (sessions told, segments removed, socket unlinked).
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <sched.h>
 #include <signal.h>
 #include <spdlog/spdlog.h>
 #include <sys/prctl.h>
@@ -36,6 +37,14 @@ bool SomeoneListens(const std::string& path) {
   return listening;
 }
 
+// One worker per CPU this process may use (a cpuset or CPU limit may allow fewer than the machine has).
+uint32_t AllowedCpuCount() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) != 0) return std::max(1u, std::thread::hardware_concurrency());
+  return static_cast<uint32_t>(std::max(1, CPU_COUNT(&set)));
+}
+
 void PrepareSocketPath(const std::string& path) {
   TS_CHECK(path.size() < sizeof(sockaddr_un::sun_path), Code::kInvalidArgument,
            "socket path '{}' is longer than {} bytes", path, sizeof(sockaddr_un::sun_path) - 1);
@@ -65,7 +74,7 @@ int Serve(const Config& config) {
   }
 
   PrepareSocketPath(config.socket);
-  const uint32_t threads = config.threads != 0 ? config.threads : std::max(1u, std::thread::hardware_concurrency());
+  const uint32_t threads = config.threads != 0 ? config.threads : AllowedCpuCount();
   WorkerPool pool(threads);
   JobRegistry registry(config, pool);
   ControlService service(registry, pool);

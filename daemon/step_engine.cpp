@@ -105,7 +105,8 @@ void StepEngine::FailAll(const std::string& message) {
 }
 
 // A rank left while others were mid-step: its share of the step's gradients is gone, so the partial
-// step is discarded. Buckets already being updated finish normally.
+// step is discarded and the other ranks' sessions fail (they would wait for it forever; like a
+// collective whose peer died, every rank must restart). Buckets already being updated finish.
 void StepEngine::ResetCollecting(const std::string& reason) {
   bool discarded = false;
   for (size_t b = 0; b < buckets_.size(); ++b) {
@@ -121,7 +122,7 @@ void StepEngine::ResetCollecting(const std::string& reason) {
   const std::string message = fmt::format("{} in the middle of a step; that step's gradients were discarded", reason);
   spdlog::warn("job '{}': {}", job_name_, message);
   for (const auto& channel : ranks_) {
-    if (channel) channel->session->Warn(message);
+    if (channel) channel->session->Fail(message);
   }
 }
 

@@ -22,6 +22,7 @@ import torch
 
 from trainstream import _layout
 from trainstream._C import TrainstreamError
+from trainstream._transport import transport_for
 
 
 class Rank:
@@ -49,6 +50,7 @@ class Rank:
             world_size, float(max_grad_norm or 0.0), seed)
         self._moment_dtype = torch.float32 if moment_dtype == "float32" else torch.bfloat16
         self._map_regions()
+        self.transport = transport_for(self, self.params[0].device)
         self._lock = threading.RLock()  # hooks may run on autograd threads
         self._micro = 0                 # micro-batches finished in this step
         self._step_pending = False      # all micro-batches in; optimizer.step() is due
@@ -112,7 +114,7 @@ class Rank:
         if not s.initialized and rank == 0:
             with torch.no_grad():
                 for i, p in enumerate(self.params):
-                    self.master_view(i).copy_(p.detach().reshape(p.shape))
+                    self.master_view(i).copy_(p.detach())
             s.send_load_state(0)
             self._mark_all_stale(0)
         elif s.initialized:
@@ -125,6 +127,7 @@ class Rank:
         self.synchronize()
 
     def _mark_all_stale(self, step: int) -> None:
+        self.transport.step_done()
         for b in range(len(self.buckets)):
             self._bucket_step[b] = step + 1
             self._ready_step[b] = step
@@ -132,6 +135,7 @@ class Rank:
 
     def refresh(self, buckets: Iterable[int]) -> None:
         """Makes the parameters of `buckets` show their latest weights (waits for the daemon)."""
+        self.session.check_healthy()  # a dead daemon is reported here even when nothing needs waiting for
         with self._lock:
             for b in buckets:
                 if b not in self._stale:
@@ -139,8 +143,9 @@ class Rank:
                 self.session.wait_params_ready(b, self._ready_step[b])
                 with torch.no_grad():
                     for i in self._bucket_params[b]:
-                        self.params[i].copy_(self.upload_views[i])
+                        self.transport.weights_in(i)
                 self._stale.discard(b)
+            self.transport.weights_done()
         self._report_warnings()
 
     def synchronize(self) -> None:
@@ -204,7 +209,8 @@ class Rank:
 
     def _open(self, b: int) -> None:
         """Before the first gradient of bucket b in this micro-batch: its slot must be free."""
-        self.session.wait_slot_free(b)
+        self.transport.flush()  # the slot's previous contents must have been sent...
+        self.session.wait_slot_free(b)  # ...and consumed
         for i in self._bucket_params[b]:
             self._presence[i] = 0
         self._opened.add(b)
@@ -221,7 +227,7 @@ class Rank:
             grad = p.grad
             if grad.is_sparse:
                 raise TrainstreamError("sparse gradients are not supported")
-            self.grad_views[i].copy_(grad)
+            self.transport.grad_out(i, grad)
             self._presence[i] = 1
             p.grad = None
             self._arrived[b] += 1
@@ -229,8 +235,9 @@ class Rank:
                 self._send(b)
 
     def _send(self, b: int) -> None:
-        final = self._micro + 1 == self.accumulation_steps
-        self.session.send_grad_ready(b, self._bucket_step[b], self._micro, final)
+        step, micro = self._bucket_step[b], self._micro
+        final = micro + 1 == self.accumulation_steps
+        self.transport.bucket_done(lambda: self.session.send_grad_ready(b, step, micro, final))
         self._sent[b] = True
 
     def _end_backward(self) -> None:
@@ -251,6 +258,7 @@ class Rank:
     # ----- optimizer.step() -----
 
     def step(self) -> None:
+        self.session.check_healthy()
         with self._lock:
             if self._in_backward:
                 raise TrainstreamError("optimizer.step() called during backward()")
@@ -266,6 +274,7 @@ class Rank:
             self._stale = set(range(len(self.buckets)))
             self._micro = 0
             self._step_pending = False
+            self.transport.step_done()
         self._report_warnings()
 
     def _report_warnings(self) -> None:
@@ -274,6 +283,7 @@ class Rank:
 
     def close(self, drop: bool = False) -> None:
         self.remove_hooks()
+        self.transport.close()
         self.session.close()
         if drop:
             try:
