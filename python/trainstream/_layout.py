@@ -48,9 +48,9 @@ def parameters_of(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
                 raise TrainstreamError(f"parameter dtype {p.dtype} unsupported (float32, bfloat16, float16)")
             if p.is_sparse:
                 raise TrainstreamError("sparse parameters are not supported")
-            if p.device.type != "cpu":
-                raise TrainstreamError(
-                    f"parameter on {p.device}: this build of trainstream offloads CPU models only")
+            if params and p.device != params[0].device:
+                raise TrainstreamError(f"parameters on {params[0].device} and {p.device}: "
+                                       "all parameters of a wrapped optimizer must be on one device")
             params.append(p)
     if not params:
         raise TrainstreamError("the optimizer has no parameters")

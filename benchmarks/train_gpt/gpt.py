@@ -1,0 +1,74 @@
+"""A GPT of nanoGPT's shape (pre-norm blocks, tied embeddings, no biases), for the training benchmark."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+CONFIGS = {  # name: (layers, heads, width)
+    "124m": (12, 12, 768),
+    "1.3b": (24, 16, 2048),
+    "1.86b": (35, 16, 2048),
+    "3b": (32, 32, 2560),
+    "5b": (40, 32, 3200),
+    "7b": (32, 32, 4096),
+    "10b": (48, 40, 4096),
+}
+
+
+@dataclass
+class GPTConfig:
+    layers: int
+    heads: int
+    width: int
+    vocab: int = 50304
+    block: int = 2048
+
+
+class Block(nn.Module):
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.heads = c.heads
+        self.ln1 = nn.LayerNorm(c.width, bias=False)
+        self.qkv = nn.Linear(c.width, 3 * c.width, bias=False)
+        self.proj = nn.Linear(c.width, c.width, bias=False)
+        self.ln2 = nn.LayerNorm(c.width, bias=False)
+        self.up = nn.Linear(c.width, 4 * c.width, bias=False)
+        self.down = nn.Linear(4 * c.width, c.width, bias=False)
+
+    def forward(self, x):
+        b, t, w = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, w // self.heads).transpose(1, 3).unbind(2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, w))
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.wte = nn.Embedding(c.vocab, c.width)
+        self.wpe = nn.Embedding(c.block, c.width)
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.layers))
+        self.ln = nn.LayerNorm(c.width, bias=False)
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                std = 0.02 / math.sqrt(2 * c.layers) if name.endswith(("proj.weight", "down.weight")) else 0.02
+                nn.init.normal_(p, 0.0, std)
+
+    def forward(self, tokens, targets):
+        x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = F.linear(self.ln(x), self.wte.weight)  # tied output projection
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def build(name: str, device: str, dtype: torch.dtype) -> GPT:
+    layers, heads, width = CONFIGS[name]
+    with torch.device(device):
+        return GPT(GPTConfig(layers, heads, width)).to(dtype)

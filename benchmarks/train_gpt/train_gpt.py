@@ -1,0 +1,213 @@
+"""Trains a nanoGPT-shaped model with stock fused GPU AdamW and with trainstream, and reports step
+time, tokens/s, peak GPU memory (torch's counter and the driver's) and host memory.
+
+Each mode runs in a process of its own, so no mode sees another's memory. References measured in the
+same run: the GPU-only step (forward + backward, no optimizer) and the host update time: the bytes the
+host update must move per parameter for this configuration (gradient, master read+write, both moments
+read+write, upload) over the host memory bandwidth (the STREAM triad of benchmarks/adamw measured in
+this run when --adamw-json names its result, else a torch triad). The target is
+  trainstream step <= 1.15 x max(GPU-only step, host update time).
+
+  python3 benchmarks/train_gpt/train_gpt.py --config 1.86b --batch 8 --seq 512 --vram-cap-gib 24
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpt import build  # noqa: E402
+
+import trainstream  # noqa: E402
+
+GIB = 1 << 30
+
+
+def rss_bytes(pid: int | str = "self") -> int:
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def host_triad_gbs(threads: int, gib: float = 1.0) -> float:
+    torch.set_num_threads(threads)
+    n = int(gib * GIB / 4)
+    a, b, c = torch.empty(n), torch.rand(n), torch.rand(n)
+    best = 0.0
+    for _ in range(5):
+        start = time.perf_counter()
+        torch.add(b, c, alpha=3.0, out=a)
+        best = max(best, 3 * n * 4 / (time.perf_counter() - start) / 1e9)
+    return best
+
+
+class Memory:
+    """Peak GPU memory from torch's allocator and from the driver (cudaMemGetInfo)."""
+
+    def __init__(self):
+        torch.cuda.reset_peak_memory_stats()
+        self.driver_peak = 0
+
+    def sample(self):
+        free, total = torch.cuda.mem_get_info()
+        self.driver_peak = max(self.driver_peak, total - free)
+
+    def report(self) -> dict:
+        return {"torch_peak_gib": torch.cuda.max_memory_allocated() / GIB, "driver_peak_gib": self.driver_peak / GIB}
+
+
+def batches(args, device):
+    g = torch.Generator(device=device).manual_seed(0)
+    while True:
+        tokens = torch.randint(0, 50304, (args.batch, args.seq + 1), device=device, generator=g)
+        yield tokens[:, :-1], tokens[:, 1:]
+
+
+def timed_steps(args, step_fn, memory: Memory) -> list[float]:
+    data = batches(args, "cuda")
+    times = []
+    for i in range(args.warmup + args.steps):
+        tokens, targets = next(data)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step_fn(tokens, targets)
+        torch.cuda.synchronize()
+        memory.sample()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def forward_backward(model, tokens, targets, autocast: bool):
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        loss = model(tokens, targets)
+    loss.backward()
+    return loss
+
+
+def run(args, mode: str) -> dict:
+    torch.cuda.empty_cache()
+    weight_dtype = torch.bfloat16 if args.bf16_weights else torch.float32
+    autocast = not args.bf16_weights
+    memory = Memory()
+    result = {"mode": mode}
+    try:
+        torch.manual_seed(0)
+        model = build(args.config, "cuda", weight_dtype)
+        params = sum(p.numel() for p in model.parameters())
+        result["params"] = params
+        if mode == "gpu-only":
+            def step(tokens, targets):
+                forward_backward(model, tokens, targets, autocast)
+                for p in model.parameters():
+                    p.grad = None
+        elif mode == "stock":
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+            def step(tokens, targets):
+                forward_backward(model, tokens, targets, autocast)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        else:
+            start = time.perf_counter()
+            client = trainstream.connect()
+            model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-4),
+                                          client=client, moment_dtype=args.moment_dtype, bucket_mb=args.bucket_mb)
+            result["wrap_seconds"] = time.perf_counter() - start
+
+            def step(tokens, targets):
+                forward_backward(model, tokens, targets, autocast)
+                opt.step()
+        times = timed_steps(args, step, memory)
+        result["step_ms"] = 1000 * statistics.median(times)
+        result["tokens_per_s"] = args.batch * args.seq / statistics.median(times)
+        result.update(memory.report())
+        result["host_rss_gib"] = rss_bytes() / GIB
+        if mode == "trainstream":
+            stats = client.stats()
+            result["daemon_rss_gib"] = stats["rss_bytes"] / GIB
+            result["daemon_segments_gib"] = stats["host_bytes"] / GIB
+            result["kernel"] = stats["kernel"]
+            trainstream.unwrap(model)
+    except torch.OutOfMemoryError as e:
+        result["oom"] = True
+        result["error"] = str(e).splitlines()[0]
+    return result
+
+
+def host_update_bytes_per_param(args) -> int:
+    weights = 2 if args.bf16_weights else 4
+    moments = 2 if args.moment_dtype == "bfloat16" else 4
+    return weights + 8 + 4 * moments + weights  # gradient, master r/w, two moments r/w, upload
+
+
+def run_in_subprocess(mode: str) -> dict:
+    argv = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--single-mode", mode]
+    proc = subprocess.run(argv, capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return {"mode": mode, "error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
+    return json.loads(lines[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="124m")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--vram-cap-gib", type=float, default=0)
+    parser.add_argument("--bf16-weights", action="store_true", help="bf16 parameters on the GPU (else fp32 + autocast)")
+    parser.add_argument("--moment-dtype", default="float32")
+    parser.add_argument("--bucket-mb", type=float, default=32)
+    parser.add_argument("--modes", default="gpu-only,stock,trainstream")
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--adamw-json", help="benchmarks/adamw result of this machine, for the triad bandwidth")
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--single-mode", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.vram_cap_gib:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.vram_cap_gib * GIB / total))
+    if args.single_mode:
+        print(json.dumps(run(args, args.single_mode)), flush=True)
+        return
+
+    if args.adamw_json and os.path.exists(args.adamw_json):
+        with open(args.adamw_json) as f:
+            triad, triad_source = json.load(f)["triad"]["gb_per_s"], "benchmarks/adamw triad"
+    else:
+        triad, triad_source = host_triad_gbs(args.threads), "torch triad"
+    results = {"config": args.config, "batch": args.batch, "seq": args.seq, "vram_cap_gib": args.vram_cap_gib,
+               "bf16_weights": args.bf16_weights, "moment_dtype": args.moment_dtype,
+               "gpu": torch.cuda.get_device_name(0), "host": platform.node(), "threads": args.threads,
+               "host_bandwidth_gbs": triad, "host_bandwidth_source": triad_source, "runs": []}
+    for mode in args.modes.split(","):
+        r = run_in_subprocess(mode)
+        results["runs"].append(r)
+        print(json.dumps(r), flush=True)
+    by_mode = {r["mode"]: r for r in results["runs"]}
+    params = next((r["params"] for r in results["runs"] if "params" in r), 0)
+    results["host_update_bytes_per_param"] = host_update_bytes_per_param(args)
+    results["host_update_ms"] = 1000 * params * results["host_update_bytes_per_param"] / (triad * 1e9)
+    if "step_ms" in by_mode.get("trainstream", {}) and "step_ms" in by_mode.get("gpu-only", {}):
+        bound = max(by_mode["gpu-only"]["step_ms"], results["host_update_ms"])
+        results["trainstream_vs_bound"] = by_mode["trainstream"]["step_ms"] / bound
+    print(json.dumps({k: v for k, v in results.items() if k != "runs"}), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

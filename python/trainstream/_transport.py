@@ -1,0 +1,144 @@
+"""How gradients reach the job's host slots and new weights reach the parameters.
+
+HostTransport  — parameters on the CPU: plain copies between the parameters and the segments.
+CudaCopyTransport — parameters on a CUDA device, copied by this process: the rank's gradient region
+    and the job's upload region are pinned (cudaHostRegister) and the copies run on the current CUDA
+    stream, so they are ordered with the forward and backward kernels without any CPU wait. A
+    bucket's GRAD_READY is sent by a sender thread once an event recorded after its copies has
+    completed. The daemon needs no CUDA context for this transport (DESIGN.md "Fallback").
+
+Both keep the invariant of _rank.py: a slot is written only after the daemon released it, and the
+upload region is read (by a copy that may still be queued) only until the daemon's next update of
+that bucket, which cannot start before this rank's next gradients — queued after that copy.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import torch
+
+from trainstream._C import TrainstreamError
+
+
+class HostTransport:
+    name = "host"
+
+    def __init__(self, rank):
+        self.rank = rank
+
+    def grad_out(self, i: int, grad: torch.Tensor) -> None:
+        self.rank.grad_views[i].copy_(grad)
+
+    def bucket_done(self, send) -> None:
+        send()
+
+    def weights_in(self, i: int) -> None:
+        self.rank.params[i].copy_(self.rank.upload_views[i])
+
+    def weights_done(self) -> None:
+        pass
+
+    def step_done(self) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class CudaCopyTransport:
+    name = "cuda-client-copy"
+
+    def __init__(self, rank, device: torch.device):
+        self.rank = rank
+        self.device = device
+        self._registered = []
+        for region in (rank.session.grads(), rank.session.upload()):
+            self._register(region)
+        # Copies run on a stream of their own, ordered against the compute stream by events, so the
+        # transfers overlap with the forward and backward kernels instead of queueing behind them.
+        self.copy_stream = torch.cuda.Stream(device)
+        self._compute_done = None  # event: the last step's kernels that read the weights have run
+        self._queue: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._sender = threading.Thread(target=self._send_loop, name="trainstream-sender", daemon=True)
+        self._sender.start()
+
+    def _register(self, region) -> None:
+        if region.nbytes == 0:
+            return
+        code = torch.cuda.cudart().cudaHostRegister(region.address, region.nbytes, 0)
+        if int(code) != 0:
+            raise TrainstreamError(f"cudaHostRegister of {region.nbytes} bytes failed with CUDA error {int(code)}")
+        self._registered.append(region)
+
+    def grad_out(self, i: int, grad: torch.Tensor) -> None:
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # the gradient is complete
+        with torch.cuda.stream(self.copy_stream):
+            self.rank.grad_views[i].copy_(grad, non_blocking=True)
+        grad.record_stream(self.copy_stream)  # not reused by the allocator before the copy has run
+
+    def bucket_done(self, send) -> None:
+        event = torch.cuda.Event()
+        event.record(self.copy_stream)
+        self._raise_pending()
+        self._queue.put((event, send))
+
+    def step_done(self) -> None:
+        """optimizer.step(): new weights may overwrite the parameters once the queued kernels ran."""
+        self._compute_done = torch.cuda.Event()
+        self._compute_done.record(torch.cuda.current_stream(self.device))
+
+    def weights_in(self, i: int) -> None:
+        if self._compute_done is not None:
+            self.copy_stream.wait_event(self._compute_done)
+        with torch.cuda.stream(self.copy_stream):
+            self.rank.params[i].copy_(self.rank.upload_views[i], non_blocking=True)
+
+    def weights_done(self) -> None:
+        """The compute stream waits (on the GPU) for the weights copied in so far."""
+        torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+
+    def _send_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            event, send = item
+            try:
+                if self._error is None:
+                    event.synchronize()
+                    send()
+            except BaseException as e:  # surfaced on the training thread at its next call
+                self._error = e
+            finally:
+                self._queue.task_done()
+
+    def _raise_pending(self) -> None:
+        if self._error is not None:
+            raise TrainstreamError(f"sending gradients failed: {self._error}")
+
+    def flush(self) -> None:
+        """Waits until every queued bucket has been sent."""
+        self._queue.join()
+        self._raise_pending()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._sender.join(timeout=10)
+        torch.cuda.synchronize(self.device)  # no copy may still read or write the regions
+        for region in self._registered:
+            torch.cuda.cudart().cudaHostUnregister(region.address)
+        self._registered.clear()
+
+
+def transport_for(rank, device: torch.device):
+    if device.type == "cpu":
+        return HostTransport(rank)
+    if device.type == "cuda":
+        return CudaCopyTransport(rank, device)
+    raise TrainstreamError(f"parameters on {device} are not supported (cpu or cuda)")

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Builds trainstream on the GPU machine and runs the chosen stages, writing logs and JSON under $OUT.
+# Carry `.device` (holding sysroot.tgz, see ../shared/device/README.md) with the device tool.
+#   scripts/device_run.sh build test bench-adamw gpt-small gpt-large
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+
+if [[ ! -d .device/sysroot ]]; then tar -C .device -xzf .device/sysroot.tgz; fi
+export TS_SYSROOT=$PWD/.device/sysroot/usr
+export PATH=$TS_SYSROOT/bin:$PATH LD_LIBRARY_PATH=$TS_SYSROOT/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+export PKG_CONFIG_PATH=$TS_SYSROOT/lib/x86_64-linux-gnu/pkgconfig
+export TRAINSTREAMD=$PWD/build/daemon/trainstreamd PYTHONPATH=$PWD/python
+
+stage() { echo "=== $1 ($(date +%T))"; }
+
+for what in "$@"; do
+  case $what in
+    build)
+      stage build
+      { nproc; free -g; df -h /dev/shm; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; } \
+        >"$OUT/machine.txt" 2>&1
+      mount -o remount,size=120G /dev/shm 2>/dev/null || true
+      cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_PREFIX_PATH="$TS_SYSROOT" \
+        -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)" -DPython_EXECUTABLE="$(command -v python3)" \
+        >"$OUT/build.log" 2>&1 && cmake --build build -j16 ${BUILD_TARGETS:+--target $BUILD_TARGETS} >>"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+      ;;
+    test)
+      stage ctest
+      if [[ -n ${BUILD_TARGETS:-} ]]; then
+        build/tests/cpp/optimizer/ts_optimizer_test >"$OUT/ctest.log" 2>&1; tail -3 "$OUT/ctest.log"
+      else
+        (cd build && ctest -j8 --output-on-failure) >"$OUT/ctest.log" 2>&1; tail -5 "$OUT/ctest.log"
+      fi
+      stage pytest
+      python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-tests/python} --junitxml="$OUT/pytest.xml" >"$OUT/pytest.log" 2>&1
+      tail -15 "$OUT/pytest.log"
+      ;;
+    bench-adamw)
+      stage bench-adamw
+      python3 benchmarks/adamw/run.py --bench build/benchmarks/adamw/ts_bench_adamw --threads 16 --params 100e6 \
+        --tag h200-16core 2>&1 | tee "$OUT/bench_adamw.log" | tail -40
+      cp benchmarks/results/adamw_h200-16core.json "$OUT/" 2>/dev/null
+      ;;
+    gpt-small)
+      stage gpt-small
+      python3 benchmarks/train_gpt/train_gpt.py --config 124m --adamw-json benchmarks/results/adamw_h200-16core.json --json "$OUT/gpt_124m.json" 2>&1 | tail -8
+      ;;
+    gpt-large)
+      stage gpt-large
+      python3 benchmarks/train_gpt/train_gpt.py --config 1.86b --vram-cap-gib 24 --steps 6 \
+        --adamw-json benchmarks/results/adamw_h200-16core.json --json "$OUT/gpt_1.86b_cap24.json" 2>&1 | tail -8
+      python3 benchmarks/train_gpt/train_gpt.py --config 1.86b --steps 6 --modes stock \
+        --json "$OUT/gpt_1.86b_uncapped_stock.json" 2>&1 | tail -2
+      python3 benchmarks/train_gpt/train_gpt.py --config 1.86b --vram-cap-gib 24 --steps 6 --modes trainstream \
+        --bf16-weights --moment-dtype bfloat16 --adamw-json benchmarks/results/adamw_h200-16core.json \
+        --json "$OUT/gpt_1.86b_cap24_bf16.json" 2>&1 | tail -2
+      ;;
+    gpt-largest)
+      stage gpt-largest
+      for config in ${LARGEST_CONFIGS:-3b 7b}; do
+        python3 benchmarks/train_gpt/train_gpt.py --config "$config" --vram-cap-gib 24 --bf16-weights \
+          --moment-dtype bfloat16 --steps 3 --warmup 1 --modes trainstream --json "$OUT/gpt_${config}_bf16_cap24.json" \
+          2>&1 | tail -3
+      done
+      ;;
+    *) echo "unknown stage $what"; exit 2 ;;
+  esac
+done
+stage done

@@ -1,0 +1,50 @@
+"""One data-parallel rank for the multi-rank tests: trains its shard of each batch through a shared
+trainstreamd job and saves its final parameters."""
+
+import argparse
+
+import torch
+
+import trainstream
+
+
+def make_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+
+
+def batch(step: int, rows: int = 32):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(rows, 8, generator=g), torch.randn(rows, 8, generator=g)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--socket", required=True)
+    parser.add_argument("--job", required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--accumulation-steps", type=int, default=1)
+    parser.add_argument("--max-grad-norm", type=float, default=None)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    model = make_model(seed=100 + args.rank)  # every rank starts elsewhere: rank 0's weights must win
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
+    model, opt = trainstream.wrap(model, opt, client=trainstream.connect(args.socket), job=args.job, rank=args.rank,
+                                  world_size=args.world_size, accumulation_steps=args.accumulation_steps,
+                                  max_grad_norm=args.max_grad_norm)
+    k = args.accumulation_steps
+    for step in range(args.steps):
+        for micro in range(k):
+            x, y = batch(step * k + micro)
+            shard = slice(args.rank * len(x) // args.world_size, (args.rank + 1) * len(x) // args.world_size)
+            torch.nn.functional.mse_loss(model(x[shard]), y[shard]).backward()
+        opt.step()
+    trainstream.synchronize()
+    torch.save([p.detach().clone() for p in model.parameters()], args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""The GPU path (parameters on CUDA), against torch on the same GPU. Skipped without CUDA; these run
+on the GPU machine (scripts/device_run.sh)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import trainstream
+from trainstream import TrainstreamError
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def mlp():
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).cuda()
+
+
+def batch(step, width=64, rows=32):
+    g = torch.Generator(device="cuda").manual_seed(step)
+    return torch.randn(rows, width, device="cuda", generator=g), torch.randn(rows, 64, device="cuda", generator=g)
+
+
+def train_pair(client, make_model, steps=20, accumulation_steps=1, max_grad_norm=None, width=64, **wrap):
+    torch.manual_seed(0)
+    model = make_model()
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01),
+                                  client=client, accumulation_steps=accumulation_steps, max_grad_norm=max_grad_norm,
+                                  **wrap)
+    for step in range(steps):
+        for m, o in ((model, opt), (reference, ref_opt)):
+            for micro in range(accumulation_steps):
+                x, y = batch(step * accumulation_steps + micro, width)
+                torch.nn.functional.mse_loss(m(x), y).backward()
+            if o is ref_opt and max_grad_norm:
+                torch.nn.utils.clip_grad_norm_(m.parameters(), max_grad_norm)
+            o.step()
+            o.zero_grad()
+    trainstream.synchronize(model)
+    return max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+
+
+def test_parity_fp32(client):
+    assert train_pair(client, mlp) <= 1e-6
+
+
+def test_parity_with_clipping(client):
+    assert train_pair(client, mlp, max_grad_norm=0.1) <= 1e-6
+
+
+def test_parity_with_accumulation(client):
+    assert train_pair(client, mlp, accumulation_steps=4) <= 1e-6
+
+
+def test_race_exposing_model(client):
+    """Few FLOPs, many bytes: weights must be in place before each forward, gradients complete
+    before they are sent. Any ordering bug shows up as divergence."""
+    def wide():
+        return torch.nn.Sequential(torch.nn.Linear(32, 131072), torch.nn.Linear(131072, 64)).cuda()
+
+    assert train_pair(client, wide, steps=50, width=32, bucket_mb=4) <= 1e-5
+
+
+def test_gpu_memory_holds_no_gradients_or_optimizer_state(client):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(8)]).cuda()  # 134 MB of fp32 weights
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters()), client=client)
+    torch.cuda.synchronize()
+    free_before, _ = torch.cuda.mem_get_info()
+    for step in range(3):
+        model(torch.randn(16, 2048, device="cuda")).sum().backward()
+        opt.step()
+    trainstream.synchronize(model)
+    torch.cuda.synchronize()
+    free_after, _ = torch.cuda.mem_get_info()
+    assert all(p.grad is None for p in model.parameters())
+    # weights plus cuBLAS workspaces; torch's AdamW would hold 4x the weights (weights, gradients,
+    # two moments)
+    assert torch.cuda.memory_allocated() < param_bytes * 2
+    assert free_before - free_after < param_bytes * 0.5, "the driver sees memory beyond weights and activations"
+
+
+def test_bf16_parameters_under_autocast(client):
+    torch.manual_seed(0)
+    model = mlp().to(torch.bfloat16)
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), client=client)
+    losses = []
+    for step in range(30):
+        x, y = batch(step % 4)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = torch.nn.functional.mse_loss(model(x.bfloat16()).float(), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0]
+    state = opt.state_dict()["state"][0]
+    assert state["exp_avg"].dtype == torch.bfloat16 and state["exp_avg"].device.type == "cuda"
+
+
+def test_two_processes_one_gpu_two_jobs(daemon):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    script = os.path.join(HERE, "trainer_process.py")
+    procs = [subprocess.Popen([sys.executable, script, "--socket", daemon.socket, "--job", f"gpu{i}", "--steps", "20",
+                               "--device", "cuda"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+             for i in range(2)]
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    jobs = {j["name"]: j for j in daemon.client().stats()["jobs"]}
+    assert jobs["gpu0"]["completed_step"] == 20 and jobs["gpu1"]["completed_step"] == 20
+
+
+def test_daemon_killed_mid_step(daemon):
+    model = mlp()
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters()), client=daemon.client())
+    x, y = batch(0)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    daemon.stop(signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(TrainstreamError):
+        opt.step()
+        model(x)
+    assert time.monotonic() - start < 2.0
