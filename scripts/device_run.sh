@@ -60,8 +60,8 @@ for what in "$@"; do
       ;;
     gpt-largest)
       stage gpt-largest
-      for config in ${LARGEST_CONFIGS:-3b 7b}; do
-        python3 benchmarks/train_gpt/train_gpt.py --config "$config" --vram-cap-gib 24 --bf16-weights \
+      for config in ${LARGEST_CONFIGS:-5b 7b}; do
+        python3 benchmarks/train_gpt/train_gpt.py --config "$config" --batch 4 --vram-cap-gib 24 --bf16-weights \
           --moment-dtype bfloat16 --steps 3 --warmup 1 --modes trainstream --json "$OUT/gpt_${config}_bf16_cap24.json" \
           2>&1 | tail -3
       done

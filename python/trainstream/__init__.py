@@ -7,6 +7,8 @@
 returns the model (same object, with hooks) and an optimizer that behaves like the torch one.
 """
 
+import torch  # noqa: F401  (loaded before _C: its libraries first, as in every torch program; see _C below)
+
 from trainstream._C import TrainstreamError
 from trainstream._C import __version__
 from trainstream._connect import Client, connect
