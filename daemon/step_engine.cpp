@@ -289,8 +289,11 @@ struct ParamAddress {
     }
     return list;
   }
+  // Where the new weights go besides the master weights: nowhere for fp32 buckets (the client reads
+  // the master weights), the upload region in the bucket's dtype otherwise.
   [[nodiscard]] optimizer::Upload Upload(const Piece& piece) const {
     const shm::BucketLayout& bucket = layout.buckets[layout.params[piece.param].bucket];
+    if (bucket.uploads_from_master()) return {nullptr, bucket.dtype};
     return {state.upload + bucket.upload_offset + ByteInBucket(piece), bucket.dtype};
   }
 };
@@ -448,7 +451,8 @@ void StepEngine::OnLoadState(RankChannel& channel, const shm::Message& message) 
     Schedule(
         b, 0, [](uint32_t) { return true; },
         [at](size_t, const Piece& piece) {
-          optimizer::ConvertMaster(at.state.master + at.Element(piece), at.Upload(piece), piece.count);
+          const optimizer::Upload upload = at.Upload(piece);
+          if (upload.data != nullptr) optimizer::ConvertMaster(at.state.master + at.Element(piece), upload, piece.count);
         },
         [this, remaining, step] {
           if (--*remaining != 0) return;

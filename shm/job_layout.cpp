@@ -129,11 +129,13 @@ JobLayout ComputeLayout(const LayoutSpec& spec) {
     bucket.numel = AlignUp(bucket.numel, kAlign / SizeOf(bucket.dtype));
     bucket.elem_offset = layout.total_elems;
     layout.total_elems = AlignUp(layout.total_elems + bucket.numel, 32);  // 64 B in fp32 and in bf16 moments
-    bucket.upload_offset = layout.upload_bytes;
-    bucket.grad_offset = layout.upload_bytes;  // the grad region mirrors the upload region
-    layout.upload_bytes = AlignUp(layout.upload_bytes + bucket.bytes(), kAlign);
+    bucket.grad_offset = layout.grad_bytes;
+    layout.grad_bytes = AlignUp(layout.grad_bytes + bucket.bytes(), kAlign);
+    if (!bucket.uploads_from_master()) {
+      bucket.upload_offset = layout.upload_bytes;
+      layout.upload_bytes = AlignUp(layout.upload_bytes + bucket.bytes(), kAlign);
+    }
   }
-  layout.grad_bytes = layout.upload_bytes;
   layout.hash = HashSpec(spec);
 
   const size_t moment_bytes = layout.total_elems * SizeOf(spec.moment_dtype);

@@ -5,6 +5,8 @@
 //
 // State segment ("state", one per job, owned by the daemon):
 //   StateHeader | ParamState[P] | BucketState[B] | master f32 | exp_avg | exp_avg_sq | accum f32? | upload
+// The upload region holds the new weights of 16-bit buckets in their dtype; an fp32 bucket's new
+// weights are its master weights, read in place (no second copy to write, store or pin).
 // Rank segment ("rank<r>", one per attached rank):
 //   RankHeader | request ring | completion ring | HParams[2][G] | presence u8[P] | grads
 //
@@ -25,7 +27,7 @@
 
 namespace trainstream::shm {
 
-constexpr uint32_t kSegmentVersion = 1;
+constexpr uint32_t kSegmentVersion = 2;
 constexpr uint32_t kRingCapacity = 1024;
 constexpr size_t kAlign = 64;
 
@@ -56,9 +58,11 @@ struct BucketLayout {
   std::vector<uint32_t> params;  // parameter indices, in bucket order
   uint64_t numel = 0;            // elements including alignment padding
   uint64_t elem_offset = 0;      // into master / moments / accum (elements)
-  uint64_t upload_offset = 0;    // bytes into the upload region
+  uint64_t upload_offset = 0;    // bytes into the upload region (16-bit buckets only)
   uint64_t grad_offset = 0;      // bytes into a rank's grad region
   [[nodiscard]] uint64_t bytes() const { return numel * SizeOf(dtype); }
+  // New weights are read from the master weights themselves (fp32 parameters).
+  [[nodiscard]] bool uploads_from_master() const { return dtype == DType::kFloat32; }
 };
 
 struct ParamLayout {

@@ -70,25 +70,25 @@ class Rank:
         self.param_layout = s.params
         self._bucket_of = [b for (b, _, _) in self.param_layout]
         self._bucket_params = [bucket["params"] for bucket in self.buckets]
-        grads = torch.frombuffer(s.grads(), dtype=torch.uint8)
-        upload = torch.frombuffer(s.upload(), dtype=torch.uint8)
-        self._presence = torch.frombuffer(s.presence(), dtype=torch.uint8)
-        self._steps = torch.frombuffer(s.param_steps(), dtype=torch.int64)
-        self._master = torch.frombuffer(s.master(), dtype=torch.float32)
-        self._exp_avg = torch.frombuffer(s.exp_avg(), dtype=torch.uint8).view(self._moment_dtype)
-        self._exp_avg_sq = torch.frombuffer(s.exp_avg_sq(), dtype=torch.uint8).view(self._moment_dtype)
+        grads, upload = _bytes(s.grads()), _bytes(s.upload())
+        self._presence = _bytes(s.presence())
+        self._steps = _bytes(s.param_steps()).view(torch.int64)
+        self._master = _bytes(s.master()).view(torch.float32)
+        self._exp_avg = _bytes(s.exp_avg()).view(self._moment_dtype)
+        self._exp_avg_sq = _bytes(s.exp_avg_sq()).view(self._moment_dtype)
         self.grad_views, self.upload_views, self.elem_ranges = [], [], []
         for i, p in enumerate(self.params):
             bucket_index, offset, numel = self.param_layout[i]
             bucket = self.buckets[bucket_index]
-            size = p.element_size()
-            start = offset * size
-            self.grad_views.append(
-                grads[bucket["grad_offset"] + start:bucket["grad_offset"] + start + numel * size].view(p.dtype).view(p.shape))
-            self.upload_views.append(
-                upload[bucket["upload_offset"] + start:bucket["upload_offset"] + start + numel * size].view(p.dtype).view(p.shape))
             first = bucket["elem_offset"] + offset
             self.elem_ranges.append((first, first + numel))
+            start = bucket["grad_offset"] + offset * p.element_size()
+            self.grad_views.append(grads[start:start + numel * p.element_size()].view(p.dtype).view(p.shape))
+            if p.dtype == torch.float32:  # the new weights are the master weights themselves
+                self.upload_views.append(self.master_view(i))
+            else:
+                start = bucket["upload_offset"] + offset * p.element_size()
+                self.upload_views.append(upload[start:start + numel * p.element_size()].view(p.dtype).view(p.shape))
         self._bucket_step = [1] * len(self.buckets)  # the step each bucket is collecting
         self._ready_step = [0] * len(self.buckets)   # the step whose weights the model must show
         self._stale: set[int] = set()                # buckets whose new weights are not yet copied in
@@ -290,6 +290,11 @@ class Rank:
                 self.client.drop_job(self.job)
             except TrainstreamError:
                 pass
+
+
+def _bytes(region) -> torch.Tensor:
+    """A shared-memory region as a uint8 tensor (torch.frombuffer refuses empty buffers)."""
+    return torch.frombuffer(region, dtype=torch.uint8) if region.nbytes else torch.empty(0, dtype=torch.uint8)
 
 
 def default_job_name() -> str:

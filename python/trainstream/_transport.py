@@ -57,8 +57,8 @@ class CudaCopyTransport:
         self.rank = rank
         self.device = device
         self._registered = []
-        for region in (rank.session.grads(), rank.session.upload()):
-            self._register(region)
+        for address, nbytes in _ranges_to_pin(rank):
+            self._register(address, nbytes)
         # Copies run on a stream of their own, ordered against the compute stream by events, so the
         # transfers overlap with the forward and backward kernels instead of queueing behind them.
         self.copy_stream = torch.cuda.Stream(device)
@@ -68,13 +68,11 @@ class CudaCopyTransport:
         self._sender = threading.Thread(target=self._send_loop, name="trainstream-sender", daemon=True)
         self._sender.start()
 
-    def _register(self, region) -> None:
-        if region.nbytes == 0:
-            return
-        code = torch.cuda.cudart().cudaHostRegister(region.address, region.nbytes, 0)
+    def _register(self, address: int, nbytes: int) -> None:
+        code = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
         if int(code) != 0:
-            raise TrainstreamError(f"cudaHostRegister of {region.nbytes} bytes failed with CUDA error {int(code)}")
-        self._registered.append(region)
+            raise TrainstreamError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(code)}")
+        self._registered.append(address)
 
     def grad_out(self, i: int, grad: torch.Tensor) -> None:
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # the gradient is complete
@@ -131,9 +129,30 @@ class CudaCopyTransport:
         self._queue.put(None)
         self._sender.join(timeout=10)
         torch.cuda.synchronize(self.device)  # no copy may still read or write the regions
-        for region in self._registered:
-            torch.cuda.cudart().cudaHostUnregister(region.address)
+        for address in self._registered:
+            torch.cuda.cudart().cudaHostUnregister(address)
         self._registered.clear()
+
+
+_PAGE = 4096
+
+
+def _ranges_to_pin(rank) -> list[tuple[int, int]]:
+    """What DMA touches, as page-aligned, disjoint (address, bytes) ranges: this rank's gradient
+    region, the upload region, and the master weights of fp32 buckets (read in place); not the rest of
+    the master weights or the moments, which never cross PCIe."""
+    s = rank.session
+    ranges = [(s.grads().address, s.grads().nbytes), (s.upload().address, s.upload().nbytes)]
+    master = s.master().address
+    ranges += [(master + 4 * b["elem_offset"], 4 * b["numel"]) for b in rank.buckets if b["dtype"] == 0]
+    pages = sorted((a // _PAGE * _PAGE, -(-(a + n) // _PAGE) * _PAGE) for a, n in ranges if n)
+    merged: list[list[int]] = []
+    for start, end in pages:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(start, end - start) for start, end in merged]
 
 
 def transport_for(rank, device: torch.device):

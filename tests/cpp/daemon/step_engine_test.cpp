@@ -130,6 +130,7 @@ class RankClient {
   // Parameter p's elements in the master weights, the upload staging, and this rank's gradient slot.
   [[nodiscard]] std::span<float> Master(uint32_t p) const { return {state_.master + Element(p), Numel(p)}; }
   [[nodiscard]] std::span<float> Upload(uint32_t p) const {
+    if (layout().buckets[layout().params[p].bucket].uploads_from_master()) return Master(p);  // fp32: in place
     return {reinterpret_cast<float*>(state_.upload + Byte(p, /*upload=*/true)), Numel(p)};
   }
   [[nodiscard]] std::span<float> Grad(uint32_t p) const {
