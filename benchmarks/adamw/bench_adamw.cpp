@@ -49,10 +49,11 @@ struct Options {
 };
 
 [[noreturn]] void Usage(const char* argv0) {
-  std::fprintf(stderr,
-               "usage: %s [--params N] [--threads T] [--reps R] [--kernel avx512|avx2|portable] [--json FILE]\n"
-               "          [--huge-pages] [--no-all-kernels] [--only NAME-SUBSTRING]\n",
-               argv0);
+  std::fprintf(
+      stderr,
+      "usage: %s [--params N] [--threads T] [--reps R] [--kernel avx512bf16|avx512|avx2|portable] [--json FILE]\n"
+      "          [--huge-pages] [--no-all-kernels] [--only NAME-SUBSTRING]\n",
+      argv0);
   std::exit(2);
 }
 
@@ -64,15 +65,24 @@ Options Parse(int argc, char** argv) {
       if (i + 1 >= argc) Usage(argv[0]);
       return argv[++i];
     };
-    if (arg == "--params") o.params = static_cast<size_t>(std::stod(value()));
-    else if (arg == "--threads") o.threads = std::stoul(value());
-    else if (arg == "--reps") o.reps = std::stoi(value());
-    else if (arg == "--kernel") o.kernel = value();
-    else if (arg == "--json") o.json = value();
-    else if (arg == "--huge-pages") o.huge_pages = true;
-    else if (arg == "--no-all-kernels") o.all_kernels = false;
-    else if (arg == "--only") o.only = value();
-    else Usage(argv[0]);
+    if (arg == "--params")
+      o.params = static_cast<size_t>(std::stod(value()));
+    else if (arg == "--threads")
+      o.threads = std::stoul(value());
+    else if (arg == "--reps")
+      o.reps = std::stoi(value());
+    else if (arg == "--kernel")
+      o.kernel = value();
+    else if (arg == "--json")
+      o.json = value();
+    else if (arg == "--huge-pages")
+      o.huge_pages = true;
+    else if (arg == "--no-all-kernels")
+      o.all_kernels = false;
+    else if (arg == "--only")
+      o.only = value();
+    else
+      Usage(argv[0]);
   }
   if (o.params < 1024 || o.threads == 0 || o.reps < 1) Usage(argv[0]);
   return o;
@@ -93,7 +103,9 @@ class Region {
   Region(const Region&) = delete;
   Region& operator=(const Region&) = delete;
   template <typename T>
-  T* as() const { return static_cast<T*>(data_); }
+  T* as() const {
+    return static_cast<T*>(data_);
+  }
 
  private:
   size_t bytes_;
@@ -156,7 +168,8 @@ std::string Json(const Options& o, const std::string& host, const std::string& c
     return std::string(buffer);
   };
   out += "  \"triad\": " + entry(triad) + ",\n  \"variants\": [\n";
-  for (size_t i = 0; i < results.size(); ++i) out += "    " + entry(results[i]) + (i + 1 < results.size() ? ",\n" : "\n");
+  for (size_t i = 0; i < results.size(); ++i)
+    out += "    " + entry(results[i]) + (i + 1 < results.size() ? ",\n" : "\n");
   out += "  ]\n}\n";
   return out;
 }
@@ -218,7 +231,8 @@ int Run(int argc, char** argv) {
         const size_t begin = chunks.Begin(piece), end = chunks.End(piece);  // 64-element aligned begin
         const __m128 s = _mm_set1_ps(scalar);
         size_t i = begin;
-        for (; i + 4 <= end; i += 4) _mm_stream_ps(pa + i, _mm_add_ps(_mm_loadu_ps(pb + i), _mm_mul_ps(s, _mm_loadu_ps(pc + i))));
+        for (; i + 4 <= end; i += 4)
+          _mm_stream_ps(pa + i, _mm_add_ps(_mm_loadu_ps(pb + i), _mm_mul_ps(s, _mm_loadu_ps(pc + i))));
         for (; i < end; ++i) pa[i] = pb[i] + scalar * pc[i];
         _mm_sfence();
       });
@@ -266,8 +280,8 @@ int Run(int argc, char** argv) {
   std::vector<Result> results;
   auto print = [&](const Result& r) {
     std::printf("  %-44s %-8s %6.1f B/p %8.3f Gparam/s %8.2f GB/s %6.1f%% of triad  (%.2f ms)\n", r.name.c_str(),
-                r.kernel.c_str(), r.bytes_per_param, r.ParamsPerSecond() / 1e9, r.GBps(), 100.0 * r.GBps() / triad.GBps(),
-                r.best_s * 1e3);
+                r.kernel.c_str(), r.bytes_per_param, r.ParamsPerSecond() / 1e9, r.GBps(),
+                100.0 * r.GBps() / triad.GBps(), r.best_s * 1e3);
     std::fflush(stdout);
   };
   auto run_update = [&](const opt::KernelTable& k, const Config& c) {
@@ -291,13 +305,14 @@ int Run(int argc, char** argv) {
         k.update(grads, step, master.as<float>() + begin, moments, up, count);
       });
     });
-    const double bytes = static_cast<double>(c.ranks * ts::SizeOf(c.grad) + 8 + 4 * ts::SizeOf(c.moment) +
-                                             (c.upload ? 2 : 0));
+    const double bytes =
+        static_cast<double>(c.ranks * ts::SizeOf(c.grad) + 8 + 4 * ts::SizeOf(c.moment) + (c.upload ? 2 : 0));
     Result r{c.name, k.name, bytes, t.best, t.median, n};
     print(r);
     results.push_back(r);
   };
-  std::printf("  %-44s %-8s %10s %17s %13s\n", "AdamW update (one fused pass)", "kernel", "bytes", "params/s", "bandwidth");
+  std::printf("  %-44s %-8s %10s %17s %13s\n", "AdamW update (one fused pass)", "kernel", "bytes", "params/s",
+              "bandwidth");
   if (!o.only.empty()) {  // a quick look at some configurations (no json, no norms, no other variants)
     for (const Config& c : configs) {
       if (std::string(c.name).find(o.only) != std::string::npos) run_update(kernel, c);
@@ -325,8 +340,8 @@ int Run(int argc, char** argv) {
                                                   : static_cast<const void*>(bf16_slot(r) + begin);
         }
         bool bad = false;
-        partial[piece] = kernel.sum_of_squares({std::span<const void* const>(slots, ranks), dtype, nullptr, 1.0f},
-                                               count, &bad);
+        partial[piece] =
+            kernel.sum_of_squares({std::span<const void* const>(slots, ranks), dtype, nullptr, 1.0f}, count, &bad);
       });
     });
     Result r{name, kernel.name, static_cast<double>(ranks * ts::SizeOf(dtype)), t.best, t.median, n};

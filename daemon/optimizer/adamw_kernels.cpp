@@ -42,12 +42,17 @@ bool CpuHasAvx512() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
 }
+bool CpuHasAvx512Bf16() {
+  __builtin_cpu_init();
+  return CpuHasAvx512() && __builtin_cpu_supports("avx512bf16");
+}
 }  // namespace
 #endif
 
 std::vector<const KernelTable*> SupportedKernels() {
   std::vector<const KernelTable*> kernels;
 #if defined(__x86_64__) || defined(__i386__)
+  if (Avx512Bf16Kernels() != nullptr && CpuHasAvx512Bf16()) kernels.push_back(Avx512Bf16Kernels());
   if (Avx512Kernels() != nullptr && CpuHasAvx512()) kernels.push_back(Avx512Kernels());
   if (Avx2Kernels() != nullptr && CpuHasAvx2()) kernels.push_back(Avx2Kernels());
 #endif

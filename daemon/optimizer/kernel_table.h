@@ -1,6 +1,6 @@
 // The table of kernel implementations behind adamw_kernels.h, one per instruction set, and the choice
 // among them. The choice is made once, on first use: the best variant this CPU supports, or the one
-// named by the environment variable TRAINSTREAM_KERNEL (portable|avx2|avx512; "scalar" is an alias of
+// named by the environment variable TRAINSTREAM_KERNEL (portable|avx2|avx512|avx512bf16; "scalar" is an alias of
 // portable). Tests and benchmarks use the tables directly to run every supported variant side by side.
 #pragma once
 
@@ -24,6 +24,7 @@ struct KernelTable {
 const KernelTable& PortableKernels();
 const KernelTable* Avx2Kernels();
 const KernelTable* Avx512Kernels();
+const KernelTable* Avx512Bf16Kernels();  // AVX-512 + avx512_bf16
 
 // The variants this build has and this CPU can run, best first (portable is always last).
 std::vector<const KernelTable*> SupportedKernels();

@@ -13,8 +13,9 @@
 //    Highway would generate the same instructions; it cannot beat the roofline.
 //  - Where instruction choice matters (bf16 stochastic rounding: a 32-bit multiply-xorshift hash per
 //    element, packing two vectors of bf16 into one store), we want explicit control (vpmulld, vpermt2w)
-//    and bit-exact integer RNE/SR conversions (Highway's
-//    and avx512_bf16's f32->bf16 demotions differ from torch for NaN payloads / denormals).
+//    and bit-exact integer RNE/SR conversions (Highway's f32->bf16 demotion differs from torch for NaN payloads;
+//    avx512_bf16's VCVTNE2PS2BF16 flushes denormals: used only for the RNE upload, with a fixup, in the
+//    avx512bf16 variant).
 //  - No new build or runtime dependency on the GPU machine's sysroot (libhwy is not there).
 //  - ARM stays reachable: the portable variant auto-vectorizes with NEON today, and a NEON/SVE variant is
 //    one more ~150-line ops struct with the same interface (no change to this body).
@@ -152,24 +153,22 @@ size_t UpdateVectorsBF16(const GradSources& grads, const StepVectors<Ops>& k, fl
   const size_t ranks = grads.slots.size();
   auto* exp_avg = static_cast<uint16_t*>(moments.exp_avg);
   auto* exp_avg_sq = static_cast<uint16_t*>(moments.exp_avg_sq);
-  const I key_v = Ops::SetI(key), h1 = Ops::SetI(kRandomHash1), h2 = Ops::SetI(kRandomHash2);
+  const I key_v = Ops::MixKey(key), h1 = Ops::SetI(kRandomHash1), h2 = Ops::SetI(kRandomHash2);
   const I step = Ops::SetI(static_cast<uint32_t>(kLanes) * kRandomWeyl);
   I counter = Ops::WeylCounter(static_cast<uint32_t>(moments.element_base + i) * kRandomWeyl, kRandomWeyl);
   for (; i + 2 * kLanes <= end; i += 2 * kLanes) {
     F p0, m0, v0, p1, m1, v1;
     UpdateMath<Ops, kG, DType::kBFloat16, kD>(grads, slots, ranks, k, master, moments, i, &p0, &m0, &v0);
     UpdateMath<Ops, kG, DType::kBFloat16, kD>(grads, slots, ranks, k, master, moments, i + kLanes, &p1, &m1, &v1);
-    const I r0 = Ops::Hash(counter, key_v, h1, h2);
+    I lo0, hi0, lo1, hi1;
+    Ops::HashSplit(counter, key_v, h1, h2, &lo0, &hi0);
     counter = Ops::AddI(counter, step);
-    const I r1 = Ops::Hash(counter, key_v, h1, h2);
+    Ops::HashSplit(counter, key_v, h1, h2, &lo1, &hi1);
     counter = Ops::AddI(counter, step);
-    Ops::StoreHigh16x2(exp_avg + i, Ops::StochasticWord(m0, Ops::Low16(r0)), Ops::StochasticWord(m1, Ops::Low16(r1)));
-    Ops::StoreHigh16x2(exp_avg_sq + i, Ops::StochasticWord(v0, Ops::High16(r0)),
-                       Ops::StochasticWord(v1, Ops::High16(r1)));
+    Ops::StoreHigh16x2(exp_avg + i, Ops::StochasticWord(m0, lo0), Ops::StochasticWord(m1, lo1));
+    Ops::StoreHigh16x2(exp_avg_sq + i, Ops::StochasticWord(v0, hi0), Ops::StochasticWord(v1, hi1));
     if constexpr (kU == UploadKind::kBFloat16) {
-      uint16_t* up = static_cast<uint16_t*>(upload.data) + i;
-      const I w0 = Ops::NearestWord(p0), w1 = Ops::NearestWord(p1);
-      stream ? Ops::StreamHigh16x2(up, w0, w1) : Ops::StoreHigh16x2(up, w0, w1);
+      Ops::StoreBF16x2(static_cast<uint16_t*>(upload.data) + i, p0, p1, stream);
     } else {
       StoreUploadV<Ops, kU>(upload.data, i, p0, stream);
       StoreUploadV<Ops, kU>(upload.data, i + kLanes, p1, stream);
@@ -178,9 +177,10 @@ size_t UpdateVectorsBF16(const GradSources& grads, const StepVectors<Ops>& k, fl
   if (i + kLanes <= end) {
     F p, m, v;
     UpdateMath<Ops, kG, DType::kBFloat16, kD>(grads, slots, ranks, k, master, moments, i, &p, &m, &v);
-    const I r = Ops::Hash(counter, key_v, h1, h2);
-    Ops::StoreHigh16(exp_avg + i, Ops::StochasticWord(m, Ops::Low16(r)));
-    Ops::StoreHigh16(exp_avg_sq + i, Ops::StochasticWord(v, Ops::High16(r)));
+    I lo, hi;
+    Ops::HashSplit(counter, key_v, h1, h2, &lo, &hi);
+    Ops::StoreHigh16(exp_avg + i, Ops::StochasticWord(m, lo));
+    Ops::StoreHigh16(exp_avg_sq + i, Ops::StochasticWord(v, hi));
     StoreUploadV<Ops, kU>(upload.data, i, p, stream);
     i += kLanes;
   }

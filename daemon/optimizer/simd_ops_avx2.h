@@ -71,16 +71,16 @@ struct Avx2Ops {
   }
   static I SetI(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }
   static I AddI(I a, I b) { return _mm256_add_epi32(a, b); }
-  static I Hash(I x, I key, I h1, I h2) {
-    x = _mm256_xor_si256(x, key);
-    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  static I MixKey(uint32_t key) { return SetI(key ^ (key >> 16)); }  // see Avx512Ops::HashSplit
+  static void HashSplit(I x, I mixed_key, I h1, I h2, I* low16, I* high16) {
+    x = _mm256_xor_si256(_mm256_xor_si256(x, mixed_key), _mm256_srli_epi32(x, 16));
     x = _mm256_mullo_epi32(x, h1);
     x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
     x = _mm256_mullo_epi32(x, h2);
-    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    const I high = _mm256_srli_epi32(x, 16);
+    *high16 = high;
+    *low16 = _mm256_and_si256(_mm256_xor_si256(x, high), _mm256_set1_epi32(0xFFFF));
   }
-  static I Low16(I bits) { return _mm256_and_si256(bits, _mm256_set1_epi32(0xFFFF)); }
-  static I High16(I bits) { return _mm256_srli_epi32(bits, 16); }
   static I StochasticWord(F v, I random16) {
     const I bits = _mm256_castps_si256(v);
     const I nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
@@ -104,6 +104,10 @@ struct Avx2Ops {
   }
   static void StoreHigh16x2(uint16_t* p, I a, I b) { _mm256_storeu_si256(reinterpret_cast<I*>(p), PackHigh16(a, b)); }
   static void StreamHigh16x2(uint16_t* p, I a, I b) { _mm256_stream_si256(reinterpret_cast<I*>(p), PackHigh16(a, b)); }
+  static void StoreBF16x2(uint16_t* p, F a, F b, bool stream) {
+    const I w = PackHigh16(NearestWord(a), NearestWord(b));
+    stream ? _mm256_stream_si256(reinterpret_cast<I*>(p), w) : _mm256_storeu_si256(reinterpret_cast<I*>(p), w);
+  }
 
   struct SquareSum {
     __m256d a = _mm256_setzero_pd(), b = _mm256_setzero_pd();

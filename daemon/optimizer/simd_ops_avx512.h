@@ -3,8 +3,8 @@
 //
 // Conversions are the bit-exact vector forms of float_convert.h: bf16 round-to-nearest-even and
 // stochastic rounding in integer arithmetic (not VCVTNEPS2BF16 of avx512_bf16, which flushes
-// denormals, so it would differ from torch and the scalar reference; the integer form costs ~4 ops per
-// 16 elements, nothing at the bandwidth limit), fp16 via VCVTPS2PH with round-to-nearest-even.
+// denormals, so it would differ from torch and the scalar reference), fp16 via VCVTPS2PH with
+// round-to-nearest-even. Avx512Bf16Ops (below) uses VCVTNE2PS2BF16 for the RNE upload with a denormal fixup.
 #pragma once
 
 // GCC 12's AVX-512 headers trip -Wuninitialized on their own _mm512_undefined_* (GCC bug 105593, fixed in
@@ -81,17 +81,20 @@ struct Avx512Ops {
   }
   static I SetI(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
   static I AddI(I a, I b) { return _mm512_add_epi32(a, b); }
-  // RandomHash(x, key) per lane; h1, h2: the multipliers, broadcast.
-  static I Hash(I x, I key, I h1, I h2) {
-    x = _mm512_xor_si512(x, key);
-    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  // The key as HashSplit takes it: x ^= key; x ^= x >> 16 is x ^ (x >> 16) ^ (key ^ key >> 16).
+  static I MixKey(uint32_t key) { return SetI(key ^ (key >> 16)); }
+  // RandomHash(x, key) per lane, split into its low 16 bits (exp_avg) and high 16 bits (exp_avg_sq);
+  // mixed_key: MixKey(key); h1, h2: the multipliers, broadcast. The final x ^= x >> 16 leaves the high half
+  // as it is and is folded into the low-half mask (one vpternlogd), the key xor into the first xorshift.
+  static void HashSplit(I x, I mixed_key, I h1, I h2, I* low16, I* high16) {
+    x = _mm512_ternarylogic_epi32(x, _mm512_srli_epi32(x, 16), mixed_key, 0x96);  // a ^ b ^ c
     x = _mm512_mullo_epi32(x, h1);
     x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
     x = _mm512_mullo_epi32(x, h2);
-    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    const I high = _mm512_srli_epi32(x, 16);
+    *high16 = high;
+    *low16 = _mm512_ternarylogic_epi32(x, high, _mm512_set1_epi32(0xFFFF), 0x28);  // (a ^ b) & c
   }
-  static I Low16(I bits) { return _mm512_and_si512(bits, _mm512_set1_epi32(0xFFFF)); }
-  static I High16(I bits) { return _mm512_srli_epi32(bits, 16); }
   // Stochastic rounding word: finite and inf: bits + random16 (inf + r < 2^16 stays inf); NaN: quieted, as
   // RoundBF16 (bits | 0x400000). High halves equal FloatToBF16Stochastic.
   static I StochasticWord(F v, I random16) {
@@ -119,6 +122,11 @@ struct Avx512Ops {
   }
   static void StoreHigh16x2(uint16_t* p, I a, I b) { _mm512_storeu_si512(p, PackHigh16(a, b)); }
   static void StreamHigh16x2(uint16_t* p, I a, I b) { _mm512_stream_si512(reinterpret_cast<__m512i*>(p), PackHigh16(a, b)); }
+  // a then b rounded to nearest even as 2 * kLanes bf16 (FloatToBF16), in one store.
+  static void StoreBF16x2(uint16_t* p, F a, F b, bool stream) {
+    const I w = PackHigh16(NearestWord(a), NearestWord(b));
+    stream ? _mm512_stream_si512(reinterpret_cast<__m512i*>(p), w) : _mm512_storeu_si512(p, w);
+  }
 
   // Sum of squares in double: two accumulators of 8 doubles.
   struct SquareSum {
@@ -134,6 +142,30 @@ struct Avx512Ops {
 
   static void StreamFence() { _mm_sfence(); }
 };
+
+#if defined(__AVX512BF16__)
+// AVX-512 plus avx512_bf16 (Cooper Lake, Sapphire/Emerald Rapids, Zen 4): the round-to-nearest-even
+// upload uses VCVTNE2PS2BF16, one instruction for 32 values in element order instead of ~15 integer ops
+// and a word permute. The instruction is FloatToBF16 exactly (same RNE, same NaN quieting: bits >> 16 |
+// 0x40) except that it treats denormal inputs as zero regardless of MXCSR; a denormal master weight is
+// rare, so one VFPCLASSPS per vector detects it and the whole store then takes the integer path.
+struct Avx512Bf16Ops : Avx512Ops {
+  static constexpr int kDenormal = 0x20;  // VFPCLASSPS category: denormal
+
+  static void StoreBF16x2(uint16_t* p, F a, F b, bool stream) {
+    I w = reinterpret_cast<I>(_mm512_cvtne2ps_pbh(b, a));  // a -> low 16 words, b -> high 16 words
+    const __mmask16 denormal = _mm512_fpclass_ps_mask(a, kDenormal) | _mm512_fpclass_ps_mask(b, kDenormal);
+    if (denormal != 0) [[unlikely]] w = PackHigh16(NearestWord(a), NearestWord(b));
+    stream ? _mm512_stream_si512(reinterpret_cast<__m512i*>(p), w) : _mm512_storeu_si512(p, w);
+  }
+  static __m256i NearestBF16(F v) {
+    if (_mm512_fpclass_ps_mask(v, kDenormal) != 0) [[unlikely]] return Narrow(RoundBF16(v));
+    return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+  }
+  static void StoreBF16(uint16_t* p, F v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), NearestBF16(v)); }
+  static void StreamBF16(uint16_t* p, F v) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), NearestBF16(v)); }
+};
+#endif  // __AVX512BF16__
 
 }  // namespace
 }  // namespace trainstream::optimizer
