@@ -1,14 +1,14 @@
 #include "daemon/config.h"
 
-#include <CLI/CLI.hpp>
 #include <toml++/toml.h>
+#include <CLI/CLI.hpp>
 
 #include <algorithm>
 #include <iostream>
 #include <limits>
 
-#include "shm/version.h"
 #include "shm/error.h"
+#include "shm/version.h"
 
 namespace trainstream::daemon {
 
@@ -27,7 +27,8 @@ void ReadKey(const toml::table& table, const char* key, T& out) {
   } else {
     const auto value = node->value<int64_t>();
     TS_CHECK(value.has_value() && *value >= 0 && static_cast<uint64_t>(*value) <= std::numeric_limits<T>::max(),
-             Code::kInvalidArgument, "config key '{}' must be an integer in [0, {}]", key, std::numeric_limits<T>::max());
+             Code::kInvalidArgument, "config key '{}' must be an integer in [0, {}]", key,
+             std::numeric_limits<T>::max());
     out = static_cast<T>(*value);
   }
 }
@@ -42,7 +43,7 @@ void LoadConfigFile(const std::string& path, Config& config) {
     Throw(Code::kInvalidArgument, "cannot parse config file {}: {} (line {})", path, e.description(),
           e.source().begin.line);
   }
-  static const std::vector<std::string> kKnown = {"socket",   "threads",        "log_level", "socket_mode",
+  static const std::vector<std::string> kKnown = {"socket",          "threads",  "log_level",     "socket_mode",
                                                   "job_ttl_seconds", "max_jobs", "max_host_bytes"};
   for (const auto& [key, value] : table) {
     TS_CHECK(std::find(kKnown.begin(), kKnown.end(), key.str()) != kKnown.end(), Code::kInvalidArgument,
@@ -73,8 +74,7 @@ std::optional<Config> ParseConfig(int argc, char** argv) {
   std::optional<int64_t> parent_pid;
   app.add_option("--socket", socket, "Unix socket to listen on (default " + defaults.socket + ")");
   app.add_option("--threads", threads, "optimizer worker threads (default: one per core)");
-  app.add_option("--log-level", log_level, "trace, debug, info, warn, error")
-      ->check(CLI::IsMember(kLogLevels));
+  app.add_option("--log-level", log_level, "trace, debug, info, warn, error")->check(CLI::IsMember(kLogLevels));
   app.add_option("--job-ttl", ttl, "seconds a job with no attached rank is kept (default 3600)");
   app.add_option("--max-jobs", max_jobs, "maximum number of jobs (default 64)");
   app.add_option("--max-host-bytes", max_host_bytes, "maximum bytes of shared memory over all jobs (0: no limit)");

@@ -14,7 +14,9 @@ namespace trainstream::daemon {
 
 namespace {
 
-grpc::Status ToStatus(const Error& e) { return {static_cast<grpc::StatusCode>(e.code()), e.what()}; }
+grpc::Status ToStatus(const Error& e) {
+  return {static_cast<grpc::StatusCode>(e.code()), e.what()};
+}
 
 // Runs a handler body; the one place where errors become statuses.
 template <typename Body>

@@ -26,8 +26,8 @@ Job::Job(std::string name, uint32_t uid, shm::LayoutSpec spec, uint64_t seed, Wo
   state_ = shm::Segment::Create(shm::SegmentName(uid_, key_, "state"), layout_.state_bytes);
   state_.RemoveOnDestroy();
   shm::InitStateSegment(state_.data(), layout_);
-  engine_ = std::make_unique<StepEngine>(name_, spec_, layout_, shm::ViewState(state_.data(), layout_, spec_), seed,
-                                         pool);
+  engine_ =
+      std::make_unique<StepEngine>(name_, spec_, layout_, shm::ViewState(state_.data(), layout_, spec_), seed, pool);
   spdlog::info("job '{}' created: {} parameters in {} buckets, {} state bytes, key {}", name_, spec_.params.size(),
                layout_.buckets.size(), layout_.state_bytes, key_);
 }
@@ -70,7 +70,9 @@ void Job::Detach(uint32_t rank) {
   spdlog::info("job '{}': rank {} detached", name_, rank);
 }
 
-uint64_t Job::host_bytes() { return layout_.state_bytes + attached_ranks() * layout_.rank_bytes; }
+uint64_t Job::host_bytes() {
+  return layout_.state_bytes + attached_ranks() * layout_.rank_bytes;
+}
 
 size_t Job::attached_ranks() {
   std::lock_guard lock(mutex_);

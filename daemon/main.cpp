@@ -51,7 +51,8 @@ void PrepareSocketPath(const std::string& path) {
   const std::filesystem::path parent = std::filesystem::path(path).parent_path();
   std::error_code error;
   if (!parent.empty()) std::filesystem::create_directories(parent, error);
-  TS_CHECK(!error, Code::kFailedPrecondition, "cannot create socket directory {}: {}", parent.string(), error.message());
+  TS_CHECK(!error, Code::kFailedPrecondition, "cannot create socket directory {}: {}", parent.string(),
+           error.message());
   if (std::filesystem::exists(path)) {
     TS_CHECK(!SomeoneListens(path), Code::kAlreadyExists, "another trainstreamd is listening on {}", path);
     std::filesystem::remove(path);  // stale: left by a daemon that died

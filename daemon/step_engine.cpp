@@ -13,7 +13,7 @@ namespace trainstream::daemon {
 
 namespace {
 
-constexpr uint64_t kChunkElements = 1 << 16;  // static chunk of one piece of work
+constexpr uint64_t kChunkElements = 1 << 16;           // static chunk of one piece of work
 constexpr uint32_t kMaxMessagesPerRankPerRound = 256;  // fairness between ranks
 constexpr auto kIdleWait = std::chrono::milliseconds(100);
 
@@ -199,7 +199,7 @@ void StepEngine::OnGradReady(RankChannel& channel, const shm::Message& message) 
   TS_CHECK(progress.phase == Phase::kCollecting && message.micro == progress.micro, Code::kInvalidArgument,
            "GRAD_READY for bucket {} micro-batch {} of step {}, but that bucket is {}", b, message.micro, message.step,
            progress.phase == Phase::kCollecting ? fmt::format("collecting micro-batch {}", progress.micro)
-                                                 : std::string("still being processed (slot not yet released)"));
+                                                : std::string("still being processed (slot not yet released)"));
   TS_CHECK(!progress.delivered[channel.rank], Code::kInvalidArgument,
            "rank {} delivered bucket {} of step {} micro-batch {} twice", channel.rank, b, message.step, message.micro);
   const bool final_micro = (message.flags & shm::kFinalMicro) != 0;
@@ -234,7 +234,9 @@ const shm::HParams* StepEngine::HParamsFor(uint64_t step) {
   Throw(Code::kFailedPrecondition, "no rank attached to read hyperparameters from");
 }
 
-StepEngine::Sources StepEngine::SnapshotSources() { return ranks_; }
+StepEngine::Sources StepEngine::SnapshotSources() {
+  return ranks_;
+}
 
 template <typename Work, typename Include>
 void StepEngine::Schedule(uint32_t bucket, int64_t priority, Include include, Work work, std::function<void()> done) {
@@ -318,7 +320,8 @@ void StepEngine::StartAccumulate(uint32_t b) {
         progress.delivered_count = 0;
         std::fill(progress.delivered.begin(), progress.delivered.end(), 0);
         progress.phase = Phase::kCollecting;
-        PostToAll(shm::Message{.kind = shm::MessageKind::kSlotFree, .bucket = b, .step = progress.step, .micro = micro});
+        PostToAll(
+            shm::Message{.kind = shm::MessageKind::kSlotFree, .bucket = b, .step = progress.step, .micro = micro});
       });
 }
 
@@ -440,8 +443,7 @@ void StepEngine::OnLoadState(RankChannel& channel, const shm::Message& message) 
              "LOAD_STATE from rank {} while bucket {} is in the middle of step {}; call synchronize() first",
              channel.rank, b, progress.step);
   }
-  TS_CHECK(message.step < (uint64_t{1} << 62), Code::kInvalidArgument, "LOAD_STATE step {} out of range",
-           message.step);
+  TS_CHECK(message.step < (uint64_t{1} << 62), Code::kInvalidArgument, "LOAD_STATE step {} out of range", message.step);
   loading_ = true;
   const uint64_t step = message.step;
   auto remaining = std::make_shared<size_t>(buckets_.size());
@@ -452,7 +454,8 @@ void StepEngine::OnLoadState(RankChannel& channel, const shm::Message& message) 
         b, 0, [](uint32_t) { return true; },
         [at](size_t, const Piece& piece) {
           const optimizer::Upload upload = at.Upload(piece);
-          if (upload.data != nullptr) optimizer::ConvertMaster(at.state.master + at.Element(piece), upload, piece.count);
+          if (upload.data != nullptr)
+            optimizer::ConvertMaster(at.state.master + at.Element(piece), upload, piece.count);
         },
         [this, remaining, step] {
           if (--*remaining != 0) return;

@@ -97,7 +97,7 @@ class StepEngine {
   const uint64_t seed_;
   WorkerPool& pool_;
 
-  std::mutex mutex_;  // guards ranks_
+  std::mutex mutex_;                                 // guards ranks_
   std::vector<std::shared_ptr<RankChannel>> ranks_;  // by rank; nullptr when not attached
 
   // Engine-thread state.

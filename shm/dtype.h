@@ -10,7 +10,9 @@ namespace trainstream {
 
 enum class DType : uint8_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
-constexpr size_t SizeOf(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
+constexpr size_t SizeOf(DType dtype) {
+  return dtype == DType::kFloat32 ? 4 : 2;
+}
 
 constexpr std::string_view NameOf(DType dtype) {
   switch (dtype) {
@@ -21,6 +23,8 @@ constexpr std::string_view NameOf(DType dtype) {
   return "unknown";
 }
 
-constexpr bool IsValidDType(uint32_t raw) { return raw <= static_cast<uint32_t>(DType::kFloat16); }
+constexpr bool IsValidDType(uint32_t raw) {
+  return raw <= static_cast<uint32_t>(DType::kFloat16);
+}
 
 }  // namespace trainstream

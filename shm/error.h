@@ -42,7 +42,7 @@ template <typename... Args>
 }  // namespace trainstream
 
 // TS_CHECK(cond, Code::kX, "message {}", arg): throws trainstream::Error when cond is false.
-#define TS_CHECK(cond, code, ...)                                   \
-  do {                                                              \
+#define TS_CHECK(cond, code, ...)                         \
+  do {                                                    \
     if (!(cond)) ::trainstream::Throw(code, __VA_ARGS__); \
   } while (0)

@@ -17,7 +17,9 @@ uint64_t ParamSpec::numel() const {
 
 namespace {
 
-constexpr uint64_t AlignUp(uint64_t value, uint64_t alignment) { return (value + alignment - 1) / alignment * alignment; }
+constexpr uint64_t AlignUp(uint64_t value, uint64_t alignment) {
+  return (value + alignment - 1) / alignment * alignment;
+}
 
 class Hasher {  // FNV-1a: stable across processes and builds
  public:
@@ -81,8 +83,8 @@ void Validate(const LayoutSpec& spec) {
   uint64_t total = 0;
   for (size_t i = 0; i < spec.params.size(); ++i) {
     const ParamSpec& p = spec.params[i];
-    TS_CHECK(IsValidDType(static_cast<uint32_t>(p.dtype)), Code::kInvalidArgument, "parameter {} ({}) has an unknown dtype",
-             i, p.name);
+    TS_CHECK(IsValidDType(static_cast<uint32_t>(p.dtype)), Code::kInvalidArgument,
+             "parameter {} ({}) has an unknown dtype", i, p.name);
     TS_CHECK(p.group < spec.num_groups, Code::kInvalidArgument, "parameter {} ({}) is in group {} of {}", i, p.name,
              p.group, spec.num_groups);
     TS_CHECK(p.shape.size() <= 16, Code::kInvalidArgument, "parameter {} ({}) has {} dimensions", i, p.name,
@@ -120,7 +122,8 @@ JobLayout ComputeLayout(const LayoutSpec& spec) {
     }
     BucketLayout& bucket = layout.buckets[b];
     bucket.numel = AlignUp(bucket.numel, elem_align);
-    layout.params[i] = ParamLayout{.bucket = static_cast<uint32_t>(b), .offset_in_bucket = bucket.numel, .numel = numel};
+    layout.params[i] =
+        ParamLayout{.bucket = static_cast<uint32_t>(b), .offset_in_bucket = bucket.numel, .numel = numel};
     bucket.params.push_back(static_cast<uint32_t>(i));
     bucket.numel += numel;
   }

@@ -49,8 +49,8 @@ struct LayoutSpec {
   DType moment_dtype = DType::kFloat32;
   OptimizerKind optimizer = OptimizerKind::kAdamW;
   uint32_t accumulation_steps = 1;
-  uint32_t world_size = 1;       // ranks on this node
-  double max_grad_norm = 0.0;    // 0: no clipping
+  uint32_t world_size = 1;     // ranks on this node
+  double max_grad_norm = 0.0;  // 0: no clipping
 };
 
 struct BucketLayout {
@@ -117,11 +117,11 @@ struct JobLayout {
   uint64_t hash = 0;
 
   // state segment
-  size_t param_state_offset = 0, bucket_state_offset = 0, master_offset = 0, exp_avg_offset = 0,
-         exp_avg_sq_offset = 0, accum_offset = 0, upload_offset = 0, state_bytes = 0;
+  size_t param_state_offset = 0, bucket_state_offset = 0, master_offset = 0, exp_avg_offset = 0, exp_avg_sq_offset = 0,
+         accum_offset = 0, upload_offset = 0, state_bytes = 0;
   // rank segment
-  size_t request_ring_offset = 0, completion_ring_offset = 0, hparams_offset = 0, presence_offset = 0,
-         grads_offset = 0, rank_bytes = 0;
+  size_t request_ring_offset = 0, completion_ring_offset = 0, hparams_offset = 0, presence_offset = 0, grads_offset = 0,
+         rank_bytes = 0;
 };
 
 // Validates the spec (throws Error kInvalidArgument naming what is wrong) and lays it out.

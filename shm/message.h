@@ -10,8 +10,8 @@ namespace trainstream::shm {
 
 enum class MessageKind : uint16_t {
   // client -> daemon
-  kGradReady = 1,   // rank's gradients for `bucket` of micro-batch `micro` of `step` are in its grad region
-  kLoadState = 2,   // the client wrote master weights / moments / step counts; publish them as `step`
+  kGradReady = 1,  // rank's gradients for `bucket` of micro-batch `micro` of `step` are in its grad region
+  kLoadState = 2,  // the client wrote master weights / moments / step counts; publish them as `step`
   // daemon -> client
   kSlotFree = 16,     // the daemon has consumed the grad region of `bucket` for (`step`, `micro`)
   kParamsReady = 17,  // the new weights of `bucket` after `step` are in the upload region

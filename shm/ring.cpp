@@ -27,7 +27,9 @@ RingHeader* InitRing(void* memory, uint32_t capacity) {
 }
 
 namespace {
-Message* SlotsOf(RingHeader* ring) { return reinterpret_cast<Message*>(ring + 1); }
+Message* SlotsOf(RingHeader* ring) {
+  return reinterpret_cast<Message*>(ring + 1);
+}
 
 uint64_t CheckedMask(const RingHeader* ring) {
   TS_CHECK(ring->magic == RingHeader::kMagic, Code::kInvalidArgument, "ring header is corrupt (bad magic)");

@@ -33,14 +33,16 @@ struct Doorbell {
 
 struct alignas(64) RingHeader {
   static constexpr uint32_t kMagic = 0x52494E47;  // "RING"
-  alignas(64) std::atomic<uint64_t> head{0};  // next index the producer writes
-  alignas(64) std::atomic<uint64_t> tail{0};  // next index the consumer reads
+  alignas(64) std::atomic<uint64_t> head{0};      // next index the producer writes
+  alignas(64) std::atomic<uint64_t> tail{0};      // next index the consumer reads
   alignas(64) uint32_t magic = kMagic;
   uint32_t capacity = 0;  // a power of two
 };
 
 // Bytes a ring of `capacity` messages occupies (header + slots).
-constexpr size_t RingBytes(uint32_t capacity) { return sizeof(RingHeader) + size_t{capacity} * sizeof(Message); }
+constexpr size_t RingBytes(uint32_t capacity) {
+  return sizeof(RingHeader) + size_t{capacity} * sizeof(Message);
+}
 
 // Constructs an empty ring in place at `memory` (RingBytes(capacity) bytes, 64-byte aligned).
 RingHeader* InitRing(void* memory, uint32_t capacity);

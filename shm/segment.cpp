@@ -74,7 +74,9 @@ Segment Segment::Open(const std::string& name) {
   return segment;
 }
 
-bool Segment::Remove(const std::string& name) { return bip::shared_memory_object::remove(name.c_str()); }
+bool Segment::Remove(const std::string& name) {
+  return bip::shared_memory_object::remove(name.c_str());
+}
 
 bool Segment::Exists(const std::string& name) {
   try {

@@ -173,20 +173,40 @@ void RankSession::Impl::Push(const shm::Message& message) {
 RankSession::RankSession(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 RankSession::~RankSession() = default;
 
-const shm::LayoutSpec& RankSession::spec() const { return impl_->spec; }
-const shm::JobLayout& RankSession::layout() const { return impl_->layout; }
-uint32_t RankSession::rank() const { return impl_->rank; }
-bool RankSession::created() const { return impl_->created; }
-bool RankSession::initialized() const { return impl_->initialized; }
-uint64_t RankSession::completed_step() const { return impl_->state.header->completed_step.load(); }
+const shm::LayoutSpec& RankSession::spec() const {
+  return impl_->spec;
+}
+const shm::JobLayout& RankSession::layout() const {
+  return impl_->layout;
+}
+uint32_t RankSession::rank() const {
+  return impl_->rank;
+}
+bool RankSession::created() const {
+  return impl_->created;
+}
+bool RankSession::initialized() const {
+  return impl_->initialized;
+}
+uint64_t RankSession::completed_step() const {
+  return impl_->state.header->completed_step.load();
+}
 uint64_t RankSession::applied_step(uint32_t bucket) const {
   TS_CHECK(bucket < impl_->layout.buckets.size(), Code::kInvalidArgument, "bucket {} out of range", bucket);
   return impl_->state.bucket_state[bucket].applied_step.load();
 }
-shm::StateView RankSession::state() const { return impl_->state; }
-shm::RankView RankSession::view() const { return impl_->view; }
-size_t RankSession::state_bytes() const { return impl_->layout.state_bytes; }
-size_t RankSession::rank_bytes() const { return impl_->layout.rank_bytes; }
+shm::StateView RankSession::state() const {
+  return impl_->state;
+}
+shm::RankView RankSession::view() const {
+  return impl_->view;
+}
+size_t RankSession::state_bytes() const {
+  return impl_->layout.state_bytes;
+}
+size_t RankSession::rank_bytes() const {
+  return impl_->layout.rank_bytes;
+}
 
 void RankSession::SendGradReady(uint32_t bucket, uint64_t step, uint32_t micro, bool final_micro) {
   TS_CHECK(bucket < impl_->layout.buckets.size(), Code::kInvalidArgument, "bucket {} out of range", bucket);
@@ -209,7 +229,9 @@ void RankSession::SendLoadState(uint64_t step) {
   impl_->Push(shm::Message{.kind = shm::MessageKind::kLoadState, .step = step});
 }
 
-void RankSession::SendRaw(const shm::Message& message) { impl_->Push(message); }
+void RankSession::SendRaw(const shm::Message& message) {
+  impl_->Push(message);
+}
 
 void RankSession::WaitParamsReady(uint32_t bucket, uint64_t step) {
   TS_CHECK(bucket < impl_->layout.buckets.size(), Code::kInvalidArgument, "bucket {} out of range", bucket);
@@ -228,7 +250,9 @@ bool RankSession::ParamsReady(uint32_t bucket, uint64_t step) {
   return impl_->params_ready[bucket] >= static_cast<int64_t>(step);
 }
 
-void RankSession::CheckHealthy() { impl_->CheckHealthy(); }
+void RankSession::CheckHealthy() {
+  impl_->CheckHealthy();
+}
 
 std::vector<std::string> RankSession::TakeWarnings() {
   std::lock_guard lock(impl_->event_mutex);

@@ -80,8 +80,8 @@ inline void StoreMomentElement(void* base, size_t i, float value, uint32_t rando
 
 // One element of AdamWUpdate; element i of the range, global index moments.element_base + i.
 template <DType kGrad, DType kMoment, UploadKind kUpload, bool kDecoupled>
-inline void UpdateElement(const GradSources& grads, const StepConstants& c, float* master,
-                          const MomentBuffers& moments, const Upload& upload, size_t i) {
+inline void UpdateElement(const GradSources& grads, const StepConstants& c, float* master, const MomentBuffers& moments,
+                          const Upload& upload, size_t i) {
   float g = GradElement<kGrad>(grads, i);
   float p = master[i];
   if constexpr (kDecoupled) {

@@ -66,7 +66,8 @@ const KernelTable& KernelByName(std::string_view name) {
     if (name == kernel->name) return *kernel;
   }
   std::string supported;
-  for (const KernelTable* kernel : SupportedKernels()) supported += std::string(supported.empty() ? "" : ", ") + kernel->name;
+  for (const KernelTable* kernel : SupportedKernels())
+    supported += std::string(supported.empty() ? "" : ", ") + kernel->name;
   Throw(Code::kFailedPrecondition, "optimizer kernel '{}' is unknown or not supported by this CPU (supported: {})",
         name, supported);
 }
@@ -97,6 +98,8 @@ void ConvertMaster(const float* master, const Upload& upload, size_t n) {
   ActiveKernels().convert_master(master, upload, n);
 }
 
-const char* ActiveKernelName() { return ActiveKernels().name; }
+const char* ActiveKernelName() {
+  return ActiveKernels().name;
+}
 
 }  // namespace trainstream::optimizer

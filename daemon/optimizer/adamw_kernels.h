@@ -34,14 +34,14 @@ struct GradSources {
 
 struct AdamWStep {
   float lr = 0, beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0;
-  bool decoupled = true;  // AdamW (true) or Adam with L2 weight decay (false)
-  float step_size = 0;                // lr / (1 - beta1^step)
-  float bias_correction2_sqrt = 0;    // sqrt(1 - beta2^step)
+  bool decoupled = true;            // AdamW (true) or Adam with L2 weight decay (false)
+  float step_size = 0;              // lr / (1 - beta1^step)
+  float bias_correction2_sqrt = 0;  // sqrt(1 - beta2^step)
   // Computed in double and rounded once, as torch does with its Python-float scalars: 1 - float(0.999)
   // would be 1.3e-5 off 0.001 and bias every exp_avg_sq. Construct with For(), which sets them.
   float one_minus_beta1 = 0;  // the lerp weight
   float one_minus_beta2 = 0;
-  float decay = 1;            // AdamW: 1 - lr * weight_decay
+  float decay = 1;  // AdamW: 1 - lr * weight_decay
 
   // Scalars for a parameter's `step`-th update (step >= 1), computed as torch does, in double.
   static AdamWStep For(double lr, double beta1, double beta2, double eps, double weight_decay, bool decoupled,

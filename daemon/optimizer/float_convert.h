@@ -17,7 +17,9 @@
 namespace trainstream::optimizer {
 namespace {  // see the header comment: internal linkage per translation unit
 
-inline float BF16ToFloat(uint16_t bits) { return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16); }
+inline float BF16ToFloat(uint16_t bits) {
+  return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16);
+}
 
 inline uint16_t FloatToBF16(float value) {  // round to nearest even; NaN stays NaN
   const uint32_t bits = std::bit_cast<uint32_t>(value);
@@ -126,8 +128,12 @@ inline uint32_t RandomBits(uint64_t seed, uint64_t index) {
 // One RandomBits(seed, element) serves both moments of an element: its low 16 bits round exp_avg, its
 // high 16 bits round exp_avg_sq (one hash per element instead of two: the hash, not memory, bounds the
 // bf16-moment kernels on few cores).
-inline uint32_t ExpAvgRandom(uint32_t bits) { return bits & 0xFFFF; }
-inline uint32_t ExpAvgSqRandom(uint32_t bits) { return bits >> 16; }
+inline uint32_t ExpAvgRandom(uint32_t bits) {
+  return bits & 0xFFFF;
+}
+inline uint32_t ExpAvgSqRandom(uint32_t bits) {
+  return bits >> 16;
+}
 
 }  // namespace
 }  // namespace trainstream::optimizer

@@ -7,10 +7,14 @@
 #include "daemon/optimizer/simd_ops_avx2.h"
 
 namespace trainstream::optimizer {
-const KernelTable* Avx2Kernels() { return &SimdKernelTable<Avx2Ops>("avx2"); }
+const KernelTable* Avx2Kernels() {
+  return &SimdKernelTable<Avx2Ops>("avx2");
+}
 }  // namespace trainstream::optimizer
 #else
 namespace trainstream::optimizer {
-const KernelTable* Avx2Kernels() { return nullptr; }
+const KernelTable* Avx2Kernels() {
+  return nullptr;
+}
 }  // namespace trainstream::optimizer
 #endif

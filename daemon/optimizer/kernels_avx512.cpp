@@ -7,10 +7,14 @@
 #include "daemon/optimizer/simd_ops_avx512.h"
 
 namespace trainstream::optimizer {
-const KernelTable* Avx512Kernels() { return &SimdKernelTable<Avx512Ops>("avx512"); }
+const KernelTable* Avx512Kernels() {
+  return &SimdKernelTable<Avx512Ops>("avx512");
+}
 }  // namespace trainstream::optimizer
 #else
 namespace trainstream::optimizer {
-const KernelTable* Avx512Kernels() { return nullptr; }
+const KernelTable* Avx512Kernels() {
+  return nullptr;
+}
 }  // namespace trainstream::optimizer
 #endif

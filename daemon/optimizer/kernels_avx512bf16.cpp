@@ -9,10 +9,14 @@
 #include "daemon/optimizer/simd_ops_avx512.h"
 
 namespace trainstream::optimizer {
-const KernelTable* Avx512Bf16Kernels() { return &SimdKernelTable<Avx512Bf16Ops>("avx512bf16"); }
+const KernelTable* Avx512Bf16Kernels() {
+  return &SimdKernelTable<Avx512Bf16Ops>("avx512bf16");
+}
 }  // namespace trainstream::optimizer
 #else
 namespace trainstream::optimizer {
-const KernelTable* Avx512Bf16Kernels() { return nullptr; }
+const KernelTable* Avx512Bf16Kernels() {
+  return nullptr;
+}
 }  // namespace trainstream::optimizer
 #endif

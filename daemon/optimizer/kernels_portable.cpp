@@ -10,7 +10,7 @@ namespace trainstream::optimizer {
 namespace {
 
 void PortableUpdate(const GradSources& grads, const AdamWStep& step, float* master, const MomentBuffers& moments,
-            const Upload& upload, size_t n) {
+                    const Upload& upload, size_t n) {
   const StepConstants c(step, moments);
   DispatchUpdate(grads.dtype, moments.dtype, UploadKindOf(upload), step.decoupled,
                  [&]<DType kG, DType kM, UploadKind kU, bool kD>() {
@@ -46,7 +46,8 @@ void PortableConvertMaster(const float* master, const Upload& upload, size_t n) 
 }  // namespace
 
 const KernelTable& PortableKernels() {
-  static const KernelTable table{"portable", &PortableUpdate, &PortableSumOfSquares, &PortableAccumulate, &PortableConvertMaster};
+  static const KernelTable table{"portable", &PortableUpdate, &PortableSumOfSquares, &PortableAccumulate,
+                                 &PortableConvertMaster};
   return table;
 }
 

@@ -124,8 +124,8 @@ inline void UpdateMath(const GradSources& grads, const void* const* slots, size_
 
 // fp32 moments: one vector per iteration.
 template <class Ops, DType kG, UploadKind kU, bool kD>
-size_t UpdateVectorsF32(const GradSources& grads, const StepVectors<Ops>& k, float* master, const MomentBuffers& moments,
-                        const Upload& upload, size_t i, size_t end, bool stream) {
+size_t UpdateVectorsF32(const GradSources& grads, const StepVectors<Ops>& k, float* master,
+                        const MomentBuffers& moments, const Upload& upload, size_t i, size_t end, bool stream) {
   using F = typename Ops::F;
   const void* const* slots = grads.slots.data();
   const size_t ranks = grads.slots.size();
@@ -218,7 +218,7 @@ void UpdateRange(const GradSources& grads, const StepConstants& c, float* master
 
 template <class Ops>
 void SimdUpdate(const GradSources& grads, const AdamWStep& step, float* master, const MomentBuffers& moments,
-            const Upload& upload, size_t n) {
+                const Upload& upload, size_t n) {
   const StepConstants c(step, moments);
   DispatchUpdate(grads.dtype, moments.dtype, UploadKindOf(upload), step.decoupled,
                  [&]<DType kG, DType kM, UploadKind kU, bool kD>() {
@@ -270,7 +270,8 @@ void SimdConvertMaster(const float* master, const Upload& upload, size_t n) {
     const size_t peel = StreamPeel<Ops, kU>(upload.data, n, &stream);
     size_t i = 0;
     for (; i < peel; ++i) StoreUploadElement<kU>(upload.data, i, master[i]);
-    for (; i + Ops::kLanes <= n; i += Ops::kLanes) StoreUploadV<Ops, kU>(upload.data, i, Ops::LoadF32(master + i), stream);
+    for (; i + Ops::kLanes <= n; i += Ops::kLanes)
+      StoreUploadV<Ops, kU>(upload.data, i, Ops::LoadF32(master + i), stream);
     for (; i < n; ++i) StoreUploadElement<kU>(upload.data, i, master[i]);
     if (stream) Ops::StreamFence();
   });
@@ -278,7 +279,8 @@ void SimdConvertMaster(const float* master, const Upload& upload, size_t n) {
 
 template <class Ops>
 const KernelTable& SimdKernelTable(const char* name) {
-  static const KernelTable table{name, &SimdUpdate<Ops>, &SimdSumOfSquares<Ops>, &SimdAccumulate<Ops>, &SimdConvertMaster<Ops>};
+  static const KernelTable table{name, &SimdUpdate<Ops>, &SimdSumOfSquares<Ops>, &SimdAccumulate<Ops>,
+                                 &SimdConvertMaster<Ops>};
   return table;
 }
 

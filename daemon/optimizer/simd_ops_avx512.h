@@ -50,24 +50,23 @@ struct Avx512Ops {
   static __m512i RoundBF16(F v) {
     const __m512i bits = _mm512_castps_si512(v);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    const __m512i rounded =
+        _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
     const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
     return _mm512_mask_mov_epi32(rounded, nan, quiet);
   }
   static __m256i Narrow(__m512i v) { return _mm512_cvtepi32_epi16(v); }  // low 16 bits of each lane
 
-  static void StoreBF16(uint16_t* p, F v) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), Narrow(RoundBF16(v)));
-  }
-  static void StreamBF16(uint16_t* p, F v) {
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), Narrow(RoundBF16(v)));
-  }
+  static void StoreBF16(uint16_t* p, F v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), Narrow(RoundBF16(v))); }
+  static void StreamBF16(uint16_t* p, F v) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), Narrow(RoundBF16(v))); }
   static void StoreF16(uint16_t* p, F v) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
   static void StreamF16(uint16_t* p, F v) {
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
 
   // ---- bf16 stochastic rounding of the moments (float_convert.h), on 32-bit "words": the bf16 result is
@@ -115,13 +114,15 @@ struct Avx512Ops {
   }
   // High halves of a's lanes then b's lanes: 2 * kLanes bf16 in one 64-byte store.
   static I PackHigh16(I a, I b) {
-    const I odd = _mm512_setr_epi32(0x00030001, 0x00070005, 0x000B0009, 0x000F000D, 0x00130011, 0x00170015,
-                                    0x001B0019, 0x001F001D, 0x00230021, 0x00270025, 0x002B0029, 0x002F002D,
-                                    0x00330031, 0x00370035, 0x003B0039, 0x003F003D);
+    const I odd = _mm512_setr_epi32(0x00030001, 0x00070005, 0x000B0009, 0x000F000D, 0x00130011, 0x00170015, 0x001B0019,
+                                    0x001F001D, 0x00230021, 0x00270025, 0x002B0029, 0x002F002D, 0x00330031, 0x00370035,
+                                    0x003B0039, 0x003F003D);
     return _mm512_permutex2var_epi16(a, odd, b);
   }
   static void StoreHigh16x2(uint16_t* p, I a, I b) { _mm512_storeu_si512(p, PackHigh16(a, b)); }
-  static void StreamHigh16x2(uint16_t* p, I a, I b) { _mm512_stream_si512(reinterpret_cast<__m512i*>(p), PackHigh16(a, b)); }
+  static void StreamHigh16x2(uint16_t* p, I a, I b) {
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(p), PackHigh16(a, b));
+  }
   // a then b rounded to nearest even as 2 * kLanes bf16 (FloatToBF16), in one store.
   static void StoreBF16x2(uint16_t* p, F a, F b, bool stream) {
     const I w = PackHigh16(NearestWord(a), NearestWord(b));
@@ -155,11 +156,13 @@ struct Avx512Bf16Ops : Avx512Ops {
   static void StoreBF16x2(uint16_t* p, F a, F b, bool stream) {
     I w = reinterpret_cast<I>(_mm512_cvtne2ps_pbh(b, a));  // a -> low 16 words, b -> high 16 words
     const __mmask16 denormal = _mm512_fpclass_ps_mask(a, kDenormal) | _mm512_fpclass_ps_mask(b, kDenormal);
-    if (denormal != 0) [[unlikely]] w = PackHigh16(NearestWord(a), NearestWord(b));
+    if (denormal != 0) [[unlikely]]
+      w = PackHigh16(NearestWord(a), NearestWord(b));
     stream ? _mm512_stream_si512(reinterpret_cast<__m512i*>(p), w) : _mm512_storeu_si512(p, w);
   }
   static __m256i NearestBF16(F v) {
-    if (_mm512_fpclass_ps_mask(v, kDenormal) != 0) [[unlikely]] return Narrow(RoundBF16(v));
+    if (_mm512_fpclass_ps_mask(v, kDenormal) != 0) [[unlikely]]
+      return Narrow(RoundBF16(v));
     return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
   }
   static void StoreBF16(uint16_t* p, F v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), NearestBF16(v)); }

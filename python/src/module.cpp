@@ -63,15 +63,16 @@ py::dict ToDict(const trainstream::StatsReport& report) {
 }
 
 trainstream::shm::LayoutSpec MakeSpec(const py::list& params, uint32_t num_groups, uint64_t bucket_bytes,
-                                      int moment_dtype, int optimizer, uint32_t accumulation_steps,
-                                      uint32_t world_size, double max_grad_norm) {
+                                      int moment_dtype, int optimizer, uint32_t accumulation_steps, uint32_t world_size,
+                                      double max_grad_norm) {
   trainstream::shm::LayoutSpec spec;
   for (const py::handle item : params) {
     const auto tuple = item.cast<py::tuple>();
-    TS_CHECK(tuple.size() == 4, trainstream::Code::kInvalidArgument, "parameter entries are (name, shape, dtype, group)");
+    TS_CHECK(tuple.size() == 4, trainstream::Code::kInvalidArgument,
+             "parameter entries are (name, shape, dtype, group)");
     const int dtype = tuple[2].cast<int>();
-    TS_CHECK(trainstream::IsValidDType(static_cast<uint32_t>(dtype)), trainstream::Code::kInvalidArgument, "unknown dtype code {}",
-             dtype);
+    TS_CHECK(trainstream::IsValidDType(static_cast<uint32_t>(dtype)), trainstream::Code::kInvalidArgument,
+             "unknown dtype code {}", dtype);
     spec.params.push_back(trainstream::shm::ParamSpec{.name = tuple[0].cast<std::string>(),
                                                       .shape = tuple[1].cast<std::vector<int64_t>>(),
                                                       .dtype = static_cast<trainstream::DType>(dtype),
@@ -168,27 +169,35 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("total_elems", [](const RankSession& s) { return s.layout().total_elems; })
       .def_property_readonly("layout_hash", [](const RankSession& s) { return s.layout().hash; })
       .def("applied_step", &RankSession::applied_step)
-      .def("master", [](const std::shared_ptr<RankSession>& s) {
-        return MakeRegion(s, s->state().master, s->layout().total_elems * sizeof(float));
-      })
-      .def("exp_avg", [](const std::shared_ptr<RankSession>& s) {
-        return MakeRegion(s, s->state().exp_avg, s->layout().total_elems * trainstream::SizeOf(s->spec().moment_dtype));
-      })
-      .def("exp_avg_sq", [](const std::shared_ptr<RankSession>& s) {
-        return MakeRegion(s, s->state().exp_avg_sq, s->layout().total_elems * trainstream::SizeOf(s->spec().moment_dtype));
-      })
-      .def("upload", [](const std::shared_ptr<RankSession>& s) {
-        return MakeRegion(s, s->state().upload, s->layout().upload_bytes);
-      })
-      .def("grads", [](const std::shared_ptr<RankSession>& s) {
-        return MakeRegion(s, s->view().grads, s->layout().grad_bytes);
-      })
-      .def("presence", [](const std::shared_ptr<RankSession>& s) {
-        return MakeRegion(s, s->view().presence, s->spec().params.size());
-      })
-      .def("param_steps", [](const std::shared_ptr<RankSession>& s) {
-        return MakeRegion(s, s->state().param_state, s->spec().params.size() * sizeof(trainstream::shm::ParamState));
-      })
+      .def("master",
+           [](const std::shared_ptr<RankSession>& s) {
+             return MakeRegion(s, s->state().master, s->layout().total_elems * sizeof(float));
+           })
+      .def("exp_avg",
+           [](const std::shared_ptr<RankSession>& s) {
+             return MakeRegion(s, s->state().exp_avg,
+                               s->layout().total_elems * trainstream::SizeOf(s->spec().moment_dtype));
+           })
+      .def("exp_avg_sq",
+           [](const std::shared_ptr<RankSession>& s) {
+             return MakeRegion(s, s->state().exp_avg_sq,
+                               s->layout().total_elems * trainstream::SizeOf(s->spec().moment_dtype));
+           })
+      .def("upload",
+           [](const std::shared_ptr<RankSession>& s) {
+             return MakeRegion(s, s->state().upload, s->layout().upload_bytes);
+           })
+      .def("grads",
+           [](const std::shared_ptr<RankSession>& s) { return MakeRegion(s, s->view().grads, s->layout().grad_bytes); })
+      .def("presence",
+           [](const std::shared_ptr<RankSession>& s) {
+             return MakeRegion(s, s->view().presence, s->spec().params.size());
+           })
+      .def("param_steps",
+           [](const std::shared_ptr<RankSession>& s) {
+             return MakeRegion(s, s->state().param_state,
+                               s->spec().params.size() * sizeof(trainstream::shm::ParamState));
+           })
       .def(
           "set_hparams",
           [](RankSession& s, uint64_t step, uint32_t group, double lr, double beta1, double beta2, double eps,

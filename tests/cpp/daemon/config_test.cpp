@@ -134,7 +134,9 @@ TEST(ParseConfig, LoadConfigFileKeepsKeysItDoesNotSet) {
   EXPECT_EQ(config.threads, 11u);
 }
 
-TEST(ParseConfig, UnknownKeyInFileIsRejected) { ExpectFileRejected("threads = 2\nbogus_key = 1\n", "bogus_key"); }
+TEST(ParseConfig, UnknownKeyInFileIsRejected) {
+  ExpectFileRejected("threads = 2\nbogus_key = 1\n", "bogus_key");
+}
 
 TEST(ParseConfig, WrongTypedKeysInFileAreRejected) {
   ExpectFileRejected("threads = \"many\"\n", "threads");
@@ -154,15 +156,23 @@ TEST(ParseConfig, MissingFileIsRejected) {
   ExpectRejected({"--config", path}, path);
 }
 
-TEST(ParseConfig, UnknownFlagIsRejected) { ExpectRejected({"--bogus-flag", "1"}, "--bogus-flag"); }
+TEST(ParseConfig, UnknownFlagIsRejected) {
+  ExpectRejected({"--bogus-flag", "1"}, "--bogus-flag");
+}
 
-TEST(ParseConfig, BadLogLevelFlagIsRejected) { ExpectRejected({"--log-level", "loud"}, "loud"); }
+TEST(ParseConfig, BadLogLevelFlagIsRejected) {
+  ExpectRejected({"--log-level", "loud"}, "loud");
+}
 
-TEST(ParseConfig, NonNumericFlagIsRejected) { ExpectRejected({"--threads", "lots"}, "threads"); }
+TEST(ParseConfig, NonNumericFlagIsRejected) {
+  ExpectRejected({"--threads", "lots"}, "threads");
+}
 
 // The file accepts "the same keys as these flags": a level the flag refuses must not pass through the file
 // (spdlog::level::from_str turns an unknown name into "off", silencing the daemon).
-TEST(ParseConfig, BadLogLevelInFileIsRejected) { ExpectFileRejected("log_level = \"loud\"\n", "log_level"); }
+TEST(ParseConfig, BadLogLevelInFileIsRejected) {
+  ExpectFileRejected("log_level = \"loud\"\n", "log_level");
+}
 
 // A value that does not fit the key's type must not wrap around (threads = 2^32 would become 0).
 TEST(ParseConfig, OutOfRangeValueInFileIsRejected) {

@@ -86,7 +86,9 @@ HParams TestHParams(double lr = 0.1) {
   return HParams{.lr = lr, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01};
 }
 
-float InitialWeight(uint32_t param, uint64_t i) { return static_cast<float>(0.9 * std::sin(0.37 * i + param)); }
+float InitialWeight(uint32_t param, uint64_t i) {
+  return static_cast<float>(0.9 * std::sin(0.37 * i + param));
+}
 
 float Gradient(uint32_t param, uint32_t rank, uint64_t step, uint64_t i) {
   const double g = 0.5 * std::cos(0.11 * i + 1.7 * rank + 0.9 * step + param);
@@ -194,8 +196,8 @@ class RankClient {
   }
   void ExpectNoCompletion(std::chrono::milliseconds wait) {
     const std::optional<Message> message = Receive(wait);
-    EXPECT_FALSE(message.has_value()) << "unexpected completion kind " << static_cast<int>(message->kind)
-                                      << " bucket " << message->bucket << " step " << message->step;
+    EXPECT_FALSE(message.has_value()) << "unexpected completion kind " << static_cast<int>(message->kind) << " bucket "
+                                      << message->bucket << " step " << message->step;
   }
   // Rank 0's start: write the initial master weights and publish them as step 0.
   void LoadInitialState() {
@@ -434,7 +436,13 @@ TEST_F(StepEngineTest, ReattachDuringAnInFlightUpdateKeepsTheNewRankSegment) {
   std::latch started(1);
   std::promise<void> release;
   std::shared_future<void> released = release.get_future().share();
-  single.Submit(1, [&](size_t) { started.count_down(); released.wait(); }, [] {}, 1000);
+  single.Submit(
+      1,
+      [&](size_t) {
+        started.count_down();
+        released.wait();
+      },
+      [] {}, 1000);
   started.wait();  // the only worker is busy: the update below stays queued
   clients[0]->DeliverStep(1, TestHParams());
   const shm::RingHeader* requests = clients[0]->view().request_ring;
@@ -457,7 +465,9 @@ struct Violation {
   std::string needle;
 };
 
-void PrintTo(const Violation& violation, std::ostream* os) { *os << violation.label; }
+void PrintTo(const Violation& violation, std::ostream* os) {
+  *os << violation.label;
+}
 
 class ProtocolViolation : public StepEngineTest, public ::testing::WithParamInterface<Violation> {};
 
@@ -493,30 +503,31 @@ TEST_P(ProtocolViolation, FailsOnlyTheOffendingSession) {
 
 INSTANTIATE_TEST_SUITE_P(
     StepEngine, ProtocolViolation,
-    ::testing::Values(
-        Violation{"BucketOutOfRange", 1, [](RankClient& c) { c.SendGradReady(99, 1); }, "bucket 99"},
-        Violation{"WrongStep", 1, [](RankClient& c) { c.SendGradReady(0, 5); }, "step 5"},
-        Violation{"DuplicateDelivery", 2,
-                  [](RankClient& c) {
-                    c.SetHParams(1, TestHParams());
-                    c.SendGradReady(0, 1);
-                    c.SendGradReady(0, 1);
-                  },
-                  "twice"},
-        Violation{"FinalFlagMissing", 1,
-                  [](RankClient& c) {
-                    c.Send(Message{.kind = MessageKind::kGradReady, .flags = 0, .bucket = 0, .step = 1, .micro = 0});
-                  },
-                  "final"},
-        Violation{"UnknownKind", 1, [](RankClient& c) { c.Send(Message{.kind = static_cast<MessageKind>(99)}); },
-                  "kind 99"},
-        Violation{"NegativeLearningRate", 1,
-                  [](RankClient& c) {
-                    c.SetHParams(1, TestHParams(-1));
-                    c.SetGradients(1);
-                    c.SendGradReady(0, 1);
-                  },
-                  "lr=-1"}),
+    ::testing::Values(Violation{"BucketOutOfRange", 1, [](RankClient& c) { c.SendGradReady(99, 1); }, "bucket 99"},
+                      Violation{"WrongStep", 1, [](RankClient& c) { c.SendGradReady(0, 5); }, "step 5"},
+                      Violation{"DuplicateDelivery", 2,
+                                [](RankClient& c) {
+                                  c.SetHParams(1, TestHParams());
+                                  c.SendGradReady(0, 1);
+                                  c.SendGradReady(0, 1);
+                                },
+                                "twice"},
+                      Violation{"FinalFlagMissing", 1,
+                                [](RankClient& c) {
+                                  c.Send(Message{
+                                      .kind = MessageKind::kGradReady, .flags = 0, .bucket = 0, .step = 1, .micro = 0});
+                                },
+                                "final"},
+                      Violation{"UnknownKind", 1,
+                                [](RankClient& c) { c.Send(Message{.kind = static_cast<MessageKind>(99)}); },
+                                "kind 99"},
+                      Violation{"NegativeLearningRate", 1,
+                                [](RankClient& c) {
+                                  c.SetHParams(1, TestHParams(-1));
+                                  c.SetGradients(1);
+                                  c.SendGradReady(0, 1);
+                                },
+                                "lr=-1"}),
     [](const ::testing::TestParamInfo<Violation>& info) { return info.param.label; });
 
 }  // namespace

@@ -98,7 +98,8 @@ TEST(WorkerPool, ZeroPiecesStillCallsOnDone) {
   WorkerPool pool(2, false);
   std::atomic<int> pieces_run{0};
   DoneCounter done;
-  pool.Submit(0, [&](size_t) { ++pieces_run; }, done.Callback());
+  pool.Submit(
+      0, [&](size_t) { ++pieces_run; }, done.Callback());
   ASSERT_TRUE(done.WaitFor(1));
   EXPECT_EQ(pieces_run.load(), 0);
   EXPECT_EQ(done.count(), 1u);
@@ -188,7 +189,8 @@ TEST(WorkerPool, ZeroThreadsMeansOne) {
   WorkerPool pool(0, false);
   EXPECT_EQ(pool.threads(), 1u);
   DoneCounter done;
-  pool.Submit(3, [](size_t) {}, done.Callback());
+  pool.Submit(
+      3, [](size_t) {}, done.Callback());
   EXPECT_TRUE(done.WaitFor(1));
 }
 

@@ -85,7 +85,9 @@ TEST_P(StochasticRounding, SameSeedAndElementGiveSameBitsWhateverTheRangeStart) 
 }
 
 // The step engine's per-step seed (daemon/step_engine.cpp).
-uint64_t StepSeed(uint64_t seed, uint64_t step) { return seed ^ (step * 0xD1B54A32D192ED03ull); }
+uint64_t StepSeed(uint64_t seed, uint64_t step) {
+  return seed ^ (step * 0xD1B54A32D192ED03ull);
+}
 
 double Correlation(const std::vector<double>& x, const std::vector<double>& y) {
   double mx = 0, my = 0;
@@ -117,7 +119,8 @@ TEST_P(StochasticRounding, MeanOverAdjacentElementsOfOneValueIsTheFp32Value) {
     for (auto [bits, exact] : {std::pair{&m, value}, std::pair{&v, square}}) {
       // The two bf16 neighbours of `exact` and the probability of rounding away from zero.
       const uint32_t raw = std::bit_cast<uint32_t>(exact);
-      const float low = std::bit_cast<float>(raw & 0xFFFF0000u), high = std::bit_cast<float>((raw & 0xFFFF0000u) + 0x10000u);
+      const float low = std::bit_cast<float>(raw & 0xFFFF0000u),
+                  high = std::bit_cast<float>((raw & 0xFFFF0000u) + 0x10000u);
       const double p_up = static_cast<double>(raw & 0xFFFF) / 65536.0;
       double sum = 0;
       size_t up = 0;
@@ -153,7 +156,8 @@ TEST(RandomBitsDistribution, BalancedAndUncorrelatedAcrossHalvesNeighboursAndSte
       same_as_next_step += r == r_next;
       for (int b = 0; b < 32; ++b) ones[b] += (r >> b) & 1;
     }
-    for (int b = 0; b < 32; ++b) EXPECT_NEAR(static_cast<double>(ones[b]) / n, 0.5, 0.0025) << "bit " << b << " base " << base;
+    for (int b = 0; b < 32; ++b)
+      EXPECT_NEAR(static_cast<double>(ones[b]) / n, 0.5, 0.0025) << "bit " << b << " base " << base;
     for (const auto* x : {&low, &high}) {
       const double mean = std::accumulate(x->begin(), x->end(), 0.0) / n;
       EXPECT_NEAR(mean, 32767.5, 65536 * 0.0015) << base;  // uniform on [0, 65535]: sigma 18.9k / 1024
@@ -183,7 +187,8 @@ TEST_P(StochasticRounding, DifferentStepsRoundDifferently) {
   auto round = [&](uint64_t seed) {
     std::vector<uint16_t> m(n, 0), v(n, 0);
     std::vector<float> master(n, 0.0f);
-    kernel.update(grads, step, master.data(), MomentBuffers{m.data(), v.data(), DType::kBFloat16, seed, 5000}, Upload{}, n);
+    kernel.update(grads, step, master.data(), MomentBuffers{m.data(), v.data(), DType::kBFloat16, seed, 5000}, Upload{},
+                  n);
     m.insert(m.end(), v.begin(), v.end());
     return m;
   };

@@ -74,7 +74,14 @@ TEST_P(TorchParity, TwentyStepsMatchDoublePrecisionTorchFormula) {
       std::vector<float> init(n);
       for (float& x : init) x = 0.1f * normal(rng);  // weights of a typical initialization
       const double wd = decoupled ? 0.01 : 0.1;
-      DoubleAdam ref{lr, 0.9, 0.999, 1e-8, wd, decoupled, {init.begin(), init.end()}, std::vector<double>(n),
+      DoubleAdam ref{lr,
+                     0.9,
+                     0.999,
+                     1e-8,
+                     wd,
+                     decoupled,
+                     {init.begin(), init.end()},
+                     std::vector<double>(n),
                      std::vector<double>(n)};
       KernelAdam ours{kernel, lr, 0.9, 0.999, 1e-8, wd, decoupled, init, std::vector<float>(n), std::vector<float>(n)};
       for (int t = 1; t <= 20; ++t) {
@@ -102,12 +109,22 @@ TEST_P(TorchParity, TwentyStepsMatchTorchGoldenTrajectory) {
   for (const Config& config : {Config{kAdamWGolden, true, 0.01}, Config{kAdamGolden, false, 0.1}}) {
     const size_t n = 64;
     std::vector<float> init(n);
-    for (size_t i = 0; i < n; ++i) init[i] = static_cast<float>(static_cast<double>(static_cast<int>((i * 53) % 100) - 50) / 128.0);
-    KernelAdam ours{kernel, 1e-2, 0.9, 0.999, 1e-8, config.weight_decay, config.decoupled, init,
-                    std::vector<float>(n), std::vector<float>(n)};
+    for (size_t i = 0; i < n; ++i)
+      init[i] = static_cast<float>(static_cast<double>(static_cast<int>((i * 53) % 100) - 50) / 128.0);
+    KernelAdam ours{kernel,
+                    1e-2,
+                    0.9,
+                    0.999,
+                    1e-8,
+                    config.weight_decay,
+                    config.decoupled,
+                    init,
+                    std::vector<float>(n),
+                    std::vector<float>(n)};
     for (int t = 1; t <= 20; ++t) {
       std::vector<float> grad(n);
-      for (size_t i = 0; i < n; ++i) grad[i] = static_cast<float>(static_cast<double>(static_cast<int>((i * 37 + t * 101) % 200) - 100) / 64.0);
+      for (size_t i = 0; i < n; ++i)
+        grad[i] = static_cast<float>(static_cast<double>(static_cast<int>((i * 37 + t * 101) % 200) - 100) / 64.0);
       ours.Step(grad, t);
     }
     int differing = 0;

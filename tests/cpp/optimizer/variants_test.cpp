@@ -105,8 +105,8 @@ void CheckUpdate(const KernelTable& kernel, size_t n, size_t misalign, DType gra
   const AdamWStep step = AdamWStep::For(1e-3, 0.9, 0.999, 1e-8, decoupled ? 0.01 : 0.1, decoupled, 7);
   expected.Run(PortableKernels(), grads.sources, step, 0xC0FFEE, n);
   actual.Run(kernel, grads.sources, step, 0xC0FFEE, n);
-  const std::string what = ::testing::PrintToString(std::make_tuple(n, misalign, NameOf(grad), ranks, accum,
-                                                                      NameOf(moment), upload, decoupled));
+  const std::string what = ::testing::PrintToString(
+      std::make_tuple(n, misalign, NameOf(grad), ranks, accum, NameOf(moment), upload, decoupled));
   ExpectSameState(expected, actual, what);
   if (::testing::Test::HasFailure()) ++*failures;
 }
@@ -245,8 +245,7 @@ TEST_P(VariantTest, ConvertMasterMatchesReference) {
       for (size_t i = 0; i < values.size(); ++i) {
         const float e = expected.Get(i), a = actual.Get(i);
         // fp16 NaN payloads may differ (VCVTPS2PH keeps payload bits); NaN-ness must not.
-        const bool same = std::isnan(e) ? std::isnan(a)
-                                        : std::bit_cast<uint32_t>(e) == std::bit_cast<uint32_t>(a);
+        const bool same = std::isnan(e) ? std::isnan(a) : std::bit_cast<uint32_t>(e) == std::bit_cast<uint32_t>(a);
         if (!same && ++mismatches < 5) {
           ADD_FAILURE() << NameOf(dtype) << " input bits 0x" << std::hex << std::bit_cast<uint32_t>(values[i])
                         << " expected 0x" << std::bit_cast<uint32_t>(e) << " got 0x" << std::bit_cast<uint32_t>(a);
@@ -317,8 +316,9 @@ INSTANTIATE_TEST_SUITE_P(Supported, VariantTest, ::testing::ValuesIn(testing::Su
 
 TEST(Dispatch, ActiveKernelIsTheBestSupportedOrTheForcedOne) {
   const char* forced = std::getenv("TRAINSTREAM_KERNEL");
-  const std::string expected = forced != nullptr && *forced != '\0' ? (std::string(forced) == "scalar" ? "portable" : forced)
-                                                                    : SupportedKernels().front()->name;
+  const std::string expected = forced != nullptr && *forced != '\0'
+                                   ? (std::string(forced) == "scalar" ? "portable" : forced)
+                                   : SupportedKernels().front()->name;
   EXPECT_EQ(ActiveKernelName(), expected);
   EXPECT_EQ(std::string(SupportedKernels().back()->name), "portable");
 }

@@ -39,14 +39,10 @@ LayoutSpec MixedSpec() {
   spec.bucket_bytes = 4096;
   spec.accumulation_steps = 4;
   spec.moment_dtype = DType::kBFloat16;
-  spec.params = {Param("embed", {50, 33}, DType::kBFloat16, 0),
-                 Param("w1", {17, 3}, DType::kFloat32, 1),
-                 Param("scalar", {}, DType::kFloat32, 0),
-                 Param("empty", {0, 5}, DType::kFloat32, 1),
-                 Param("big", {3000}, DType::kFloat32, 0),
-                 Param("b1", {7}, DType::kBFloat16, 1),
-                 Param("h", {2, 2, 255}, DType::kFloat16, 0),
-                 Param("w2", {999}, DType::kFloat32, 1)};
+  spec.params = {Param("embed", {50, 33}, DType::kBFloat16, 0), Param("w1", {17, 3}, DType::kFloat32, 1),
+                 Param("scalar", {}, DType::kFloat32, 0),       Param("empty", {0, 5}, DType::kFloat32, 1),
+                 Param("big", {3000}, DType::kFloat32, 0),      Param("b1", {7}, DType::kBFloat16, 1),
+                 Param("h", {2, 2, 255}, DType::kFloat16, 0),   Param("w2", {999}, DType::kFloat32, 1)};
   return spec;
 }
 
@@ -203,8 +199,14 @@ TEST(ComputeLayout, HashIsEqualForEqualSpecs) {
 TEST(ComputeLayout, HashChangesWithEveryField) {
   const std::vector<std::pair<std::string, std::function<void(LayoutSpec&)>>> changes = {
       {"name", [](LayoutSpec& s) { s.params[1].name = "w1x"; }},
-      {"shape", [](LayoutSpec& s) { s.params[1].shape = {3, 17}; }},
-      {"rank of shape", [](LayoutSpec& s) { s.params[1].shape = {17, 3, 1}; }},
+      {"shape",
+       [](LayoutSpec& s) {
+         s.params[1].shape = {3, 17};
+       }},
+      {"rank of shape",
+       [](LayoutSpec& s) {
+         s.params[1].shape = {17, 3, 1};
+       }},
       {"dtype", [](LayoutSpec& s) { s.params[1].dtype = DType::kBFloat16; }},
       {"group", [](LayoutSpec& s) { s.params[1].group = 0; }},
       {"param order", [](LayoutSpec& s) { std::swap(s.params[0], s.params[1]); }},
@@ -229,7 +231,11 @@ TEST(ComputeLayout, InvalidSpecsAreRejectedNamingTheProblem) {
       {"no params", [](LayoutSpec& s) { s.params.clear(); }, "no parameters"},
       {"group out of range", [](LayoutSpec& s) { s.params[1].group = 2; }, "group 2"},
       {"world_size 0", [](LayoutSpec& s) { s.world_size = 0; }, "world_size"},
-      {"negative dim", [](LayoutSpec& s) { s.params[1].shape = {4, -3}; }, "dimension -3"},
+      {"negative dim",
+       [](LayoutSpec& s) {
+         s.params[1].shape = {4, -3};
+       },
+       "dimension -3"},
       {"fp16 moments", [](LayoutSpec& s) { s.moment_dtype = DType::kFloat16; }, "moment dtype"},
       {"accumulation 0", [](LayoutSpec& s) { s.accumulation_steps = 0; }, "accumulation_steps"},
       {"max_grad_norm negative", [](LayoutSpec& s) { s.max_grad_norm = -1; }, "max_grad_norm"},
@@ -267,8 +273,7 @@ TEST(SegmentHeaders, StateSegmentAcceptsItsOwnLayoutOnly) {
   Segment reopened = Segment::Open(name.str());
   EXPECT_NO_THROW(CheckStateSegment(reopened.data(), reopened.size(), layout));
   TS_EXPECT_ERROR(CheckStateSegment(segment.data(), segment.size(), other), Code::kInvalidArgument, "layout");
-  TS_EXPECT_ERROR(CheckStateSegment(segment.data(), layout.state_bytes - 64, layout), Code::kInvalidArgument,
-                  "bytes");
+  TS_EXPECT_ERROR(CheckStateSegment(segment.data(), layout.state_bytes - 64, layout), Code::kInvalidArgument, "bytes");
   const auto* header = static_cast<const StateHeader*>(segment.data());
   EXPECT_EQ(header->completed_step.load(), 0u);
   EXPECT_EQ(header->initialized, 0u);
@@ -293,8 +298,7 @@ TEST(SegmentHeaders, RankSegmentAcceptsItsOwnLayoutAndRankOnly) {
   EXPECT_NO_THROW(CheckRankSegment(segment.data(), segment.size(), layout, 3));
   TS_EXPECT_ERROR(CheckRankSegment(segment.data(), segment.size(), layout, 2), Code::kInvalidArgument, "rank");
   TS_EXPECT_ERROR(CheckRankSegment(segment.data(), segment.size(), other, 3), Code::kInvalidArgument, "layout");
-  TS_EXPECT_ERROR(CheckRankSegment(segment.data(), layout.rank_bytes - 1, layout, 3), Code::kInvalidArgument,
-                  "bytes");
+  TS_EXPECT_ERROR(CheckRankSegment(segment.data(), layout.rank_bytes - 1, layout, 3), Code::kInvalidArgument, "bytes");
 }
 
 TEST(SegmentHeaders, RankSegmentRingsAreReadyToUse) {

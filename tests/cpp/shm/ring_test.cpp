@@ -64,7 +64,9 @@ constexpr uint32_t kSharedCapacity = 1024;
 RingHeader* RingIn(const Segment& segment) {
   return reinterpret_cast<RingHeader*>(static_cast<std::byte*>(segment.data()) + sizeof(SharedArea));
 }
-SharedArea* AreaIn(const Segment& segment) { return static_cast<SharedArea*>(segment.data()); }
+SharedArea* AreaIn(const Segment& segment) {
+  return static_cast<SharedArea*>(segment.data());
+}
 
 Segment CreateSharedRing(const std::string& name) {
   Segment segment = Segment::Create(name, sizeof(SharedArea) + RingBytes(kSharedCapacity));

@@ -72,7 +72,9 @@ inline int WaitChild(pid_t pid, std::chrono::milliseconds timeout = std::chrono:
   }
 }
 
-inline bool ExitedWith(int status, int code) { return WIFEXITED(status) && WEXITSTATUS(status) == code; }
+inline bool ExitedWith(int status, int code) {
+  return WIFEXITED(status) && WEXITSTATUS(status) == code;
+}
 
 // Polls `condition` until it holds or `timeout` passes; returns its last value.
 template <typename Condition>
@@ -86,16 +88,16 @@ bool PollUntil(Condition condition, std::chrono::milliseconds timeout = std::chr
 }
 
 // Asserts that `statement` throws trainstream::Error with `code` and a message containing `needle`.
-#define TS_EXPECT_ERROR(statement, expected_code, needle)                                          \
-  do {                                                                                             \
-    try {                                                                                          \
-      statement;                                                                                   \
-      ADD_FAILURE() << #statement " did not throw";                                                \
-    } catch (const ::trainstream::Error& e) {                                                      \
-      EXPECT_EQ(e.code(), expected_code) << e.what();                                              \
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)                            \
-          << "message '" << e.what() << "' does not mention '" << (needle) << "'";                 \
-    }                                                                                              \
+#define TS_EXPECT_ERROR(statement, expected_code, needle)                          \
+  do {                                                                             \
+    try {                                                                          \
+      statement;                                                                   \
+      ADD_FAILURE() << #statement " did not throw";                                \
+    } catch (const ::trainstream::Error& e) {                                      \
+      EXPECT_EQ(e.code(), expected_code) << e.what();                              \
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)             \
+          << "message '" << e.what() << "' does not mention '" << (needle) << "'"; \
+    }                                                                              \
   } while (0)
 
 }  // namespace trainstream::testing
