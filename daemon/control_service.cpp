@@ -140,7 +140,7 @@ grpc::Status ControlService::Session(grpc::ServerContext* context,
   auto sink = std::make_shared<StreamSink>(context, stream);
   std::shared_ptr<Job> job;
   v1::SessionEvent event;
-  const grpc::Status attached = Guarded("Attach", [&] {
+  grpc::Status attached = Guarded("Attach", [&] {
     const shm::LayoutSpec spec = LayoutFromProto(attach.layout());
     auto found = registry_.FindOrCreate(attach.job(), CallerUid(), spec, attach.seed());
     const Job::Attachment attachment = found.job->Attach(attach.rank(), sink);

@@ -3,9 +3,10 @@ time, tokens/s, peak GPU memory (torch's counter and the driver's) and host memo
 
 Each mode runs in a process of its own, so no mode sees another's memory. References measured in the
 same run: the GPU-only step (forward + backward, no optimizer) and the host update time: the bytes the
-host update must move per parameter for this configuration (gradient, master read+write, both moments
-read+write, upload) over the host memory bandwidth (the STREAM triad of benchmarks/adamw measured in
-this run when --adamw-json names its result, else a torch triad). The target is
+host update must move per parameter for this configuration (gradient, master read+write, both
+moments read+write, and for 16-bit weights the upload copy) over the host memory bandwidth (the
+STREAM triad of benchmarks/adamw measured in this run when --adamw-json names its result, else a
+torch triad). The target is
   trainstream step <= 1.15 x max(GPU-only step, host update time).
 
   python3 benchmarks/train_gpt/train_gpt.py --config 1.86b --batch 8 --seq 512 --vram-cap-gib 24
@@ -146,7 +147,8 @@ def run(args, mode: str) -> dict:
 def host_update_bytes_per_param(args) -> int:
     weights = 2 if args.bf16_weights else 4
     moments = 2 if args.moment_dtype == "bfloat16" else 4
-    return weights + 8 + 4 * moments + weights  # gradient, master r/w, two moments r/w, upload
+    upload = 2 if args.bf16_weights else 0  # fp32 weights are read from the master weights in place
+    return weights + 8 + 4 * moments + upload  # gradient, master r/w, two moments r/w, upload
 
 
 def run_in_subprocess(mode: str) -> dict:

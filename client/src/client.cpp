@@ -28,32 +28,31 @@ Client::Client(std::string socket_path, std::unique_ptr<Impl> impl)
 
 Client::~Client() = default;
 
-std::shared_ptr<Client> Client::Connect(const std::string& socket_path, std::chrono::milliseconds timeout) {
-  auto impl = std::make_unique<Impl>();
-  impl->channel = grpc::CreateChannel("unix:" + socket_path, grpc::InsecureChannelCredentials());
-  impl->stub = v1::Control::NewStub(impl->channel);
-  std::shared_ptr<Client> client(new Client(socket_path, std::move(impl)));
+namespace {
+// The version handshake, which is also the ping.
+DaemonInfo Handshake(v1::Control::Stub& stub, std::chrono::milliseconds timeout, const std::string& what) {
   grpc::ClientContext context;
   SetDeadline(context, timeout);
   v1::HandshakeRequest request;
   request.set_protocol_version(kProtocolVersion);
   request.set_client_version(std::string(kVersion));
   v1::HandshakeReply reply;
-  const grpc::Status status = client->impl_->stub->Handshake(&context, request, &reply);
-  ThrowIfFailed(status, fmt::format("cannot reach trainstreamd at {}", socket_path));
-  client->info_ = DaemonInfo{reply.daemon_version(), reply.protocol_version(), reply.pid(), reply.kernel()};
+  ThrowIfFailed(stub.Handshake(&context, request, &reply), what);
+  return DaemonInfo{reply.daemon_version(), reply.protocol_version(), reply.pid(), reply.kernel()};
+}
+}  // namespace
+
+std::shared_ptr<Client> Client::Connect(const std::string& socket_path, std::chrono::milliseconds timeout) {
+  auto impl = std::make_unique<Impl>();
+  impl->channel = grpc::CreateChannel("unix:" + socket_path, grpc::InsecureChannelCredentials());
+  impl->stub = v1::Control::NewStub(impl->channel);
+  std::shared_ptr<Client> client(new Client(socket_path, std::move(impl)));
+  client->info_ = Handshake(*client->impl_->stub, timeout, fmt::format("cannot reach trainstreamd at {}", socket_path));
   return client;
 }
 
 DaemonInfo Client::Ping() {
-  grpc::ClientContext context;
-  SetDeadline(context, std::chrono::seconds(5));
-  v1::HandshakeRequest request;
-  request.set_protocol_version(kProtocolVersion);
-  request.set_client_version(std::string(kVersion));
-  v1::HandshakeReply reply;
-  ThrowIfFailed(impl_->stub->Handshake(&context, request, &reply), "ping");
-  return DaemonInfo{reply.daemon_version(), reply.protocol_version(), reply.pid(), reply.kernel()};
+  return Handshake(*impl_->stub, std::chrono::seconds(5), "ping");
 }
 
 StatsReport Client::Stats() {

@@ -31,10 +31,16 @@ AdamWStep AdamWStep::For(double lr, double beta1, double beta2, double eps, doub
 }
 
 #if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+
 namespace {
+bool CpuHasF16c() {  // CPUID.1:ECX.F16C[bit 29]; not every compiler's __builtin_cpu_supports knows "f16c"
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+}
 bool CpuHasAvx2() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  return __builtin_cpu_supports("avx2") && CpuHasF16c();
 }
 bool CpuHasAvx512() {
   __builtin_cpu_init();

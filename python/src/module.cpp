@@ -116,13 +116,14 @@ PYBIND11_MODULE(_C, m) {
   m.attr("__version__") = std::string(trainstream::kVersion);
   m.attr("PROTOCOL_VERSION") = trainstream::kProtocolVersion;
   static py::exception<trainstream::Error> error(m, "TrainstreamError", PyExc_RuntimeError);
-  py::register_exception_translator([](std::exception_ptr p) {
-    try {
-      if (p) std::rethrow_exception(p);
-    } catch (const trainstream::Error& e) {
-      py::set_error(error, e.what());
-    }
-  });
+  py::register_exception_translator(
+      [](std::exception_ptr p) {  // NOLINT(performance-unnecessary-value-param): pybind11 fixes the signature
+        try {
+          if (p) std::rethrow_exception(p);
+        } catch (const trainstream::Error& e) {
+          py::set_error(error, e.what());
+        }
+      });
 
   py::class_<Region>(m, "Region", py::buffer_protocol())
       .def_buffer([](Region& r) -> py::buffer_info {

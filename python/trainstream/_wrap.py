@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import os
 import random
 import weakref
 
@@ -17,8 +18,30 @@ _ranks: "weakref.WeakKeyDictionary[torch.nn.Module, Rank]" = weakref.WeakKeyDict
 _auto_named: list[Rank] = []
 
 
+def _local_ranks(rank: int | None, world_size: int | None, job: str | None) -> tuple[int, int, str | None]:
+    """Explicit arguments, else the data-parallel ranks of this node from torch.distributed: an
+    initialized process group, or torchrun's environment (LOCAL_RANK, LOCAL_WORLD_SIZE)."""
+    if rank is not None or world_size is not None:
+        return rank or 0, world_size or 1, job
+    env = os.environ
+    if "LOCAL_RANK" not in env or "LOCAL_WORLD_SIZE" not in env:
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise TrainstreamError("torch.distributed is initialized but LOCAL_RANK/LOCAL_WORLD_SIZE are not set: "
+                                   "pass rank= and world_size= (this node's ranks) to trainstream.wrap")
+        return 0, 1, job
+    local_rank, local_world = int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"])
+    if int(env.get("WORLD_SIZE", local_world)) != local_world:
+        raise TrainstreamError(f"WORLD_SIZE={env['WORLD_SIZE']} spans several nodes; this build of trainstream "
+                               "serves the ranks of one node (LOCAL_WORLD_SIZE) only")
+    if job is None and local_world > 1 and "TORCHELASTIC_RUN_ID" in env:
+        job = f"torchrun-{env['TORCHELASTIC_RUN_ID']}"
+    return local_rank, local_world, job
+
+
 def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Client | None = None,
-         job: str | None = None, rank: int = 0, world_size: int = 1, max_grad_norm: float | None = None,
+         job: str | None = None, rank: int | None = None, world_size: int | None = None,
+         max_grad_norm: float | None = None,
          accumulation_steps: int = 1, bucket_mb: float = 32, moment_dtype: str = "float32",
          seed: int | None = None) -> tuple[torch.nn.Module, OffloadedOptimizer]:
     """Offloads `optimizer` (torch.optim.AdamW or Adam) of `model` to trainstreamd.
@@ -26,12 +49,16 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
     Returns the same model, with hooks that stream gradients out during backward and bring new weights
     in before forward, and an optimizer that behaves as the torch one. `job` names the job in the
     daemon: ranks of one data-parallel job pass the same name, and a restarted process that passes it
-    again resumes from the daemon's state. `max_grad_norm` clips like torch.nn.utils.clip_grad_norm_
+    again resumes from the daemon's state. `rank`/`world_size` are this node's data-parallel ranks;
+    by default they come from torchrun's LOCAL_RANK/LOCAL_WORLD_SIZE (and the job name from its run
+    id). The daemon averages the ranks' gradients: do not also wrap the model in
+    DistributedDataParallel. `max_grad_norm` clips like torch.nn.utils.clip_grad_norm_
     (do not clip p.grad yourself: gradients leave during backward). With `accumulation_steps=k`, call
     optimizer.step() after every k backward passes.
     """
     if model in _ranks:
         raise TrainstreamError("this model is already wrapped; call trainstream.unwrap(model) first")
+    rank, world_size, job = _local_ranks(rank, world_size, job)
     if world_size > 1 and job is None:
         raise TrainstreamError("ranks of a job with world_size > 1 must pass the same job name")
     client = client or connect()

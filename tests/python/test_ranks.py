@@ -59,3 +59,19 @@ def test_ranks_match_single_process_reference(daemon, tmp_path, world_size, opti
     assert max((a - b).abs().max().item() for a, b in zip(replicas[0], expected)) <= 1e-5
     stats = next(j for j in daemon.client().stats()["jobs"] if j["world_size"] == world_size)
     assert stats["completed_step"] == STEPS  # one update per step for all ranks together
+
+
+def test_ranks_from_torchrun_environment(daemon, tmp_path):
+    """examples/torchrun_ddp.py under torchrun's variables: ranks and the job name come from them."""
+    example = os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples", "torchrun_ddp.py")
+    procs = []
+    for r in range(2):
+        env = dict(os.environ, LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2", WORLD_SIZE="2", RANK=str(r),
+                   TORCHELASTIC_RUN_ID="test-run", TRAINSTREAM_ADDRESS=daemon.socket)
+        procs.append(subprocess.Popen([sys.executable, example], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    logs = [p.communicate(timeout=180)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)
+    assert "done" in logs[0]
+    job = next(j for j in daemon.client().stats()["jobs"] if j["name"] == "torchrun-test-run")
+    assert job["world_size"] == 2 and job["completed_step"] == 100
