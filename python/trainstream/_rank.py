@@ -1,5 +1,5 @@
 """This process's rank of a job: the parameters' places in shared memory, the hooks, and the step
-protocol (DESIGN.md, "One step", CPU transport).
+protocol (DESIGN.md, "One step"); _transport.py moves the bytes.
 
 Per backward pass (a micro-batch): each parameter's gradient is copied into this rank's slot of its
 bucket as soon as autograd has accumulated it, and `p.grad` is freed; a bucket whose parameters are
