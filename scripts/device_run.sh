@@ -66,6 +66,10 @@ for what in "$@"; do
           2>&1 | tail -3
       done
       ;;
+    ranks)
+      stage ranks
+      python3 benchmarks/ranks/shared_vs_private.py --ranks 4 --config 124m --json "$OUT/ranks_4x124m.json" 2>&1 | tail -3
+      ;;
     *) echo "unknown stage $what"; exit 2 ;;
   esac
 done
