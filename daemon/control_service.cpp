@@ -33,12 +33,6 @@ grpc::Status Guarded(const char* what, Body body) {
   }
 }
 
-uint32_t CallerUid() {
-  // TODO(security): learn the peer's uid from SO_PEERCRED once connections are accepted by us; until
-  // then the socket's permissions are the access control and jobs belong to the daemon's uid.
-  return static_cast<uint32_t>(geteuid());
-}
-
 uint64_t ResidentBytes() {
   std::ifstream statm("/proc/self/statm");
   uint64_t size = 0, resident = 0;
@@ -129,6 +123,10 @@ grpc::Status ControlService::Handshake(grpc::ServerContext*, const v1::Handshake
   });
 }
 
+grpc::Status ControlService::Challenge(grpc::ServerContext*, const v1::ChallengeRequest*, v1::ChallengeReply* reply) {
+  return Guarded("Challenge", [&] { reply->set_nonce(identity_.IssueNonce()); });
+}
+
 grpc::Status ControlService::Session(grpc::ServerContext* context,
                                      grpc::ServerReaderWriter<v1::SessionEvent, v1::SessionRequest>* stream) {
   v1::SessionRequest first;
@@ -142,7 +140,7 @@ grpc::Status ControlService::Session(grpc::ServerContext* context,
   v1::SessionEvent event;
   grpc::Status attached = Guarded("Attach", [&] {
     const shm::LayoutSpec spec = LayoutFromProto(attach.layout());
-    auto found = registry_.FindOrCreate(attach.job(), CallerUid(), spec, attach.seed());
+    auto found = registry_.FindOrCreate(attach.job(), identity_.Verify(attach.nonce()), spec, attach.seed());
     const Job::Attachment attachment = found.job->Attach(attach.rank(), sink);
     job = found.job;
     v1::AttachReply* reply = event.mutable_attached();
@@ -201,7 +199,8 @@ grpc::Status ControlService::Stats(grpc::ServerContext*, const v1::StatsRequest*
 }
 
 grpc::Status ControlService::DropJob(grpc::ServerContext*, const v1::DropJobRequest* request, v1::DropJobReply*) {
-  return Guarded("DropJob", [&] { registry_.Drop(request->job(), CallerUid(), request->force()); });
+  return Guarded("DropJob",
+                 [&] { registry_.Drop(request->job(), identity_.Verify(request->nonce()), request->force()); });
 }
 
 }  // namespace trainstream::daemon

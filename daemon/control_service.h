@@ -4,6 +4,7 @@
 
 #include <atomic>
 
+#include "daemon/identity_verifier.h"
 #include "daemon/job_registry.h"
 #include "trainstream/v1/control.grpc.pb.h"
 
@@ -15,6 +16,8 @@ class ControlService final : public v1::Control::Service {
 
   grpc::Status Handshake(grpc::ServerContext* context, const v1::HandshakeRequest* request,
                          v1::HandshakeReply* reply) override;
+  grpc::Status Challenge(grpc::ServerContext* context, const v1::ChallengeRequest* request,
+                         v1::ChallengeReply* reply) override;
   grpc::Status Session(grpc::ServerContext* context,
                        grpc::ServerReaderWriter<v1::SessionEvent, v1::SessionRequest>* stream) override;
   grpc::Status Stats(grpc::ServerContext* context, const v1::StatsRequest* request, v1::StatsReply* reply) override;
@@ -24,6 +27,7 @@ class ControlService final : public v1::Control::Service {
  private:
   JobRegistry& registry_;
   const WorkerPool& pool_;
+  IdentityVerifier identity_;
 };
 
 // Converts the wire layout into the shared one, validating enum values.

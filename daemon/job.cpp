@@ -2,6 +2,8 @@
 
 #include <spdlog/spdlog.h>
 
+#include <unistd.h>
+
 #include <random>
 
 #include "shm/error.h"
@@ -23,7 +25,10 @@ Job::Job(std::string name, uint32_t uid, shm::LayoutSpec spec, uint64_t seed, Wo
       layout_(shm::ComputeLayout(spec_)),
       key_(RandomKey()),
       idle_since_(std::chrono::steady_clock::now()) {
-  state_ = shm::Segment::Create(shm::SegmentName(uid_, key_, "state"), layout_.state_bytes);
+  TS_CHECK(geteuid() == 0 || geteuid() == uid_, Code::kPermissionDenied,
+           "trainstreamd runs as uid {}; a job of uid {} needs a daemon running as root or as that uid", geteuid(),
+           uid_);
+  state_ = shm::Segment::Create(shm::SegmentName(uid_, key_, "state"), layout_.state_bytes, uid_);
   state_.RemoveOnDestroy();
   shm::InitStateSegment(state_.data(), layout_);
   engine_ =
@@ -50,7 +55,7 @@ Job::Attachment Job::Attach(uint32_t rank, std::shared_ptr<SessionSink> session)
            rank, name_);
   const std::string name = RankSegmentName(rank);
   shm::Segment::Remove(name);  // left over from a rank that died while its removal raced this attach
-  shm::Segment segment = shm::Segment::Create(name, layout_.rank_bytes);
+  shm::Segment segment = shm::Segment::Create(name, layout_.rank_bytes, uid_);
   shm::InitRankSegment(segment.data(), layout_, rank);
   engine_->AddRank(std::make_shared<RankChannel>(rank, std::move(segment), layout_, std::move(session)));
   ++attached_;

@@ -1,9 +1,12 @@
 #include "shm/segment.h"
 
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <boost/interprocess/exceptions.hpp>
 #include <boost/interprocess/permissions.hpp>
+#include <cerrno>
+#include <cstring>
 #include <utility>
 
 #include "shm/error.h"
@@ -46,13 +49,17 @@ Code CodeOf(const bip::interprocess_exception& e) {
 }
 }  // namespace
 
-Segment Segment::Create(const std::string& name, size_t bytes) {
+Segment Segment::Create(const std::string& name, size_t bytes, std::optional<uint32_t> owner_uid) {
   Segment segment;
   segment.name_ = name;
   try {
     bip::permissions owner_only(S_IRUSR | S_IWUSR);
     bip::shared_memory_object object(bip::create_only, name.c_str(), bip::read_write, owner_only);
     segment.remove_on_destroy_ = true;  // until mapped successfully, a failure must not leave the name behind
+    if (owner_uid && *owner_uid != geteuid()) {
+      TS_CHECK(fchown(object.get_mapping_handle().handle, *owner_uid, static_cast<gid_t>(-1)) == 0,
+               Code::kPermissionDenied, "cannot give segment {} to uid {}: {}", name, *owner_uid, std::strerror(errno));
+    }
     object.truncate(static_cast<bip::offset_t>(bytes));
     segment.region_ = bip::mapped_region(object, bip::read_write);
     segment.remove_on_destroy_ = false;

@@ -10,6 +10,7 @@
 #include <boost/interprocess/shared_memory_object.hpp>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 
 namespace trainstream::shm {
@@ -23,8 +24,9 @@ class Segment {
   Segment& operator=(Segment&&) noexcept;
   ~Segment();
 
-  // Creates a new zero-filled segment of `bytes`; fails if the name exists.
-  static Segment Create(const std::string& name, size_t bytes);
+  // Creates a new zero-filled segment of `bytes`; fails if the name exists. With `owner_uid`, the
+  // segment is given to that uid (a root daemon creating a job's memory for its user).
+  static Segment Create(const std::string& name, size_t bytes, std::optional<uint32_t> owner_uid = std::nullopt);
   // Maps an existing segment read/write; fails with kNotFound if missing, kPermissionDenied if the
   // caller may not open it.
   static Segment Open(const std::string& name);

@@ -2,9 +2,11 @@
 #include "trainstream/client.h"
 
 #include <grpcpp/grpcpp.h>
+#include <unistd.h>
 
 #include "client/src/grpc_status.h"
 #include "client/src/rank_session_impl.h"
+#include "shm/identity_proof.h"
 #include "shm/version.h"
 #include "trainstream/v1/control.grpc.pb.h"
 
@@ -40,6 +42,27 @@ DaemonInfo Handshake(v1::Control::Stub& stub, std::chrono::milliseconds timeout,
   ThrowIfFailed(stub.Handshake(&context, request, &reply), what);
   return DaemonInfo{reply.daemon_version(), reply.protocol_version(), reply.pid(), reply.kernel()};
 }
+
+// Proves this process's uid for the next uid-bound request (shm/identity_proof.h); the returned
+// guard removes the proof file if the daemon did not consume it.
+class IdentityProof {
+ public:
+  explicit IdentityProof(v1::Control::Stub& stub) {
+    grpc::ClientContext context;
+    SetDeadline(context, kRpcTimeout);
+    v1::ChallengeReply reply;
+    ThrowIfFailed(stub.Challenge(&context, v1::ChallengeRequest(), &reply), "identity challenge");
+    nonce_ = reply.nonce();
+    shm::CreateProof(nonce_);
+  }
+  ~IdentityProof() { unlink(shm::ProofPath(nonce_).c_str()); }
+  IdentityProof(const IdentityProof&) = delete;
+  IdentityProof& operator=(const IdentityProof&) = delete;
+  [[nodiscard]] const std::string& nonce() const { return nonce_; }
+
+ private:
+  std::string nonce_;
+};
 }  // namespace
 
 std::shared_ptr<Client> Client::Connect(const std::string& socket_path, std::chrono::milliseconds timeout) {
@@ -88,16 +111,20 @@ StatsReport Client::Stats() {
 void Client::DropJob(const std::string& job, bool force) {
   grpc::ClientContext context;
   SetDeadline(context, kRpcTimeout);
+  const IdentityProof proof(*impl_->stub);
   v1::DropJobRequest request;
   request.set_job(job);
   request.set_force(force);
+  request.set_nonce(proof.nonce());
   v1::DropJobReply reply;
   ThrowIfFailed(impl_->stub->DropJob(&context, request, &reply), fmt::format("drop job '{}'", job));
 }
 
 std::unique_ptr<RankSession> Client::Attach(const std::string& job, uint32_t rank, const shm::LayoutSpec& spec,
                                             uint64_t seed) {
-  return std::make_unique<RankSession>(RankSession::Impl::Open(*impl_->stub, job, rank, spec, seed, info_.pid));
+  const IdentityProof proof(*impl_->stub);
+  return std::make_unique<RankSession>(
+      RankSession::Impl::Open(*impl_->stub, job, rank, spec, seed, proof.nonce(), info_.pid));
 }
 
 }  // namespace trainstream

@@ -42,7 +42,7 @@ v1::LayoutSpec ToProto(const shm::LayoutSpec& spec) {
 
 std::unique_ptr<RankSession::Impl> RankSession::Impl::Open(v1::Control::Stub& stub, const std::string& job,
                                                            uint32_t rank, const shm::LayoutSpec& spec, uint64_t seed,
-                                                           int64_t daemon_pid) {
+                                                           const std::string& nonce, int64_t daemon_pid) {
   auto impl = std::make_unique<Impl>();
   impl->spec = spec;
   impl->layout = shm::ComputeLayout(spec);  // validates locally first: clearer errors, no round trip
@@ -56,6 +56,7 @@ std::unique_ptr<RankSession::Impl> RankSession::Impl::Open(v1::Control::Stub& st
   attach->set_rank(rank);
   *attach->mutable_layout() = ToProto(spec);
   attach->set_seed(seed);
+  attach->set_nonce(nonce);
   v1::SessionEvent event;
   if (!impl->stream->Write(request) || !impl->stream->Read(&event)) {
     ThrowIfFailed(impl->stream->Finish(), fmt::format("attach rank {} of job '{}'", rank, job));
