@@ -7,15 +7,7 @@
 // round-to-nearest-even. Avx512Bf16Ops (below) uses VCVTNE2PS2BF16 for the RNE upload with a denormal fixup.
 #pragma once
 
-// GCC 12's AVX-512 headers trip -Wuninitialized on their own _mm512_undefined_* (GCC bug 105593, fixed in
-// 13); the warning is attributed to the header, so silencing it around the include is enough.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#ifndef __clang__  // a GCC-only warning
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#include <immintrin.h>
-#pragma GCC diagnostic pop
+#include "daemon/optimizer/immintrin_quiet.h"
 
 #include <cstddef>
 #include <cstdint>
