@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 
 import trainstream
