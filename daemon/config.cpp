@@ -43,8 +43,9 @@ void LoadConfigFile(const std::string& path, Config& config) {
     Throw(Code::kInvalidArgument, "cannot parse config file {}: {} (line {})", path, e.description(),
           e.source().begin.line);
   }
-  static const std::vector<std::string> kKnown = {"socket",          "threads",  "log_level",     "socket_mode",
-                                                  "job_ttl_seconds", "max_jobs", "max_host_bytes"};
+  static const std::vector<std::string> kKnown = {
+      "socket",   "threads",        "log_level",   "socket_mode",      "job_ttl_seconds",
+      "max_jobs", "max_host_bytes", "peer_listen", "peer_secret_file", "peer_timeout_seconds"};
   for (const auto& [key, value] : table) {
     TS_CHECK(std::find(kKnown.begin(), kKnown.end(), key.str()) != kKnown.end(), Code::kInvalidArgument,
              "unknown key '{}' in config file {}", key.str(), path);
@@ -59,6 +60,9 @@ void LoadConfigFile(const std::string& path, Config& config) {
   ReadKey(table, "job_ttl_seconds", config.job_ttl_seconds);
   ReadKey(table, "max_jobs", config.max_jobs);
   ReadKey(table, "max_host_bytes", config.max_host_bytes);
+  ReadKey(table, "peer_listen", config.peer_listen);
+  ReadKey(table, "peer_secret_file", config.peer_secret_file);
+  ReadKey(table, "peer_timeout_seconds", config.peer_timeout_seconds);
 }
 
 std::optional<Config> ParseConfig(int argc, char** argv) {
@@ -79,6 +83,11 @@ std::optional<Config> ParseConfig(int argc, char** argv) {
   app.add_option("--max-jobs", max_jobs, "maximum number of jobs (default 64)");
   app.add_option("--max-host-bytes", max_host_bytes, "maximum bytes of shared memory over all jobs (0: no limit)");
   app.add_option("--parent-pid", parent_pid, "exit when this process exits (private daemons)");
+  std::optional<std::string> peer_listen, peer_secret_file;
+  std::optional<uint64_t> peer_timeout;
+  app.add_option("--peer-listen", peer_listen, "host:port of the Peer service for multi-node jobs (default: off)");
+  app.add_option("--peer-secret-file", peer_secret_file, "file holding the peers' shared secret");
+  app.add_option("--peer-timeout", peer_timeout, "seconds a peer may stay silent before its job fails (default 30)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::Success& e) {
@@ -99,6 +108,9 @@ std::optional<Config> ParseConfig(int argc, char** argv) {
   if (max_jobs) config.max_jobs = *max_jobs;
   if (max_host_bytes) config.max_host_bytes = *max_host_bytes;
   if (parent_pid) config.parent_pid = *parent_pid;
+  if (peer_listen) config.peer_listen = *peer_listen;
+  if (peer_secret_file) config.peer_secret_file = *peer_secret_file;
+  if (peer_timeout) config.peer_timeout_seconds = *peer_timeout;
   return config;
 }
 

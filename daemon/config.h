@@ -16,8 +16,11 @@ struct Config {
   uint32_t socket_mode = 0660;
   uint64_t job_ttl_seconds = 3600;  // a job with no rank attached is dropped after this
   uint32_t max_jobs = 64;
-  uint64_t max_host_bytes = 0;  // 0: unlimited
-  int64_t parent_pid = 0;       // private daemon: exit when this process dies
+  uint64_t max_host_bytes = 0;         // 0: unlimited
+  int64_t parent_pid = 0;              // private daemon: exit when this process dies
+  std::string peer_listen;             // "host:port" for the Peer service of multi-node jobs; empty: off
+  std::string peer_secret_file;        // the peers' shared secret (required with peer_listen)
+  uint64_t peer_timeout_seconds = 30;  // a peer silent for this long fails the job
   std::string config_file;
 };
 

@@ -107,6 +107,8 @@ shm::LayoutSpec LayoutFromProto(const v1::LayoutSpec& proto) {
   spec.accumulation_steps = proto.accumulation_steps();
   spec.world_size = proto.world_size();
   spec.max_grad_norm = proto.max_grad_norm();
+  spec.peers = {proto.peers().begin(), proto.peers().end()};
+  spec.node_rank = proto.node_rank();
   return spec;
 }
 

@@ -18,7 +18,8 @@ std::string RandomKey() {
 }
 }  // namespace
 
-Job::Job(std::string name, uint32_t uid, shm::LayoutSpec spec, uint64_t seed, WorkerPool& pool)
+Job::Job(std::string name, uint32_t uid, shm::LayoutSpec spec, uint64_t seed, WorkerPool& pool,
+         const PeerConfig& peer_config)
     : name_(std::move(name)),
       uid_(uid),
       spec_(std::move(spec)),
@@ -31,8 +32,14 @@ Job::Job(std::string name, uint32_t uid, shm::LayoutSpec spec, uint64_t seed, Wo
   state_ = shm::Segment::Create(shm::SegmentName(uid_, key_, "state"), layout_.state_bytes, uid_);
   state_.RemoveOnDestroy();
   shm::InitStateSegment(state_.data(), layout_);
-  engine_ =
-      std::make_unique<StepEngine>(name_, spec_, layout_, shm::ViewState(state_.data(), layout_, spec_), seed, pool);
+  if (spec_.nodes() > 1) {
+    TS_CHECK(peer_config.mailbox != nullptr, Code::kFailedPrecondition,
+             "job '{}' spans {} nodes, but this trainstreamd was started without --peer-listen", name_, spec_.nodes());
+    peers_ = std::make_unique<PeerAllReduce>(name_, spec_.peers, spec_.node_rank,
+                                             static_cast<uint32_t>(layout_.buckets.size()), peer_config);
+  }
+  engine_ = std::make_unique<StepEngine>(name_, spec_, layout_, shm::ViewState(state_.data(), layout_, spec_), seed,
+                                         pool, peers_.get());
   spdlog::info("job '{}' created: {} parameters in {} buckets, {} state bytes, key {}", name_, spec_.params.size(),
                layout_.buckets.size(), layout_.state_bytes, key_);
 }

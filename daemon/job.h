@@ -12,6 +12,7 @@
 #include <optional>
 #include <string>
 
+#include "daemon/peer_allreduce.h"
 #include "daemon/session_sink.h"
 #include "daemon/step_engine.h"
 #include "daemon/worker_pool.h"
@@ -30,7 +31,8 @@ struct JobInfo {
 
 class Job {
  public:
-  Job(std::string name, uint32_t uid, shm::LayoutSpec spec, uint64_t seed, WorkerPool& pool);
+  Job(std::string name, uint32_t uid, shm::LayoutSpec spec, uint64_t seed, WorkerPool& pool,
+      const PeerConfig& peer_config = {});
   ~Job();  // stops the engine, then unlinks every segment of the job
   Job(const Job&) = delete;
   Job& operator=(const Job&) = delete;
@@ -66,6 +68,7 @@ class Job {
   const shm::JobLayout layout_;
   const std::string key_;
   shm::Segment state_;
+  std::unique_ptr<PeerAllReduce> peers_;  // multi-node jobs only; outlives the engine that uses it
   std::unique_ptr<StepEngine> engine_;
 
   std::mutex mutex_;  // guards the fields below

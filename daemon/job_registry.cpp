@@ -53,7 +53,7 @@ JobRegistry::Found JobRegistry::FindOrCreate(const std::string& name, uint32_t u
              "host memory quota exceeded: job '{}' needs {} bytes, {} of max_host_bytes={} in use", name, needed, used,
              config_.max_host_bytes);
   }
-  auto job = std::make_shared<Job>(name, uid, spec, seed, pool_);
+  auto job = std::make_shared<Job>(name, uid, spec, seed, pool_, peer_config_);
   jobs_.emplace(name, job);
   return {job, true};
 }
@@ -72,6 +72,7 @@ void JobRegistry::Drop(const std::string& name, uint32_t uid, bool force) {
     jobs_.erase(it);
   }
   job->FailAll(fmt::format("job '{}' was dropped", name));
+  if (peer_config_.mailbox != nullptr) peer_config_.mailbox->Drop(name);
 }
 
 std::vector<std::shared_ptr<Job>> JobRegistry::Jobs() {

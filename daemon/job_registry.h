@@ -15,7 +15,8 @@ namespace trainstream::daemon {
 
 class JobRegistry {
  public:
-  JobRegistry(const Config& config, WorkerPool& pool) : config_(config), pool_(pool) {}
+  JobRegistry(const Config& config, WorkerPool& pool, PeerConfig peer_config = {})
+      : config_(config), pool_(pool), peer_config_(std::move(peer_config)) {}
 
   struct Found {
     std::shared_ptr<Job> job;
@@ -35,6 +36,7 @@ class JobRegistry {
  private:
   const Config& config_;
   WorkerPool& pool_;
+  const PeerConfig peer_config_;
   std::mutex mutex_;
   std::map<std::string, std::shared_ptr<Job>> jobs_;
 };

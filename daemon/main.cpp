@@ -11,13 +11,16 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <filesystem>
+#include <fstream>
 #include <thread>
 
 #include "daemon/config.h"
 #include "daemon/control_service.h"
 #include "daemon/job_registry.h"
 #include "daemon/optimizer/adamw_kernels.h"
+#include "daemon/peer_service.h"
 #include "daemon/systemd_notify.h"
 #include "shm/error.h"
 #include "shm/version.h"
@@ -59,6 +62,31 @@ void PrepareSocketPath(const std::string& path) {
   }
 }
 
+std::string ReadSecret(const std::string& path) {
+  std::ifstream file(path);
+  TS_CHECK(file.good(), Code::kInvalidArgument, "cannot read the peer secret file '{}'", path);
+  std::string secret((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  while (!secret.empty() && std::isspace(static_cast<unsigned char>(secret.back()))) secret.pop_back();
+  TS_CHECK(secret.size() >= 16, Code::kInvalidArgument, "the peer secret in '{}' is shorter than 16 characters", path);
+  return secret;
+}
+
+// The Peer service on TCP, for multi-node jobs; nothing unless --peer-listen was given.
+std::unique_ptr<grpc::Server> StartPeerPlane(const Config& config, PeerMailbox& mailbox,
+                                             std::unique_ptr<PeerService>& service) {
+  if (config.peer_listen.empty()) return nullptr;
+  TS_CHECK(!config.peer_secret_file.empty(), Code::kInvalidArgument, "--peer-listen needs --peer-secret-file");
+  service = std::make_unique<PeerService>(mailbox, ReadSecret(config.peer_secret_file));
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(config.peer_listen, grpc::InsecureServerCredentials());
+  builder.SetMaxReceiveMessageSize(-1);
+  builder.RegisterService(service.get());
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  TS_CHECK(server != nullptr, Code::kUnavailable, "cannot listen for peers on {}", config.peer_listen);
+  spdlog::info("peer plane listening on {}", config.peer_listen);
+  return server;
+}
+
 int Serve(const Config& config) {
   spdlog::set_level(spdlog::level::from_str(config.log_level));
   spdlog::set_pattern("[%Y-%m-%d %H:%M:%S.%e] [trainstreamd] [%l] %v");
@@ -77,7 +105,15 @@ int Serve(const Config& config) {
   PrepareSocketPath(config.socket);
   const uint32_t threads = config.threads != 0 ? config.threads : AllowedCpuCount();
   WorkerPool pool(threads);
-  JobRegistry registry(config, pool);
+  PeerMailbox mailbox;
+  std::unique_ptr<PeerService> peer_service;
+  std::unique_ptr<grpc::Server> peer_server = StartPeerPlane(config, mailbox, peer_service);
+  PeerConfig peer_config;
+  if (peer_server) {
+    peer_config =
+        PeerConfig{&mailbox, ReadSecret(config.peer_secret_file), std::chrono::seconds(config.peer_timeout_seconds)};
+  }
+  JobRegistry registry(config, pool, peer_config);
   ControlService service(registry, pool);
 
   grpc::EnableDefaultHealthCheckService(true);
@@ -104,6 +140,7 @@ int Serve(const Config& config) {
   NotifySystemd("STOPPING=1");
   registry.Shutdown("trainstreamd is shutting down");
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  if (peer_server) peer_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
   std::filesystem::remove(config.socket);
   spdlog::info("stopped");
   return 0;

@@ -42,13 +42,14 @@ void CheckHParams(const shm::HParams& h, uint32_t group) {
 }  // namespace
 
 StepEngine::StepEngine(std::string job_name, const shm::LayoutSpec& spec, const shm::JobLayout& layout,
-                       shm::StateView state, uint64_t seed, WorkerPool& pool)
+                       shm::StateView state, uint64_t seed, WorkerPool& pool, PeerAllReduce* peers)
     : job_name_(std::move(job_name)),
       spec_(spec),
       layout_(layout),
       state_(state),
       seed_(seed),
       pool_(pool),
+      peers_(peers),
       ranks_(spec.world_size),
       buckets_(layout.buckets.size()),
       had_grad_(spec.params.size(), 0) {
@@ -99,6 +100,10 @@ EngineStats StepEngine::Stats() {
 
 void StepEngine::FailAll(const std::string& message) {
   std::lock_guard lock(mutex_);
+  FailSessions(message);
+}
+
+void StepEngine::FailSessions(const std::string& message) {
   for (const auto& channel : ranks_) {
     if (channel) channel->session->Fail(message);
   }
@@ -219,8 +224,8 @@ void StepEngine::OnBucketDelivered(uint32_t b) {
   if (final_micro) HParamsFor(progress.step);  // refuse bad hyperparameters before any work starts
   progress.phase = Phase::kBusy;
   if (!final_micro) return StartAccumulate(b);
-  if (spec_.max_grad_norm > 0) return StartNorm(b);
-  StartUpdate(b, 1.0f);
+  if (spec_.nodes() > 1) return StartReduce(b);
+  AfterGradients(b);
 }
 
 // The hyperparameters in force for `step`: those rank 0 wrote (the lowest attached rank if 0 is gone).
@@ -238,6 +243,25 @@ StepEngine::Sources StepEngine::SnapshotSources() {
   return ranks_;
 }
 
+// After a multi-node all-reduce the accumulator holds the whole sum: the slots must not count again.
+StepEngine::Sources StepEngine::GradientSlots() {
+  return spec_.nodes() > 1 ? Sources() : ranks_;
+}
+
+// Hands `continuation` from an asynchronous worker (pool, all-reduce) back to the engine thread, and
+// ends that worker's in-flight count.
+void StepEngine::Continue(std::function<void()> continuation) {
+  {
+    std::lock_guard lock(finished_mutex_);
+    finished_.push_back(std::move(continuation));
+  }
+  state_.header->doorbell.Ring();
+  if (--inflight_ == 0) {
+    std::lock_guard lock(inflight_mutex_);
+    inflight_zero_.notify_all();
+  }
+}
+
 template <typename Work, typename Include>
 void StepEngine::Schedule(uint32_t bucket, int64_t priority, Include include, Work work, std::function<void()> done) {
   auto pieces = std::make_shared<std::vector<Piece>>();
@@ -251,18 +275,7 @@ void StepEngine::Schedule(uint32_t bucket, int64_t priority, Include include, Wo
   ++inflight_;
   pool_.Submit(
       pieces->size(), [pieces, work = std::move(work)](size_t i) { work(i, (*pieces)[i]); },
-      [this, done = std::move(done)] {
-        {
-          std::lock_guard lock(finished_mutex_);
-          finished_.push_back(done);
-        }
-        state_.header->doorbell.Ring();
-        if (--inflight_ == 0) {
-          std::lock_guard lock(inflight_mutex_);
-          inflight_zero_.notify_all();
-        }
-      },
-      priority);
+      [this, done = std::move(done)] { Continue(done); }, priority);
 }
 
 namespace {
@@ -303,6 +316,37 @@ struct ParamAddress {
 }  // namespace
 
 void StepEngine::StartAccumulate(uint32_t b) {
+  AccumulateSlots(b, [this, b] {
+    BucketProgress& progress = buckets_[b];
+    const uint32_t micro = progress.micro++;
+    progress.delivered_count = 0;
+    std::fill(progress.delivered.begin(), progress.delivered.end(), 0);
+    progress.phase = Phase::kCollecting;
+    PostToAll(shm::Message{.kind = shm::MessageKind::kSlotFree, .bucket = b, .step = progress.step, .micro = micro});
+  });
+}
+
+// Multi-node: this node's sum goes into the accumulator, then around the ring of daemons.
+void StepEngine::StartReduce(uint32_t b) {
+  AccumulateSlots(b, [this, b] {
+    const shm::BucketLayout& bucket = layout_.buckets[b];
+    ++inflight_;  // the all-reduce works on the accumulator
+    peers_->Submit(buckets_[b].step, b, state_.accum + bucket.elem_offset, bucket.numel,
+                   [this, b](std::optional<std::string> error) {
+                     Continue([this, b, error = std::move(error)] {
+                       if (error) return FailSessions(fmt::format("all-reduce between daemons failed: {}", *error));
+                       AfterGradients(b);
+                     });
+                   });
+  });
+}
+
+void StepEngine::AfterGradients(uint32_t b) {
+  if (spec_.max_grad_norm > 0) return StartNorm(b);
+  StartUpdate(b, 1.0f);
+}
+
+void StepEngine::AccumulateSlots(uint32_t b, std::function<void()> then) {
   const bool overwrite = buckets_[b].micro == 0;
   const ParamAddress at{layout_, state_, spec_.moment_dtype};
   const DType dtype = layout_.buckets[b].dtype;
@@ -314,21 +358,13 @@ void StepEngine::StartAccumulate(uint32_t b) {
         const optimizer::GradSources grads{.slots = slots.span(), .dtype = dtype, .accum = nullptr, .scale = 1.0f};
         optimizer::Accumulate(grads, at.state.accum + at.Element(piece), overwrite, piece.count);
       },
-      [this, b] {
-        BucketProgress& progress = buckets_[b];
-        const uint32_t micro = progress.micro++;
-        progress.delivered_count = 0;
-        std::fill(progress.delivered.begin(), progress.delivered.end(), 0);
-        progress.phase = Phase::kCollecting;
-        PostToAll(
-            shm::Message{.kind = shm::MessageKind::kSlotFree, .bucket = b, .step = progress.step, .micro = micro});
-      });
+      std::move(then));
 }
 
 void StepEngine::StartNorm(uint32_t b) {
   const ParamAddress at{layout_, state_, spec_.moment_dtype};
   const DType dtype = layout_.buckets[b].dtype;
-  const float scale = 1.0f / static_cast<float>(spec_.world_size);
+  const float scale = 1.0f / static_cast<float>(spec_.world_size * spec_.nodes());
   const float* accum = state_.accum;
   auto include = [this](uint32_t p) { return had_grad_[p] != 0; };
   size_t pieces = 0;
@@ -339,7 +375,7 @@ void StepEngine::StartNorm(uint32_t b) {
   auto nonfinite = std::make_shared<std::atomic<bool>>(false);
   Schedule(
       b, 0, include,
-      [at, dtype, scale, accum, partial, nonfinite, sources = SnapshotSources()](size_t i, const Piece& piece) {
+      [at, dtype, scale, accum, partial, nonfinite, sources = GradientSlots()](size_t i, const Piece& piece) {
         const SlotList slots = at.Slots(piece, sources);
         const optimizer::GradSources grads{.slots = slots.span(),
                                            .dtype = dtype,
@@ -392,11 +428,11 @@ void StepEngine::StartUpdate(uint32_t b, float clip_coefficient) {
   }
   const ParamAddress at{layout_, state_, spec_.moment_dtype};
   const DType dtype = layout_.buckets[b].dtype;
-  const float scale = clip_coefficient / static_cast<float>(spec_.world_size);
+  const float scale = clip_coefficient / static_cast<float>(spec_.world_size * spec_.nodes());
   const uint64_t sr_seed = seed_ ^ (step * 0xD1B54A32D192ED03ull);
   Schedule(
       b, static_cast<int64_t>(b), [this](uint32_t p) { return had_grad_[p] != 0; },
-      [at, dtype, scale, sr_seed, scalars, sources = SnapshotSources()](size_t, const Piece& piece) {
+      [at, dtype, scale, sr_seed, scalars, sources = GradientSlots()](size_t, const Piece& piece) {
         const SlotList slots = at.Slots(piece, sources);
         const uint64_t element = at.Element(piece);
         const size_t moment_size = SizeOf(at.moment_dtype);

@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "daemon/peer_allreduce.h"
 #include "daemon/rank_channel.h"
 #include "daemon/worker_pool.h"
 #include "shm/job_layout.h"
@@ -37,8 +38,9 @@ struct EngineStats {
 
 class StepEngine {
  public:
+  // `peers` runs the all-reduce between daemons of a multi-node job (nullptr for one node).
   StepEngine(std::string job_name, const shm::LayoutSpec& spec, const shm::JobLayout& layout, shm::StateView state,
-             uint64_t seed, WorkerPool& pool);
+             uint64_t seed, WorkerPool& pool, PeerAllReduce* peers = nullptr);
   ~StepEngine();  // stops the thread and waits for in-flight work
   StepEngine(const StepEngine&) = delete;
   StepEngine& operator=(const StepEngine&) = delete;
@@ -77,6 +79,12 @@ class StepEngine {
   void OnLoadState(RankChannel& channel, const shm::Message& message);
   void OnBucketDelivered(uint32_t bucket);
   void StartAccumulate(uint32_t bucket);
+  void StartReduce(uint32_t bucket);
+  void AccumulateSlots(uint32_t bucket, std::function<void()> then);
+  void AfterGradients(uint32_t bucket);
+  void Continue(std::function<void()> continuation);
+  void FailSessions(const std::string& message);  // requires mutex_
+  Sources GradientSlots();
   void StartNorm(uint32_t bucket);
   void StartUpdate(uint32_t bucket, float clip_coefficient);
   void OnNormed(uint32_t bucket, double sum_of_squares, bool nonfinite);
@@ -96,6 +104,7 @@ class StepEngine {
   const shm::StateView state_;
   const uint64_t seed_;
   WorkerPool& pool_;
+  PeerAllReduce* const peers_;
 
   std::mutex mutex_;                                 // guards ranks_
   std::vector<std::shared_ptr<RankChannel>> ranks_;  // by rank; nullptr when not attached

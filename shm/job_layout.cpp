@@ -60,6 +60,9 @@ uint64_t HashSpec(const LayoutSpec& spec) {
   h.Add(spec.accumulation_steps);
   h.Add(spec.world_size);
   h.Add(std::bit_cast<uint64_t>(spec.max_grad_norm));
+  h.Add(spec.peers.size());
+  for (const std::string& peer : spec.peers) h.Add(peer);
+  h.Add(spec.node_rank);
   return h.value();
 }
 
@@ -80,6 +83,9 @@ void Validate(const LayoutSpec& spec) {
            "world_size {} out of range [1, 256]", spec.world_size);
   TS_CHECK(std::isfinite(spec.max_grad_norm) && spec.max_grad_norm >= 0, Code::kInvalidArgument,
            "max_grad_norm {} must be finite and >= 0", spec.max_grad_norm);
+  TS_CHECK(spec.peers.size() <= 256, Code::kInvalidArgument, "{} peers (limit 256)", spec.peers.size());
+  TS_CHECK(spec.node_rank < spec.nodes(), Code::kInvalidArgument, "node_rank {} out of range for {} node(s)",
+           spec.node_rank, spec.nodes());
   uint64_t total = 0;
   for (size_t i = 0; i < spec.params.size(); ++i) {
     const ParamSpec& p = spec.params[i];
@@ -153,7 +159,7 @@ JobLayout ComputeLayout(const LayoutSpec& spec) {
   layout.master_offset = take(layout.total_elems * sizeof(float));
   layout.exp_avg_offset = take(moment_bytes);
   layout.exp_avg_sq_offset = take(moment_bytes);
-  layout.accum_offset = spec.accumulation_steps > 1 ? take(layout.total_elems * sizeof(float)) : 0;
+  layout.accum_offset = spec.uses_accumulator() ? take(layout.total_elems * sizeof(float)) : 0;
   layout.upload_offset = take(layout.upload_bytes);
   layout.state_bytes = at;
 
@@ -176,7 +182,7 @@ StateView ViewState(void* base, const JobLayout& layout, const LayoutSpec& spec)
       .master = reinterpret_cast<float*>(bytes + layout.master_offset),
       .exp_avg = bytes + layout.exp_avg_offset,
       .exp_avg_sq = bytes + layout.exp_avg_sq_offset,
-      .accum = spec.accumulation_steps > 1 ? reinterpret_cast<float*>(bytes + layout.accum_offset) : nullptr,
+      .accum = spec.uses_accumulator() ? reinterpret_cast<float*>(bytes + layout.accum_offset) : nullptr,
       .upload = bytes + layout.upload_offset,
   };
 }

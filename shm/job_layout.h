@@ -49,8 +49,15 @@ struct LayoutSpec {
   DType moment_dtype = DType::kFloat32;
   OptimizerKind optimizer = OptimizerKind::kAdamW;
   uint32_t accumulation_steps = 1;
-  uint32_t world_size = 1;     // ranks on this node
-  double max_grad_norm = 0.0;  // 0: no clipping
+  uint32_t world_size = 1;         // ranks on this node
+  double max_grad_norm = 0.0;      // 0: no clipping
+  std::vector<std::string> peers;  // the job's daemons in node order ("host:port"); empty: one node
+  uint32_t node_rank = 0;          // this node's index in peers
+
+  [[nodiscard]] uint32_t nodes() const { return peers.empty() ? 1 : static_cast<uint32_t>(peers.size()); }
+  // Gradients are summed into the fp32 accumulator: across micro-batches, and before a multi-node
+  // all-reduce.
+  [[nodiscard]] bool uses_accumulator() const { return accumulation_steps > 1 || nodes() > 1; }
 };
 
 struct BucketLayout {
@@ -135,7 +142,7 @@ struct StateView {
   float* master;
   void* exp_avg;
   void* exp_avg_sq;
-  float* accum;  // nullptr unless accumulation_steps > 1
+  float* accum;  // nullptr unless spec.uses_accumulator()
   std::byte* upload;
 };
 struct RankView {

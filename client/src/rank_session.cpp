@@ -36,6 +36,8 @@ v1::LayoutSpec ToProto(const shm::LayoutSpec& spec) {
   proto.set_accumulation_steps(spec.accumulation_steps);
   proto.set_world_size(spec.world_size);
   proto.set_max_grad_norm(spec.max_grad_norm);
+  for (const std::string& peer : spec.peers) proto.add_peers(peer);
+  proto.set_node_rank(spec.node_rank);
   return proto;
 }
 }  // namespace

@@ -64,7 +64,7 @@ py::dict ToDict(const trainstream::StatsReport& report) {
 
 trainstream::shm::LayoutSpec MakeSpec(const py::list& params, uint32_t num_groups, uint64_t bucket_bytes,
                                       int moment_dtype, int optimizer, uint32_t accumulation_steps, uint32_t world_size,
-                                      double max_grad_norm) {
+                                      double max_grad_norm, std::vector<std::string> peers, uint32_t node_rank) {
   trainstream::shm::LayoutSpec spec;
   for (const py::handle item : params) {
     const auto tuple = item.cast<py::tuple>();
@@ -85,6 +85,8 @@ trainstream::shm::LayoutSpec MakeSpec(const py::list& params, uint32_t num_group
   spec.accumulation_steps = accumulation_steps;
   spec.world_size = world_size;
   spec.max_grad_norm = max_grad_norm;
+  spec.peers = std::move(peers);
+  spec.node_rank = node_rank;
   return spec;
 }
 
@@ -150,15 +152,16 @@ PYBIND11_MODULE(_C, m) {
           "attach",
           [](Client& c, const std::string& job, uint32_t rank, const py::list& params, uint32_t num_groups,
              uint64_t bucket_bytes, int moment_dtype, int optimizer, uint32_t accumulation_steps, uint32_t world_size,
-             double max_grad_norm, uint64_t seed) {
+             double max_grad_norm, uint64_t seed, std::vector<std::string> peers, uint32_t node_rank) {
             auto spec = MakeSpec(params, num_groups, bucket_bytes, moment_dtype, optimizer, accumulation_steps,
-                                 world_size, max_grad_norm);
+                                 world_size, max_grad_norm, std::move(peers), node_rank);
             py::gil_scoped_release release;
             return std::shared_ptr<RankSession>(c.Attach(job, rank, spec, seed));
           },
           py::arg("job"), py::arg("rank"), py::arg("params"), py::arg("num_groups"), py::arg("bucket_bytes"),
           py::arg("moment_dtype"), py::arg("optimizer"), py::arg("accumulation_steps"), py::arg("world_size"),
-          py::arg("max_grad_norm"), py::arg("seed"));
+          py::arg("max_grad_norm"), py::arg("seed"), py::arg("peers") = std::vector<std::string>(),
+          py::arg("node_rank") = 0);
 
   py::class_<RankSession, std::shared_ptr<RankSession>>(m, "RankSession")
       .def_property_readonly("rank", &RankSession::rank)

@@ -28,7 +28,7 @@ from trainstream._transport import transport_for
 class Rank:
     def __init__(self, client, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, job: str, rank: int,
                  world_size: int, max_grad_norm: float | None, accumulation_steps: int, bucket_mb: float,
-                 moment_dtype: str, seed: int):
+                 moment_dtype: str, seed: int, peers: list[str] | None = None, node_rank: int = 0):
         if accumulation_steps < 1:
             raise TrainstreamError(f"accumulation_steps must be >= 1, not {accumulation_steps}")
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -47,7 +47,7 @@ class Rank:
         self.session = client._native.attach(
             job, rank, _layout.layout_entries(model, optimizer, self.params), len(optimizer.param_groups),
             int(bucket_mb * (1 << 20)), _layout.MOMENT_DTYPES[moment_dtype], self.kind, accumulation_steps,
-            world_size, float(max_grad_norm or 0.0), seed)
+            world_size, float(max_grad_norm or 0.0), seed, list(peers or []), node_rank)
         self._moment_dtype = torch.float32 if moment_dtype == "float32" else torch.bfloat16
         self._map_regions()
         self.transport = transport_for(self, self.params[0].device)

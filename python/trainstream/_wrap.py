@@ -18,7 +18,8 @@ _ranks: "weakref.WeakKeyDictionary[torch.nn.Module, Rank]" = weakref.WeakKeyDict
 _auto_named: list[Rank] = []
 
 
-def _local_ranks(rank: int | None, world_size: int | None, job: str | None) -> tuple[int, int, str | None]:
+def _local_ranks(rank: int | None, world_size: int | None, job: str | None,
+                 multi_node: bool) -> tuple[int, int, str | None]:
     """Explicit arguments, else the data-parallel ranks of this node from torch.distributed: an
     initialized process group, or torchrun's environment (LOCAL_RANK, LOCAL_WORLD_SIZE)."""
     if rank is not None or world_size is not None:
@@ -31,19 +32,31 @@ def _local_ranks(rank: int | None, world_size: int | None, job: str | None) -> t
                                    "pass rank= and world_size= (this node's ranks) to trainstream.wrap")
         return 0, 1, job
     local_rank, local_world = int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"])
-    if int(env.get("WORLD_SIZE", local_world)) != local_world:
-        raise TrainstreamError(f"WORLD_SIZE={env['WORLD_SIZE']} spans several nodes; this build of trainstream "
-                               "serves the ranks of one node (LOCAL_WORLD_SIZE) only")
+    if int(env.get("WORLD_SIZE", local_world)) != local_world and not multi_node:
+        raise TrainstreamError(f"WORLD_SIZE={env['WORLD_SIZE']} spans several nodes: pass peers= (the nodes' "
+                               "trainstreamd peer addresses, or set TRAINSTREAM_PEERS)")
     if job is None and local_world > 1 and "TORCHELASTIC_RUN_ID" in env:
         job = f"torchrun-{env['TORCHELASTIC_RUN_ID']}"
     return local_rank, local_world, job
+
+
+def _nodes(peers: list[str] | None, node_rank: int | None) -> tuple[list[str], int]:
+    """The job's daemons (peer-plane addresses in node order) and this node's index in them."""
+    if peers is None:
+        peers = [p for p in os.environ.get("TRAINSTREAM_PEERS", "").split(",") if p]
+    if node_rank is None:
+        node_rank = int(os.environ.get("TRAINSTREAM_NODE_RANK", os.environ.get("GROUP_RANK", 0)))
+    if peers and not 0 <= node_rank < len(peers):
+        raise TrainstreamError(f"node_rank {node_rank} out of range for {len(peers)} peers")
+    return list(peers), node_rank
 
 
 def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Client | None = None,
          job: str | None = None, rank: int | None = None, world_size: int | None = None,
          max_grad_norm: float | None = None,
          accumulation_steps: int = 1, bucket_mb: float = 32, moment_dtype: str = "float32",
-         seed: int | None = None) -> tuple[torch.nn.Module, OffloadedOptimizer]:
+         seed: int | None = None, peers: list[str] | None = None,
+         node_rank: int | None = None) -> tuple[torch.nn.Module, OffloadedOptimizer]:
     """Offloads `optimizer` (torch.optim.AdamW or Adam) of `model` to trainstreamd.
 
     Returns the same model, with hooks that stream gradients out during backward and bring new weights
@@ -54,19 +67,24 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
     id). The daemon averages the ranks' gradients: do not also wrap the model in
     DistributedDataParallel. `max_grad_norm` clips like torch.nn.utils.clip_grad_norm_
     (do not clip p.grad yourself: gradients leave during backward). With `accumulation_steps=k`, call
-    optimizer.step() after every k backward passes.
+    optimizer.step() after every k backward passes. `peers` lists the peer-plane addresses
+    ("host:port") of the job's daemons on every node, in node order, and `node_rank` is this node's
+    index (defaults: $TRAINSTREAM_PEERS, comma-separated, and $TRAINSTREAM_NODE_RANK or torchrun's
+    GROUP_RANK); the daemons then all-reduce the node-summed gradients between them.
     """
     if model in _ranks:
         raise TrainstreamError("this model is already wrapped; call trainstream.unwrap(model) first")
-    rank, world_size, job = _local_ranks(rank, world_size, job)
-    if world_size > 1 and job is None:
-        raise TrainstreamError("ranks of a job with world_size > 1 must pass the same job name")
+    peers, node_rank = _nodes(peers, node_rank)
+    rank, world_size, job = _local_ranks(rank, world_size, job, multi_node=len(peers) > 1)
+    if (world_size > 1 or len(peers) > 1) and job is None:
+        raise TrainstreamError("ranks of a job with world_size > 1 or several nodes must pass the same job name")
     client = client or connect()
     auto_named = job is None
     state = optimizer.state_dict() if optimizer.state else None
     r = Rank(client, model, optimizer, job=job or default_job_name(), rank=rank, world_size=world_size,
              max_grad_norm=max_grad_norm, accumulation_steps=accumulation_steps, bucket_mb=bucket_mb,
-             moment_dtype=moment_dtype, seed=random.getrandbits(63) if seed is None else seed)
+             moment_dtype=moment_dtype, seed=random.getrandbits(63) if seed is None else seed, peers=peers,
+             node_rank=node_rank)
     _ranks[model] = r
     if auto_named:
         _auto_named.append(r)  # nobody can resume it: dropped when the process exits

@@ -22,11 +22,12 @@ from trainstream._connect import daemon_binary
 class Daemon:
     """A trainstreamd on its own socket, stopped (SIGTERM, then SIGKILL) at teardown."""
 
-    def __init__(self, *extra: str, threads: int = 2):
+    def __init__(self, *extra: str, threads: int = 2, prefix: tuple[str, ...] = ()):
+        """`prefix` wraps the command, e.g. ("ip", "netns", "exec", NAME) to run it in a namespace."""
         self.dir = tempfile.mkdtemp(prefix="ts-test-")
         self.socket = os.path.join(self.dir, "d.sock")
         self.log = open(os.path.join(self.dir, "log"), "w+b")
-        self.process = subprocess.Popen([daemon_binary(), "--socket", self.socket, "--threads", str(threads),
+        self.process = subprocess.Popen([*prefix, daemon_binary(), "--socket", self.socket, "--threads", str(threads),
                                          "--log-level", "debug", *extra], stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:

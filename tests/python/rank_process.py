@@ -13,7 +13,7 @@ def make_model(seed: int) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
 
 
-def batch(step: int, rows: int = 32):
+def batch(step: int, rows: int = 48):  # divisible by every shard count the tests use
     g = torch.Generator().manual_seed(step)
     return torch.randn(rows, 8, generator=g), torch.randn(rows, 8, generator=g)
 
@@ -28,20 +28,28 @@ def main() -> None:
     parser.add_argument("--accumulation-steps", type=int, default=1)
     parser.add_argument("--max-grad-norm", type=float, default=None)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--peers", default="", help="comma-separated peer addresses of the job's daemons")
+    parser.add_argument("--node-rank", type=int, default=0)
     args = parser.parse_args()
 
     model = make_model(seed=100 + args.rank)  # every rank starts elsewhere: rank 0's weights must win
+    print("attaching", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
+    peers = [p for p in args.peers.split(",") if p]
     model, opt = trainstream.wrap(model, opt, client=trainstream.connect(args.socket), job=args.job, rank=args.rank,
                                   world_size=args.world_size, accumulation_steps=args.accumulation_steps,
-                                  max_grad_norm=args.max_grad_norm)
+                                  max_grad_norm=args.max_grad_norm, peers=peers, node_rank=args.node_rank)
+    # this rank's place among every rank of every node
+    shards = args.world_size * max(1, len(peers))
+    shard_index = args.node_rank * args.world_size + args.rank
     k = args.accumulation_steps
     for step in range(args.steps):
         for micro in range(k):
             x, y = batch(step * k + micro)
-            shard = slice(args.rank * len(x) // args.world_size, (args.rank + 1) * len(x) // args.world_size)
+            shard = slice(shard_index * len(x) // shards, (shard_index + 1) * len(x) // shards)
             torch.nn.functional.mse_loss(model(x[shard]), y[shard]).backward()
         opt.step()
+        print(f"step {step}", flush=True)
     trainstream.synchronize()
     torch.save([p.detach().clone() for p in model.parameters()], args.out)
 

@@ -1,0 +1,74 @@
+// The ring all-reduce of one multi-node job's gradients between its daemons (DESIGN.md, peer plane).
+//
+// Each bucket's node-summed gradients (fp32, in the job's accumulator) go through a reduce-scatter
+// and an all-gather around the ring of the job's daemons, in chunks of 1/M of the bucket. The sum of
+// every chunk is formed once, in ring order, by one node and then copied to the others, so every
+// node ends with bit-identical values. Buckets are reduced one at a time in (step, bucket) order on
+// every node, which keeps the nodes' rings from waiting on each other in a cycle. A peer that does
+// not deliver within the timeout, or refuses a chunk, fails the bucket with a message naming it.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "daemon/peer_mailbox.h"
+#include "trainstream/v1/peer.grpc.pb.h"
+
+namespace trainstream::daemon {
+
+struct PeerConfig {
+  PeerMailbox* mailbox = nullptr;  // nullptr: this daemon serves no peer plane
+  std::string secret;
+  std::chrono::milliseconds timeout{30000};
+};
+
+class PeerAllReduce {
+ public:
+  // `done` gets nullopt on success or the error.
+  using Done = std::function<void(std::optional<std::string> error)>;
+
+  PeerAllReduce(std::string job, std::vector<std::string> peers, uint32_t node_rank, uint32_t buckets,
+                const PeerConfig& config);
+  ~PeerAllReduce();
+  PeerAllReduce(const PeerAllReduce&) = delete;
+  PeerAllReduce& operator=(const PeerAllReduce&) = delete;
+
+  // Sums data[0, n) over the nodes, in place. Bucket b of step s runs after every bucket < b of s.
+  void Submit(uint64_t step, uint32_t bucket, float* data, size_t n, Done done);
+
+ private:
+  struct Request {
+    float* data;
+    size_t n;
+    Done done;
+  };
+  void Run();
+  std::optional<std::string> Reduce(uint64_t step, uint32_t bucket, float* data, size_t n);
+  std::optional<std::string> Send(uint64_t step, uint32_t bucket, uint32_t phase, uint32_t round, const float* data,
+                                  size_t n);
+  std::optional<std::string> Receive(uint64_t step, uint32_t bucket, uint32_t phase, uint32_t round, float* data,
+                                     size_t n, bool add);
+
+  const std::string job_;
+  const std::vector<std::string> peers_;
+  const uint32_t node_rank_, buckets_;
+  const PeerConfig config_;
+  std::unique_ptr<v1::Peer::Stub> right_;
+
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::map<std::pair<uint64_t, uint32_t>, Request> pending_;
+  std::optional<std::pair<uint64_t, uint32_t>> next_;  // the (step, bucket) to reduce next
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
+}  // namespace trainstream::daemon
