@@ -2,6 +2,7 @@
 
 #include <grpcpp/grpcpp.h>
 #include <spdlog/spdlog.h>
+#include <future>
 
 #include "daemon/peer_service.h"
 
@@ -65,23 +66,26 @@ std::optional<std::string> PeerAllReduce::Reduce(uint64_t step, uint32_t bucket,
   const auto nodes = static_cast<uint32_t>(peers_.size());
   auto chunk = [&](int64_t c) { return static_cast<uint32_t>(((c % nodes) + nodes) % nodes); };
   const int64_t me = node_rank_;
+  // One round: send chunk `out` to the right while receiving chunk `in` from the left (they differ,
+  // so the two may overlap), adding it in (reduce-scatter) or taking it (all-gather).
+  auto round_trip = [&](uint32_t phase, uint32_t round, uint32_t out, uint32_t in) -> std::optional<std::string> {
+    const auto [send_begin, send_end] = ChunkRange(n, nodes, out);
+    auto sent = std::async(std::launch::async, [&, send_begin = send_begin, send_end = send_end] {
+      return Send(step, bucket, phase, round, data + send_begin, send_end - send_begin);
+    });
+    const auto [recv_begin, recv_end] = ChunkRange(n, nodes, in);
+    auto received =
+        Receive(step, bucket, phase, round, data + recv_begin, recv_end - recv_begin, phase == kReduceScatter);
+    auto send_error = sent.get();
+    return send_error ? send_error : received;
+  };
   // Reduce-scatter: after round r, this node holds the sum of r+2 nodes' values of chunk me-r-1.
   for (uint32_t round = 0; round + 1 < nodes; ++round) {
-    const auto [send_begin, send_end] = ChunkRange(n, nodes, chunk(me - round));
-    if (auto error = Send(step, bucket, kReduceScatter, round, data + send_begin, send_end - send_begin)) return error;
-    const auto [recv_begin, recv_end] = ChunkRange(n, nodes, chunk(me - round - 1));
-    if (auto error = Receive(step, bucket, kReduceScatter, round, data + recv_begin, recv_end - recv_begin, true)) {
-      return error;
-    }
+    if (auto error = round_trip(kReduceScatter, round, chunk(me - round), chunk(me - round - 1))) return error;
   }
   // All-gather: chunk me+1 is complete here; pass complete chunks around the ring.
   for (uint32_t round = 0; round + 1 < nodes; ++round) {
-    const auto [send_begin, send_end] = ChunkRange(n, nodes, chunk(me + 1 - round));
-    if (auto error = Send(step, bucket, kAllGather, round, data + send_begin, send_end - send_begin)) return error;
-    const auto [recv_begin, recv_end] = ChunkRange(n, nodes, chunk(me - round));
-    if (auto error = Receive(step, bucket, kAllGather, round, data + recv_begin, recv_end - recv_begin, false)) {
-      return error;
-    }
+    if (auto error = round_trip(kAllGather, round, chunk(me + 1 - round), chunk(me - round))) return error;
   }
   return std::nullopt;
 }
