@@ -45,6 +45,7 @@ Job::Job(std::string name, uint32_t uid, shm::LayoutSpec spec, uint64_t seed, Wo
 }
 
 Job::~Job() {
+  if (peers_) peers_->Stop(fmt::format("job '{}' was removed", name_));  // no all-reduce left to wait for
   engine_.reset();  // waits for in-flight work before the segments go away
   for (uint32_t rank = 0; rank < spec_.world_size; ++rank) shm::Segment::Remove(RankSegmentName(rank));
   spdlog::info("job '{}' removed", name_);

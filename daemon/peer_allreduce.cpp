@@ -29,21 +29,48 @@ PeerAllReduce::PeerAllReduce(std::string job, std::vector<std::string> peers, ui
 }
 
 PeerAllReduce::~PeerAllReduce() {
+  Stop("the job was removed");
+}
+
+void PeerAllReduce::Submit(uint64_t step, uint32_t bucket, float* data, size_t n, Done done) {
+  std::optional<std::string> refused;
   {
     std::lock_guard lock(mutex_);
+    if (stopped_) {
+      refused = stopped_;
+    } else {
+      pending_.emplace(std::make_pair(step, bucket), Request{data, n, std::move(done)});
+      if (!next_) next_ = std::make_pair(step, 0u);
+    }
+  }
+  if (refused) return done(refused);  // the job is going away
+  changed_.notify_all();
+}
+
+void PeerAllReduce::FailQueued(const std::string& reason) {
+  std::map<std::pair<uint64_t, uint32_t>, Request> queued;
+  {
+    std::lock_guard lock(mutex_);
+    queued.swap(pending_);
+    next_.reset();
+  }
+  for (auto& [key, request] : queued) request.done(reason);
+}
+
+void PeerAllReduce::Reset(const std::string& reason) {
+  FailQueued(reason);
+}
+
+void PeerAllReduce::Stop(const std::string& reason) {
+  {
+    std::lock_guard lock(mutex_);
+    if (stopped_) return;
+    stopped_ = reason;
     stopping_ = true;
   }
   changed_.notify_all();
   thread_.join();
-}
-
-void PeerAllReduce::Submit(uint64_t step, uint32_t bucket, float* data, size_t n, Done done) {
-  {
-    std::lock_guard lock(mutex_);
-    pending_.emplace(std::make_pair(step, bucket), Request{data, n, std::move(done)});
-    if (!next_) next_ = std::make_pair(step, 0u);
-  }
-  changed_.notify_all();
+  FailQueued(reason);
 }
 
 void PeerAllReduce::Run() {

@@ -43,6 +43,12 @@ class PeerAllReduce {
 
   // Sums data[0, n) over the nodes, in place. Bucket b of step s runs after every bucket < b of s.
   void Submit(uint64_t step, uint32_t bucket, float* data, size_t n, Done done);
+  // Fails what is queued with `reason` and forgets the (step, bucket) order: a step was abandoned
+  // (a rank left), so the next submission starts a new order.
+  void Reset(const std::string& reason);
+  // Reset, then refuse every later submission (the job is going away). Waits for a reduction in
+  // progress, at most the peer timeout.
+  void Stop(const std::string& reason);
 
  private:
   struct Request {
@@ -51,6 +57,7 @@ class PeerAllReduce {
     Done done;
   };
   void Run();
+  void FailQueued(const std::string& reason);
   std::optional<std::string> Reduce(uint64_t step, uint32_t bucket, float* data, size_t n);
   std::optional<std::string> Send(uint64_t step, uint32_t bucket, uint32_t phase, uint32_t round, const float* data,
                                   size_t n);
@@ -68,6 +75,7 @@ class PeerAllReduce {
   std::map<std::pair<uint64_t, uint32_t>, Request> pending_;
   std::optional<std::pair<uint64_t, uint32_t>> next_;  // the (step, bucket) to reduce next
   bool stopping_ = false;
+  std::optional<std::string> stopped_;  // why submissions are refused
   std::thread thread_;
 };
 

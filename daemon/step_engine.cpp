@@ -114,21 +114,29 @@ void StepEngine::FailSessions(const std::string& message) {
 // collective whose peer died, every rank must restart). Buckets already being updated finish.
 void StepEngine::ResetCollecting(const std::string& reason) {
   bool discarded = false;
-  for (size_t b = 0; b < buckets_.size(); ++b) {
-    BucketProgress& progress = buckets_[b];
+  for (uint32_t b = 0; b < buckets_.size(); ++b) {
+    const BucketProgress& progress = buckets_[b];
     if (progress.phase != Phase::kCollecting || (progress.delivered_count == 0 && progress.micro == 0)) continue;
     discarded = true;
-    progress.micro = 0;
-    progress.delivered_count = 0;
-    std::fill(progress.delivered.begin(), progress.delivered.end(), 0);
-    for (uint32_t p : layout_.buckets[b].params) had_grad_[p] = 0;
+    RestartBucket(b);
   }
   if (!discarded) return;
   const std::string message = fmt::format("{} in the middle of a step; that step's gradients were discarded", reason);
+  if (peers_ != nullptr) peers_->Reset(message);
   spdlog::warn("job '{}': {}", job_name_, message);
   for (const auto& channel : ranks_) {
     if (channel) channel->session->Fail(message);
   }
+}
+
+// Forgets what bucket b collected of its current step: it collects that step again from scratch.
+void StepEngine::RestartBucket(uint32_t b) {
+  BucketProgress& progress = buckets_[b];
+  progress.phase = Phase::kCollecting;
+  progress.micro = 0;
+  progress.delivered_count = 0;
+  std::fill(progress.delivered.begin(), progress.delivered.end(), 0);
+  for (uint32_t p : layout_.buckets[b].params) had_grad_[p] = 0;
 }
 
 void StepEngine::Loop() {
@@ -334,8 +342,9 @@ void StepEngine::StartReduce(uint32_t b) {
     peers_->Submit(buckets_[b].step, b, state_.accum + bucket.elem_offset, bucket.numel,
                    [this, b](std::optional<std::string> error) {
                      Continue([this, b, error = std::move(error)] {
-                       if (error) return FailSessions(fmt::format("all-reduce between daemons failed: {}", *error));
-                       AfterGradients(b);
+                       if (!error) return AfterGradients(b);
+                       RestartBucket(b);  // the step is lost on every node; ranks restart it
+                       FailSessions(fmt::format("all-reduce between daemons failed: {}", *error));
                      });
                    });
   });

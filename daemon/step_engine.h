@@ -84,6 +84,7 @@ class StepEngine {
   void AfterGradients(uint32_t bucket);
   void Continue(std::function<void()> continuation);
   void FailSessions(const std::string& message);  // requires mutex_
+  void RestartBucket(uint32_t bucket);
   Sources GradientSlots();
   void StartNorm(uint32_t bucket);
   void StartUpdate(uint32_t bucket, float clip_coefficient);

@@ -165,3 +165,26 @@ def test_link_cut_mid_all_reduce_fails_every_rank(tmp_path, two_hosts):
         assert time.monotonic() - start < 3 * 2 + 5  # a send and a receive may each wait out the timeout
     finally:
         stop(daemons)
+
+
+def test_rank_killed_on_one_node_fails_the_others_and_the_daemons_stay_healthy(tmp_path):
+    daemons, peers = start_nodes(tmp_path, 2)
+    try:
+        procs = start_ranks(daemons, peers, tmp_path, 1, steps=100000)
+        for _, proc in procs:
+            wait_for_steps(proc, 3)
+        procs[1][1].send_signal(signal.SIGKILL)
+        output = procs[0][1].communicate(timeout=20)[0]
+        assert procs[0][1].returncode != 0 and "all-reduce between daemons failed" in output, output
+        for daemon in daemons:  # dropping the job must not wait on an all-reduce that cannot finish
+            client = daemon.client()
+            start = time.monotonic()
+            client.drop_job("multi", force=True)
+            assert time.monotonic() - start < 5
+            assert client.ping()["pid"] == daemon.process.pid
+        # the daemons serve a new multi-node job afterwards
+        procs = start_ranks(daemons, peers, tmp_path, 1, steps=3)
+        logs = [p.communicate(timeout=60)[0] for _, p in procs]
+        assert [p.returncode for _, p in procs] == [0, 0], logs
+    finally:
+        stop(daemons)
