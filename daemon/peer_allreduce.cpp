@@ -33,17 +33,15 @@ PeerAllReduce::~PeerAllReduce() {
 }
 
 void PeerAllReduce::Submit(uint64_t step, uint32_t bucket, float* data, size_t n, Done done) {
-  std::optional<std::string> refused;
-  {
-    std::lock_guard lock(mutex_);
-    if (stopped_) {
-      refused = stopped_;
-    } else {
-      pending_.emplace(std::make_pair(step, bucket), Request{data, n, std::move(done)});
-      if (!next_) next_ = std::make_pair(step, 0u);
-    }
+  std::unique_lock lock(mutex_);
+  if (stopped_) {  // the job is going away
+    const std::string reason = *stopped_;
+    lock.unlock();
+    return done(reason);
   }
-  if (refused) return done(refused);  // the job is going away
+  pending_.emplace(std::make_pair(step, bucket), Request{data, n, std::move(done)});
+  if (!next_) next_ = std::make_pair(step, 0u);
+  lock.unlock();
   changed_.notify_all();
 }
 
