@@ -2,7 +2,6 @@
 // cleanly on SIGTERM/SIGINT (sessions told, segments removed, socket unlinked).
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
-#include <sched.h>
 #include <signal.h>
 #include <spdlog/spdlog.h>
 #include <sys/prctl.h>
@@ -14,7 +13,6 @@
 #include <cctype>
 #include <filesystem>
 #include <fstream>
-#include <thread>
 
 #include "daemon/config.h"
 #include "daemon/control_service.h"
@@ -38,14 +36,6 @@ bool SomeoneListens(const std::string& path) {
   const bool listening = connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0;
   close(fd);
   return listening;
-}
-
-// One worker per CPU this process may use (a cpuset or CPU limit may allow fewer than the machine has).
-uint32_t AllowedCpuCount() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof(set), &set) != 0) return std::max(1u, std::thread::hardware_concurrency());
-  return static_cast<uint32_t>(std::max(1, CPU_COUNT(&set)));
 }
 
 void PrepareSocketPath(const std::string& path) {
@@ -103,7 +93,7 @@ int Serve(const Config& config) {
   }
 
   PrepareSocketPath(config.socket);
-  const uint32_t threads = config.threads != 0 ? config.threads : AllowedCpuCount();
+  const uint32_t threads = config.threads != 0 ? config.threads : std::max<uint32_t>(1, AllowedCpus().size());
   WorkerPool pool(threads);
   PeerMailbox mailbox;
   std::unique_ptr<PeerService> peer_service;

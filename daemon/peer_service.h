@@ -21,7 +21,7 @@ class PeerService final : public v1::Peer::Service {
   const std::string secret_;
 };
 
-// Compares in time independent of where the strings differ.
+// Compares in time independent of where equally long strings differ.
 bool SecretsEqual(const std::string& a, const std::string& b);
 
 }  // namespace trainstream::daemon

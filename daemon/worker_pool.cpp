@@ -15,8 +15,6 @@ struct WorkerPool::Batch {
   std::atomic<size_t> finished{0};  // pieces done
 };
 
-namespace {
-// The CPUs this process may run on (a cgroup cpuset or taskset may exclude some).
 std::vector<int> AllowedCpus() {
   cpu_set_t set;
   CPU_ZERO(&set);
@@ -27,7 +25,6 @@ std::vector<int> AllowedCpus() {
   }
   return cpus;
 }
-}  // namespace
 
 WorkerPool::WorkerPool(size_t threads, bool pin_threads) {
   if (threads == 0) threads = 1;

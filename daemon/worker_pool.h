@@ -17,6 +17,9 @@
 
 namespace trainstream::daemon {
 
+// The CPUs this process may run on (a cgroup cpuset or taskset may allow fewer than the machine has).
+std::vector<int> AllowedCpus();
+
 class WorkerPool {
  public:
   using Piece = std::function<void(size_t piece_index)>;

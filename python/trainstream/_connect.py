@@ -41,6 +41,23 @@ def daemon_binary() -> str:
     return found
 
 
+def wait_until_serving(process: subprocess.Popen, socket_path: str, timeout_s: float, log_tail) -> None:
+    """Waits until the trainstreamd `process` answers a handshake on `socket_path`; raises
+    TrainstreamError (with `log_tail()`) if it exits or does not answer within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise TrainstreamError(f"trainstreamd exited with code {process.returncode}: {log_tail()}")
+        if os.path.exists(socket_path):
+            try:
+                _C.Client.connect(socket_path, 1.0)
+                return
+            except TrainstreamError:
+                pass
+        time.sleep(0.02)
+    raise TrainstreamError(f"trainstreamd did not start within {timeout_s} s: {log_tail()}")
+
+
 class PrivateDaemon:
     """A trainstreamd started for this process only; it exits when this process does."""
 
@@ -60,20 +77,11 @@ class PrivateDaemon:
         atexit.register(self.stop)
 
     def _wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise TrainstreamError(f"private trainstreamd exited with code {self.process.returncode}: "
-                                       f"{self.log_tail()}")
-            if os.path.exists(self.socket_path):
-                try:
-                    _C.Client.connect(self.socket_path, 1.0)
-                    return
-                except TrainstreamError:
-                    pass
-            time.sleep(0.02)
-        self.stop()
-        raise TrainstreamError(f"private trainstreamd did not start within {timeout_s} s: {self.log_tail()}")
+        try:
+            wait_until_serving(self.process, self.socket_path, timeout_s, self.log_tail)
+        except TrainstreamError:
+            self.stop()
+            raise
 
     def log_tail(self, lines: int = 20) -> str:
         try:

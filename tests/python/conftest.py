@@ -9,14 +9,12 @@ import os
 import signal
 import subprocess
 import tempfile
-import time
 
 import pytest
 import torch
 
 import trainstream
-from trainstream import _C
-from trainstream._connect import daemon_binary
+from trainstream._connect import daemon_binary, wait_until_serving
 
 
 class Daemon:
@@ -29,17 +27,7 @@ class Daemon:
         self.log = open(os.path.join(self.dir, "log"), "w+b")
         self.process = subprocess.Popen([*prefix, daemon_binary(), "--socket", self.socket, "--threads", str(threads),
                                          "--log-level", "debug", *extra], stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, f"trainstreamd exited early:\n{self.output()}"
-            if os.path.exists(self.socket):
-                try:
-                    _C.Client.connect(self.socket, 1.0)
-                    return
-                except trainstream.TrainstreamError:
-                    pass
-            time.sleep(0.02)
-        raise AssertionError(f"trainstreamd did not start:\n{self.output()}")
+        wait_until_serving(self.process, self.socket, 20, self.output)
 
     def client(self) -> trainstream.Client:
         return trainstream.connect(self.socket)

@@ -193,13 +193,17 @@ def _continue(model, opt, ref, ref_opt, steps=5):
     return max_difference(model, ref)
 
 
+def plain_torch_steps(model, opt, steps):
+    for step in range(steps):
+        mse_step(model, step).backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def test_torch_state_dict_loads_into_trainstream(client):
     reference = mlp()
     ref_opt = adamw(reference, foreach=False)
-    for step in range(5):
-        mse_step(reference, step).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+    plain_torch_steps(reference, ref_opt, 5)
     model = mlp()
     model.load_state_dict(reference.state_dict())
     model, opt = trainstream.wrap(model, adamw(model), client=client)
@@ -219,10 +223,7 @@ def test_trainstream_state_dict_loads_into_torch(client):
 def test_wrapping_an_optimizer_that_already_stepped_keeps_its_state(client):
     model = mlp()
     opt = adamw(model, foreach=False)
-    for step in range(3):
-        mse_step(model, step).backward()
-        opt.step()
-        opt.zero_grad()
+    plain_torch_steps(model, opt, 3)
     reference = copy.deepcopy(model)
     ref_opt = adamw(reference, foreach=False)
     ref_opt.load_state_dict(opt.state_dict())
