@@ -66,6 +66,24 @@ for what in "$@"; do
           2>&1 | tail -3
       done
       ;;
+    test-cuda)
+      stage test-cuda  # with torch's default CUDA allocator and with expandable segments
+      for conf in "" "expandable_segments:True"; do
+        PYTORCH_CUDA_ALLOC_CONF=$conf python3 -m pytest -q -p no:cacheprovider tests/python/test_cuda.py 2>&1 \
+          | tail -3 | sed "s/^/[${conf:-default}] /" | tee -a "$OUT/pytest.log"
+      done
+      ;;
+    transfer)
+      stage transfer
+      gpus=$(nvidia-smi -L | wc -l)
+      for n in $(seq "$gpus" -1 1); do
+        python3 benchmarks/transfer/transfer.py --gpus "$n" --json "$OUT/transfer_${n}gpu.json" 2>&1 | tail -2
+      done
+      ;;
+    torchrun-gpt)
+      stage torchrun-gpt
+      python3 benchmarks/ranks/torchrun_gpt.py --measures "${MEASURES:-check,bench}" --json "$OUT/torchrun_gpt_${MEASURES:-all}.json" 2>&1 | tail -6
+      ;;
     ranks)
       stage ranks
       python3 benchmarks/ranks/shared_vs_private.py --ranks 4 --config 124m --json "$OUT/ranks_4x124m.json" 2>&1 | tail -3

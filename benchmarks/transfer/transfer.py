@@ -1,0 +1,133 @@
+"""Gradient D2H and weight H2D through trainstream's data path against plain pinned cudaMemcpyAsync,
+on every GPU of the node at once (one process per GPU, phases started together at a barrier).
+
+Reference, per GPU: `pinned.copy_(gpu, non_blocking=True)` bucket by bucket into page-locked memory
+from cudaHostAlloc (torch's pin_memory), then the reverse, timed to the last copy's completion.
+
+trainstream, per GPU: the GPUs' processes are the ranks of one job on one trainstreamd. D2H is a
+backward pass whose gradients are the same tensors (d(sum(p*g))/dp = g), timed until every bucket's
+gradients are in the job's shared memory and its GRAD_READY has been sent; H2D is bringing the new
+weights of every bucket back into the parameters once the daemon has published them (the update
+itself is not timed). Both go through the real hooks, transport, rings and daemon.
+
+    python3 benchmarks/transfer/transfer.py --gpus 2 --total-gib 1 --bucket-mb 32 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+GB = 1e9
+
+
+def timed(fn) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def worker(gpu: int, args, barrier, results) -> None:
+    import trainstream
+
+    torch.cuda.set_device(gpu)
+    device = torch.device("cuda", gpu)
+    numel = int(args.bucket_mb * 2**20) // 4
+    count = max(1, int(args.total_gib * 2**30) // (numel * 4))
+    params = [torch.nn.Parameter(torch.randn(numel, device=device)) for _ in range(count)]
+    grads = [torch.randn(numel, device=device) for _ in range(count)]
+    pinned = [torch.empty(numel, pin_memory=True) for _ in range(count)]
+    nbytes = count * numel * 4
+
+    def reference_d2h():
+        for g, h in zip(grads, pinned):
+            h.copy_(g, non_blocking=True)
+
+    def reference_h2d():
+        with torch.no_grad():
+            for p, h in zip(params, pinned):
+                p.copy_(h, non_blocking=True)
+
+    model = torch.nn.ParameterList(params)
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-6), job=args.job, rank=gpu,
+                                  world_size=args.gpus, bucket_mb=args.bucket_mb)
+    rank = trainstream._wrap._rank_of(model)
+
+    def trainstream_d2h():
+        loss = sum((p * g).sum() for p, g in zip(params, grads))
+        loss.backward()
+        rank.transport.flush()  # every bucket copied out and announced to the daemon
+
+    def wait_for_daemon():
+        opt.step()
+        for b in range(len(rank.buckets)):
+            rank.session.wait_params_ready(b, rank._ready_step[b])
+
+    samples = {key: [] for key in ("reference_d2h", "reference_h2d", "trainstream_d2h", "trainstream_h2d")}
+    for repeat in range(args.warmup + args.repeats):
+        phases = [("reference_d2h", reference_d2h), ("reference_h2d", reference_h2d),
+                  ("trainstream_d2h", trainstream_d2h), (None, wait_for_daemon), ("trainstream_h2d", rank.synchronize)]
+        for key, fn in phases:
+            barrier.wait()
+            seconds = timed(fn)
+            if key and repeat >= args.warmup:
+                samples[key].append(seconds)
+    result = {"gpu": gpu, "name": torch.cuda.get_device_name(device), "bytes": nbytes, "buckets": len(rank.buckets),
+              "transport": rank.transport.name}
+    for key, seconds in samples.items():
+        result[key + "_gbs"] = nbytes / statistics.median(seconds) / GB
+    for direction in ("d2h", "h2d"):
+        result[direction + "_ratio"] = result[f"trainstream_{direction}_gbs"] / result[f"reference_{direction}_gbs"]
+    trainstream.unwrap(model)
+    results.put(result)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpus", type=int, default=torch.cuda.device_count())
+    parser.add_argument("--total-gib", type=float, default=1.0, help="gradient bytes per GPU per step")
+    parser.add_argument("--bucket-mb", type=float, default=32)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    if not torch.cuda.is_available() or args.gpus < 1:
+        sys.exit("benchmarks/transfer needs CUDA GPUs")
+
+    from trainstream._connect import PrivateDaemon
+    daemon = PrivateDaemon()
+    os.environ["TRAINSTREAM_ADDRESS"] = daemon.socket_path
+    args.job = f"transfer-{os.getpid()}"
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(args.gpus), ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(gpu, args, barrier, results)) for gpu in range(args.gpus)]
+    for p in procs:
+        p.start()
+    per_gpu = sorted((results.get(timeout=900) for _ in procs), key=lambda r: r["gpu"])
+    for p in procs:
+        p.join()
+    daemon.stop()
+
+    total = {key: sum(r[key] for r in per_gpu) for key in per_gpu[0] if key.endswith("_gbs")}
+    for direction in ("d2h", "h2d"):
+        total[direction + "_ratio"] = total[f"trainstream_{direction}_gbs"] / total[f"reference_{direction}_gbs"]
+    for r in per_gpu:
+        print(json.dumps(r))
+    print(json.dumps({"gpus": args.gpus, "total": total}))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpus": args.gpus, "bucket_mb": args.bucket_mb, "total_gib": args.total_gib,
+                       "repeats": args.repeats, "per_gpu": per_gpu, "total": total}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
