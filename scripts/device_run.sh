@@ -62,7 +62,8 @@ for what in "$@"; do
       stage gpt-largest
       for config in ${LARGEST_CONFIGS:-5b 7b}; do
         python3 benchmarks/train_gpt/train_gpt.py --config "$config" --batch 4 --vram-cap-gib 24 --bf16-weights \
-          --moment-dtype bfloat16 --steps 3 --warmup 1 --modes trainstream --json "$OUT/gpt_${config}_bf16_cap24.json" \
+          --moment-dtype bfloat16 --steps 3 --warmup 1 --modes trainstream --adamw-json benchmarks/results/adamw_h200-16core.json \
+          --json "$OUT/gpt_${config}_bf16_cap24.json" \
           2>&1 | tail -3
       done
       ;;
@@ -77,7 +78,9 @@ for what in "$@"; do
       stage transfer
       gpus=$(nvidia-smi -L | wc -l)
       for n in $(seq "$gpus" -1 1); do
-        python3 benchmarks/transfer/transfer.py --gpus "$n" --json "$OUT/transfer_${n}gpu.json" 2>&1 | tail -2
+        python3 benchmarks/transfer/transfer.py --gpus "$n" --json "$OUT/transfer_${n}gpu.json" 2>&1 | tail -1
+        python3 benchmarks/transfer/transfer.py --gpus "$n" --daemon-threads 1 \
+          --json "$OUT/transfer_${n}gpu_1thread.json" 2>&1 | tail -1
       done
       ;;
     torchrun-gpt)

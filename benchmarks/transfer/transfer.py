@@ -8,7 +8,9 @@ trainstream, per GPU: the GPUs' processes are the ranks of one job on one trains
 backward pass whose gradients are the same tensors (d(sum(p*g))/dp = g), timed until every bucket's
 gradients are in the job's shared memory and its GRAD_READY has been sent; H2D is bringing the new
 weights of every bucket back into the parameters once the daemon has published them (the update
-itself is not timed). Both go through the real hooks, transport, rings and daemon.
+itself is not timed, but it runs during the D2H phase as in training, competing for host memory
+bandwidth; --daemon-threads 1 all but removes that to show the transport alone). Both go through the
+real hooks, transport, rings and daemon.
 
     python3 benchmarks/transfer/transfer.py --gpus 2 --total-gib 1 --bucket-mb 32 --json out.json
 """
@@ -62,9 +64,13 @@ def worker(gpu: int, args, barrier, results) -> None:
                                   world_size=args.gpus, bucket_mb=args.bucket_mb)
     rank = trainstream._wrap._rank_of(model)
 
+    graph = []
+
+    def forward():  # not timed: only the backward pass streams gradients out
+        graph[:] = [sum((p * g).sum() for p, g in zip(params, grads))]
+
     def trainstream_d2h():
-        loss = sum((p * g).sum() for p, g in zip(params, grads))
-        loss.backward()
+        graph.pop().backward()
         rank.transport.flush()  # every bucket copied out and announced to the daemon
 
     def wait_for_daemon():
@@ -74,7 +80,7 @@ def worker(gpu: int, args, barrier, results) -> None:
 
     samples = {key: [] for key in ("reference_d2h", "reference_h2d", "trainstream_d2h", "trainstream_h2d")}
     for repeat in range(args.warmup + args.repeats):
-        phases = [("reference_d2h", reference_d2h), ("reference_h2d", reference_h2d),
+        phases = [("reference_d2h", reference_d2h), ("reference_h2d", reference_h2d), (None, forward),
                   ("trainstream_d2h", trainstream_d2h), (None, wait_for_daemon), ("trainstream_h2d", rank.synchronize)]
         for key, fn in phases:
             barrier.wait()
@@ -98,13 +104,15 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=float, default=32)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--daemon-threads", type=int, help="the daemon's update threads (default: all CPUs); "
+                        "1 keeps its update, which overlaps the D2H phase, from competing for host memory bandwidth")
     parser.add_argument("--json")
     args = parser.parse_args()
     if not torch.cuda.is_available() or args.gpus < 1:
         sys.exit("benchmarks/transfer needs CUDA GPUs")
 
     from trainstream._connect import PrivateDaemon
-    daemon = PrivateDaemon()
+    daemon = PrivateDaemon(threads=args.daemon_threads)
     os.environ["TRAINSTREAM_ADDRESS"] = daemon.socket_path
     args.job = f"transfer-{os.getpid()}"
     ctx = mp.get_context("spawn")
@@ -122,10 +130,11 @@ def main() -> None:
         total[direction + "_ratio"] = total[f"trainstream_{direction}_gbs"] / total[f"reference_{direction}_gbs"]
     for r in per_gpu:
         print(json.dumps(r))
-    print(json.dumps({"gpus": args.gpus, "total": total}))
+    print(json.dumps({"gpus": args.gpus, "daemon_threads": args.daemon_threads, "total": total}))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpus": args.gpus, "bucket_mb": args.bucket_mb, "total_gib": args.total_gib,
+                       "daemon_threads": args.daemon_threads or os.cpu_count(),
                        "repeats": args.repeats, "per_gpu": per_gpu, "total": total}, f, indent=1)
 
 

@@ -209,7 +209,7 @@ class Rank:
 
     def _open(self, b: int) -> None:
         """Before the first gradient of bucket b in this micro-batch: its slot must be free."""
-        self.transport.flush()  # the slot's previous contents must have been sent...
+        self.transport.wait_sent(b)  # the slot's previous contents must have been sent...
         self.session.wait_slot_free(b)  # ...and consumed
         for i in self._bucket_params[b]:
             self._presence[i] = 0
@@ -237,7 +237,7 @@ class Rank:
     def _send(self, b: int) -> None:
         step, micro = self._bucket_step[b], self._micro
         final = micro + 1 == self.accumulation_steps
-        self.transport.bucket_done(lambda: self.session.send_grad_ready(b, step, micro, final))
+        self.transport.bucket_done(b, lambda: self.session.send_grad_ready(b, step, micro, final))
         self._sent[b] = True
 
     def _end_backward(self) -> None:

@@ -31,8 +31,11 @@ class HostTransport:
     def grad_out(self, i: int, grad: torch.Tensor) -> None:
         self.rank.grad_views[i].copy_(grad)
 
-    def bucket_done(self, send) -> None:
+    def bucket_done(self, b: int, send) -> None:
         send()
+
+    def wait_sent(self, b: int) -> None:
+        pass
 
     def weights_in(self, i: int) -> None:
         self.rank.params[i].copy_(self.rank.upload_views[i])
@@ -64,6 +67,7 @@ class CudaCopyTransport:
         self.copy_stream = torch.cuda.Stream(device)
         self._compute_done = None  # event: the last step's kernels that read the weights have run
         self._queue: queue.Queue = queue.Queue()
+        self._sent: dict[int, threading.Event] = {}  # bucket -> its last GRAD_READY has been sent
         self._error: BaseException | None = None
         self._sender = threading.Thread(target=self._send_loop, name="trainstream-sender", daemon=True)
         self._sender.start()
@@ -80,11 +84,20 @@ class CudaCopyTransport:
             self.rank.grad_views[i].copy_(grad, non_blocking=True)
         grad.record_stream(self.copy_stream)  # not reused by the allocator before the copy has run
 
-    def bucket_done(self, send) -> None:
+    def bucket_done(self, b: int, send) -> None:
         event = torch.cuda.Event()
         event.record(self.copy_stream)
         self._raise_pending()
-        self._queue.put((event, send))
+        self._sent[b] = threading.Event()
+        self._queue.put((event, send, self._sent[b]))
+
+    def wait_sent(self, b: int) -> None:
+        """Waits until bucket b's last GRAD_READY has gone out (not the buckets queued after it, so
+        the next bucket's copies are queued while earlier ones are still in flight)."""
+        sent = self._sent.get(b)
+        if sent is not None:
+            sent.wait()
+        self._raise_pending()
 
     def step_done(self) -> None:
         """optimizer.step(): new weights may overwrite the parameters once the queued kernels ran."""
@@ -106,7 +119,7 @@ class CudaCopyTransport:
             item = self._queue.get()
             if item is None:
                 return
-            event, send = item
+            event, send, sent = item
             try:
                 if self._error is None:
                     event.synchronize()
@@ -114,6 +127,7 @@ class CudaCopyTransport:
             except BaseException as e:  # surfaced on the training thread at its next call
                 self._error = e
             finally:
+                sent.set()
                 self._queue.task_done()
 
     def _raise_pending(self) -> None:
