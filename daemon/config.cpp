@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <iostream>
 #include <limits>
+#include <string>
+#include <utility>
 
 #include "shm/error.h"
 #include "shm/version.h"
@@ -33,7 +35,36 @@ void ReadKey(const toml::table& table, const char* key, T& out) {
   }
 }
 
+// Splits "host:port" (host may be a bracketed IPv6 literal) at its last colon; `what` names the setting.
+std::pair<std::string, std::string> SplitHostPort(const std::string& address, const char* what) {
+  const size_t colon = address.rfind(':');
+  TS_CHECK(colon != std::string::npos, Code::kInvalidArgument, "{} '{}' must be HOST:PORT", what, address);
+  const std::string port = address.substr(colon + 1);
+  const bool numeric = !port.empty() && port.size() <= 5 && port.find_first_not_of("0123456789") == std::string::npos;
+  TS_CHECK(numeric && std::stoi(port) <= 65535, Code::kInvalidArgument, "{} '{}' has no valid port (HOST:PORT)", what,
+           address);
+  return {address.substr(0, colon), port};
+}
+
+// The peer settings that only make sense together.
+void CheckPeerSettings(const Config& config) {
+  if (!config.peer_listen.empty()) SplitHostPort(config.peer_listen, "peer_listen");
+  if (config.peer_advertise.empty()) return;
+  TS_CHECK(!config.peer_listen.empty(), Code::kInvalidArgument, "peer_advertise needs peer_listen (--peer-listen)");
+  const auto [host, port] = SplitHostPort(config.peer_advertise, "peer_advertise");
+  TS_CHECK(!host.empty() && port != "0", Code::kInvalidArgument,
+           "peer_advertise '{}' must name a host and a non-zero port the other nodes can dial", config.peer_advertise);
+}
+
 }  // namespace
+
+std::string PeerAdvertiseAddress(const Config& config, const std::string& hostname, int bound_port) {
+  if (config.peer_listen.empty()) return "";
+  if (!config.peer_advertise.empty()) return config.peer_advertise;
+  const std::string host = SplitHostPort(config.peer_listen, "peer_listen").first;
+  const bool wildcard = host.empty() || host == "0.0.0.0" || host == "[::]" || host == "::";
+  return fmt::format("{}:{}", wildcard ? hostname : host, bound_port);
+}
 
 void LoadConfigFile(const std::string& path, Config& config) {
   toml::table table;
@@ -44,8 +75,8 @@ void LoadConfigFile(const std::string& path, Config& config) {
           e.source().begin.line);
   }
   static const std::vector<std::string> kKnown = {
-      "socket",   "threads",        "log_level",   "socket_mode",      "job_ttl_seconds",
-      "max_jobs", "max_host_bytes", "peer_listen", "peer_secret_file", "peer_timeout_seconds"};
+      "socket",         "threads",     "log_level",      "socket_mode",      "job_ttl_seconds",     "max_jobs",
+      "max_host_bytes", "peer_listen", "peer_advertise", "peer_secret_file", "peer_timeout_seconds"};
   for (const auto& [key, value] : table) {
     TS_CHECK(std::find(kKnown.begin(), kKnown.end(), key.str()) != kKnown.end(), Code::kInvalidArgument,
              "unknown key '{}' in config file {}", key.str(), path);
@@ -61,6 +92,7 @@ void LoadConfigFile(const std::string& path, Config& config) {
   ReadKey(table, "max_jobs", config.max_jobs);
   ReadKey(table, "max_host_bytes", config.max_host_bytes);
   ReadKey(table, "peer_listen", config.peer_listen);
+  ReadKey(table, "peer_advertise", config.peer_advertise);
   ReadKey(table, "peer_secret_file", config.peer_secret_file);
   ReadKey(table, "peer_timeout_seconds", config.peer_timeout_seconds);
 }
@@ -85,7 +117,11 @@ std::optional<Config> ParseConfig(int argc, char** argv) {
   app.add_option("--parent-pid", parent_pid, "exit when this process exits (private daemons)");
   std::optional<std::string> peer_listen, peer_secret_file;
   std::optional<uint64_t> peer_timeout;
+  std::optional<std::string> peer_advertise;
   app.add_option("--peer-listen", peer_listen, "host:port of the Peer service for multi-node jobs (default: off)");
+  app.add_option("--peer-advertise", peer_advertise,
+                 "host:port the other nodes dial (default: --peer-listen's host, or this machine's hostname if it "
+                 "is 0.0.0.0 or [::], with the listening port)");
   app.add_option("--peer-secret-file", peer_secret_file, "file holding the peers' shared secret");
   app.add_option("--peer-timeout", peer_timeout, "seconds a peer may stay silent before its job fails (default 30)");
   try {
@@ -109,8 +145,10 @@ std::optional<Config> ParseConfig(int argc, char** argv) {
   if (max_host_bytes) config.max_host_bytes = *max_host_bytes;
   if (parent_pid) config.parent_pid = *parent_pid;
   if (peer_listen) config.peer_listen = *peer_listen;
+  if (peer_advertise) config.peer_advertise = *peer_advertise;
   if (peer_secret_file) config.peer_secret_file = *peer_secret_file;
   if (peer_timeout) config.peer_timeout_seconds = *peer_timeout;
+  CheckPeerSettings(config);
   return config;
 }
 

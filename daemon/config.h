@@ -19,6 +19,7 @@ struct Config {
   uint64_t max_host_bytes = 0;         // 0: unlimited
   int64_t parent_pid = 0;              // private daemon: exit when this process dies
   std::string peer_listen;             // "host:port" for the Peer service of multi-node jobs; empty: off
+  std::string peer_advertise;          // "host:port" the other nodes dial; empty: derived from peer_listen
   std::string peer_secret_file;        // the peers' shared secret (required with peer_listen)
   uint64_t peer_timeout_seconds = 30;  // a peer silent for this long fails the job
   std::string config_file;
@@ -30,5 +31,10 @@ std::optional<Config> ParseConfig(int argc, char** argv);
 
 // Loads the keys of a TOML file into `config` (used by ParseConfig; exposed for tests).
 void LoadConfigFile(const std::string& path, Config& config);
+
+// The peer-plane address this daemon reports to its clients, which publish it to the other nodes:
+// peer_advertise if set, else peer_listen's host (`hostname` when it is a wildcard: 0.0.0.0, [::] or
+// empty) with `bound_port`, the port the Peer service actually listens on. Empty without a peer plane.
+std::string PeerAdvertiseAddress(const Config& config, const std::string& hostname, int bound_port);
 
 }  // namespace trainstream::daemon

@@ -122,6 +122,7 @@ grpc::Status ControlService::Handshake(grpc::ServerContext*, const v1::Handshake
     reply->set_daemon_version(std::string(kVersion));
     reply->set_pid(getpid());
     reply->set_kernel(optimizer::ActiveKernelName());
+    reply->set_peer_address(peer_address_);
   });
 }
 

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <atomic>
+#include <string>
+#include <utility>
 
 #include "daemon/identity_verifier.h"
 #include "daemon/job_registry.h"
@@ -12,7 +14,9 @@ namespace trainstream::daemon {
 
 class ControlService final : public v1::Control::Service {
  public:
-  ControlService(JobRegistry& registry, const WorkerPool& pool) : registry_(registry), pool_(pool) {}
+  // `peer_address`: the advertised peer-plane address reported in Handshake; empty without a peer plane.
+  ControlService(JobRegistry& registry, const WorkerPool& pool, std::string peer_address)
+      : registry_(registry), pool_(pool), peer_address_(std::move(peer_address)) {}
 
   grpc::Status Handshake(grpc::ServerContext* context, const v1::HandshakeRequest* request,
                          v1::HandshakeReply* reply) override;
@@ -27,6 +31,7 @@ class ControlService final : public v1::Control::Service {
  private:
   JobRegistry& registry_;
   const WorkerPool& pool_;
+  const std::string peer_address_;
   IdentityVerifier identity_;
 };
 

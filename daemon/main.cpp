@@ -10,7 +10,10 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <array>
 #include <cctype>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 
@@ -61,19 +64,29 @@ std::string ReadSecret(const std::string& path) {
   return secret;
 }
 
-// The Peer service on TCP, for multi-node jobs; nothing unless --peer-listen was given.
+std::string Hostname() {
+  std::array<char, 256> name{};
+  TS_CHECK(gethostname(name.data(), name.size() - 1) == 0, Code::kInternal, "gethostname failed: {}", strerror(errno));
+  return name.data();
+}
+
+// The Peer service on TCP, for multi-node jobs; nothing unless --peer-listen was given. Sets
+// `advertise` to the address the other nodes should dial.
 std::unique_ptr<grpc::Server> StartPeerPlane(const Config& config, PeerMailbox& mailbox,
-                                             std::unique_ptr<PeerService>& service) {
+                                             std::unique_ptr<PeerService>& service, std::string& advertise) {
   if (config.peer_listen.empty()) return nullptr;
   TS_CHECK(!config.peer_secret_file.empty(), Code::kInvalidArgument, "--peer-listen needs --peer-secret-file");
   service = std::make_unique<PeerService>(mailbox, ReadSecret(config.peer_secret_file));
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(config.peer_listen, grpc::InsecureServerCredentials());
+  int port = 0;
+  builder.AddListeningPort(config.peer_listen, grpc::InsecureServerCredentials(), &port);
   builder.SetMaxReceiveMessageSize(-1);
   builder.RegisterService(service.get());
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  TS_CHECK(server != nullptr, Code::kUnavailable, "cannot listen for peers on {}", config.peer_listen);
-  spdlog::info("peer plane listening on {}", config.peer_listen);
+  TS_CHECK(server != nullptr && port != 0, Code::kUnavailable, "cannot listen for peers on {}", config.peer_listen);
+  advertise = PeerAdvertiseAddress(config, Hostname(), port);
+  spdlog::info("peer plane listening on {} (port {}), advertised to the other nodes as {}", config.peer_listen, port,
+               advertise);
   return server;
 }
 
@@ -97,14 +110,15 @@ int Serve(const Config& config) {
   WorkerPool pool(threads);
   PeerMailbox mailbox;
   std::unique_ptr<PeerService> peer_service;
-  std::unique_ptr<grpc::Server> peer_server = StartPeerPlane(config, mailbox, peer_service);
+  std::string peer_address;
+  std::unique_ptr<grpc::Server> peer_server = StartPeerPlane(config, mailbox, peer_service, peer_address);
   PeerConfig peer_config;
   if (peer_server) {
     peer_config =
         PeerConfig{&mailbox, ReadSecret(config.peer_secret_file), std::chrono::seconds(config.peer_timeout_seconds)};
   }
   JobRegistry registry(config, pool, peer_config);
-  ControlService service(registry, pool);
+  ControlService service(registry, pool, peer_address);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;

@@ -40,7 +40,8 @@ DaemonInfo Handshake(v1::Control::Stub& stub, std::chrono::milliseconds timeout,
   request.set_client_version(std::string(kVersion));
   v1::HandshakeReply reply;
   ThrowIfFailed(stub.Handshake(&context, request, &reply), what);
-  return DaemonInfo{reply.daemon_version(), reply.protocol_version(), reply.pid(), reply.kernel()};
+  return DaemonInfo{reply.daemon_version(), reply.protocol_version(), reply.pid(), reply.kernel(),
+                    reply.peer_address()};
 }
 
 // Proves this process's uid for the next uid-bound request (shm/identity_proof.h); the returned

@@ -31,6 +31,7 @@ py::dict ToDict(const trainstream::DaemonInfo& info) {
   d["protocol_version"] = info.protocol_version;
   d["pid"] = info.pid;
   d["kernel"] = info.kernel;
+  d["peer_address"] = info.peer_address;
   return d;
 }
 

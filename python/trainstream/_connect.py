@@ -111,8 +111,15 @@ class Client:
     def socket_path(self) -> str:
         return self._native.socket_path
 
+    @property
+    def peer_address(self) -> str:
+        """The "host:port" at which the other nodes' daemons reach this daemon's peer plane
+        (--peer-advertise, or derived from --peer-listen); "" when it has none."""
+        return self._native.info["peer_address"]
+
     def ping(self) -> dict:
-        """The daemon's version and pid: {'daemon_version', 'protocol_version', 'pid', 'kernel'}."""
+        """The daemon's version and pid: {'daemon_version', 'protocol_version', 'pid', 'kernel',
+        'peer_address'}."""
         return self._native.ping()
 
     def stats(self) -> dict:

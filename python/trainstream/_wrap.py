@@ -9,6 +9,7 @@ import weakref
 
 import torch
 
+from trainstream import _peers
 from trainstream._C import TrainstreamError
 from trainstream._connect import Client, connect
 from trainstream._optimizer import OffloadedOptimizer
@@ -18,8 +19,7 @@ _ranks: "weakref.WeakKeyDictionary[torch.nn.Module, Rank]" = weakref.WeakKeyDict
 _auto_named: list[Rank] = []
 
 
-def _local_ranks(rank: int | None, world_size: int | None, job: str | None,
-                 multi_node: bool) -> tuple[int, int, str | None]:
+def _local_ranks(rank: int | None, world_size: int | None, job: str | None) -> tuple[int, int, str | None]:
     """Explicit arguments, else the data-parallel ranks of this node from torch.distributed: an
     initialized process group, or torchrun's environment (LOCAL_RANK, LOCAL_WORLD_SIZE)."""
     if rank is not None or world_size is not None:
@@ -32,23 +32,10 @@ def _local_ranks(rank: int | None, world_size: int | None, job: str | None,
                                    "pass rank= and world_size= (this node's ranks) to trainstream.wrap")
         return 0, 1, job
     local_rank, local_world = int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"])
-    if int(env.get("WORLD_SIZE", local_world)) != local_world and not multi_node:
-        raise TrainstreamError(f"WORLD_SIZE={env['WORLD_SIZE']} spans several nodes: pass peers= (the nodes' "
-                               "trainstreamd peer addresses, or set TRAINSTREAM_PEERS)")
-    if job is None and local_world > 1 and "TORCHELASTIC_RUN_ID" in env:
+    spans_nodes = int(env.get("WORLD_SIZE", local_world)) > local_world
+    if job is None and (local_world > 1 or spans_nodes) and "TORCHELASTIC_RUN_ID" in env:
         job = f"torchrun-{env['TORCHELASTIC_RUN_ID']}"
     return local_rank, local_world, job
-
-
-def _nodes(peers: list[str] | None, node_rank: int | None) -> tuple[list[str], int]:
-    """The job's daemons (peer-plane addresses in node order) and this node's index in them."""
-    if peers is None:
-        peers = [p for p in os.environ.get("TRAINSTREAM_PEERS", "").split(",") if p]
-    if node_rank is None:
-        node_rank = int(os.environ.get("TRAINSTREAM_NODE_RANK", os.environ.get("GROUP_RANK", 0)))
-    if peers and not 0 <= node_rank < len(peers):
-        raise TrainstreamError(f"node_rank {node_rank} out of range for {len(peers)} peers")
-    return list(peers), node_rank
 
 
 def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Client | None = None,
@@ -69,16 +56,22 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
     (do not clip p.grad yourself: gradients leave during backward). With `accumulation_steps=k`, call
     optimizer.step() after every k backward passes. `peers` lists the peer-plane addresses
     ("host:port") of the job's daemons on every node, in node order, and `node_rank` is this node's
-    index (defaults: $TRAINSTREAM_PEERS, comma-separated, and $TRAINSTREAM_NODE_RANK or torchrun's
-    GROUP_RANK); the daemons then all-reduce the node-summed gradients between them.
+    index (defaults: $TRAINSTREAM_PEERS, comma-separated, and $TRAINSTREAM_NODE_RANK, torchrun's
+    GROUP_RANK, or RANK // LOCAL_WORLD_SIZE); the daemons then all-reduce the node-summed gradients
+    between them. Without `peers` and $TRAINSTREAM_PEERS, a torchrun job spanning several nodes
+    (WORLD_SIZE > LOCAL_WORLD_SIZE) exchanges the daemons' advertised addresses through its
+    torch.distributed store (the initialized process group's, else torchrun's agent store).
     """
     if model in _ranks:
         raise TrainstreamError("this model is already wrapped; call trainstream.unwrap(model) first")
-    peers, node_rank = _nodes(peers, node_rank)
-    rank, world_size, job = _local_ranks(rank, world_size, job, multi_node=len(peers) > 1)
-    if (world_size > 1 or len(peers) > 1) and job is None:
+    peers, node_rank = _peers.resolve(peers, node_rank)
+    from_store = not peers and _peers.env_node_count() > 1
+    rank, world_size, job = _local_ranks(rank, world_size, job)
+    if (world_size > 1 or len(peers) > 1 or from_store) and job is None:
         raise TrainstreamError("ranks of a job with world_size > 1 or several nodes must pass the same job name")
     client = client or connect()
+    if from_store:
+        peers = _peers.from_store(client, job, node_rank, rank)
     auto_named = job is None
     state = optimizer.state_dict() if optimizer.state else None
     r = Rank(client, model, optimizer, job=job or default_job_name(), rank=rank, world_size=world_size,

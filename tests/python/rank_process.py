@@ -2,6 +2,7 @@
 trainstreamd job and saves its final parameters."""
 
 import argparse
+import os
 
 import torch
 
@@ -30,18 +31,30 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--peers", default="", help="comma-separated peer addresses of the job's daemons")
     parser.add_argument("--node-rank", type=int, default=0)
+    parser.add_argument("--from-env", action="store_true",
+                        help="ranks and nodes from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, ...), peers "
+                             "from the torch.distributed store; --world-size, --peers and --node-rank are ignored")
+    parser.add_argument("--dist-init", default=None, help="init_method of a gloo process group over all ranks")
     args = parser.parse_args()
 
+    if args.dist_init:
+        torch.distributed.init_process_group("gloo", init_method=args.dist_init, rank=int(os.environ["RANK"]),
+                                             world_size=int(os.environ["WORLD_SIZE"]))
     model = make_model(seed=100 + args.rank)  # every rank starts elsewhere: rank 0's weights must win
     print("attaching", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
-    peers = [p for p in args.peers.split(",") if p]
-    model, opt = trainstream.wrap(model, opt, client=trainstream.connect(args.socket), job=args.job, rank=args.rank,
-                                  world_size=args.world_size, accumulation_steps=args.accumulation_steps,
-                                  max_grad_norm=args.max_grad_norm, peers=peers, node_rank=args.node_rank)
-    # this rank's place among every rank of every node
-    shards = args.world_size * max(1, len(peers))
-    shard_index = args.node_rank * args.world_size + args.rank
+    common = dict(client=trainstream.connect(args.socket), job=args.job, accumulation_steps=args.accumulation_steps,
+                  max_grad_norm=args.max_grad_norm)
+    if args.from_env:
+        model, opt = trainstream.wrap(model, opt, **common)
+        # this rank's place among every rank of every node
+        shards, shard_index = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    else:
+        peers = [p for p in args.peers.split(",") if p]
+        model, opt = trainstream.wrap(model, opt, rank=args.rank, world_size=args.world_size, peers=peers,
+                                      node_rank=args.node_rank, **common)
+        shards = args.world_size * max(1, len(peers))
+        shard_index = args.node_rank * args.world_size + args.rank
     k = args.accumulation_steps
     for step in range(args.steps):
         for micro in range(k):

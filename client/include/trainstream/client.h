@@ -23,6 +23,7 @@ struct DaemonInfo {
   uint32_t protocol_version = 0;
   int64_t pid = 0;
   std::string kernel;
+  std::string peer_address;  // the daemon's advertised peer-plane address; empty: no peer plane
 };
 
 struct JobReport {

@@ -180,6 +180,58 @@ TEST(ParseConfig, OutOfRangeValueInFileIsRejected) {
   ExpectFileRejected("max_jobs = 4294967297\n", "max_jobs");
 }
 
+TEST(ParseConfig, PeerFlagsAndKeys) {
+  const Config flags = ParseOk({"--peer-listen", "0.0.0.0:7150", "--peer-advertise", "node3.cluster:7150"});
+  EXPECT_EQ(flags.peer_listen, "0.0.0.0:7150");
+  EXPECT_EQ(flags.peer_advertise, "node3.cluster:7150");
+  TempToml file("peer_listen = \"[::]:7151\"\npeer_advertise = \"10.0.0.3:7151\"\n");
+  const Config from_file = ParseOk({"--config", file.path()});
+  EXPECT_EQ(from_file.peer_listen, "[::]:7151");
+  EXPECT_EQ(from_file.peer_advertise, "10.0.0.3:7151");
+}
+
+TEST(ParseConfig, BadPeerAddressesAreRejected) {
+  ExpectRejected({"--peer-advertise", "node3:7150"}, "peer_advertise needs peer_listen");
+  ExpectRejected({"--peer-listen", "0.0.0.0:7150", "--peer-advertise", "node3"}, "'node3' must be HOST:PORT");
+  ExpectRejected({"--peer-listen", "0.0.0.0:7150", "--peer-advertise", "node3:0"}, "non-zero port");
+  ExpectRejected({"--peer-listen", "0.0.0.0:7150", "--peer-advertise", ":7150"}, "must name a host");
+  ExpectRejected({"--peer-listen", "0.0.0.0:http"}, "'0.0.0.0:http' has no valid port");
+  ExpectRejected({"--peer-listen", "0.0.0.0:65536"}, "no valid port");
+  ExpectFileRejected("peer_listen = \"7150\"\n", "peer_listen '7150' must be HOST:PORT");
+}
+
+Config WithPeers(const std::string& listen, const std::string& advertise = "") {
+  Config config;
+  config.peer_listen = listen;
+  config.peer_advertise = advertise;
+  return config;
+}
+
+TEST(PeerAdvertiseAddress, EmptyWithoutPeerPlane) {
+  EXPECT_EQ(PeerAdvertiseAddress(Config{}, "host-a", 7150), "");
+}
+
+TEST(PeerAdvertiseAddress, ConcreteListenHostIsAdvertisedAsIs) {
+  EXPECT_EQ(PeerAdvertiseAddress(WithPeers("10.1.2.3:7150"), "host-a", 7150), "10.1.2.3:7150");
+  EXPECT_EQ(PeerAdvertiseAddress(WithPeers("node0.cluster:7150"), "host-a", 7150), "node0.cluster:7150");
+  EXPECT_EQ(PeerAdvertiseAddress(WithPeers("[fd00::3]:7150"), "host-a", 7150), "[fd00::3]:7150");
+}
+
+TEST(PeerAdvertiseAddress, WildcardListenHostBecomesTheHostname) {
+  for (const std::string wildcard : {"0.0.0.0", "[::]", "::", ""}) {
+    EXPECT_EQ(PeerAdvertiseAddress(WithPeers(wildcard + ":7150"), "host-a", 7150), "host-a:7150") << wildcard;
+  }
+}
+
+TEST(PeerAdvertiseAddress, PortIsTheBoundOne) {  // --peer-listen HOST:0 lets the system pick the port
+  EXPECT_EQ(PeerAdvertiseAddress(WithPeers("127.0.0.1:0"), "host-a", 40123), "127.0.0.1:40123");
+  EXPECT_EQ(PeerAdvertiseAddress(WithPeers("0.0.0.0:0"), "host-a", 40123), "host-a:40123");
+}
+
+TEST(PeerAdvertiseAddress, ExplicitAdvertiseWins) {
+  EXPECT_EQ(PeerAdvertiseAddress(WithPeers("0.0.0.0:7150", "gw.example:9000"), "host-a", 7150), "gw.example:9000");
+}
+
 // --version / --help print (to stdout) and return nullopt, so main() exits 0 without starting.
 std::string PrintedBy(const std::vector<std::string>& args) {
   ::testing::internal::CaptureStdout();
