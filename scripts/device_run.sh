@@ -61,9 +61,9 @@ for what in "$@"; do
     gpt-largest)
       stage gpt-largest
       for config in ${LARGEST_CONFIGS:-5b 7b}; do
-        python3 benchmarks/train_gpt/train_gpt.py --config "$config" --batch 4 --vram-cap-gib 24 --bf16-weights \
+        python3 benchmarks/train_gpt/train_gpt.py --config "$config" --batch 4 --vram-cap-gib 24 --bf16-weights ${PAGING:+--activation-paging} \
           --moment-dtype bfloat16 --steps 3 --warmup 1 --modes trainstream --adamw-json benchmarks/results/adamw_h200-16core.json \
-          --json "$OUT/gpt_${config}_bf16_cap24.json" \
+          --json "$OUT/gpt_${config}_bf16_cap24${PAGING:+_paging}.json" \
           2>&1 | tail -3
       done
       ;;

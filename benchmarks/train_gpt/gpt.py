@@ -48,17 +48,25 @@ class Block(nn.Module):
         return x + self.down(F.gelu(self.up(self.ln2(x))))
 
 
+def _init(module: nn.Module, layers: int) -> nn.Module:
+    for name, p in module.named_parameters():
+        if p.dim() == 2:
+            std = 0.02 / math.sqrt(2 * layers) if name.endswith(("proj.weight", "down.weight")) else 0.02
+            nn.init.normal_(p, 0.0, std)
+    return module
+
+
 class GPT(nn.Module):
-    def __init__(self, c: GPTConfig):
+    def __init__(self, c: GPTConfig, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.wte = nn.Embedding(c.vocab, c.width)
         self.wpe = nn.Embedding(c.block, c.width)
-        self.blocks = nn.ModuleList(Block(c) for _ in range(c.layers))
+        # One block at a time in fp32, so that a 16-bit model never exists whole in fp32 (a 7B model
+        # in fp32 would not fit under a 24 GiB cap while it is being built).
+        self.blocks = nn.ModuleList(_init(Block(c), c.layers).to(dtype) for _ in range(c.layers))
         self.ln = nn.LayerNorm(c.width, bias=False)
-        for name, p in self.named_parameters():
-            if p.dim() == 2:
-                std = 0.02 / math.sqrt(2 * c.layers) if name.endswith(("proj.weight", "down.weight")) else 0.02
-                nn.init.normal_(p, 0.0, std)
+        _init(self.wte, c.layers), _init(self.wpe, c.layers)
+        self.to(dtype)
 
     def forward(self, tokens, targets):
         x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
@@ -71,4 +79,4 @@ class GPT(nn.Module):
 def build(name: str, device: str, dtype: torch.dtype) -> GPT:
     layers, heads, width = CONFIGS[name]
     with torch.device(device):
-        return GPT(GPTConfig(layers, heads, width)).to(dtype)
+        return GPT(GPTConfig(layers, heads, width), dtype)

@@ -15,6 +15,7 @@ torch triad). The target is
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -87,8 +88,9 @@ def timed_steps(args, step_fn, memory: Memory) -> list[float]:
     return times
 
 
-def forward_backward(model, tokens, targets, autocast: bool):
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+def forward_backward(model, tokens, targets, autocast: bool, paging: bool = False):
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast), \
+            trainstream.activation_paging() if paging else contextlib.nullcontext():
         loss = model(tokens, targets)
     loss.backward()
     return loss
@@ -125,7 +127,7 @@ def run(args, mode: str) -> dict:
             result["wrap_seconds"] = time.perf_counter() - start
 
             def step(tokens, targets):
-                forward_backward(model, tokens, targets, autocast)
+                forward_backward(model, tokens, targets, autocast, args.activation_paging)
                 opt.step()
         times = timed_steps(args, step, memory)
         result["step_ms"] = 1000 * statistics.median(times)
@@ -171,6 +173,8 @@ def main() -> None:
     parser.add_argument("--bf16-weights", action="store_true", help="bf16 parameters on the GPU (else fp32 + autocast)")
     parser.add_argument("--moment-dtype", default="float32")
     parser.add_argument("--bucket-mb", type=float, default=32)
+    parser.add_argument("--activation-paging", action="store_true",
+                        help="trainstream mode: saved activations in pinned host memory (trainstream.activation_paging)")
     parser.add_argument("--modes", default="gpu-only,stock,trainstream")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--adamw-json", help="benchmarks/adamw result of this machine, for the triad bandwidth")
@@ -191,6 +195,7 @@ def main() -> None:
     else:
         triad, triad_source = host_triad_gbs(args.threads), "torch triad"
     results = {"config": args.config, "batch": args.batch, "seq": args.seq, "vram_cap_gib": args.vram_cap_gib,
+               "activation_paging": args.activation_paging,
                "bf16_weights": args.bf16_weights, "moment_dtype": args.moment_dtype,
                "gpu": torch.cuda.get_device_name(0), "host": platform.node(), "threads": args.threads,
                "host_bandwidth_gbs": triad, "host_bandwidth_source": triad_source, "runs": []}

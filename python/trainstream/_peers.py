@@ -10,7 +10,6 @@ daemon has no peer plane), and every rank reads the keys of all nodes.
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 
 import torch
 

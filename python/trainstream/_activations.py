@@ -1,0 +1,61 @@
+"""Activation paging: the tensors autograd saves for backward wait in pinned host memory instead of
+GPU memory, so that a model whose weights fit but whose activations do not still trains.
+
+    with trainstream.activation_paging():
+        loss = model(tokens, targets)
+    loss.backward()
+
+Forward: each saved CUDA tensor of at least `min_bytes` is copied to page-locked host memory on a side
+stream (ordered after the kernel that produced it), and its GPU memory returns to torch's allocator
+once that copy has run (record_stream). Backward: the tensor is copied back on the current stream
+right before the autograd node that needs it; the CPU never waits.
+
+Not paged: parameters (leaves that require grad: they stay on the GPU anyway), tensors on other
+devices, and small tensors, whose copies would cost more in latency than they free.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class activation_paging(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (used as a context manager)
+    def __init__(self, min_bytes: int = 1 << 20):
+        self.min_bytes = min_bytes
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        super().__init__(self._pack, self._unpack)
+
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+    def _pack(self, tensor: torch.Tensor):
+        if (not tensor.is_cuda or tensor.numel() * tensor.element_size() < self.min_bytes
+                or (tensor.is_leaf and tensor.requires_grad)):
+            return tensor
+        stream = self._side_stream(tensor.device)
+        stream.wait_stream(torch.cuda.current_stream(tensor.device))  # the tensor has been computed
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        with torch.cuda.stream(stream):
+            host.copy_(tensor, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(stream)
+        tensor.record_stream(stream)  # its memory is reused only after the copy has read it
+        return _Paged(host, tensor.device, copied)
+
+    @staticmethod
+    def _unpack(packed):
+        if not isinstance(packed, _Paged):
+            return packed
+        current = torch.cuda.current_stream(packed.device)
+        current.wait_event(packed.copied)
+        with torch.cuda.stream(current):
+            return packed.host.to(packed.device, non_blocking=True)
+
+
+class _Paged:
+    __slots__ = ("host", "device", "copied")
+
+    def __init__(self, host: torch.Tensor, device: torch.device, copied: torch.cuda.Event):
+        self.host, self.device, self.copied = host, device, copied
