@@ -4,7 +4,9 @@
 // root (as here and in CI) and skips otherwise.
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -28,6 +30,16 @@ shm::LayoutSpec TinySpec() {
 }
 
 // A trainstreamd on a temporary socket that every uid may connect to.
+bool Accepts(const std::string& socket_path) {
+  sockaddr_un address{};
+  address.sun_family = AF_UNIX;
+  socket_path.copy(address.sun_path, sizeof(address.sun_path) - 1);
+  const int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+  const bool connected = connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof(address)) == 0;
+  close(fd);
+  return connected;
+}
+
 class DaemonProcess {
  public:
   DaemonProcess() {
@@ -43,7 +55,9 @@ class DaemonProcess {
             "1", "--log-level", "warn", nullptr);
       _exit(127);
     }
-    EXPECT_TRUE(PollUntil([&] { return std::filesystem::exists(socket_); }, std::chrono::seconds(20)));
+    // The socket file appears at bind(), before listen(): wait until a connection is accepted. (Not
+    // through gRPC: these tests fork clients, and gRPC must not have started in the parent then.)
+    EXPECT_TRUE(PollUntil([&] { return Accepts(socket_); }, std::chrono::seconds(20)));
   }
   ~DaemonProcess() {
     kill(pid_, SIGTERM);
