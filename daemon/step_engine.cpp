@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstring>
+#include <latch>
 
 #include "daemon/optimizer/adamw_kernels.h"
 #include "shm/error.h"
@@ -13,15 +15,9 @@ namespace trainstream::daemon {
 
 namespace {
 
-constexpr uint64_t kChunkElements = 1 << 16;           // static chunk of one piece of work
+constexpr uint64_t kChunkElements = 1 << 16;           // elements of one Piece
 constexpr uint32_t kMaxMessagesPerRankPerRound = 256;  // fairness between ranks
 constexpr auto kIdleWait = std::chrono::milliseconds(100);
-
-struct Piece {
-  uint32_t param;
-  uint64_t begin;
-  uint64_t count;
-};
 
 // Gathers the gradient slots of the ranks that have `param`, at element `begin` of it.
 struct SlotList {
@@ -57,6 +53,7 @@ StepEngine::StepEngine(std::string job_name, const shm::LayoutSpec& spec, const 
     buckets_[b].step = state_.bucket_state[b].applied_step.load() + 1;
     buckets_[b].delivered.assign(spec.world_size, 0);
   }
+  TouchState();
   thread_ = std::thread([this] { Loop(); });
 }
 
@@ -270,8 +267,8 @@ void StepEngine::Continue(std::function<void()> continuation) {
   }
 }
 
-template <typename Work, typename Include>
-void StepEngine::Schedule(uint32_t bucket, int64_t priority, Include include, Work work, std::function<void()> done) {
+template <typename Include>
+std::shared_ptr<std::vector<Piece>> StepEngine::PiecesOf(uint32_t bucket, Include include) const {
   auto pieces = std::make_shared<std::vector<Piece>>();
   for (uint32_t p : layout_.buckets[bucket].params) {
     if (!include(p)) continue;
@@ -280,10 +277,30 @@ void StepEngine::Schedule(uint32_t bucket, int64_t priority, Include include, Wo
       pieces->push_back(Piece{p, begin, std::min(kChunkElements, numel - begin)});
     }
   }
+  return pieces;
+}
+
+// With several NUMA nodes, each bucket is split into equal element ranges, one per node: a piece's
+// home depends only on where its elements lie, so every pass (touch, accumulate, norm, update) runs
+// it on the same node, whichever parameters the pass includes.
+WorkerPool::Home StepEngine::HomesOf(std::shared_ptr<std::vector<Piece>> pieces) const {
+  const uint32_t nodes = pool_.nodes();
+  if (nodes == 1) return {};
+  return [this, pieces = std::move(pieces), nodes](size_t i) {
+    const Piece& piece = (*pieces)[i];
+    const shm::ParamLayout& p = layout_.params[piece.param];
+    const uint64_t numel = std::max<uint64_t>(layout_.buckets[p.bucket].numel, 1);
+    return static_cast<uint32_t>((p.offset_in_bucket + piece.begin) * nodes / numel);
+  };
+}
+
+template <typename Work, typename Include>
+void StepEngine::Schedule(uint32_t bucket, int64_t priority, Include include, Work work, std::function<void()> done) {
+  auto pieces = PiecesOf(bucket, include);
   ++inflight_;
   pool_.Submit(
       pieces->size(), [pieces, work = std::move(work)](size_t i) { work(i, (*pieces)[i]); },
-      [this, done = std::move(done)] { Continue(done); }, priority);
+      [this, done = std::move(done)] { Continue(done); }, priority, HomesOf(pieces));
 }
 
 namespace {
@@ -322,6 +339,31 @@ struct ParamAddress {
 };
 
 }  // namespace
+
+void StepEngine::TouchState() {
+  if (pool_.nodes() == 1) return;
+  const ParamAddress at{layout_, state_, spec_.moment_dtype};
+  const size_t moment_size = SizeOf(spec_.moment_dtype);
+  std::latch touched(static_cast<std::ptrdiff_t>(layout_.buckets.size()));
+  for (uint32_t b = 0; b < layout_.buckets.size(); ++b) {
+    auto pieces = PiecesOf(b, [](uint32_t) { return true; });
+    pool_.Submit(
+        pieces->size(),
+        [at, moment_size, pieces](size_t i) {
+          const Piece& piece = (*pieces)[i];
+          const uint64_t element = at.Element(piece);
+          std::memset(at.state.master + element, 0, piece.count * sizeof(float));
+          std::memset(static_cast<std::byte*>(at.state.exp_avg) + element * moment_size, 0, piece.count * moment_size);
+          std::memset(static_cast<std::byte*>(at.state.exp_avg_sq) + element * moment_size, 0,
+                      piece.count * moment_size);
+          if (at.state.accum != nullptr) std::memset(at.state.accum + element, 0, piece.count * sizeof(float));
+          const optimizer::Upload upload = at.Upload(piece);
+          if (upload.data != nullptr) std::memset(upload.data, 0, piece.count * SizeOf(upload.dtype));
+        },
+        [&touched] { touched.count_down(); }, /*priority=*/0, HomesOf(pieces));
+  }
+  touched.wait();
+}
 
 void StepEngine::StartAccumulate(uint32_t b) {
   AccumulateSlots(b, [this, b] {

@@ -36,6 +36,13 @@ struct EngineStats {
   std::vector<uint32_t> attached_ranks;
 };
 
+// A static chunk of one parameter's elements: the unit of work handed to the pool.
+struct Piece {
+  uint32_t param;
+  uint64_t begin;
+  uint64_t count;
+};
+
 class StepEngine {
  public:
   // `peers` runs the all-reduce between daemons of a multi-node job (nullptr for one node).
@@ -94,6 +101,12 @@ class StepEngine {
   void ResetCollecting(const std::string& reason);
   const shm::HParams* HParamsFor(uint64_t step);
   Sources SnapshotSources();
+  // First touch (several NUMA nodes only): the state's pages are faulted in by the threads that will
+  // update them. Runs once, before any client writes the new job's memory.
+  void TouchState();
+  template <typename Include>
+  std::shared_ptr<std::vector<Piece>> PiecesOf(uint32_t bucket, Include include) const;
+  WorkerPool::Home HomesOf(std::shared_ptr<std::vector<Piece>> pieces) const;
   // Runs `work` on the pool for every piece of `bucket`'s params selected by `include`; `done` runs on
   // the engine thread afterwards.
   template <typename Work, typename Include>

@@ -3,16 +3,41 @@
 #include <pthread.h>
 #include <sched.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cctype>
+#include <filesystem>
+#include <string>
 
 namespace trainstream::daemon {
 
+// The pieces of a batch in node order: node k's pieces are order[begin[k]..begin[k+1]), handed out by
+// cursor[k]. With one node, order is empty and cursor[0] counts the pieces themselves.
 struct WorkerPool::Batch {
   size_t pieces;
   Piece piece;
   std::function<void()> on_done;
-  std::atomic<size_t> next{0};      // next piece to hand out
+  std::vector<size_t> order;
+  std::vector<size_t> begin;
+  std::unique_ptr<std::atomic<size_t>[]> cursor;
+  std::atomic<size_t> handed{0};    // pieces handed out
   std::atomic<size_t> finished{0};  // pieces done
+
+  // The next piece for a thread of `node`: its own node's first, then the others'. False when every
+  // piece has been handed out.
+  bool Claim(uint32_t node, size_t* piece_index) {
+    const size_t nodes = begin.size() - 1;
+    for (size_t k = 0; k < nodes; ++k) {
+      const size_t n = (node + k) % nodes;
+      const size_t at = cursor[n].fetch_add(1);
+      if (at < begin[n + 1]) {
+        *piece_index = order.empty() ? at : order[at];
+        handed.fetch_add(1);
+        return true;
+      }
+    }
+    return false;
+  }
 };
 
 std::vector<int> AllowedCpus() {
@@ -26,13 +51,37 @@ std::vector<int> AllowedCpus() {
   return cpus;
 }
 
-WorkerPool::WorkerPool(size_t threads, bool pin_threads) {
+uint32_t NodeOfCpu(int cpu) {
+  const std::filesystem::path dir = "/sys/devices/system/cpu/cpu" + std::to_string(cpu);
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, error)) {
+    const std::string name = entry.path().filename().string();
+    if (name.starts_with("node") && name.size() > 4 && std::isdigit(static_cast<unsigned char>(name[4])) != 0) {
+      return static_cast<uint32_t>(std::stoul(name.substr(4)));
+    }
+  }
+  return 0;
+}
+
+WorkerPool::WorkerPool(size_t threads, bool pin_threads, std::vector<uint32_t> thread_nodes) {
   if (threads == 0) threads = 1;
   const std::vector<int> cpus = AllowedCpus();
+  // Pinned only when every thread gets a CPU of its own: sharing would only add migrations.
+  const bool pin = pin_threads && threads <= cpus.size();
+  if (thread_nodes.size() != threads) {
+    thread_nodes.assign(threads, 0);
+    for (size_t i = 0; pin && i < threads; ++i) thread_nodes[i] = NodeOfCpu(cpus[i]);
+  }
+  // Nodes are numbered densely so that a batch needs one cursor per node that has threads.
+  std::vector<uint32_t> dense = thread_nodes;
+  std::sort(dense.begin(), dense.end());
+  dense.erase(std::unique(dense.begin(), dense.end()), dense.end());
+  nodes_ = static_cast<uint32_t>(dense.size());
   for (size_t i = 0; i < threads; ++i) {
-    threads_.emplace_back([this, i] { Run(i); });
-    // Pinned only when every thread gets a CPU of its own: sharing would only add migrations.
-    if (pin_threads && threads <= cpus.size()) {
+    const auto node =
+        static_cast<uint32_t>(std::lower_bound(dense.begin(), dense.end(), thread_nodes[i]) - dense.begin());
+    threads_.emplace_back([this, node] { Run(node); });
+    if (pin) {
       cpu_set_t set;
       CPU_ZERO(&set);
       CPU_SET(cpus[i], &set);
@@ -50,7 +99,7 @@ WorkerPool::~WorkerPool() {
   for (auto& thread : threads_) thread.join();
 }
 
-void WorkerPool::Submit(size_t pieces, Piece piece, std::function<void()> on_done, int64_t priority) {
+void WorkerPool::Submit(size_t pieces, Piece piece, std::function<void()> on_done, int64_t priority, Home home) {
   if (pieces == 0) {
     on_done();
     return;
@@ -59,6 +108,20 @@ void WorkerPool::Submit(size_t pieces, Piece piece, std::function<void()> on_don
   batch->pieces = pieces;
   batch->piece = std::move(piece);
   batch->on_done = std::move(on_done);
+  const uint32_t nodes = home ? nodes_ : 1;
+  batch->begin.assign(nodes + 1, 0);
+  batch->cursor = std::make_unique<std::atomic<size_t>[]>(nodes);
+  if (nodes == 1) {
+    batch->begin[1] = pieces;
+  } else {
+    std::vector<std::vector<size_t>> by_node(nodes);
+    for (size_t i = 0; i < pieces; ++i) by_node[home(i) % nodes].push_back(i);
+    for (uint32_t k = 0; k < nodes; ++k) {
+      batch->begin[k + 1] = batch->begin[k] + by_node[k].size();
+      batch->cursor[k] = batch->begin[k];
+      batch->order.insert(batch->order.end(), by_node[k].begin(), by_node[k].end());
+    }
+  }
   {
     std::lock_guard lock(mutex_);
     queue_.push(Entry{priority, next_sequence_++, std::move(batch)});
@@ -66,7 +129,7 @@ void WorkerPool::Submit(size_t pieces, Piece piece, std::function<void()> on_don
   wake_.notify_all();
 }
 
-void WorkerPool::Run(size_t /*index*/) {
+void WorkerPool::Run(uint32_t node) {
   for (;;) {
     std::shared_ptr<Batch> batch;
     size_t piece = 0;
@@ -75,8 +138,9 @@ void WorkerPool::Run(size_t /*index*/) {
       wake_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
       if (queue_.empty()) return;  // stopping, and nothing left
       batch = queue_.top().batch;
-      piece = batch->next.fetch_add(1);
-      if (piece + 1 >= batch->pieces) queue_.pop();  // all pieces handed out
+      const bool claimed = batch->Claim(node, &piece);
+      if (batch->handed.load() == batch->pieces) queue_.pop();  // all pieces handed out
+      if (!claimed) continue;
     }
     batch->piece(piece);
     if (batch->finished.fetch_add(1) + 1 == batch->pieces) batch->on_done();

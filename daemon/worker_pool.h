@@ -4,6 +4,11 @@
 // completion callback; the callback runs exactly once, on the thread that finishes the last piece.
 // Higher priority batches are started first (the bucket the next forward needs first); within a
 // priority, batches run in submission order. Threads are pinned to cores when there are enough.
+//
+// NUMA: each thread belongs to the node of its CPU. A batch may give every piece a home node; a
+// thread then takes its own node's pieces first and helps other nodes only when its own are handed
+// out. Touching a job's memory first through the same homes (first-touch placement) makes a piece's
+// memory local to the threads that update it. With one node this is all a no-op.
 #pragma once
 
 #include <condition_variable>
@@ -20,18 +25,25 @@ namespace trainstream::daemon {
 // The CPUs this process may run on (a cgroup cpuset or taskset may allow fewer than the machine has).
 std::vector<int> AllowedCpus();
 
+// The NUMA node of `cpu` (0 where the kernel does not say).
+uint32_t NodeOfCpu(int cpu);
+
 class WorkerPool {
  public:
   using Piece = std::function<void(size_t piece_index)>;
+  using Home = std::function<uint32_t(size_t piece_index)>;  // the NUMA node whose memory a piece touches
 
-  explicit WorkerPool(size_t threads, bool pin_threads = true);
+  // `thread_nodes` overrides the node of each thread (tests); by default, the node of its pinned CPU.
+  explicit WorkerPool(size_t threads, bool pin_threads = true, std::vector<uint32_t> thread_nodes = {});
   ~WorkerPool();
   WorkerPool(const WorkerPool&) = delete;
   WorkerPool& operator=(const WorkerPool&) = delete;
 
-  // Runs piece(0..pieces-1) on the pool, then on_done(). Never blocks.
-  void Submit(size_t pieces, Piece piece, std::function<void()> on_done, int64_t priority = 0);
+  // Runs piece(0..pieces-1) on the pool, then on_done(). Never blocks. `home` (optional, used only
+  // with several nodes) names each piece's node.
+  void Submit(size_t pieces, Piece piece, std::function<void()> on_done, int64_t priority = 0, Home home = {});
   [[nodiscard]] size_t threads() const { return threads_.size(); }
+  [[nodiscard]] uint32_t nodes() const { return nodes_; }
 
  private:
   struct Batch;
@@ -44,13 +56,14 @@ class WorkerPool {
     }
   };
 
-  void Run(size_t index);
+  void Run(uint32_t node);
 
   std::mutex mutex_;
   std::condition_variable wake_;
   std::priority_queue<Entry> queue_;
   uint64_t next_sequence_ = 0;
   bool stopping_ = false;
+  uint32_t nodes_ = 1;
   std::vector<std::thread> threads_;
 };
 

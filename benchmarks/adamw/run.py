@@ -98,7 +98,8 @@ def main():
     for v in result["variants"]:
         v["roofline_fraction"] = v["gb_per_s"] / triad_gbps
         is_update = not v["name"].startswith("norm")  # the norm pass is not an optimizer step
-        v["torch_fused_ratio"] = v["params_per_s"] / torch_result["params_per_s"] if torch_result and is_update else None
+        fused = torch_result["params_per_s"] if torch_result and is_update else None
+        v["torch_fused_ratio"] = v["params_per_s"] / fused if fused else None
         target = TARGETS.get(v["name"]) if v["kernel"] == result["active_kernel"] else None
         verdict = ""
         if target:

@@ -1,9 +1,10 @@
 """Data-parallel GPT training with torchrun, one rank per GPU, all ranks served by one trainstreamd.
 
 Two measurements, each a torchrun launch of this file:
-  check — fp32 (no autocast, no TF32, deterministic kernels), every rank training on its shard of each global batch through
-          one shared job; afterwards the ranks' parameters are compared bit for bit, and rank 0's
-          against a single process training on the whole batch with torch.optim.AdamW(foreach=False).
+  check — fp32 (no autocast, no TF32, deterministic kernels), every rank training on its shard of
+          each global batch through one shared job; afterwards the ranks' parameters are compared bit
+          for bit, and rank 0's against one process with torch.optim.AdamW(foreach=False) trained on
+          the mean of the shards' gradients (the same arithmetic) and on the whole batch at once.
   bench — bf16 autocast, step time and memory, for
           trainstream: one daemon, one job, one copy of the optimizer state, one update per step;
           inprocess:   what users do today: DistributedDataParallel (NCCL) and every rank offloading its

@@ -27,9 +27,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpt import build  # noqa: E402
-
 import trainstream  # noqa: E402
+from gpt import build  # noqa: E402
 
 GIB = 1 << 30
 
@@ -174,7 +173,7 @@ def main() -> None:
     parser.add_argument("--moment-dtype", default="float32")
     parser.add_argument("--bucket-mb", type=float, default=32)
     parser.add_argument("--activation-paging", action="store_true",
-                        help="trainstream mode: saved activations in pinned host memory (trainstream.activation_paging)")
+                        help="trainstream mode: saved activations in pinned host memory (activation_paging)")
     parser.add_argument("--modes", default="gpu-only,stock,trainstream")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--adamw-json", help="benchmarks/adamw result of this machine, for the triad bandwidth")

@@ -10,8 +10,7 @@ returns the model (same object, with hooks) and an optimizer that behaves like t
 import torch  # noqa: F401  (loaded before _C: its libraries first, as in every torch program; see _C below)
 
 from trainstream._activations import activation_paging
-from trainstream._C import TrainstreamError
-from trainstream._C import __version__
+from trainstream._C import TrainstreamError, __version__
 from trainstream._connect import Client, connect
 from trainstream._wrap import synchronize, unwrap, wrap
 

@@ -178,9 +178,10 @@ class Rank:
             self._handles.append(p.register_post_accumulate_grad_hook(lambda param, i=i: self._on_grad(i, param)))
         index = {id(p): i for i, p in enumerate(self.params)}
         for module in self.model.modules():
-            buckets = sorted({self._bucket_of[index[id(p)]] for p in module.parameters(recurse=False) if id(p) in index})
+            own = [index[id(p)] for p in module.parameters(recurse=False) if id(p) in index]
+            buckets = tuple(sorted({self._bucket_of[i] for i in own}))
             if buckets:
-                self._handles.append(module.register_forward_pre_hook(lambda m, args, b=tuple(buckets): self.refresh(b)))
+                self._handles.append(module.register_forward_pre_hook(lambda m, args, b=buckets: self.refresh(b)))
         self._handles.append(self.model.register_state_dict_pre_hook(lambda *args, **kwargs: self.synchronize()))
         self._handles.append(self.model.register_load_state_dict_post_hook(lambda module, keys: self.push_weights()))
 
@@ -193,7 +194,8 @@ class Rank:
         if self._step_pending:
             raise TrainstreamError(
                 "backward() ran again before optimizer.step(): with accumulation_steps="
-                f"{self.accumulation_steps}, call optimizer.step() after every {self.accumulation_steps} backward pass(es)")
+                f"{self.accumulation_steps}, call optimizer.step() after every {self.accumulation_steps} "
+                "backward pass(es)")
         self._in_backward = True
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         if self._micro == 0:

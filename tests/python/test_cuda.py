@@ -113,9 +113,9 @@ def test_bf16_parameters_under_autocast(client):
 def test_two_processes_one_gpu_two_jobs(daemon):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     script = os.path.join(HERE, "trainer_process.py")
-    procs = [subprocess.Popen([sys.executable, script, "--socket", daemon.socket, "--job", f"gpu{i}", "--steps", "20",
-                               "--device", "cuda"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-             for i in range(2)]
+    argv = [sys.executable, script, "--socket", daemon.socket, "--steps", "20", "--device", "cuda"]
+    procs = [subprocess.Popen([*argv, "--job", f"gpu{i}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=env) for i in range(2)]
     outputs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
     jobs = {j["name"]: j for j in daemon.client().stats()["jobs"]}

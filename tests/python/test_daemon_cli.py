@@ -16,13 +16,11 @@ import time
 
 import pytest
 import torch
+from conftest import Daemon
 
 import trainstream
-from trainstream import TrainstreamError
-from trainstream import _connect
+from trainstream import TrainstreamError, _connect
 from trainstream._connect import daemon_binary
-
-from conftest import Daemon
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE_CONFIG = os.path.join(REPO, "deploy", "trainstreamd.toml")

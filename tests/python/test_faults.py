@@ -21,8 +21,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def start_trainer(daemon, job, *extra):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, os.path.join(HERE, "trainer_process.py"), "--socket", daemon.socket,
-                             "--job", job, *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    argv = [sys.executable, os.path.join(HERE, "trainer_process.py"), "--socket", daemon.socket, "--job", job, *extra]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
 
 
 def wait_for_line(process, prefix, count=1, timeout=60):

@@ -14,11 +14,11 @@ from datetime import timedelta
 
 import pytest
 import torch
-
-import trainstream
 from conftest import Daemon
 from test_peers import free_port, start_nodes, stop
 from test_ranks import HERE, STEPS, reference
+
+import trainstream
 from trainstream import _peers
 
 

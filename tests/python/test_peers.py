@@ -5,17 +5,15 @@ daemon without a peer plane each give a clear error on every rank, never a hang.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
 
-import shutil
-
 import pytest
 import torch
-
 from conftest import Daemon
 from test_ranks import HERE, STEPS, reference
 

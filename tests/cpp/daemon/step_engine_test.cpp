@@ -423,6 +423,22 @@ TEST_F(StepEngineTest, TwoRanksWaitForBothAndAverageTheirGradients) {
   reference.ExpectMatches(*clients[1]);
 }
 
+// Two NUMA nodes (given to the pool, this machine may have one): the state is first touched and every
+// pass is split by node, and the updates are the same.
+TEST_F(StepEngineTest, TwoNumaNodesGiveTheSameUpdates) {
+  WorkerPool numa(4, /*pin_threads=*/false, /*thread_nodes=*/{0, 0, 1, 1});
+  ASSERT_EQ(numa.nodes(), 2u);
+  Job job("job", static_cast<uint32_t>(getuid()), TwoParamSpec(2), 7, numa);
+  auto clients = StartJob(job);
+  AdamWReference reference(job.spec());
+  for (uint64_t step = 1; step <= 3; ++step) {
+    RunStep(clients, step, TestHParams());
+    reference.Step(step, TestHParams());
+  }
+  reference.ExpectMatches(*clients[0]);
+  reference.ExpectMatches(*clients[1]);
+}
+
 // A rank that detaches and re-attaches while an update that read its old gradients is still queued: the
 // old rank segment is released when that update finishes, and must not take the new segment's name along.
 TEST_F(StepEngineTest, ReattachDuringAnInFlightUpdateKeepsTheNewRankSegment) {

@@ -1,5 +1,5 @@
 // Tests of the optimizer worker pool (daemon/worker_pool.h): each piece runs once, the completion
-// callback runs once after every piece, concurrent submitters, and priority order.
+// callback runs once after every piece, concurrent submitters, priority order, and NUMA homes.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -7,8 +7,10 @@
 #include <condition_variable>
 #include <future>
 #include <latch>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <thread>
 #include <vector>
 
@@ -195,4 +197,53 @@ TEST(WorkerPool, ZeroThreadsMeansOne) {
 }
 
 }  // namespace
+// With a home per piece, every thread starts with its own node's pieces. Each thread's first piece
+// waits until both threads have one, so neither can take the other node's pieces first.
+TEST(WorkerPoolNumaTest, EachThreadStartsWithItsOwnNodesPieces) {
+  WorkerPool pool(2, /*pin_threads=*/false, /*thread_nodes=*/{0, 1});
+  ASSERT_EQ(pool.nodes(), 2u);
+  std::latch both_started(2);
+  std::mutex mutex;
+  std::map<std::thread::id, std::vector<size_t>> ran;  // per thread, the homes of its pieces in order
+  DoneCounter done;
+  pool.Submit(
+      8,
+      [&](size_t i) {
+        bool first = false;
+        {
+          std::lock_guard lock(mutex);
+          auto& homes = ran[std::this_thread::get_id()];
+          first = homes.empty();
+          homes.push_back(i % 2);
+        }
+        if (first) both_started.arrive_and_wait();
+      },
+      done.Callback(), /*priority=*/0, [](size_t i) { return static_cast<uint32_t>(i % 2); });
+  ASSERT_TRUE(done.WaitFor(1));
+  ASSERT_EQ(ran.size(), 2u);
+  std::set<size_t> first_homes;
+  size_t total = 0;
+  for (const auto& [thread, homes] : ran) {
+    first_homes.insert(homes.front());
+    total += homes.size();
+  }
+  EXPECT_EQ(first_homes, (std::set<size_t>{0, 1}));
+  EXPECT_EQ(total, 8u);
+}
+
+// Homes only order the work: every piece still runs exactly once, also when one node has all of it.
+TEST(WorkerPoolNumaTest, EveryPieceRunsOnceWhateverTheHomes) {
+  WorkerPool pool(4, /*pin_threads=*/false, /*thread_nodes=*/{3, 3, 7, 7});
+  ASSERT_EQ(pool.nodes(), 2u);  // numbered densely
+  for (const auto& home : std::vector<WorkerPool::Home>{[](size_t i) { return static_cast<uint32_t>(i % 2); },
+                                                        [](size_t) { return 1u; }}) {
+    std::vector<std::atomic<int>> runs(1000);
+    DoneCounter done;
+    pool.Submit(
+        runs.size(), [&](size_t i) { runs[i].fetch_add(1); }, done.Callback(), 0, home);
+    ASSERT_TRUE(done.WaitFor(1));
+    for (const auto& r : runs) EXPECT_EQ(r.load(), 1);
+  }
+}
+
 }  // namespace trainstream::daemon
