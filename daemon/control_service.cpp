@@ -5,6 +5,7 @@
 
 #include <fstream>
 #include <mutex>
+#include <set>
 
 #include "daemon/optimizer/adamw_kernels.h"
 #include "shm/error.h"
@@ -84,6 +85,16 @@ class StreamSink final : public SessionSink {
   std::optional<std::string> failure_;
 };
 
+// "cuda-client-copy on cuda:0 (...)"; an unknown transport is refused before anything is created. A
+// client that names none predates the field and moves its data itself.
+std::string DescribeTransport(const v1::AttachRequest& attach) {
+  static const std::set<std::string> kKnown = {"host", "cuda-client-copy"};
+  const std::string& name = attach.transport().empty() ? "unnamed" : attach.transport();
+  TS_CHECK(attach.transport().empty() || kKnown.contains(name), Code::kInvalidArgument,
+           "unknown transport '{}' (this daemon knows host, cuda-client-copy)", name);
+  return attach.device().empty() ? name : fmt::format("{} on {}", name, attach.device());
+}
+
 }  // namespace
 
 shm::LayoutSpec LayoutFromProto(const v1::LayoutSpec& proto) {
@@ -143,8 +154,9 @@ grpc::Status ControlService::Session(grpc::ServerContext* context,
   v1::SessionEvent event;
   grpc::Status attached = Guarded("Attach", [&] {
     const shm::LayoutSpec spec = LayoutFromProto(attach.layout());
+    const std::string transport = DescribeTransport(attach);
     auto found = registry_.FindOrCreate(attach.job(), identity_.Verify(attach.nonce()), spec, attach.seed());
-    const Job::Attachment attachment = found.job->Attach(attach.rank(), sink);
+    const Job::Attachment attachment = found.job->Attach(attach.rank(), sink, transport);
     job = found.job;
     v1::AttachReply* reply = event.mutable_attached();
     reply->set_job_key(job->key());
@@ -192,6 +204,7 @@ grpc::Status ControlService::Stats(grpc::ServerContext*, const v1::StatsRequest*
       stats->set_rank_bytes(info.rank_bytes);
       stats->set_updates(info.engine.updates);
       stats->set_nonfinite_steps(info.engine.nonfinite_steps);
+      stats->mutable_transports()->insert(info.transports.begin(), info.transports.end());
       host_bytes += info.state_bytes + info.engine.attached_ranks.size() * info.rank_bytes;
     }
     reply->set_host_bytes(host_bytes);

@@ -55,7 +55,7 @@ std::string Job::RankSegmentName(uint32_t rank) const {
   return shm::SegmentName(uid_, key_, fmt::format("rank{}", rank));
 }
 
-Job::Attachment Job::Attach(uint32_t rank, std::shared_ptr<SessionSink> session) {
+Job::Attachment Job::Attach(uint32_t rank, std::shared_ptr<SessionSink> session, const std::string& transport) {
   TS_CHECK(rank < spec_.world_size, Code::kInvalidArgument, "rank {} out of range for job '{}' (world size {})", rank,
            name_, spec_.world_size);
   std::lock_guard lock(mutex_);  // one attach/detach at a time: they share the rank's segment name
@@ -67,8 +67,9 @@ Job::Attachment Job::Attach(uint32_t rank, std::shared_ptr<SessionSink> session)
   shm::InitRankSegment(segment.data(), layout_, rank);
   engine_->AddRank(std::make_shared<RankChannel>(rank, std::move(segment), layout_, std::move(session)));
   ++attached_;
+  transports_[rank] = transport;
   const auto* header = static_cast<const shm::StateHeader*>(state_.data());
-  spdlog::info("job '{}': rank {} attached", name_, rank);
+  spdlog::info("job '{}': rank {} attached, transport {}", name_, rank, transport);
   return Attachment{name, header->initialized != 0, header->completed_step.load()};
 }
 
@@ -79,6 +80,7 @@ void Job::Detach(uint32_t rank) {
   // Unlinked now, not when the last in-flight task drops its mapping: by then a re-attached rank may
   // own a new segment of the same name.
   shm::Segment::Remove(RankSegmentName(rank));
+  transports_.erase(rank);
   if (--attached_ == 0) idle_since_ = std::chrono::steady_clock::now();
   spdlog::info("job '{}': rank {} detached", name_, rank);
 }
@@ -100,7 +102,7 @@ std::optional<std::chrono::steady_clock::time_point> Job::idle_since() {
 
 JobInfo Job::Info() {
   const auto* header = static_cast<const shm::StateHeader*>(state_.data());
-  return JobInfo{
+  JobInfo info{
       .name = name_,
       .key = key_,
       .uid = uid_,
@@ -112,7 +114,11 @@ JobInfo Job::Info() {
       .buckets = static_cast<uint32_t>(layout_.buckets.size()),
       .world_size = spec_.world_size,
       .engine = engine_->Stats(),
+      .transports = {},
   };
+  std::lock_guard lock(mutex_);
+  info.transports = transports_;
+  return info;
 }
 
 }  // namespace trainstream::daemon

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <chrono>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -27,6 +28,7 @@ struct JobInfo {
   uint64_t params = 0, elements = 0, state_bytes = 0, rank_bytes = 0, completed_step = 0;
   uint32_t buckets = 0, world_size = 0;
   EngineStats engine;
+  std::map<uint32_t, std::string> transports;  // by attached rank
 };
 
 class Job {
@@ -43,7 +45,8 @@ class Job {
     uint64_t completed_step = 0;
   };
   // Maps a fresh rank segment and hands it to the engine. kAlreadyExists if the rank is taken.
-  Attachment Attach(uint32_t rank, std::shared_ptr<SessionSink> session);
+  // `transport` says how the rank moves its data ("cuda-client-copy on cuda:0 (...)"), for logs and Stats.
+  Attachment Attach(uint32_t rank, std::shared_ptr<SessionSink> session, const std::string& transport = "host");
   void Detach(uint32_t rank);
   void FailAll(const std::string& message) { engine_->FailAll(message); }
 
@@ -73,6 +76,7 @@ class Job {
 
   std::mutex mutex_;  // guards the fields below
   size_t attached_ = 0;
+  std::map<uint32_t, std::string> transports_;  // by attached rank
   std::chrono::steady_clock::time_point idle_since_;
 };
 

@@ -104,6 +104,7 @@ StatsReport Client::Stats() {
         .updates = job.updates(),
         .nonfinite_steps = job.nonfinite_steps(),
         .attached_ranks = {job.attached_ranks().begin(), job.attached_ranks().end()},
+        .transports = {job.transports().begin(), job.transports().end()},
     });
   }
   return report;
@@ -122,10 +123,10 @@ void Client::DropJob(const std::string& job, bool force) {
 }
 
 std::unique_ptr<RankSession> Client::Attach(const std::string& job, uint32_t rank, const shm::LayoutSpec& spec,
-                                            uint64_t seed) {
+                                            uint64_t seed, const RankTransport& transport) {
   const IdentityProof proof(*impl_->stub);
   return std::make_unique<RankSession>(
-      RankSession::Impl::Open(*impl_->stub, job, rank, spec, seed, proof.nonce(), info_.pid));
+      RankSession::Impl::Open(*impl_->stub, job, rank, spec, seed, transport, proof.nonce(), info_.pid));
 }
 
 }  // namespace trainstream

@@ -44,7 +44,8 @@ v1::LayoutSpec ToProto(const shm::LayoutSpec& spec) {
 
 std::unique_ptr<RankSession::Impl> RankSession::Impl::Open(v1::Control::Stub& stub, const std::string& job,
                                                            uint32_t rank, const shm::LayoutSpec& spec, uint64_t seed,
-                                                           const std::string& nonce, int64_t daemon_pid) {
+                                                           const RankTransport& transport, const std::string& nonce,
+                                                           int64_t daemon_pid) {
   auto impl = std::make_unique<Impl>();
   impl->spec = spec;
   impl->layout = shm::ComputeLayout(spec);  // validates locally first: clearer errors, no round trip
@@ -59,6 +60,8 @@ std::unique_ptr<RankSession::Impl> RankSession::Impl::Open(v1::Control::Stub& st
   *attach->mutable_layout() = ToProto(spec);
   attach->set_seed(seed);
   attach->set_nonce(nonce);
+  attach->set_transport(transport.name);
+  attach->set_device(transport.device);
   v1::SessionEvent event;
   if (!impl->stream->Write(request) || !impl->stream->Read(&event)) {
     ThrowIfFailed(impl->stream->Finish(), fmt::format("attach rank {} of job '{}'", rank, job));

@@ -52,6 +52,7 @@ py::dict ToDict(const trainstream::StatsReport& report) {
     j["rank_bytes"] = job.rank_bytes;
     j["updates"] = job.updates;
     j["nonfinite_steps"] = job.nonfinite_steps;
+    j["transports"] = job.transports;
     jobs.append(j);
   }
   py::dict d;
@@ -153,16 +154,18 @@ PYBIND11_MODULE(_C, m) {
           "attach",
           [](Client& c, const std::string& job, uint32_t rank, const py::list& params, uint32_t num_groups,
              uint64_t bucket_bytes, int moment_dtype, int optimizer, uint32_t accumulation_steps, uint32_t world_size,
-             double max_grad_norm, uint64_t seed, std::vector<std::string> peers, uint32_t node_rank) {
+             double max_grad_norm, uint64_t seed, std::vector<std::string> peers, uint32_t node_rank,
+             const std::string& transport, const std::string& device) {
             auto spec = MakeSpec(params, num_groups, bucket_bytes, moment_dtype, optimizer, accumulation_steps,
                                  world_size, max_grad_norm, std::move(peers), node_rank);
             py::gil_scoped_release release;
-            return std::shared_ptr<RankSession>(c.Attach(job, rank, spec, seed));
+            return std::shared_ptr<RankSession>(
+                c.Attach(job, rank, spec, seed, trainstream::RankTransport{transport, device}));
           },
           py::arg("job"), py::arg("rank"), py::arg("params"), py::arg("num_groups"), py::arg("bucket_bytes"),
           py::arg("moment_dtype"), py::arg("optimizer"), py::arg("accumulation_steps"), py::arg("world_size"),
           py::arg("max_grad_norm"), py::arg("seed"), py::arg("peers") = std::vector<std::string>(),
-          py::arg("node_rank") = 0);
+          py::arg("node_rank") = 0, py::arg("transport") = "host", py::arg("device") = "cpu");
 
   py::class_<RankSession, std::shared_ptr<RankSession>>(m, "RankSession")
       .def_property_readonly("rank", &RankSession::rank)

@@ -22,7 +22,7 @@ import torch
 
 from trainstream import _layout
 from trainstream._C import TrainstreamError
-from trainstream._transport import transport_for
+from trainstream._transport import describe_device, transport_for, transport_name
 
 
 class Rank:
@@ -41,16 +41,18 @@ class Rank:
         self.model = model
         self.kind = _layout.optimizer_kind(optimizer)
         self.params = _layout.parameters_of(optimizer)
+        device = self.params[0].device
         self.groups = optimizer.param_groups
         self.accumulation_steps = accumulation_steps
         self.job = job
         self.session = client._native.attach(
             job, rank, _layout.layout_entries(model, optimizer, self.params), len(optimizer.param_groups),
             int(bucket_mb * (1 << 20)), _layout.MOMENT_DTYPES[moment_dtype], self.kind, accumulation_steps,
-            world_size, float(max_grad_norm or 0.0), seed, list(peers or []), node_rank)
+            world_size, float(max_grad_norm or 0.0), seed, list(peers or []), node_rank, transport_name(device),
+            describe_device(device))
         self._moment_dtype = torch.float32 if moment_dtype == "float32" else torch.bfloat16
         self._map_regions()
-        self.transport = transport_for(self, self.params[0].device)
+        self.transport = transport_for(self, device)
         self._lock = threading.RLock()  # hooks may run on autograd threads
         self._micro = 0                 # micro-batches finished in this step
         self._step_pending = False      # all micro-batches in; optimizer.step() is due

@@ -169,9 +169,22 @@ def _ranges_to_pin(rank) -> list[tuple[int, int]]:
     return [(start, end - start) for start, end in merged]
 
 
+_TRANSPORTS = {"cpu": HostTransport, "cuda": CudaCopyTransport}
+
+
+def transport_name(device: torch.device) -> str:
+    """The transport for parameters on `device`, named before attaching (the daemon logs it)."""
+    if device.type not in _TRANSPORTS:
+        raise TrainstreamError(f"parameters on {device} are not supported (cpu or cuda)")
+    return _TRANSPORTS[device.type].name
+
+
+def describe_device(device: torch.device) -> str:
+    if device.type != "cuda":
+        return str(device)
+    properties = torch.cuda.get_device_properties(device)
+    return f"{device} ({properties.name}, GPU-{properties.uuid})"
+
+
 def transport_for(rank, device: torch.device):
-    if device.type == "cpu":
-        return HostTransport(rank)
-    if device.type == "cuda":
-        return CudaCopyTransport(rank, device)
-    raise TrainstreamError(f"parameters on {device} are not supported (cpu or cuda)")
+    return HostTransport(rank) if device.type == "cpu" else CudaCopyTransport(rank, device)

@@ -110,6 +110,15 @@ def test_bf16_parameters_under_autocast(client):
     assert state["exp_avg"].dtype == torch.bfloat16 and state["exp_avg"].device.type == "cuda"
 
 
+def test_job_reports_the_client_copy_transport(client):
+    model = mlp()
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters()), client=client, job="cuda-transport")
+    transport = next(j for j in client.stats()["jobs"] if j["name"] == "cuda-transport")["transports"][0]
+    assert transport.startswith("cuda-client-copy on cuda") and torch.cuda.get_device_name() in transport
+    trainstream.unwrap(model)
+    client.drop_job("cuda-transport")
+
+
 def test_two_processes_one_gpu_two_jobs(daemon):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     script = os.path.join(HERE, "trainer_process.py")

@@ -125,8 +125,8 @@ def test_daemon_killed_while_waiting_raises_within_two_seconds(daemon):
 LAYOUT = [("w", [4, 4], 0, 0), ("b", [4], 0, 0)]
 
 
-def attach(client, job="raw", rank=0, params=LAYOUT, world_size=1):
-    return client._native.attach(job, rank, params, 1, 1 << 20, 0, 0, 1, world_size, 0.0, 7)
+def attach(client, job="raw", rank=0, params=LAYOUT, world_size=1, transport="host"):
+    return client._native.attach(job, rank, params, 1, 1 << 20, 0, 0, 1, world_size, 0.0, 7, transport=transport)
 
 
 def assert_daemon_healthy(client):
@@ -163,6 +163,13 @@ def test_garbage_ring_messages(client, kind, bucket, step, micro, match):
     session.close()
     # the rank was released: it can attach again
     attach(client).close()
+
+
+def test_unknown_transport_is_refused_before_the_job_exists(client):
+    with pytest.raises(TrainstreamError, match="unknown transport 'carrier-pigeon'"):
+        attach(client, job="pigeon", transport="carrier-pigeon")
+    assert "pigeon" not in {job["name"] for job in client.stats()["jobs"]}
+    assert_daemon_healthy(client)
 
 
 def test_duplicate_delivery(client):

@@ -92,6 +92,14 @@ def test_unwrap_returns_trained_model(client):
     assert client.stats()["jobs"] == []  # an auto-named job is dropped with its last rank
 
 
+def test_stats_name_each_ranks_transport(client):
+    model, opt = trainstream.wrap(*model_and_adamw(), client=client, job="transport-shown")
+    job = next(j for j in client.stats()["jobs"] if j["name"] == "transport-shown")
+    assert job["transports"] == {0: "host on cpu"}
+    trainstream.unwrap(model)
+    client.drop_job("transport-shown")
+
+
 def test_gradients_leave_the_parameters(client):
     model, opt = trainstream.wrap(*model_and_adamw(), client=client)
     backward(model)

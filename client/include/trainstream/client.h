@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -32,6 +33,13 @@ struct JobReport {
   uint64_t params = 0, elements = 0, completed_step = 0, state_bytes = 0, rank_bytes = 0, updates = 0,
            nonfinite_steps = 0;
   std::vector<uint32_t> attached_ranks;
+  std::map<uint32_t, std::string> transports;  // attached rank -> "transport on device"
+};
+
+// How a rank moves its data, told to the daemon at attach (which logs it and shows it in Stats).
+struct RankTransport {
+  std::string name = "host";   // "host" or "cuda-client-copy"
+  std::string device = "cpu";  // where the parameters live, e.g. "cuda:0 (NVIDIA H200, GPU-...)"
 };
 
 struct StatsReport {
@@ -57,8 +65,8 @@ class Client {
   StatsReport Stats();
   void DropJob(const std::string& job, bool force);
   // Creates the job if needed and attaches `rank`; the rank stays attached until the session closes.
-  std::unique_ptr<RankSession> Attach(const std::string& job, uint32_t rank, const shm::LayoutSpec& spec,
-                                      uint64_t seed);
+  std::unique_ptr<RankSession> Attach(const std::string& job, uint32_t rank, const shm::LayoutSpec& spec, uint64_t seed,
+                                      const RankTransport& transport = {});
 
   struct Impl;
 
