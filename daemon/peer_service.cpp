@@ -1,10 +1,16 @@
 #include "daemon/peer_service.h"
 
+#include <malloc.h>
 #include <spdlog/spdlog.h>
 
 #include "shm/error.h"
 
 namespace trainstream::daemon {
+
+void KeepPeerBuffersMapped() {
+  mallopt(M_MMAP_THRESHOLD, 4 << 20);
+  mallopt(M_TRIM_THRESHOLD, 64 << 20);
+}
 
 bool SecretsEqual(const std::string& a, const std::string& b) {
   if (a.size() != b.size()) return false;  // reveals the length only

@@ -39,6 +39,7 @@ int main(int argc, char** argv) {
     if (arg == "--reps") reps = static_cast<uint32_t>(std::stoul(value));
     if (arg == "--json") json = value;
   }
+  KeepPeerBuffersMapped();  // as trainstreamd does
   const std::string secret = "benchmark-secret-0123456789";
   std::vector<PeerMailbox> mailboxes(nodes);
   std::vector<std::unique_ptr<PeerService>> services;
