@@ -84,12 +84,12 @@ void PeerSender::StartQueued(std::unique_lock<std::mutex>& lock) {
     queued_.pop_front();
     ++starting_;
     lock.unlock();  // the copy into the message happens outside the lock
-    Start(std::move(piece));
+    Start(piece);
     lock.lock();
   }
 }
 
-void PeerSender::Start(Piece piece) {
+void PeerSender::Start(const Piece& piece) {
   auto call = std::make_shared<Call>();
   call->request = EncodePiece(piece.header, pool_->Copy(piece.data, piece.n));
   call->step = piece.header.step();

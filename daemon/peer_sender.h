@@ -51,7 +51,7 @@ class PeerSender {
   struct Call;
   class BufferPool;
   void StartQueued(std::unique_lock<std::mutex>& lock);
-  void Start(Piece piece);
+  void Start(const Piece& piece);
   void Done(const std::shared_ptr<Call>& call, const grpc::Status& status);
 
   grpc::GenericStub stub_;
