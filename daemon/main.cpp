@@ -77,6 +77,7 @@ std::unique_ptr<grpc::Server> StartPeerPlane(const Config& config, PeerMailbox& 
   if (config.peer_listen.empty()) return nullptr;
   TS_CHECK(!config.peer_secret_file.empty(), Code::kInvalidArgument, "--peer-listen needs --peer-secret-file");
   service = std::make_unique<PeerService>(mailbox, ReadSecret(config.peer_secret_file));
+  KeepPeerBuffersMapped();
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(config.peer_listen, grpc::InsecureServerCredentials(), &port);

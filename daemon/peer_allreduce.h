@@ -5,7 +5,12 @@
 // every chunk is formed once, in ring order, by one node and then copied to the others, so every
 // node ends with bit-identical values. Buckets are reduced one at a time in (step, bucket) order on
 // every node, which keeps the nodes' rings from waiting on each other in a cycle. A peer that does
-// not deliver within the timeout, or refuses a chunk, fails the bucket with a message naming it.
+// not deliver within the timeout, or refuses a piece, fails the bucket with a message naming it.
+//
+// Chunks travel in pieces of at most kPieceBytes, several in flight (daemon/peer_sender.h): a piece
+// received in one ring step is summed into the bucket and sent on in the next step at once, so
+// sending, receiving and adding overlap within a bucket. Pieces cover disjoint elements, so the
+// order in which they arrive changes no sum.
 #pragma once
 
 #include <chrono>
@@ -20,7 +25,7 @@
 #include <vector>
 
 #include "daemon/peer_mailbox.h"
-#include "trainstream/v1/peer.grpc.pb.h"
+#include "daemon/peer_sender.h"
 
 namespace trainstream::daemon {
 
@@ -46,8 +51,8 @@ class PeerAllReduce {
   // Fails what is queued with `reason` and forgets the (step, bucket) order: a step was abandoned
   // (a rank left), so the next submission starts a new order.
   void Reset(const std::string& reason);
-  // Reset, then refuse every later submission (the job is going away). Waits for a reduction in
-  // progress, at most the peer timeout.
+  // Reset, then refuse every later submission (the job is going away). A reduction in progress
+  // gives up within kPoll (daemon/peer_allreduce.cpp) and cancels its calls; Stop waits for that.
   void Stop(const std::string& reason);
 
  private:
@@ -59,16 +64,18 @@ class PeerAllReduce {
   void Run();
   void FailQueued(const std::string& reason);
   std::optional<std::string> Reduce(uint64_t step, uint32_t bucket, float* data, size_t n);
-  std::optional<std::string> Send(uint64_t step, uint32_t bucket, uint32_t phase, uint32_t round, const float* data,
-                                  size_t n);
-  std::optional<std::string> Receive(uint64_t step, uint32_t bucket, uint32_t phase, uint32_t round, float* data,
-                                     size_t n, bool add);
+  std::optional<std::string> Fail(std::string error);
+  void Post(uint64_t step, uint32_t bucket, uint32_t ring_step, uint32_t piece, const float* data, size_t n);
+  std::optional<std::string> Receive(uint64_t step, uint32_t bucket, uint32_t ring_step, uint32_t piece, float* data,
+                                     size_t n);
+  std::optional<PeerPayload> Await(const ChunkKey& key, std::string& error);
+  bool Stopping();
 
   const std::string job_;
   const std::vector<std::string> peers_;
   const uint32_t node_rank_, buckets_;
   const PeerConfig config_;
-  std::unique_ptr<v1::Peer::Stub> right_;
+  std::unique_ptr<PeerSender> right_;  // posted to by the reducing thread only
 
   std::mutex mutex_;
   std::condition_variable changed_;

@@ -2,7 +2,7 @@
 
 namespace trainstream::daemon {
 
-void PeerMailbox::Put(ChunkKey key, std::string data) {
+void PeerMailbox::Put(ChunkKey key, PeerPayload data) {
   {
     std::lock_guard lock(mutex_);
     chunks_.insert_or_assign(std::move(key), std::move(data));
@@ -10,7 +10,7 @@ void PeerMailbox::Put(ChunkKey key, std::string data) {
   arrived_.notify_all();
 }
 
-std::optional<std::string> PeerMailbox::Take(const ChunkKey& key, std::chrono::milliseconds timeout) {
+std::optional<PeerPayload> PeerMailbox::Take(const ChunkKey& key, std::chrono::milliseconds timeout) {
   std::unique_lock lock(mutex_);
   if (!arrived_.wait_for(lock, timeout, [&] { return chunks_.contains(key); })) return std::nullopt;
   auto node = chunks_.extract(key);

@@ -1,8 +1,16 @@
 #include "daemon/peer_service.h"
 
+#include <malloc.h>
 #include <spdlog/spdlog.h>
 
+#include "shm/error.h"
+
 namespace trainstream::daemon {
+
+void KeepPeerBuffersMapped() {
+  mallopt(M_MMAP_THRESHOLD, 4 << 20);
+  mallopt(M_TRIM_THRESHOLD, 64 << 20);
+}
 
 bool SecretsEqual(const std::string& a, const std::string& b) {
   if (a.size() != b.size()) return false;  // reveals the length only
@@ -11,17 +19,32 @@ bool SecretsEqual(const std::string& a, const std::string& b) {
   return diff == 0;
 }
 
-grpc::Status PeerService::Deliver(grpc::ServerContext* context, const v1::PeerChunk* chunk, v1::PeerAck*) {
-  const auto& metadata = context->client_metadata();
+grpc::ServerUnaryReactor* PeerService::Deliver(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                               grpc::ByteBuffer* response) {
+  const grpc::Slice empty;  // a serialized PeerAck
+  *response = grpc::ByteBuffer(&empty, 1);
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(Store(*context, *request));
+  return reactor;
+}
+
+grpc::Status PeerService::Store(grpc::CallbackServerContext& context, const grpc::ByteBuffer& request) {
+  const auto& metadata = context.client_metadata();
   const auto secret = metadata.find(kSecretHeader);
   if (secret == metadata.end() || !SecretsEqual(std::string(secret->second.data(), secret->second.size()), secret_)) {
-    spdlog::warn("peer call from {} refused: wrong or missing secret", context->peer());
+    spdlog::warn("peer call from {} refused: wrong or missing secret", context.peer());
     return {grpc::StatusCode::UNAUTHENTICATED, "wrong or missing peer secret"};
   }
-  if (chunk->data().size() % sizeof(float) != 0 || chunk->phase() > 1) {
-    return {grpc::StatusCode::INVALID_ARGUMENT, "malformed peer chunk"};
+  try {
+    v1::PeerChunk chunk;
+    PeerPayload data = DecodePiece(request, chunk);
+    TS_CHECK(PayloadBytes(data) % sizeof(float) == 0 && chunk.phase() <= 1, Code::kInvalidArgument,
+             "malformed peer chunk");
+    mailbox_.Put(ChunkKey{chunk.job(), chunk.step(), chunk.bucket(), chunk.phase(), chunk.round(), chunk.piece()},
+                 std::move(data));
+  } catch (const Error& e) {
+    return {static_cast<grpc::StatusCode>(e.code()), e.what()};
   }
-  mailbox_.Put(ChunkKey{chunk->job(), chunk->step(), chunk->bucket(), chunk->phase(), chunk->round()}, chunk->data());
   return grpc::Status::OK;
 }
 
