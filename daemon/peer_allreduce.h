@@ -7,7 +7,7 @@
 // every node, which keeps the nodes' rings from waiting on each other in a cycle. A peer that does
 // not deliver within the timeout, or refuses a piece, fails the bucket with a message naming it.
 //
-// Chunks travel in pieces of at most kPieceBytes, several in flight (daemon/peer_sender.h): a piece
+// Chunks travel in pieces of 64-512 KiB (daemon/peer_allreduce.cpp), several in flight (daemon/peer_sender.h): a piece
 // received in one ring step is summed into the bucket and sent on in the next step at once, so
 // sending, receiving and adding overlap within a bucket. Pieces cover disjoint elements, so the
 // order in which they arrive changes no sum.
@@ -51,8 +51,9 @@ class PeerAllReduce {
   // Fails what is queued with `reason` and forgets the (step, bucket) order: a step was abandoned
   // (a rank left), so the next submission starts a new order.
   void Reset(const std::string& reason);
-  // Reset, then refuse every later submission (the job is going away). A reduction in progress
-  // gives up within kPoll (daemon/peer_allreduce.cpp) and cancels its calls; Stop waits for that.
+  // Reset, then refuse every later submission (the job is going away). A reduction in progress,
+  // also one waiting for its last sends, gives up within kPoll (daemon/peer_allreduce.cpp) and
+  // cancels its calls; Stop waits for that.
   void Stop(const std::string& reason);
 
  private:

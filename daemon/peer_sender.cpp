@@ -136,6 +136,11 @@ void PeerSender::Cancel() {
   for (const auto& call : calls) call->context.TryCancel();  // outside the lock: Done may run inline
 }
 
+bool PeerSender::WaitIdle(std::chrono::milliseconds timeout) {
+  std::unique_lock lock(mutex_);
+  return idle_.wait_for(lock, timeout, [&] { return queued_.empty() && in_flight_.empty() && starting_ == 0; });
+}
+
 std::optional<std::string> PeerSender::Finish() {
   std::unique_lock lock(mutex_);
   idle_.wait(lock, [&] { return queued_.empty() && in_flight_.empty() && starting_ == 0; });

@@ -41,6 +41,8 @@ class PeerSender {
   void Cancel();
   // Waits until no call is queued or in flight; returns the first failure and forgets it.
   std::optional<std::string> Finish();
+  // Whether every posted call has completed, waiting at most `timeout` for it.
+  bool WaitIdle(std::chrono::milliseconds timeout);
 
  private:
   struct Piece {

@@ -53,7 +53,6 @@ StepEngine::StepEngine(std::string job_name, const shm::LayoutSpec& spec, const 
     buckets_[b].step = state_.bucket_state[b].applied_step.load() + 1;
     buckets_[b].delivered.assign(spec.world_size, 0);
   }
-  TouchState();
   thread_ = std::thread([this] { Loop(); });
 }
 
@@ -339,6 +338,10 @@ struct ParamAddress {
 };
 
 }  // namespace
+
+void StepEngine::PlaceState() {
+  std::call_once(placed_, [this] { TouchState(); });
+}
 
 void StepEngine::TouchState() {
   if (pool_.nodes() == 1) return;

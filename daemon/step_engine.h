@@ -53,6 +53,10 @@ class StepEngine {
   StepEngine& operator=(const StepEngine&) = delete;
 
   // Thread-safe. AddRank fails (kAlreadyExists) if the rank is attached.
+  // First touch, with several NUMA nodes: the state's pages are faulted in by the threads that will
+  // update them. Call before the first rank attaches (no client may have written the state yet);
+  // later calls return at once. Takes a while for a large job: never call it under a shared lock.
+  void PlaceState();
   void AddRank(std::shared_ptr<RankChannel> channel);
   void RemoveRank(uint32_t rank);
   [[nodiscard]] bool HasRank(uint32_t rank);
@@ -101,8 +105,6 @@ class StepEngine {
   void ResetCollecting(const std::string& reason);
   const shm::HParams* HParamsFor(uint64_t step);
   Sources SnapshotSources();
-  // First touch (several NUMA nodes only): the state's pages are faulted in by the threads that will
-  // update them. Runs once, before any client writes the new job's memory.
   void TouchState();
   template <typename Include>
   std::shared_ptr<std::vector<Piece>> PiecesOf(uint32_t bucket, Include include) const;
@@ -120,6 +122,7 @@ class StepEngine {
   WorkerPool& pool_;
   PeerAllReduce* const peers_;
 
+  std::once_flag placed_;
   std::mutex mutex_;                                 // guards ranks_
   std::vector<std::shared_ptr<RankChannel>> ranks_;  // by rank; nullptr when not attached
 

@@ -1,7 +1,7 @@
 """Data-parallel training of one node's ranks through one trainstreamd, started with torchrun:
 
     trainstreamd --socket /tmp/ts.sock &            # one daemon for the node
-    TRAINSTREAM_ADDRESS=/tmp/ts.sock torchrun --nproc-per-node=4 examples/torchrun_ddp.py
+    TRAINSTREAM_ADDRESS=/tmp/ts.sock torchrun --standalone --nproc-per-node=4 examples/torchrun_ddp.py
 
 Each rank trains on its shard of every batch; the daemon sums the ranks' gradients inside the update,
 keeps one copy of the optimizer state for the node, and sends the new weights to every rank. Do not

@@ -10,8 +10,9 @@ stream (ordered after the kernel that produced it), and its GPU memory returns t
 once that copy has run (record_stream). Backward: the tensor is copied back on the current stream
 right before the autograd node that needs it; the CPU never waits.
 
-Not paged: parameters (leaves that require grad: they stay on the GPU anyway), tensors on other
-devices, and small tensors, whose copies would cost more in latency than they free.
+Not paged: parameters and views of them (Linear saves `weight.t()`; they stay on the GPU anyway),
+tensors on other devices, and small tensors, whose copies would cost more in latency than they free.
+`paged_bytes` counts what this context has paged.
 """
 
 from __future__ import annotations
@@ -22,8 +23,13 @@ import torch
 class activation_paging(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (used as a context manager)
     def __init__(self, min_bytes: int = 1 << 20):
         self.min_bytes = min_bytes
+        self.paged_bytes = 0
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         super().__init__(self._pack, self._unpack)
+
+    def __enter__(self) -> "activation_paging":
+        super().__enter__()
+        return self
 
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self._streams:
@@ -31,8 +37,8 @@ class activation_paging(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801
         return self._streams[device]
 
     def _pack(self, tensor: torch.Tensor):
-        if (not tensor.is_cuda or tensor.numel() * tensor.element_size() < self.min_bytes
-                or (tensor.is_leaf and tensor.requires_grad)):
+        nbytes = tensor.numel() * tensor.element_size()
+        if not tensor.is_cuda or nbytes < self.min_bytes or is_parameter(tensor):
             return tensor
         stream = self._side_stream(tensor.device)
         stream.wait_stream(torch.cuda.current_stream(tensor.device))  # the tensor has been computed
@@ -42,6 +48,7 @@ class activation_paging(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801
             copied = torch.cuda.Event()
             copied.record(stream)
         tensor.record_stream(stream)  # its memory is reused only after the copy has read it
+        self.paged_bytes += nbytes
         return _Paged(host, tensor.device, copied)
 
     @staticmethod
@@ -52,6 +59,12 @@ class activation_paging(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801
         current.wait_event(packed.copied)
         with torch.cuda.stream(current):
             return packed.host.to(packed.device, non_blocking=True)
+
+
+def is_parameter(tensor: torch.Tensor) -> bool:
+    """A parameter or a view of one: a leaf that requires grad, at the bottom of the view chain."""
+    base = tensor if tensor._base is None else tensor._base
+    return base.is_leaf and base.requires_grad
 
 
 class _Paged:

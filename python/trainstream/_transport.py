@@ -2,8 +2,8 @@
 
 HostTransport  — parameters on the CPU: plain copies between the parameters and the segments.
 CudaCopyTransport — parameters on a CUDA device, copied by this process: the rank's gradient region
-    and the job's upload region are pinned (cudaHostRegister) and the copies run on the current CUDA
-    stream, so they are ordered with the forward and backward kernels without any CPU wait. A
+    and the job's upload region are pinned (cudaHostRegister) and the copies run on a side CUDA
+    stream, ordered against the compute stream by events, without any CPU wait. A
     bucket's GRAD_READY is sent by a sender thread once an event recorded after its copies has
     completed. The daemon needs no CUDA context for this transport (DESIGN.md "Fallback").
 

@@ -34,6 +34,10 @@ def _local_ranks(rank: int | None, world_size: int | None, job: str | None) -> t
     local_rank, local_world = int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"])
     spans_nodes = int(env.get("WORLD_SIZE", local_world)) > local_world
     if job is None and (local_world > 1 or spans_nodes) and "TORCHELASTIC_RUN_ID" in env:
+        if env["TORCHELASTIC_RUN_ID"] == "none":  # torchrun's default without --rdzv-id or --standalone
+            raise TrainstreamError("torchrun's run id is 'none' (no --rdzv-id): every such run would be the job "
+                                   "'torchrun-none' and resume the last one's state; pass job= to trainstream.wrap, "
+                                   "or start torchrun with --rdzv-id=<unique id> or --standalone")
         job = f"torchrun-{env['TORCHELASTIC_RUN_ID']}"
     return local_rank, local_world, job
 

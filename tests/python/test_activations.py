@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import trainstream
+from trainstream import _activations
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -38,6 +39,14 @@ def grads(model, x, paging: bool):
         loss = model(x)
     loss.backward()
     return [p.grad.clone() for p in model.parameters()]
+
+
+def test_parameters_and_their_views_are_recognized():
+    layer = torch.nn.Linear(8, 8)
+    assert _activations.is_parameter(layer.weight) and _activations.is_parameter(layer.weight.t())
+    x = torch.randn(4, 8)
+    assert not _activations.is_parameter(x) and not _activations.is_parameter(layer(x))
+    assert not _activations.is_parameter(layer.weight.detach() * 2)
 
 
 def test_cpu_tensors_pass_through():
@@ -72,6 +81,15 @@ def test_gradients_unchanged_and_memory_freed():
     saved = 2 * 8192 * 4096 * 4  # the up projection's output (GELU's input) and the GELU's output
     assert peaks[False] >= saved
     assert peaks[True] < peaks[False] - saved // 2, peaks
+
+
+@cuda
+@pytest.mark.cuda
+def test_weights_are_not_paged():
+    layer = torch.nn.Linear(2048, 2048, bias=False).cuda()  # a 16 MiB weight, saved as weight.t()
+    with trainstream.activation_paging() as paging:
+        layer(torch.randn(16, 2048, device="cuda")).sum().backward()  # a 128 KiB input: too small
+    assert paging.paged_bytes == 0
 
 
 @cuda

@@ -10,6 +10,8 @@ import sys
 import pytest
 import torch
 
+import trainstream
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from rank_process import batch, make_model  # noqa: E402
 
@@ -75,3 +77,13 @@ def test_ranks_from_torchrun_environment(daemon, tmp_path):
     assert "done" in logs[0]
     job = next(j for j in daemon.client().stats()["jobs"] if j["name"] == "torchrun-test-run")
     assert job["world_size"] == 2 and job["completed_step"] == 100
+
+
+def test_torchruns_default_run_id_is_refused(client, monkeypatch):
+    """torchrun without --rdzv-id names every run 'none': a new run would resume the last one's job."""
+    for name, value in dict(LOCAL_RANK="0", LOCAL_WORLD_SIZE="2", WORLD_SIZE="2", TORCHELASTIC_RUN_ID="none").items():
+        monkeypatch.setenv(name, value)
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(trainstream.TrainstreamError, match="run id is 'none'.*--rdzv-id"):
+        trainstream.wrap(model, torch.optim.AdamW(model.parameters()), client=client)
+    assert client.stats()["jobs"] == []

@@ -198,7 +198,8 @@ TEST(WorkerPool, ZeroThreadsMeansOne) {
 
 }  // namespace
 // With a home per piece, every thread starts with its own node's pieces. Each thread's first piece
-// waits until both threads have one, so neither can take the other node's pieces first.
+// waits until both threads have one, so neither can take the other node's pieces first. The first
+// four pieces are node 0's: a pool that ignored homes would start both threads there.
 TEST(WorkerPoolNumaTest, EachThreadStartsWithItsOwnNodesPieces) {
   WorkerPool pool(2, /*pin_threads=*/false, /*thread_nodes=*/{0, 1});
   ASSERT_EQ(pool.nodes(), 2u);
@@ -214,11 +215,11 @@ TEST(WorkerPoolNumaTest, EachThreadStartsWithItsOwnNodesPieces) {
           std::lock_guard lock(mutex);
           auto& homes = ran[std::this_thread::get_id()];
           first = homes.empty();
-          homes.push_back(i % 2);
+          homes.push_back(i < 4 ? 0 : 1);
         }
         if (first) both_started.arrive_and_wait();
       },
-      done.Callback(), /*priority=*/0, [](size_t i) { return static_cast<uint32_t>(i % 2); });
+      done.Callback(), /*priority=*/0, [](size_t i) { return i < 4 ? 0u : 1u; });
   ASSERT_TRUE(done.WaitFor(1));
   ASSERT_EQ(ran.size(), 2u);
   std::set<size_t> first_homes;
