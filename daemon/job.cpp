@@ -58,7 +58,7 @@ std::string Job::RankSegmentName(uint32_t rank) const {
 Job::Attachment Job::Attach(uint32_t rank, std::shared_ptr<SessionSink> session, const std::string& transport) {
   TS_CHECK(rank < spec_.world_size, Code::kInvalidArgument, "rank {} out of range for job '{}' (world size {})", rank,
            name_, spec_.world_size);
-  engine_->PlaceState();  // here, not in the constructor: the registry's lock is not held now
+  engine_->PlaceState();         // here, not in the constructor: the registry's lock is not held now
   std::lock_guard lock(mutex_);  // one attach/detach at a time: they share the rank's segment name
   TS_CHECK(!engine_->HasRank(rank), Code::kAlreadyExists, "rank {} of job '{}' is already attached by another client",
            rank, name_);

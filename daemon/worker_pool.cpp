@@ -99,8 +99,7 @@ WorkerPool::~WorkerPool() {
   for (auto& thread : threads_) thread.join();
 }
 
-void WorkerPool::Submit(size_t pieces, Piece piece, std::function<void()> on_done, int64_t priority,
-                        const Home& home) {
+void WorkerPool::Submit(size_t pieces, Piece piece, std::function<void()> on_done, int64_t priority, const Home& home) {
   if (pieces == 0) {
     on_done();
     return;

@@ -41,8 +41,7 @@ class WorkerPool {
 
   // Runs piece(0..pieces-1) on the pool, then on_done(). Never blocks. `home` (optional, used only
   // with several nodes) names each piece's node.
-  void Submit(size_t pieces, Piece piece, std::function<void()> on_done, int64_t priority = 0,
-              const Home& home = {});
+  void Submit(size_t pieces, Piece piece, std::function<void()> on_done, int64_t priority = 0, const Home& home = {});
   [[nodiscard]] size_t threads() const { return threads_.size(); }
   [[nodiscard]] uint32_t nodes() const { return nodes_; }
 
