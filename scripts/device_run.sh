@@ -85,7 +85,8 @@ for what in "$@"; do
       ;;
     torchrun-gpt)
       stage torchrun-gpt
-      python3 benchmarks/ranks/torchrun_gpt.py --measures "${MEASURES:-check,bench}" --json "$OUT/torchrun_gpt_${MEASURES:-all}.json" 2>&1 | tail -6
+      python3 benchmarks/ranks/torchrun_gpt.py --measures "${MEASURES:-check,bench}" ${RANKS:+--ranks $RANKS} \
+        --json "$OUT/torchrun_gpt_${MEASURES:-all}${RANKS:+_$RANKS}.json" 2>&1 | tail -6
       ;;
     ranks)
       stage ranks

@@ -1,4 +1,5 @@
-"""Data-parallel GPT training with torchrun, one rank per GPU, all ranks served by one trainstreamd.
+"""Data-parallel GPT training with torchrun, one rank per GPU (or several ranks sharing GPUs, for the
+check), all ranks served by one trainstreamd.
 
 Two measurements, each a torchrun launch of this file:
   check — fp32 (no autocast, no TF32, deterministic kernels), every rank training on its shard of
@@ -11,7 +12,8 @@ Two measurements, each a torchrun launch of this file:
                        own optimizer in-process (fp32 master weights, pinned gradients and fused
                        torch.optim.AdamW on the CPU, its share of the cores), N copies of the state.
 
-    python3 benchmarks/ranks/torchrun_gpt.py --gpus 2 --config 1.86b --json out.json
+    python3 benchmarks/ranks/torchrun_gpt.py --ranks 2 --config 1.86b --json out.json
+    python3 benchmarks/ranks/torchrun_gpt.py --ranks 4 --measures check   # 4 ranks sharing one GPU
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ GIB = 1 << 30
 def global_batch(step: int, args) -> tuple[torch.Tensor, torch.Tensor]:
     """The same global batch on every rank (and in the reference)."""
     g = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(0, 50304, (args.batch * args.gpus, args.seq + 1), generator=g)
+    tokens = torch.randint(0, 50304, (args.batch * args.ranks, args.seq + 1), generator=g)
     return tokens[:, :-1], tokens[:, 1:]
 
 
@@ -97,7 +99,7 @@ def deterministic() -> None:
 
 def worker(args) -> None:
     rank, world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
-    device = torch.device("cuda", rank)
+    device = torch.device("cuda", rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
     check = args.measure == "check"
     if check:
@@ -155,10 +157,10 @@ def reference(args, per_shard: bool) -> list[torch.Tensor]:
         if not per_shard:
             model(tokens, targets).backward()
         else:
-            for rank in range(args.gpus):
-                model(shard(tokens, rank, args.gpus), shard(targets, rank, args.gpus)).backward()
+            for rank in range(args.ranks):
+                model(shard(tokens, rank, args.ranks), shard(targets, rank, args.ranks)).backward()
             for p in model.parameters():
-                p.grad.mul_(1.0 / args.gpus)
+                p.grad.mul_(1.0 / args.ranks)
         opt.step()
         opt.zero_grad(set_to_none=True)
     return [p.detach().cpu() for p in model.parameters()]
@@ -169,18 +171,18 @@ def max_abs_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 
 def launch(args, measure: str, mode: str, extra_env: dict) -> list[dict]:
-    argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.gpus}", "--standalone",
+    argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.ranks}", "--standalone",
             os.path.abspath(__file__), "--worker", "--measure", measure, "--mode", mode, *forwarded(args)]
     proc = subprocess.run(argv, env=dict(os.environ, **extra_env), capture_output=True, text=True, timeout=1800)
     reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or len(reports) != args.gpus:
+    if proc.returncode != 0 or len(reports) != args.ranks:
         sys.stderr.write(proc.stderr[-4000:])
         raise SystemExit(f"torchrun {measure}/{mode} failed (exit {proc.returncode})")
     return sorted(reports, key=lambda r: r["rank"])
 
 
 def forwarded(args) -> list[str]:
-    return ["--gpus", str(args.gpus), "--config", args.config, "--batch", str(args.batch), "--seq", str(args.seq),
+    return ["--ranks", str(args.ranks), "--config", args.config, "--batch", str(args.batch), "--seq", str(args.seq),
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--lr", str(args.lr), "--save", args.save]
 
 
@@ -196,7 +198,8 @@ def summarize(mode: str, reports: list[dict]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gpus", type=int, default=torch.cuda.device_count())
+    parser.add_argument("--ranks", type=int, default=torch.cuda.device_count(),
+                        help="processes; rank r runs on GPU r mod the GPU count (check only: NCCL needs one per GPU)")
     parser.add_argument("--config", default="1.86b", help="GPT of the bench measurement")
     parser.add_argument("--check-config", default="124m", help="GPT of the check measurement")
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank")
@@ -216,8 +219,8 @@ def main() -> None:
         return worker(args)
 
     from trainstream._connect import PrivateDaemon
-    out = {"gpus": args.gpus, "gpu": torch.cuda.get_device_name(0), "cpus": os.cpu_count(), "seq": args.seq,
-           "batch_per_rank": args.batch}
+    out = {"ranks": args.ranks, "gpus": torch.cuda.device_count(), "gpu": torch.cuda.get_device_name(0),
+           "cpus": os.cpu_count(), "seq": args.seq, "batch_per_rank": args.batch}
     with tempfile.TemporaryDirectory() as tmp:
         args.save = os.path.join(tmp, "rank0.pt")
         if "check" in args.measures:
