@@ -21,5 +21,6 @@ fi
 PYTHON=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 "$PYTHON" -c "import torch" 2>/dev/null || "$PYTHON" -m pip install -q "$TORCH_SPEC"
-"$PYTHON" -m pip install -q "pybind11>=2.12" "scikit-build-core>=0.10" pytest ninja numpy "ruff>=0.5"
+"$PYTHON" -m pip install -q "pybind11>=2.12" "scikit-build-core>=0.10" pytest ninja numpy "ruff>=0.5" \
+  "transformers>=5" accelerate  # tests/python/test_hf_trainer.py
 echo "setup: done"
