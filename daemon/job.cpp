@@ -19,19 +19,27 @@ std::string RandomKey() {
 }  // namespace
 
 Job::Job(std::string name, uint32_t uid, shm::LayoutSpec spec, uint64_t seed, WorkerPool& pool,
-         const PeerConfig& peer_config)
+         const PeerConfig& peer_config, const OrphanedJob* adopted)
     : name_(std::move(name)),
       uid_(uid),
       spec_(std::move(spec)),
       layout_(shm::ComputeLayout(spec_)),
-      key_(RandomKey()),
+      key_(adopted != nullptr ? adopted->key : RandomKey()),
       idle_since_(std::chrono::steady_clock::now()) {
   TS_CHECK(geteuid() == 0 || geteuid() == uid_, Code::kPermissionDenied,
            "trainstreamd runs as uid {}; a job of uid {} needs a daemon running as root or as that uid", geteuid(),
            uid_);
-  state_ = shm::Segment::Create(shm::SegmentName(uid_, key_, "state"), layout_.state_bytes, uid_);
+  if (adopted != nullptr) {
+    state_ = shm::Segment::Open(adopted->state_segment);
+    shm::CheckStateSegment(state_.data(), state_.size(), layout_);
+  } else {
+    state_ = shm::Segment::Create(shm::SegmentName(uid_, key_, "state"), layout_.state_bytes, uid_);
+    shm::InitStateSegment(state_.data(), layout_);
+    auto* header = static_cast<shm::StateHeader*>(state_.data());
+    header->owner = SelfAsOwner();
+    name_.copy(header->job_name, shm::kMaxJobName);
+  }
   state_.RemoveOnDestroy();
-  shm::InitStateSegment(state_.data(), layout_);
   if (spec_.nodes() > 1) {
     TS_CHECK(peer_config.mailbox != nullptr, Code::kFailedPrecondition,
              "job '{}' spans {} nodes, but this trainstreamd was started without --peer-listen", name_, spec_.nodes());
@@ -40,8 +48,13 @@ Job::Job(std::string name, uint32_t uid, shm::LayoutSpec spec, uint64_t seed, Wo
   }
   engine_ = std::make_unique<StepEngine>(name_, spec_, layout_, shm::ViewState(state_.data(), layout_, spec_), seed,
                                          pool, peers_.get());
-  spdlog::info("job '{}' created: {} parameters in {} buckets, {} state bytes, key {}", name_, spec_.params.size(),
-               layout_.buckets.size(), layout_.state_bytes, key_);
+  spdlog::info("job '{}' {}: {} parameters in {} buckets, {} state bytes, key {}", name_,
+               adopted != nullptr ? fmt::format("re-adopted at step {}", adopted->completed_step) : "created",
+               spec_.params.size(), layout_.buckets.size(), layout_.state_bytes, key_);
+}
+
+void Job::StampSocket(uint64_t socket_hash) {
+  static_cast<shm::StateHeader*>(state_.data())->daemon_socket = socket_hash;
 }
 
 Job::~Job() {

@@ -13,6 +13,7 @@
 #include <optional>
 #include <string>
 
+#include "daemon/orphaned_jobs.h"
 #include "daemon/peer_allreduce.h"
 #include "daemon/session_sink.h"
 #include "daemon/step_engine.h"
@@ -33,8 +34,12 @@ struct JobInfo {
 
 class Job {
  public:
+  // Creates the job's state, or with `adopted`, takes over the state an earlier daemon left (its
+  // layout must be `spec`'s).
   Job(std::string name, uint32_t uid, shm::LayoutSpec spec, uint64_t seed, WorkerPool& pool,
-      const PeerConfig& peer_config = {});
+      const PeerConfig& peer_config = {}, const OrphanedJob* adopted = nullptr);
+  // Names this daemon's socket in the state, so that a daemon restarted on it can re-adopt the job.
+  void StampSocket(uint64_t socket_hash);
   ~Job();  // stops the engine, then unlinks every segment of the job
   Job(const Job&) = delete;
   Job& operator=(const Job&) = delete;

@@ -33,7 +33,8 @@ std::string DescribeMismatch(const shm::LayoutSpec& have, const shm::LayoutSpec&
 
 JobRegistry::Found JobRegistry::FindOrCreate(const std::string& name, uint32_t uid, const shm::LayoutSpec& spec,
                                              uint64_t seed) {
-  TS_CHECK(!name.empty() && name.size() <= 256, Code::kInvalidArgument, "job name must have 1 to 256 characters");
+  TS_CHECK(!name.empty() && name.size() <= shm::kMaxJobName, Code::kInvalidArgument,
+           "job name must have 1 to {} characters", shm::kMaxJobName);
   const shm::JobLayout layout = shm::ComputeLayout(spec);  // validates the spec
   std::lock_guard lock(mutex_);
   if (auto it = jobs_.find(name); it != jobs_.end()) {
@@ -53,15 +54,55 @@ JobRegistry::Found JobRegistry::FindOrCreate(const std::string& name, uint32_t u
              "host memory quota exceeded: job '{}' needs {} bytes, {} of max_host_bytes={} in use", name, needed, used,
              config_.max_host_bytes);
   }
+  auto orphan = orphans_.find(name);
+  if (orphan != orphans_.end()) {
+    TS_CHECK(orphan->second.uid == uid, Code::kPermissionDenied, "job '{}' belongs to uid {}", name,
+             orphan->second.uid);
+    TS_CHECK(orphan->second.layout_hash == layout.hash, Code::kInvalidArgument,
+             "job '{}' was left by a trainstreamd that died, with another layout: drop it (drop_job) to start a new "
+             "job of that name, or attach with its layout to resume it",
+             name);
+    auto job = std::make_shared<Job>(name, uid, spec, seed, pool_, peer_config_, &orphan->second);
+    orphans_.erase(orphan);
+    jobs_.emplace(name, job);
+    return {job, false};
+  }
   auto job = std::make_shared<Job>(name, uid, spec, seed, pool_, peer_config_);
+  job->StampSocket(SocketHash(config_.socket));
   jobs_.emplace(name, job);
   return {job, true};
+}
+
+size_t JobRegistry::ClaimOrphans() {
+  std::lock_guard lock(mutex_);
+  for (OrphanedJob& orphan : ClaimOrphanedJobs(SocketHash(config_.socket))) {
+    if (jobs_.contains(orphan.name) || orphans_.contains(orphan.name)) {
+      spdlog::warn("removing job '{}' (uid {}, step {}) left by a dead trainstreamd: another job has its name",
+                   orphan.name, orphan.uid, orphan.completed_step);
+      RemoveJobSegments(orphan.uid, orphan.key);
+      continue;
+    }
+    spdlog::info(
+        "job '{}' (uid {}, step {}) was left by a dead trainstreamd: kept for a rank that attaches with its "
+        "name and layout, for up to {} s",
+        orphan.name, orphan.uid, orphan.completed_step, config_.job_ttl_seconds);
+    orphans_.emplace(orphan.name, std::move(orphan));
+  }
+  orphans_claimed_ = std::chrono::steady_clock::now();
+  return orphans_.size();
 }
 
 void JobRegistry::Drop(const std::string& name, uint32_t uid, bool force) {
   std::shared_ptr<Job> job;
   {
     std::lock_guard lock(mutex_);
+    if (auto orphan = orphans_.find(name); orphan != orphans_.end()) {
+      TS_CHECK(orphan->second.uid == uid, Code::kPermissionDenied, "job '{}' belongs to uid {}", name,
+               orphan->second.uid);
+      RemoveJobSegments(orphan->second.uid, orphan->second.key);
+      orphans_.erase(orphan);
+      return;
+    }
     auto it = jobs_.find(name);
     TS_CHECK(it != jobs_.end(), Code::kNotFound, "no job named '{}'", name);
     TS_CHECK(it->second->uid() == uid, Code::kPermissionDenied, "job '{}' belongs to uid {}", name, it->second->uid());
@@ -97,6 +138,14 @@ size_t JobRegistry::ExpireIdle() {
       } else {
         ++it;
       }
+    }
+    if (!orphans_.empty() && now - orphans_claimed_ >= ttl) {
+      for (const auto& [name, orphan] : orphans_) {
+        spdlog::info("job '{}' left by a dead trainstreamd was not re-adopted within {} s: dropping it", name,
+                     config_.job_ttl_seconds);
+        RemoveJobSegments(orphan.uid, orphan.key);
+      }
+      orphans_.clear();
     }
   }
   return expired.size();  // destroyed here, outside the lock

@@ -1,6 +1,9 @@
-// All jobs of the daemon, by name: create-or-attach, quotas, idle expiry, shutdown.
+// All jobs of the daemon, by name: create-or-attach, quotas, idle expiry, shutdown, and the jobs a
+// dead daemon left behind (orphans: re-adopted by the first attach with their name and layout,
+// dropped like idle jobs after the TTL).
 #pragma once
 
+#include <chrono>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -22,8 +25,9 @@ class JobRegistry {
     std::shared_ptr<Job> job;
     bool created = false;
   };
-  // The job called `name`, created from `spec` if it does not exist. An existing job must have been
-  // created by the same uid and with an identical layout (kInvalidArgument naming the difference).
+  // The job called `name`, created from `spec` if it does not exist (or re-adopted, if an orphan has
+  // the name). An existing job must have been created by the same uid and with an identical layout
+  // (kInvalidArgument naming the difference).
   Found FindOrCreate(const std::string& name, uint32_t uid, const shm::LayoutSpec& spec, uint64_t seed);
   // Removes the job; kFailedPrecondition if ranks are attached and not `force` (their sessions fail).
   void Drop(const std::string& name, uint32_t uid, bool force);
@@ -32,6 +36,8 @@ class JobRegistry {
   size_t ExpireIdle();
   // Fails every session and drops every job.
   void Shutdown(const std::string& reason);
+  // Claims the jobs of daemons that died (daemon/orphaned_jobs.h). Returns how many.
+  size_t ClaimOrphans();
 
  private:
   const Config& config_;
@@ -39,6 +45,8 @@ class JobRegistry {
   const PeerConfig peer_config_;
   std::mutex mutex_;
   std::map<std::string, std::shared_ptr<Job>> jobs_;
+  std::map<std::string, OrphanedJob> orphans_;
+  std::chrono::steady_clock::time_point orphans_claimed_;
 };
 
 }  // namespace trainstream::daemon

@@ -119,6 +119,7 @@ int Serve(const Config& config) {
         PeerConfig{&mailbox, ReadSecret(config.peer_secret_file), std::chrono::seconds(config.peer_timeout_seconds)};
   }
   JobRegistry registry(config, pool, peer_config);
+  if (config.parent_pid == 0) registry.ClaimOrphans();  // a private daemon's socket is new every time
   ControlService service(registry, pool, peer_address);
 
   grpc::EnableDefaultHealthCheckService(true);

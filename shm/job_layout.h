@@ -27,7 +27,8 @@
 
 namespace trainstream::shm {
 
-constexpr uint32_t kSegmentVersion = 2;
+constexpr uint32_t kSegmentVersion = 3;
+constexpr size_t kMaxJobName = 256;
 constexpr uint32_t kRingCapacity = 1024;
 constexpr size_t kAlign = 64;
 
@@ -103,7 +104,12 @@ struct alignas(64) StateHeader {
   uint32_t initialized = 0;  // master weights hold real values
   uint64_t layout_hash = 0;
   std::atomic<uint64_t> completed_step{0};
-  Doorbell doorbell;  // rung by every rank's request ring and by the daemon's workers
+  // The daemon that owns the job's memory (daemon/orphaned_jobs.h: its pid and start time in one
+  // word), so that a daemon started after it died can tell its jobs from a live daemon's.
+  std::atomic<uint64_t> owner{0};
+  uint64_t daemon_socket = 0;           // hash of the owner's socket path: only its successor adopts
+  char job_name[kMaxJobName + 1] = {};  // for re-adoption by name
+  Doorbell doorbell;                    // rung by every rank's request ring and by the daemon's workers
 };
 
 struct alignas(64) RankHeader {

@@ -20,10 +20,11 @@ from trainstream._connect import daemon_binary, wait_until_serving
 class Daemon:
     """A trainstreamd on its own socket, stopped (SIGTERM, then SIGKILL) at teardown."""
 
-    def __init__(self, *extra: str, threads: int = 2, prefix: tuple[str, ...] = ()):
-        """`prefix` wraps the command, e.g. ("ip", "netns", "exec", NAME) to run it in a namespace."""
+    def __init__(self, *extra: str, threads: int = 2, prefix: tuple[str, ...] = (), socket: str | None = None):
+        """`prefix` wraps the command, e.g. ("ip", "netns", "exec", NAME) to run it in a namespace;
+        `socket` defaults to a new one (a daemon restarted on an old one is its successor)."""
         self.dir = tempfile.mkdtemp(prefix="ts-test-")
-        self.socket = os.path.join(self.dir, "d.sock")
+        self.socket = socket or os.path.join(self.dir, "d.sock")
         self.log = open(os.path.join(self.dir, "log"), "w+b")
         self.process = subprocess.Popen([*prefix, daemon_binary(), "--socket", self.socket, "--threads", str(threads),
                                          "--log-level", "debug", *extra], stdout=self.log, stderr=subprocess.STDOUT)
