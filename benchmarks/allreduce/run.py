@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Peer all-reduce benchmark: trainstream's ring all-reduce between daemons' peer planes against
-torch.distributed's gloo all_reduce, on loopback, same node count and sizes, in one run. Prints bus
-bandwidth (2(M-1)/M x bytes / time) and the ratio; writes benchmarks/results/allreduce_<tag>.json.
+torch.distributed's gloo all_reduce, on loopback, same node count and sizes, in one run. Both run one
+process per node (rank), as trainstreamd daemons do (--in-process: all our nodes in one process).
+Prints bus bandwidth (2(M-1)/M x bytes / time) and the ratio; writes
+benchmarks/results/allreduce_<tag>.json.
 
     python3 benchmarks/allreduce/run.py --bench build/benchmarks/allreduce/ts_bench_allreduce --nodes 2
 """
@@ -37,6 +39,47 @@ def gloo_worker(rank, nodes, floats, reps, port, out):
     dist.destroy_process_group()
 
 
+def run_nodes(args, floats, tmp):
+    """Runs ts_bench_allreduce, one process per node; returns node 0's JSON. Kills every node when one
+    fails or the run takes longer than --timeout, and exits with the nodes' stderr."""
+    out = os.path.join(tmp, "ours.json")
+    common = ["--nodes", str(args.nodes), "--floats", str(floats), "--reps", str(args.reps), "--json", out]
+    if args.in_process:
+        commands = [[args.bench] + common]
+    else:
+        ports = tempfile.mkdtemp(prefix="ports-", dir=tmp)
+        commands = [[args.bench, "--node", str(n), "--ports-dir", ports, "--wait-s", str(args.timeout)] + common
+                    for n in range(args.nodes)]
+    logs = [open(os.path.join(tmp, f"node-{n}.stderr"), "w+") for n in range(len(commands))]
+    procs = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=log) for c, log in zip(commands, logs)]
+    deadline, failed = time.monotonic() + args.timeout, None
+    while failed is None:
+        status = [p.poll() for p in procs]  # every one, each time
+        if any(status):
+            failed = "a node failed"
+        elif None not in status:
+            break
+        elif time.monotonic() > deadline:
+            failed = f"still running after {args.timeout} s"
+        else:
+            time.sleep(0.02)
+    if failed:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for p in procs:
+            p.wait()
+        report = []
+        for n, (p, log) in enumerate(zip(procs, logs)):
+            log.seek(0)
+            report.append(f"--- node {n}: exit status {p.returncode}\n{log.read().strip()}")
+        sys.exit(f"ts_bench_allreduce, {args.nodes} nodes, {floats} floats: {failed}\n" + "\n".join(report))
+    for log in logs:
+        log.close()
+    with open(out) as f:
+        return json.load(f)
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -50,6 +93,8 @@ def main():
     parser.add_argument("--sizes", default="262144,4194304,33554432", help="floats per all-reduce")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--tag", default=socket.gethostname())
+    parser.add_argument("--in-process", action="store_true", help="all our nodes in one process (the old benchmark)")
+    parser.add_argument("--timeout", type=int, default=300, help="seconds per size before the nodes are killed")
     parser.add_argument("--gloo-worker", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.gloo_worker:
@@ -59,10 +104,7 @@ def main():
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for floats in (int(s) for s in args.sizes.split(",")):
-            ours_json = os.path.join(tmp, "ours.json")
-            subprocess.run([args.bench, "--nodes", str(args.nodes), "--floats", str(floats), "--reps", str(args.reps),
-                            "--json", ours_json], check=True, stdout=subprocess.DEVNULL)
-            ours = json.load(open(ours_json))["seconds"]
+            ours = run_nodes(args, floats, tmp)["seconds"]
             gloo_json, port = os.path.join(tmp, "gloo.json"), free_port()
             procs = [subprocess.Popen([sys.executable, __file__, "--reps", str(args.reps), "--gloo-worker", str(r),
                                        str(args.nodes), str(floats), str(port), gloo_json]) for r in range(args.nodes)]
