@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "daemon/peer_wire.h"
+#include "shm/error.h"
 
 namespace trainstream::daemon {
 
@@ -46,6 +47,9 @@ struct Split {
 PeerAllReduce::PeerAllReduce(std::string job, std::vector<std::string> peers, uint32_t node_rank, uint32_t buckets,
                              const PeerConfig& config)
     : job_(std::move(job)), peers_(std::move(peers)), node_rank_(node_rank), buckets_(buckets), config_(config) {
+  TS_CHECK(peers_.size() >= 2 && node_rank_ < peers_.size(), Code::kInvalidArgument,
+           "a ring needs at least 2 nodes and this node among them ({} peers, node rank {})", peers_.size(),
+           node_rank_);
   grpc::ChannelArguments args;
   args.SetMaxSendMessageSize(-1);
   args.SetMaxReceiveMessageSize(-1);
