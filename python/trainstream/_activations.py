@@ -55,10 +55,8 @@ class activation_paging(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801
     def _unpack(packed):
         if not isinstance(packed, _Paged):
             return packed
-        current = torch.cuda.current_stream(packed.device)
-        current.wait_event(packed.copied)
-        with torch.cuda.stream(current):
-            return packed.host.to(packed.device, non_blocking=True)
+        torch.cuda.current_stream(packed.device).wait_event(packed.copied)
+        return packed.host.to(packed.device, non_blocking=True)  # on the current stream, ordered with backward
 
 
 def is_parameter(tensor: torch.Tensor) -> bool:

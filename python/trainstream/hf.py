@@ -36,7 +36,8 @@ class TrainstreamTrainer(transformers.Trainer):
         super().__init__(*args, **kwargs)
 
     def create_optimizer(self, model=None):
-        if not isinstance(self.optimizer, OffloadedOptimizer):
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate wraps it during train()
+        if not isinstance(inner, OffloadedOptimizer):
             optimizer = super().create_optimizer(model)
             _, self.optimizer = trainstream.wrap(
                 self.model if model is None else model, optimizer,

@@ -62,3 +62,15 @@ def test_options_owned_by_the_training_arguments_are_refused(tmp_path):
     args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
     with pytest.raises(trainstream.TrainstreamError, match="come from TrainingArguments"):
         TrainstreamTrainer(model=tiny_gpt2(), args=args, trainstream_options={"max_grad_norm": 1.0})
+
+
+def test_train_twice_on_one_trainer(client, tmp_path):
+    """After the first train(), accelerate has wrapped the offloaded optimizer; the second reuses it."""
+    model = tiny_gpt2()
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4,
+                                          report_to=[], use_cpu=True, disable_tqdm=True, save_strategy="no")
+    trainer = TrainstreamTrainer(model=model, args=args, train_dataset=dataset(),
+                                 trainstream_options={"client": client})
+    trainer.train()
+    trainer.train()
+    trainstream.unwrap(model)
