@@ -457,12 +457,7 @@ void StepEngine::OnNormed(uint32_t b, double sum_of_squares, bool nonfinite) {
   // (the highest bucket holds the first parameters, which the next forward needs first).
   const double total_norm = std::sqrt(gate.sum_of_squares);
   const double coefficient = std::min(1.0, spec_.max_grad_norm / (total_norm + 1e-6));
-  if (gate.nonfinite) {
-    nonfinite_steps_++;
-    for (const auto& channel : ranks_) {
-      if (channel) channel->session->Warn(fmt::format("step {}: gradients contain inf or NaN", progress.step));
-    }
-  }
+  if (gate.nonfinite) ReportNonFinite(progress.step, "gradients contain inf or NaN");
   for (uint32_t bucket = static_cast<uint32_t>(buckets_.size()); bucket-- > 0;) {
     StartUpdate(bucket, static_cast<float>(coefficient));
   }
@@ -484,9 +479,10 @@ void StepEngine::StartUpdate(uint32_t b, float clip_coefficient) {
   const DType dtype = layout_.buckets[b].dtype;
   const float scale = clip_coefficient / static_cast<float>(spec_.world_size * spec_.nodes());
   const uint64_t sr_seed = seed_ ^ (step * 0xD1B54A32D192ED03ull);
+  auto nonfinite = std::make_shared<std::atomic<bool>>(false);
   Schedule(
       b, static_cast<int64_t>(b), [this](uint32_t p) { return had_grad_[p] != 0; },
-      [at, dtype, scale, sr_seed, scalars, sources = GradientSlots()](size_t, const Piece& piece) {
+      [at, dtype, scale, sr_seed, scalars, nonfinite, sources = GradientSlots()](size_t, const Piece& piece) {
         const SlotList slots = at.Slots(piece, sources);
         const uint64_t element = at.Element(piece);
         const size_t moment_size = SizeOf(at.moment_dtype);
@@ -502,11 +498,26 @@ void StepEngine::StartUpdate(uint32_t b, float clip_coefficient) {
             .element_base = element};
         optimizer::AdamWUpdate(grads, (*scalars)[piece.param], at.state.master + element, moments, at.Upload(piece),
                                piece.count);
+        if (optimizer::AnyNonFinite(at.state.master + element, piece.count)) nonfinite->store(true);
       },
-      [this, b, step] { OnUpdated(b, step); });
+      [this, b, step, nonfinite] { OnUpdated(b, step, nonfinite->load()); });
 }
 
-void StepEngine::OnUpdated(uint32_t b, uint64_t step) {
+void StepEngine::ReportNonFinite(uint64_t step, const std::string& what) {
+  if (step <= last_nonfinite_step_) return;  // once per step, whichever pass noticed first
+  last_nonfinite_step_ = step;
+  nonfinite_steps_++;
+  for (const auto& channel : ranks_) {
+    if (channel) channel->session->Warn(fmt::format("step {}: {}", step, what));
+  }
+}
+
+void StepEngine::OnUpdated(uint32_t b, uint64_t step, bool nonfinite) {
+  if (nonfinite) {
+    ReportNonFinite(step, fmt::format("the update of bucket {} left inf or NaN weights (from inf or NaN gradients, "
+                                      "or a diverging model); max_grad_norm also reports them before the update",
+                                      b));
+  }
   state_.bucket_state[b].applied_step.store(step);
   BucketProgress& progress = buckets_[b];
   progress.step = step + 1;

@@ -100,7 +100,9 @@ class StepEngine {
   void StartNorm(uint32_t bucket);
   void StartUpdate(uint32_t bucket, float clip_coefficient);
   void OnNormed(uint32_t bucket, double sum_of_squares, bool nonfinite);
-  void OnUpdated(uint32_t bucket, uint64_t step);
+  void OnUpdated(uint32_t bucket, uint64_t step, bool nonfinite);
+  // Counts `step` once among the non-finite steps and tells every rank why.
+  void ReportNonFinite(uint64_t step, const std::string& what);
   void PostToAll(const shm::Message& message);
   void ResetCollecting(const std::string& reason);
   const shm::HParams* HParamsFor(uint64_t step);
@@ -138,6 +140,7 @@ class StepEngine {
 
   std::atomic<uint64_t> updates_{0};
   std::atomic<uint64_t> nonfinite_steps_{0};
+  uint64_t last_nonfinite_step_ = 0;  // engine thread
   std::atomic<int64_t> inflight_{0};
   std::mutex inflight_mutex_;
   std::condition_variable inflight_zero_;

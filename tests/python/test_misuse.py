@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+import warnings
+
 import pytest
 import torch
 
@@ -104,3 +107,17 @@ def test_gradients_leave_the_parameters(client):
     model, opt = trainstream.wrap(*model_and_adamw(), client=client)
     backward(model)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_nonfinite_gradients_are_reported_without_clipping(client):
+    model, opt = trainstream.wrap(*model_and_adamw(), client=client)
+    (model(torch.randn(2, 4)).sum() * float("nan")).backward()
+    opt.step()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        deadline = time.monotonic() + 5
+        while not caught and time.monotonic() < deadline:  # warnings travel on the session stream
+            trainstream.synchronize(model)
+            time.sleep(0.02)
+    assert any("step 1: the update of bucket" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    assert client.stats()["jobs"][0]["nonfinite_steps"] == 1

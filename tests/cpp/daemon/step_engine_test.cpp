@@ -13,6 +13,7 @@
 #include <functional>
 #include <future>
 #include <latch>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -64,6 +65,10 @@ class RecordingSink : public SessionSink {
   std::vector<std::string> failures() {
     std::lock_guard lock(mutex_);
     return failures_;
+  }
+  std::vector<std::string> warnings() {
+    std::lock_guard lock(mutex_);
+    return warnings_;
   }
 
  private:
@@ -339,6 +344,42 @@ TEST_F(StepEngineTest, StepsMatchAdamW) {
     EXPECT_EQ(clients[0]->state().bucket_state[b].applied_step.load(), 2u);
   }
   EXPECT_EQ(job->Info().engine.updates, 4u);
+  EXPECT_TRUE(clients[0]->sink().warnings().empty());
+  EXPECT_EQ(job->Info().engine.nonfinite_steps, 0u);
+}
+
+// Delivers step 1 with an inf and a NaN gradient (one in each bucket).
+void DeliverNonFiniteStep(RankClient& client) {
+  client.SetHParams(1, TestHParams());
+  client.SetGradients(1);
+  client.Grad(0)[7] = std::numeric_limits<float>::quiet_NaN();
+  client.Grad(1)[3] = std::numeric_limits<float>::infinity();
+  for (uint32_t b = 0; b < client.buckets(); ++b) client.SendGradReady(b, 1);
+  client.ExpectParamsReady(1);
+}
+
+// Without clipping nothing reads the gradients before the update: the update notices (once per step).
+TEST_F(StepEngineTest, NonFiniteGradientsAreReportedByTheUpdate) {
+  auto job = MakeJob();
+  auto clients = StartJob(*job);
+  DeliverNonFiniteStep(*clients[0]);
+  const std::vector<std::string> warnings = clients[0]->sink().warnings();
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_NE(warnings[0].find("step 1: the update of bucket"), std::string::npos) << warnings[0];
+  EXPECT_EQ(job->Info().engine.nonfinite_steps, 1u);
+}
+
+// With clipping the norm pass notices first; the update that follows does not report the step again.
+TEST_F(StepEngineTest, NonFiniteGradientsAreReportedOnceWithClipping) {
+  shm::LayoutSpec spec = TwoParamSpec(1);
+  spec.max_grad_norm = 1.0;
+  Job job("clipped", static_cast<uint32_t>(getuid()), spec, 7, pool_);
+  auto clients = StartJob(job);
+  DeliverNonFiniteStep(*clients[0]);
+  const std::vector<std::string> warnings = clients[0]->sink().warnings();
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_NE(warnings[0].find("step 1: gradients contain inf or NaN"), std::string::npos) << warnings[0];
+  EXPECT_EQ(job.Info().engine.nonfinite_steps, 1u);
 }
 
 TEST_F(StepEngineTest, ParameterWithoutGradientIsLeftAlone) {

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <span>
 #include <vector>
@@ -321,6 +322,25 @@ TEST(Dispatch, ActiveKernelIsTheBestSupportedOrTheForcedOne) {
                                    : SupportedKernels().front()->name;
   EXPECT_EQ(ActiveKernelName(), expected);
   EXPECT_EQ(std::string(SupportedKernels().back()->name), "portable");
+}
+
+TEST(AnyNonFinite, FindsInfAndNaNAnywhereAndNothingElse) {
+  for (const size_t n : {size_t{1}, size_t{7}, size_t{64}, size_t{1000}}) {
+    std::vector<float> values(n, 1.0f);
+    values[0] = std::numeric_limits<float>::max();
+    if (n > 1) values[1] = std::numeric_limits<float>::denorm_min();
+    if (n > 2) values[2] = -0.0f;
+    EXPECT_FALSE(AnyNonFinite(values.data(), n)) << n;
+    for (const float bad : {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                            std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::signaling_NaN()}) {
+      for (const size_t at : {size_t{0}, n / 2, n - 1}) {
+        std::vector<float> copy = values;
+        copy[at] = bad;
+        EXPECT_TRUE(AnyNonFinite(copy.data(), n)) << n << " at " << at;
+      }
+    }
+  }
+  EXPECT_FALSE(AnyNonFinite(nullptr, 0));
 }
 
 TEST(Dispatch, UnknownOrUnsupportedKernelIsAClearError) {
