@@ -207,6 +207,16 @@ grpc::Status ControlService::Stats(grpc::ServerContext*, const v1::StatsRequest*
       stats->mutable_transports()->insert(info.transports.begin(), info.transports.end());
       host_bytes += info.state_bytes + info.engine.attached_ranks.size() * info.rank_bytes;
     }
+    for (const OrphanedJob& orphan : registry_.Orphans()) {  // their memory is still in /dev/shm
+      v1::JobStats* stats = reply->add_jobs();
+      stats->set_name(orphan.name);
+      stats->set_job_key(orphan.key);
+      stats->set_uid(orphan.uid);
+      stats->set_completed_step(orphan.completed_step);
+      stats->set_state_bytes(orphan.state_bytes);
+      stats->set_orphaned(true);
+      host_bytes += orphan.state_bytes;
+    }
     reply->set_host_bytes(host_bytes);
     reply->set_rss_bytes(ResidentBytes());
     reply->set_worker_threads(static_cast<uint32_t>(pool_.threads()));

@@ -92,6 +92,13 @@ size_t JobRegistry::ClaimOrphans() {
   return orphans_.size();
 }
 
+std::vector<OrphanedJob> JobRegistry::Orphans() {
+  std::lock_guard lock(mutex_);
+  std::vector<OrphanedJob> orphans;
+  for (const auto& [name, orphan] : orphans_) orphans.push_back(orphan);
+  return orphans;
+}
+
 void JobRegistry::Drop(const std::string& name, uint32_t uid, bool force) {
   std::shared_ptr<Job> job;
   {

@@ -38,6 +38,7 @@ class JobRegistry {
   void Shutdown(const std::string& reason);
   // Claims the jobs of daemons that died (daemon/orphaned_jobs.h). Returns how many.
   size_t ClaimOrphans();
+  std::vector<OrphanedJob> Orphans();  // claimed, not re-adopted yet
 
  private:
   const Config& config_;

@@ -68,7 +68,7 @@ std::optional<OrphanedJob> Claim(const std::string& file, uint32_t uid, const st
   if (OwnerAlive(owner) || !header->owner.compare_exchange_strong(owner, SelfAsOwner())) return std::nullopt;
   const std::string name(header->job_name, strnlen(header->job_name, sizeof(header->job_name)));
   if (name.empty()) return std::nullopt;
-  return OrphanedJob{name, uid, key, file, header->completed_step.load(), header->layout_hash};
+  return OrphanedJob{name, uid, key, file, header->completed_step.load(), header->layout_hash, segment.size()};
 }
 
 }  // namespace

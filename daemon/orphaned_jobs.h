@@ -27,6 +27,7 @@ struct OrphanedJob {
   std::string state_segment;  // its name
   uint64_t completed_step = 0;
   uint64_t layout_hash = 0;
+  uint64_t state_bytes = 0;
 };
 
 // Claims every job in /dev/shm whose owning daemon, which listened on `socket_hash`'s socket, is gone.

@@ -105,6 +105,7 @@ StatsReport Client::Stats() {
         .nonfinite_steps = job.nonfinite_steps(),
         .attached_ranks = {job.attached_ranks().begin(), job.attached_ranks().end()},
         .transports = {job.transports().begin(), job.transports().end()},
+        .orphaned = job.orphaned(),
     });
   }
   return report;

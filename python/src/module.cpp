@@ -53,6 +53,7 @@ py::dict ToDict(const trainstream::StatsReport& report) {
     j["updates"] = job.updates;
     j["nonfinite_steps"] = job.nonfinite_steps;
     j["transports"] = job.transports;
+    j["orphaned"] = job.orphaned;
     jobs.append(j);
   }
   py::dict d;

@@ -59,11 +59,14 @@ def test_job_survives_a_daemon_crash(tmp_path):
     second = Daemon(socket=socket)
     try:
         assert "job 'survivor' (uid" in second.output() and "left by a dead trainstreamd" in second.output()
+        orphan = next(j for j in second.client().stats()["jobs"] if j["name"] == "survivor")
+        assert orphan["orphaned"] and orphan["completed_step"] == 4 and orphan["job_key"] == key
         torch.manual_seed(123)  # other initial weights: the job's must win
         model, opt = wrap(make_model(), second, "survivor")
         train(model, opt, range(4, 8))
         trainstream.synchronize(model)
         assert "re-adopted at step 4" in second.output()
+        assert not next(j for j in second.client().stats()["jobs"] if j["name"] == "survivor")["orphaned"]
         torch.manual_seed(0)
         reference = make_model()
         train(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01, foreach=False),

@@ -34,6 +34,7 @@ struct JobReport {
            nonfinite_steps = 0;
   std::vector<uint32_t> attached_ranks;
   std::map<uint32_t, std::string> transports;  // attached rank -> "transport on device"
+  bool orphaned = false;                       // left by a daemon that died, not re-adopted yet
 };
 
 // How a rank moves its data, told to the daemon at attach (which logs it and shows it in Stats).
