@@ -33,6 +33,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "train_gpt"))
 from gpt import build  # noqa: E402
+from train_gpt import rss_bytes  # noqa: E402
 
 GIB = 1 << 30
 
@@ -54,11 +55,6 @@ def param_digest(model) -> str:
     for p in model.parameters():
         h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
-
-
-def rss_bytes(pid: int | str = "self") -> int:
-    with open(f"/proc/{pid}/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 class InProcessOffload:

@@ -9,12 +9,23 @@ import os
 import signal
 import subprocess
 import tempfile
+import time
 
 import pytest
 import torch
 
 import trainstream
 from trainstream._connect import daemon_binary, wait_until_serving
+
+
+def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:
+    """Polls `predicate` until it holds or `timeout` seconds passed; returns its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
 
 
 class Daemon:

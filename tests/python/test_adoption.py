@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 import torch
-from conftest import Daemon
+from conftest import Daemon, wait_until
 
 import trainstream
 from trainstream import TrainstreamError
@@ -98,10 +97,7 @@ def test_orphans_are_dropped_after_the_ttl(tmp_path):
     socket, key = crashed_daemon_with_job(tmp_path, "forgotten")
     second = Daemon("--job-ttl", "1", socket=socket)
     try:
-        deadline = time.monotonic() + 10
-        while segments_of(key) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not segments_of(key)
+        assert wait_until(lambda: not segments_of(key))
         assert "'forgotten' left by a dead trainstreamd was not re-adopted" in second.output()
     finally:
         second.stop()

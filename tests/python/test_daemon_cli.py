@@ -16,7 +16,7 @@ import time
 
 import pytest
 import torch
-from conftest import Daemon
+from conftest import Daemon, wait_until
 
 import trainstream
 from trainstream import TrainstreamError, _connect
@@ -32,52 +32,6 @@ def run_daemon(*args: str, timeout: float = 10) -> subprocess.CompletedProcess:
     """Runs trainstreamd to completion (for invocations that must exit by themselves)."""
     return subprocess.run([daemon_binary(), *args], capture_output=True, text=True, timeout=timeout,
                           stdin=subprocess.DEVNULL)
-
-
-def wait_until(predicate, timeout: float = 5.0, interval: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
-
-
-class Listening:
-    """A trainstreamd on a socket path of the test's choosing (conftest's Daemon picks its own)."""
-
-    def __init__(self, socket: str, *extra: str):
-        self.socket = socket
-        threads = [] if "--threads" in extra else ["--threads", "1"]
-        self.process = subprocess.Popen([daemon_binary(), "--socket", socket, *threads, *extra],
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        ok = wait_until(self._answers, timeout=20)
-        assert ok, f"trainstreamd did not start on {socket}: {self.stop()} {self.output()}"
-
-    def _answers(self) -> bool:
-        assert self.process.poll() is None, f"trainstreamd exited with {self.process.returncode}: {self.output()}"
-        if not os.path.exists(self.socket):
-            return False
-        try:
-            trainstream.connect(self.socket, timeout_s=1.0)
-            return True
-        except TrainstreamError:
-            return False
-
-    def output(self) -> str:
-        if self.process.poll() is None:
-            return "(still running)"
-        return self.process.stdout.read().decode(errors="replace")
-
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
 
 
 @pytest.fixture
@@ -171,7 +125,7 @@ def test_bad_log_level_in_config_file_is_refused_by_name(tmp):
 def test_example_config_is_accepted(tmp):
     assert os.path.exists(EXAMPLE_CONFIG)
     socket = os.path.join(tmp, "d.sock")
-    d = Listening(socket, "--config", EXAMPLE_CONFIG)
+    d = Daemon("--config", EXAMPLE_CONFIG, socket=socket, threads=1)
     try:
         info = trainstream.connect(socket).ping()
         assert info["pid"] == d.process.pid
@@ -190,7 +144,7 @@ def test_kubernetes_configmap_config_is_accepted(tmp):
     path = os.path.join(tmp, "configmap.toml")
     with open(path, "w") as f:
         f.write(configmap["data"]["trainstreamd.toml"])
-    d = Listening(os.path.join(tmp, "d.sock"), "--config", path)
+    d = Daemon("--config", path, socket=os.path.join(tmp, "d.sock"), threads=1)
     assert d.stop() == 0
 
 
@@ -199,7 +153,7 @@ def test_flags_override_the_config_file(tmp):
     with open(path, "w") as f:
         f.write(f'socket = "{os.path.join(tmp, "from-file.sock")}"\nthreads = 3\nsocket_mode = 0o600\n')
     socket = os.path.join(tmp, "from-flag.sock")
-    d = Listening(socket, "--config", path, "--threads", "2")
+    d = Daemon("--config", path, socket=socket, threads=2)
     try:
         assert not os.path.exists(os.path.join(tmp, "from-file.sock"))
         assert trainstream.connect(socket).stats()["worker_threads"] == 2
@@ -309,7 +263,7 @@ def test_systemd_notify_ready_and_stopping(tmp):
 
 def test_second_daemon_on_the_same_socket_is_refused(tmp):
     socket = os.path.join(tmp, "d.sock")
-    first = Listening(socket)
+    first = Daemon(socket=socket, threads=1)
     try:
         result = run_daemon("--socket", socket, "--threads", "1")
         assert result.returncode != 0
@@ -322,10 +276,10 @@ def test_second_daemon_on_the_same_socket_is_refused(tmp):
 
 def test_stale_socket_of_a_killed_daemon_is_replaced(tmp):
     socket = os.path.join(tmp, "d.sock")
-    first = Listening(socket)
+    first = Daemon(socket=socket, threads=1)
     first.stop(signal.SIGKILL)
     assert os.path.exists(socket), "SIGKILL leaves the socket file behind"
-    second = Listening(socket)
+    second = Daemon(socket=socket, threads=1)
     try:
         assert trainstream.connect(socket).ping()["pid"] == second.process.pid
     finally:
@@ -370,7 +324,7 @@ def test_explicit_address_where_nothing_listens_names_the_path(no_service, tmp):
 
 def test_explicit_address_of_a_dead_socket_file_fails_fast(no_service, tmp):
     socket = os.path.join(tmp, "d.sock")
-    Listening(socket).stop(signal.SIGKILL)
+    Daemon(socket=socket, threads=1).stop(signal.SIGKILL)
     start = time.monotonic()
     with pytest.raises(TrainstreamError):
         trainstream.connect(socket, timeout_s=2.0)

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from conftest import wait_until
 
 import trainstream
 from trainstream import TrainstreamError
@@ -41,15 +42,6 @@ def wait_for_line(process, prefix, count=1, timeout=60):
 
 def job_stats(client, name):
     return next(j for j in client.stats()["jobs"] if j["name"] == name)
-
-
-def wait_until(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def small_training(client, steps=3):
