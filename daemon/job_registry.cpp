@@ -29,6 +29,11 @@ std::string DescribeMismatch(const shm::LayoutSpec& have, const shm::LayoutSpec&
       want.world_size, want.accumulation_steps, want.max_grad_norm, want.bucket_bytes, NameOf(want.moment_dtype));
 }
 
+// Only the uid that created a job may attach to it or drop it.
+void CheckOwner(const std::string& name, uint32_t owner, uint32_t uid) {
+  TS_CHECK(owner == uid, Code::kPermissionDenied, "job '{}' belongs to uid {}", name, owner);
+}
+
 }  // namespace
 
 JobRegistry::Found JobRegistry::FindOrCreate(const std::string& name, uint32_t uid, const shm::LayoutSpec& spec,
@@ -39,7 +44,7 @@ JobRegistry::Found JobRegistry::FindOrCreate(const std::string& name, uint32_t u
   std::lock_guard lock(mutex_);
   if (auto it = jobs_.find(name); it != jobs_.end()) {
     const std::shared_ptr<Job>& job = it->second;
-    TS_CHECK(job->uid() == uid, Code::kPermissionDenied, "job '{}' belongs to uid {}", name, job->uid());
+    CheckOwner(name, job->uid(), uid);
     TS_CHECK(job->layout().hash == layout.hash, Code::kInvalidArgument, "layout mismatch for job '{}': {}", name,
              DescribeMismatch(job->spec(), spec));
     return {job, false};
@@ -56,8 +61,7 @@ JobRegistry::Found JobRegistry::FindOrCreate(const std::string& name, uint32_t u
   }
   auto orphan = orphans_.find(name);
   if (orphan != orphans_.end()) {
-    TS_CHECK(orphan->second.uid == uid, Code::kPermissionDenied, "job '{}' belongs to uid {}", name,
-             orphan->second.uid);
+    CheckOwner(name, orphan->second.uid, uid);
     TS_CHECK(orphan->second.layout_hash == layout.hash, Code::kInvalidArgument,
              "job '{}' was left by a trainstreamd that died, with another layout: drop it (drop_job) to start a new "
              "job of that name, or attach with its layout to resume it",
@@ -104,15 +108,14 @@ void JobRegistry::Drop(const std::string& name, uint32_t uid, bool force) {
   {
     std::lock_guard lock(mutex_);
     if (auto orphan = orphans_.find(name); orphan != orphans_.end()) {
-      TS_CHECK(orphan->second.uid == uid, Code::kPermissionDenied, "job '{}' belongs to uid {}", name,
-               orphan->second.uid);
+      CheckOwner(name, orphan->second.uid, uid);
       RemoveJobSegments(orphan->second.uid, orphan->second.key);
       orphans_.erase(orphan);
       return;
     }
     auto it = jobs_.find(name);
     TS_CHECK(it != jobs_.end(), Code::kNotFound, "no job named '{}'", name);
-    TS_CHECK(it->second->uid() == uid, Code::kPermissionDenied, "job '{}' belongs to uid {}", name, it->second->uid());
+    CheckOwner(name, it->second->uid(), uid);
     const size_t attached = it->second->attached_ranks();
     TS_CHECK(attached == 0 || force, Code::kFailedPrecondition,
              "job '{}' has {} attached rank(s); detach them or drop with force", name, attached);
