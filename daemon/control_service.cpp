@@ -88,11 +88,23 @@ class StreamSink final : public SessionSink {
 // "cuda-client-copy on cuda:0 (...)"; an unknown transport is refused before anything is created. A
 // client that names none predates the field and moves its data itself.
 std::string DescribeTransport(const v1::AttachRequest& attach) {
-  static const std::set<std::string> kKnown = {"host", "cuda-client-copy"};
+  static const std::set<std::string> kKnown = {"host", "cuda-ipc", "cuda-client-copy"};
   const std::string& name = attach.transport().empty() ? "unnamed" : attach.transport();
   TS_CHECK(attach.transport().empty() || kKnown.contains(name), Code::kInvalidArgument,
-           "unknown transport '{}' (this daemon knows host, cuda-client-copy)", name);
+           "unknown transport '{}' (this daemon knows host, cuda-ipc, cuda-client-copy)", name);
   return attach.device().empty() ? name : fmt::format("{} on {}", name, attach.device());
+}
+
+CudaIpcExport CudaIpcFromProto(const v1::CudaIpcRegistration& proto) {
+  return CudaIpcExport{
+      .device_uuid = proto.device_uuid(),
+      .params_handle = proto.params_handle(),
+      .params_bytes = proto.params_bytes(),
+      .staging_handle = proto.staging_handle(),
+      .slot_bytes = proto.slot_bytes(),
+      .grad_ready_events = {proto.grad_ready_events().begin(), proto.grad_ready_events().end()},
+      .weights_wanted_events = {proto.weights_wanted_events().begin(), proto.weights_wanted_events().end()},
+  };
 }
 
 }  // namespace
@@ -170,11 +182,20 @@ grpc::Status ControlService::Session(grpc::ServerContext* context,
   if (!attached.ok()) return attached;
   sink->Write(event);
 
-  // The rank stays attached while the client keeps the stream open. No further client messages are
-  // defined yet; anything else is a protocol error.
+  // The rank stays attached while the client keeps the stream open. The only message it may send
+  // meanwhile is one cuda-ipc registration; anything else is a protocol error.
   v1::SessionRequest request;
   std::optional<std::string> protocol_error;
+  bool registered = false;
   while (stream->Read(&request)) {
+    if (request.has_register_cuda_ipc() && !registered) {
+      registered = true;
+      v1::SessionEvent reply;
+      reply.mutable_cuda_ipc()->set_error(
+          job->RegisterCudaIpc(attach.rank(), CudaIpcFromProto(request.register_cuda_ipc())).value_or(""));
+      sink->Write(reply);
+      continue;
+    }
     protocol_error = "unexpected message on an attached session";
     break;
   }

@@ -6,6 +6,7 @@
 
 #include <random>
 
+#include "daemon/pinned_host.h"
 #include "shm/error.h"
 
 namespace trainstream::daemon {
@@ -59,7 +60,8 @@ void Job::StampSocket(uint64_t socket_hash) {
 
 Job::~Job() {
   if (peers_) peers_->Stop(fmt::format("job '{}' was removed", name_));  // no all-reduce left to wait for
-  engine_.reset();  // waits for in-flight work before the segments go away
+  engine_.reset();  // waits for in-flight work (updates, GPU copies) before the segments go away
+  PinnedHost::Instance().Release(state_.data(), state_.size());
   for (uint32_t rank = 0; rank < spec_.world_size; ++rank) shm::Segment::Remove(RankSegmentName(rank));
   spdlog::info("job '{}' removed", name_);
 }
@@ -97,6 +99,32 @@ void Job::Detach(uint32_t rank) {
   transports_.erase(rank);
   if (--attached_ == 0) idle_since_ = std::chrono::steady_clock::now();
   spdlog::info("job '{}': rank {} detached", name_, rank);
+}
+
+std::optional<std::string> Job::RegisterCudaIpc(uint32_t rank, const CudaIpcExport& exported) {
+  try {
+    SetTransfer(rank, CudaRankTransfer::Open(exported, layout_), "cuda-ipc");
+    return std::nullopt;
+  } catch (const Error& e) {
+    spdlog::warn("job '{}': rank {} cannot use cuda-ipc, it copies its data itself: {}", name_, rank, e.what());
+    Rename(rank, "cuda-client-copy (cuda-ipc refused)");
+    return e.what();
+  }
+}
+
+void Job::SetTransfer(uint32_t rank, std::shared_ptr<RankTransfer> transfer, const std::string& transport) {
+  engine_->SetTransfer(rank, std::move(transfer));
+  Rename(rank, transport);
+}
+
+// Keeps the " on <device>" the rank named at attach.
+void Job::Rename(uint32_t rank, const std::string& transport) {
+  std::lock_guard lock(mutex_);
+  auto found = transports_.find(rank);
+  if (found == transports_.end()) return;
+  const size_t on = found->second.find(" on ");
+  found->second = transport + (on == std::string::npos ? "" : found->second.substr(on));
+  spdlog::info("job '{}': rank {} moves its data with {}", name_, rank, found->second);
 }
 
 uint64_t Job::host_bytes() {

@@ -13,6 +13,7 @@
 #include <optional>
 #include <string>
 
+#include "daemon/cuda_rank_transfer.h"
 #include "daemon/orphaned_jobs.h"
 #include "daemon/peer_allreduce.h"
 #include "daemon/session_sink.h"
@@ -53,6 +54,11 @@ class Job {
   // `transport` says how the rank moves its data ("cuda-client-copy on cuda:0 (...)"), for logs and Stats.
   Attachment Attach(uint32_t rank, std::shared_ptr<SessionSink> session, const std::string& transport = "host");
   void Detach(uint32_t rank);
+  // cuda-ipc: opens the rank's exported GPU buffers and events; from then on the daemon copies its data.
+  // On failure the rank keeps copying its data itself: the error says why, for the client's log.
+  [[nodiscard]] std::optional<std::string> RegisterCudaIpc(uint32_t rank, const CudaIpcExport& exported);
+  // The rank's data moves through `transfer` (RegisterCudaIpc's work; tests hand in their own).
+  void SetTransfer(uint32_t rank, std::shared_ptr<RankTransfer> transfer, const std::string& transport);
   void FailAll(const std::string& message) { engine_->FailAll(message); }
 
   [[nodiscard]] const std::string& name() const { return name_; }
@@ -69,6 +75,7 @@ class Job {
 
  private:
   std::string RankSegmentName(uint32_t rank) const;
+  void Rename(uint32_t rank, const std::string& transport);  // in the transports shown by Stats
 
   const std::string name_;
   const uint32_t uid_;

@@ -3,12 +3,14 @@
 //
 // Owned through shared_ptr: worker tasks that read this rank's gradient slots hold a reference, so a
 // rank that detaches mid-update keeps its mapping until the last task that reads it has finished.
-// Only the job's engine thread touches the rings and the backlog.
+// Only the job's engine thread touches the rings, the backlog and the cuda-ipc bookkeeping.
 #pragma once
 
 #include <deque>
 #include <memory>
 
+#include "daemon/pinned_host.h"
+#include "daemon/rank_transfer.h"
 #include "daemon/session_sink.h"
 #include "shm/job_layout.h"
 #include "shm/segment.h"
@@ -22,7 +24,14 @@ struct RankChannel {
         view(shm::ViewRank(this->segment.data(), layout)),
         requests(view.request_ring),
         completions(view.completion_ring, &view.header->completion_doorbell),
-        session(std::move(session)) {}
+        session(std::move(session)),
+        pulling(layout.buckets.size(), 0),
+        pushing(layout.buckets.size(), 0),
+        pushed(layout.buckets.size(), -1) {}
+  // No copy can touch the segment any more (copies hold a reference): it may stop being page-locked.
+  ~RankChannel() { PinnedHost::Instance().Release(segment.data(), segment.size()); }
+  RankChannel(const RankChannel&) = delete;
+  RankChannel& operator=(const RankChannel&) = delete;
 
   // Queues a completion; whatever the ring cannot take now waits in the backlog (a slow client never
   // blocks the engine).
@@ -42,6 +51,14 @@ struct RankChannel {
   std::deque<shm::Message> backlog;
   std::shared_ptr<SessionSink> session;
   bool failed = false;  // protocol error reported; its ring is no longer read
+
+  // cuda-ipc ranks only: the daemon copies gradients from the rank's GPU and weights to it.
+  std::shared_ptr<RankTransfer> transfer;
+  std::vector<uint8_t> pulling;  // per bucket: its gradients are being copied from the GPU
+  std::vector<uint8_t> pushing;  // per bucket: its weights are being copied to the GPU
+  std::vector<int64_t> pushed;   // per bucket: the step whose weights the GPU holds (-1: none)
+  int64_t weights_wanted = -1;   // the latest step whose weights the rank asked for (kWeightsWanted)
+  uint64_t push_generation = 0;  // a state load makes pushes still in flight stale
 };
 
 }  // namespace trainstream::daemon

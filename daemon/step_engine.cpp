@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <latch>
+#include <utility>
 
 #include "daemon/optimizer/adamw_kernels.h"
 #include "shm/error.h"
@@ -80,6 +81,15 @@ void StepEngine::RemoveRank(uint32_t rank) {
   ResetCollecting(fmt::format("rank {} detached", rank));
 }
 
+void StepEngine::SetTransfer(uint32_t rank, std::shared_ptr<RankTransfer> transfer) {
+  std::lock_guard lock(mutex_);
+  TS_CHECK(rank < ranks_.size() && ranks_[rank] != nullptr, Code::kFailedPrecondition, "rank {} is not attached",
+           rank);
+  TS_CHECK(ranks_[rank]->transfer == nullptr, Code::kAlreadyExists, "rank {} registered its GPU buffers already",
+           rank);
+  ranks_[rank]->transfer = std::move(transfer);
+}
+
 bool StepEngine::HasRank(uint32_t rank) {
   std::lock_guard lock(mutex_);
   return rank < ranks_.size() && ranks_[rank] != nullptr;
@@ -97,6 +107,16 @@ EngineStats StepEngine::Stats() {
 void StepEngine::FailAll(const std::string& message) {
   std::lock_guard lock(mutex_);
   FailSessions(message);
+}
+
+void StepEngine::FailRank(RankChannel& channel, const std::string& message) {
+  channel.failed = true;
+  spdlog::warn("job '{}' rank {}: {}", job_name_, channel.rank, message);
+  channel.session->Fail(message);
+}
+
+bool StepEngine::Attached(const std::shared_ptr<RankChannel>& channel) const {
+  return channel->rank < ranks_.size() && ranks_[channel->rank] == channel && !channel->failed;
 }
 
 void StepEngine::FailSessions(const std::string& message) {
@@ -158,9 +178,7 @@ bool StepEngine::DrainRequests() {
         Handle(*channel, message);
       }
     } catch (const Error& e) {
-      channel->failed = true;
-      spdlog::warn("job '{}' rank {}: {}", job_name_, channel->rank, e.what());
-      channel->session->Fail(e.what());
+      FailRank(*channel, e.what());
     }
   }
   return progress;
@@ -191,6 +209,7 @@ void StepEngine::Handle(RankChannel& channel, const shm::Message& message) {
   switch (message.kind) {
     case shm::MessageKind::kGradReady: return OnGradReady(channel, message);
     case shm::MessageKind::kLoadState: return OnLoadState(channel, message);
+    case shm::MessageKind::kWeightsWanted: return OnWeightsWanted(ranks_[channel.rank], message);
     default:
       Throw(Code::kInvalidArgument, "unknown ring message kind {} from rank {}", static_cast<int>(message.kind),
             channel.rank);
@@ -215,7 +234,43 @@ void StepEngine::OnGradReady(RankChannel& channel, const shm::Message& message) 
   TS_CHECK(final_micro == (message.micro + 1 == spec_.accumulation_steps), Code::kInvalidArgument,
            "GRAD_READY micro-batch {} marked {}final, but accumulation_steps is {}", message.micro,
            final_micro ? "" : "not ", spec_.accumulation_steps);
+  if (channel.transfer != nullptr) {
+    TS_CHECK(message.slot < channel.transfer->staging_slots(), Code::kInvalidArgument,
+             "GRAD_READY for bucket {} names staging slot {}, but rank {} registered {}", b, message.slot, channel.rank,
+             channel.transfer->staging_slots());
+    TS_CHECK(!channel.pulling[b], Code::kInvalidArgument,
+             "rank {} delivered bucket {} again while its gradients were still being copied", channel.rank, b);
+    return PullThenDeliver(ranks_[channel.rank], b, message.slot);
+  }
+  Deliver(channel, b);
+}
 
+// cuda-ipc: the bucket's gradients reach the rank's host slot first; the slot on the GPU is then free.
+void StepEngine::PullThenDeliver(const std::shared_ptr<RankChannel>& channel, uint32_t b, uint32_t slot) {
+  const shm::BucketLayout& bucket = layout_.buckets[b];
+  const uint64_t step = buckets_[b].step;
+  const uint32_t micro = buckets_[b].micro;
+  channel->pulling[b] = 1;
+  ++inflight_;
+  channel->transfer->PullGradients(
+      slot, channel->view.grads + bucket.grad_offset, bucket.bytes(),
+      [this, channel, b, slot, step, micro](std::optional<std::string> error) {
+        Continue([this, channel, b, slot, step, micro, error = std::move(error)] {
+          channel->pulling[b] = 0;
+          if (!Attached(channel)) return;
+          if (error) {
+            return FailRank(*channel, fmt::format("copying bucket {}'s gradients from the GPU failed: {}", b, *error));
+          }
+          const BucketProgress& progress = buckets_[b];
+          if (progress.step != step || progress.micro != micro || progress.phase != Phase::kCollecting) return;
+          PostTo(*channel, shm::Message{.kind = shm::MessageKind::kStagingFree, .step = step, .slot = slot});
+          Deliver(*channel, b);
+        });
+      });
+}
+
+void StepEngine::Deliver(RankChannel& channel, uint32_t b) {
+  BucketProgress& progress = buckets_[b];
   progress.delivered[channel.rank] = 1;
   ++progress.delivered_count;
   for (uint32_t p : layout_.buckets[b].params) had_grad_[p] |= channel.view.presence[p] != 0 ? 1 : 0;
@@ -465,6 +520,11 @@ void StepEngine::OnNormed(uint32_t b, double sum_of_squares, bool nonfinite) {
 
 void StepEngine::StartUpdate(uint32_t b, float clip_coefficient) {
   BucketProgress& progress = buckets_[b];
+  if (progress.pushes > 0) {  // a GPU still reads the weights of the last step
+    progress.update_after_pushes = clip_coefficient;
+    return;
+  }
+  progress.updating = true;
   const uint64_t step = progress.step;
   const shm::HParams* hparams = HParamsFor(step);
   const bool decoupled = spec_.optimizer == shm::OptimizerKind::kAdamW;
@@ -520,6 +580,7 @@ void StepEngine::OnUpdated(uint32_t b, uint64_t step, bool nonfinite) {
   }
   state_.bucket_state[b].applied_step.store(step);
   BucketProgress& progress = buckets_[b];
+  progress.updating = false;
   progress.step = step + 1;
   progress.micro = 0;
   progress.delivered_count = 0;
@@ -532,7 +593,7 @@ void StepEngine::OnUpdated(uint32_t b, uint64_t step, bool nonfinite) {
     clip_gates_.erase(step);
     state_.header->completed_step.store(step);
   }
-  PostToAll(shm::Message{.kind = shm::MessageKind::kParamsReady, .bucket = b, .step = step});
+  PublishWeights(b, step);
 }
 
 void StepEngine::OnLoadState(RankChannel& channel, const shm::Message& message) {
@@ -568,23 +629,100 @@ void StepEngine::OnLoadState(RankChannel& channel, const shm::Message& message) 
           state_.header->completed_step.store(step);
           state_.header->initialized = 1;
           loading_ = false;
-          for (uint32_t bucket = buckets_.size(); bucket-- > 0;) {
-            PostToAll(shm::Message{.kind = shm::MessageKind::kParamsReady, .bucket = bucket, .step = step});
+          for (const auto& channel : ranks_) {  // the GPUs' copies of the weights are stale now
+            if (!channel) continue;
+            ++channel->push_generation;
+            std::fill(channel->pushed.begin(), channel->pushed.end(), -1);
           }
+          for (uint32_t bucket = buckets_.size(); bucket-- > 0;) PublishWeights(bucket, step);
         });
   }
 }
 
 void StepEngine::PostToAll(const shm::Message& message) {
   for (const auto& channel : ranks_) {
+    if (channel && !channel->failed) PostTo(*channel, message);
+  }
+}
+
+void StepEngine::PostTo(RankChannel& channel, const shm::Message& message) {
+  try {
+    channel.Post(message);
+  } catch (const Error& e) {
+    FailRank(channel, e.what());
+  }
+}
+
+void StepEngine::PublishWeights(uint32_t b, uint64_t step) {
+  for (const auto& channel : ranks_) {
     if (!channel || channel->failed) continue;
-    try {
-      channel->Post(message);
-    } catch (const Error& e) {
-      channel->failed = true;
-      channel->session->Fail(e.what());
+    if (channel->transfer != nullptr) {
+      MaybePush(channel, b);
+    } else {
+      PostTo(*channel, shm::Message{.kind = shm::MessageKind::kParamsReady, .bucket = b, .step = step});
     }
   }
+}
+
+// optimizer.step() was called for message.step: from now on that step's weights may overwrite the
+// rank's parameters, after (on the GPU) the kernels it queued before.
+void StepEngine::OnWeightsWanted(const std::shared_ptr<RankChannel>& channel, const shm::Message& message) {
+  TS_CHECK(channel->transfer != nullptr, Code::kInvalidArgument,
+           "WEIGHTS_WANTED from rank {}, which copies its weights itself (no cuda-ipc registration)", channel->rank);
+  TS_CHECK(message.slot < channel->transfer->weights_wanted_events(), Code::kInvalidArgument,
+           "WEIGHTS_WANTED names event {}, but rank {} registered {}", message.slot, channel->rank,
+           channel->transfer->weights_wanted_events());
+  TS_CHECK(message.step < (uint64_t{1} << 62), Code::kInvalidArgument, "WEIGHTS_WANTED step {} out of range",
+           message.step);
+  ++inflight_;
+  channel->transfer->AwaitWeightsWanted(message.slot, [this, channel](std::optional<std::string> error) {
+    Continue([this, channel, error = std::move(error)] {
+      if (!Attached(channel)) return;
+      if (error) return FailRank(*channel, fmt::format("waiting for the rank's optimizer.step() failed: {}", *error));
+      channel->view.header->weights_wanted_waits.fetch_add(1);
+    });
+  });
+  channel->weights_wanted = static_cast<int64_t>(message.step);
+  for (uint32_t b = buckets_.size(); b-- > 0;) MaybePush(channel, b);  // the first layers first
+}
+
+// Pushes bucket b's weights to a cuda-ipc rank if it wants them and they are final and not there yet.
+void StepEngine::MaybePush(const std::shared_ptr<RankChannel>& channel, uint32_t b) {
+  BucketProgress& progress = buckets_[b];
+  const auto step = static_cast<int64_t>(state_.bucket_state[b].applied_step.load());
+  if (channel->failed || channel->pushing[b] || step > channel->weights_wanted || channel->pushed[b] >= step ||
+      loading_ || progress.updating || state_.header->initialized == 0) {
+    return;
+  }
+  const shm::BucketLayout& bucket = layout_.buckets[b];
+  const void* source = bucket.uploads_from_master() ? static_cast<const void*>(state_.master + bucket.elem_offset)
+                                                    : static_cast<const void*>(state_.upload + bucket.upload_offset);
+  channel->pushing[b] = 1;
+  ++progress.pushes;
+  ++inflight_;
+  const uint64_t generation = channel->push_generation;
+  channel->transfer->PushWeights(bucket.grad_offset, source, bucket.bytes(),
+                                 [this, channel, b, step, generation](std::optional<std::string> error) {
+                                   Continue([this, channel, b, step, generation, error = std::move(error)] {
+                                     OnPushed(channel, b, static_cast<uint64_t>(step), generation, error);
+                                   });
+                                 });
+}
+
+void StepEngine::OnPushed(const std::shared_ptr<RankChannel>& channel, uint32_t b, uint64_t step, uint64_t generation,
+                          const std::optional<std::string>& error) {
+  channel->pushing[b] = 0;
+  BucketProgress& progress = buckets_[b];
+  if (--progress.pushes == 0 && progress.update_after_pushes) {
+    StartUpdate(b, *std::exchange(progress.update_after_pushes, std::nullopt));
+  }
+  if (!Attached(channel)) return;
+  if (error) return FailRank(*channel, fmt::format("copying bucket {}'s weights to the GPU failed: {}", b, *error));
+  if (generation == channel->push_generation) {  // not overtaken by a state load
+    channel->pushed[b] = static_cast<int64_t>(step);
+    PostTo(*channel, shm::Message{.kind = shm::MessageKind::kParamsReady, .bucket = b, .step = step});
+  }
+  MaybePush(channel, b);
 }
 
 }  // namespace trainstream::daemon

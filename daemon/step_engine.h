@@ -12,6 +12,11 @@
 //
 // Each bucket advances through steps on its own: a fast rank may deliver bucket b of step t+1 while
 // bucket c of step t is still updating.
+//
+// cuda-ipc ranks (a RankTransfer): their GRAD_READY first copies the staging slot into the rank's
+// gradient slot (then STAGING_FREE), and their PARAMS_READY follows a push of the bucket's weights to
+// the GPU, once the rank asked for that step's weights (kWeightsWanted, sent by optimizer.step()). A
+// bucket is never updated while a push reads it, nor pushed while it updates.
 #pragma once
 
 #include <atomic>
@@ -20,6 +25,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -58,6 +64,8 @@ class StepEngine {
   // later calls return at once. Takes a while for a large job: never call it under a shared lock.
   void PlaceState();
   void AddRank(std::shared_ptr<RankChannel> channel);
+  // The rank's data moves through `transfer` from now on (before it sends any message).
+  void SetTransfer(uint32_t rank, std::shared_ptr<RankTransfer> transfer);
   void RemoveRank(uint32_t rank);
   [[nodiscard]] bool HasRank(uint32_t rank);
   EngineStats Stats();
@@ -74,6 +82,9 @@ class StepEngine {
     Phase phase = Phase::kCollecting;
     double sum_of_squares = 0;
     bool nonfinite = false;
+    bool updating = false;                     // the update pass runs: master and upload change
+    uint32_t pushes = 0;                       // pushes to GPUs in flight: master and upload are read
+    std::optional<float> update_after_pushes;  // the clip coefficient of an update waiting for them
   };
   struct ClipGate {  // per step, with clipping: buckets whose norm is known
     uint32_t normed = 0;
@@ -87,7 +98,18 @@ class StepEngine {
   bool DrainFinished();
   void Handle(RankChannel& channel, const shm::Message& message);
   void OnGradReady(RankChannel& channel, const shm::Message& message);
+  void Deliver(RankChannel& channel, uint32_t bucket);
+  void PullThenDeliver(const std::shared_ptr<RankChannel>& channel, uint32_t bucket, uint32_t slot);
   void OnLoadState(RankChannel& channel, const shm::Message& message);
+  void OnWeightsWanted(const std::shared_ptr<RankChannel>& channel, const shm::Message& message);
+  // The weights of `bucket` after `step` are final: PARAMS_READY, after a push for cuda-ipc ranks.
+  void PublishWeights(uint32_t bucket, uint64_t step);
+  void MaybePush(const std::shared_ptr<RankChannel>& channel, uint32_t bucket);
+  void OnPushed(const std::shared_ptr<RankChannel>& channel, uint32_t bucket, uint64_t step, uint64_t generation,
+                const std::optional<std::string>& error);
+  [[nodiscard]] bool Attached(const std::shared_ptr<RankChannel>& channel) const;
+  void PostTo(RankChannel& channel, const shm::Message& message);
+  void FailRank(RankChannel& channel, const std::string& message);
   void OnBucketDelivered(uint32_t bucket);
   void StartAccumulate(uint32_t bucket);
   void StartReduce(uint32_t bucket);

@@ -2,6 +2,8 @@
 # Builds trainstream on the GPU machine and runs the chosen stages, writing logs and JSON under $OUT.
 # Carry `.device` (holding sysroot.tgz, see ../shared/device/README.md) with the device tool.
 #   scripts/device_run.sh build test bench-adamw gpt-small gpt-large
+# TRAINSTREAM_TRANSPORT=cuda-client-copy runs the GPU stages through the fallback transport (the
+# default is cuda-ipc); the gpt stages name their JSON after it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -46,17 +48,19 @@ for what in "$@"; do
       ;;
     gpt-small)
       stage gpt-small
-      python3 benchmarks/train_gpt/train_gpt.py --config 124m --adamw-json benchmarks/results/adamw_h200-16core.json --json "$OUT/gpt_124m.json" 2>&1 | tail -8
+      T=${TRAINSTREAM_TRANSPORT:-cuda-ipc}
+      python3 benchmarks/train_gpt/train_gpt.py --config 124m --adamw-json benchmarks/results/adamw_h200-16core.json --json "$OUT/gpt_124m_$T.json" 2>&1 | tail -8
       ;;
     gpt-large)
       stage gpt-large
+      T=${TRAINSTREAM_TRANSPORT:-cuda-ipc}
       python3 benchmarks/train_gpt/train_gpt.py --config 1.86b --vram-cap-gib 24 --steps 6 \
-        --adamw-json benchmarks/results/adamw_h200-16core.json --json "$OUT/gpt_1.86b_cap24.json" 2>&1 | tail -8
+        --adamw-json benchmarks/results/adamw_h200-16core.json --json "$OUT/gpt_1.86b_cap24_$T.json" 2>&1 | tail -8
       python3 benchmarks/train_gpt/train_gpt.py --config 1.86b --steps 6 --modes stock \
         --json "$OUT/gpt_1.86b_uncapped_stock.json" 2>&1 | tail -2
       python3 benchmarks/train_gpt/train_gpt.py --config 1.86b --vram-cap-gib 24 --steps 6 --modes trainstream \
         --bf16-weights --moment-dtype bfloat16 --adamw-json benchmarks/results/adamw_h200-16core.json \
-        --json "$OUT/gpt_1.86b_cap24_bf16.json" 2>&1 | tail -2
+        --json "$OUT/gpt_1.86b_cap24_bf16_$T.json" 2>&1 | tail -2
       ;;
     gpt-largest)
       stage gpt-largest
@@ -70,17 +74,21 @@ for what in "$@"; do
     test-cuda)
       stage test-cuda  # with torch's default CUDA allocator and with expandable segments
       for conf in "" "expandable_segments:True"; do
-        PYTORCH_CUDA_ALLOC_CONF=$conf python3 -m pytest -q -p no:cacheprovider tests/python/test_cuda.py 2>&1 \
-          | tail -3 | sed "s/^/[${conf:-default}] /" | tee -a "$OUT/pytest.log"
+        PYTORCH_CUDA_ALLOC_CONF=$conf python3 -m pytest -q -p no:cacheprovider -x ${PYTEST_ARGS:-tests/python/test_cuda.py} \
+          >"$OUT/pytest_cuda_${conf:+expandable}.log" 2>&1
+        tail -3 "$OUT/pytest_cuda_${conf:+expandable}.log" | sed "s/^/[${conf:-default}] /"
       done
       ;;
     transfer)
       stage transfer
       gpus=$(nvidia-smi -L | wc -l)
       for n in $(seq "$gpus" -1 1); do
-        python3 benchmarks/transfer/transfer.py --gpus "$n" --json "$OUT/transfer_${n}gpu.json" 2>&1 | tail -1
-        python3 benchmarks/transfer/transfer.py --gpus "$n" --daemon-threads 1 \
-          --json "$OUT/transfer_${n}gpu_1thread.json" 2>&1 | tail -1
+        for transport in cuda-ipc cuda-client-copy; do
+          python3 benchmarks/transfer/transfer.py --gpus "$n" --transport $transport \
+            --json "$OUT/transfer_${n}gpu_$transport.json" 2>&1 | tail -1
+          python3 benchmarks/transfer/transfer.py --gpus "$n" --transport $transport --daemon-threads 1 \
+            --json "$OUT/transfer_${n}gpu_${transport}_1thread.json" 2>&1 | tail -1
+        done
       done
       ;;
     torchrun-gpt)

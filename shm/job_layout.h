@@ -27,7 +27,7 @@
 
 namespace trainstream::shm {
 
-constexpr uint32_t kSegmentVersion = 3;
+constexpr uint32_t kSegmentVersion = 4;
 constexpr size_t kMaxJobName = 256;
 constexpr uint32_t kRingCapacity = 1024;
 constexpr size_t kAlign = 64;
@@ -119,6 +119,9 @@ struct alignas(64) RankHeader {
   uint32_t rank = 0;
   uint64_t layout_hash = 0;
   Doorbell completion_doorbell;  // rung by the daemon when it pushes a completion
+  // cuda-ipc: how many of the rank's kWeightsWanted events the daemon's copy stream has been made to
+  // wait for; the client records an event again only after its previous use was waited for.
+  std::atomic<uint64_t> weights_wanted_waits{0};
 };
 
 struct JobLayout {

@@ -12,9 +12,13 @@ enum class MessageKind : uint16_t {
   // client -> daemon
   kGradReady = 1,  // rank's gradients for `bucket` of micro-batch `micro` of `step` are in its grad region
   kLoadState = 2,  // the client wrote master weights / moments / step counts; publish them as `step`
+  // cuda-ipc: the rank's optimizer.step() for `step` was called and its weights-wanted event `slot` was
+  // recorded after the last kernels that read the parameters: the step's weights may now be written
+  kWeightsWanted = 3,
   // daemon -> client
   kSlotFree = 16,     // the daemon has consumed the grad region of `bucket` for (`step`, `micro`)
-  kParamsReady = 17,  // the new weights of `bucket` after `step` are in the upload region
+  kParamsReady = 17,  // the new weights of `bucket` after `step` are in the upload region (cuda-ipc: on the GPU)
+  kStagingFree = 18,  // cuda-ipc: GPU gradient staging slot `slot` has been copied out and may be reused
 };
 
 enum MessageFlags : uint16_t {
@@ -27,7 +31,7 @@ struct alignas(64) Message {
   uint32_t bucket = 0;
   uint64_t step = 0;
   uint32_t micro = 0;
-  uint32_t slot = 0;  // staging slot (GPU transport); 0 in CPU mode
+  uint32_t slot = 0;  // cuda-ipc: staging slot (kGradReady, kStagingFree) or event (kWeightsWanted)
   uint8_t reserved[40] = {};
 };
 

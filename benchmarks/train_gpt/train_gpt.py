@@ -124,6 +124,16 @@ def run(args, mode: str) -> dict:
             model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-4),
                                           client=client, moment_dtype=args.moment_dtype, bucket_mb=args.bucket_mb)
             result["wrap_seconds"] = time.perf_counter() - start
+            transport = trainstream._wrap._rank_of(model).transport
+            result["transport"] = transport.name
+            # cuda-ipc keeps the parameters and gradient staging slots outside torch's allocator: they
+            # count against the cap too, so torch gets what is left.
+            result["gpu_buffers_gib"] = getattr(transport, "device_bytes", 0) / GIB
+            if args.vram_cap_gib:
+                total = torch.cuda.get_device_properties(0).total_memory
+                left = args.vram_cap_gib * GIB - getattr(transport, "device_bytes", 0)
+                torch.cuda.set_per_process_memory_fraction(max(0.0, min(1.0, left / total)))
+                torch.cuda.empty_cache()  # the parameters' old blocks: torch's cache would count them
 
             def step(tokens, targets):
                 forward_backward(model, tokens, targets, autocast, args.activation_paging)
@@ -132,6 +142,7 @@ def run(args, mode: str) -> dict:
         result["step_ms"] = 1000 * statistics.median(times)
         result["tokens_per_s"] = args.batch * args.seq / statistics.median(times)
         result.update(memory.report())
+        result["torch_peak_plus_buffers_gib"] = result["torch_peak_gib"] + result.get("gpu_buffers_gib", 0)
         result["host_rss_gib"] = rss_bytes() / GIB
         if mode == "trainstream":
             stats = client.stats()

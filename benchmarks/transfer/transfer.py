@@ -6,13 +6,14 @@ from cudaHostAlloc (torch's pin_memory), then the reverse, timed to the last cop
 
 trainstream, per GPU: the GPUs' processes are the ranks of one job on one trainstreamd. D2H is a
 backward pass whose gradients are the same tensors (d(sum(p*g))/dp = g), timed until every bucket's
-gradients are in the job's shared memory and its GRAD_READY has been sent; H2D is bringing the new
-weights of every bucket back into the parameters once the daemon has published them (the update
-itself is not timed, but it runs during the D2H phase as in training, competing for host memory
-bandwidth; --daemon-threads 1 all but removes that to show the transport alone). Both go through the
-real hooks, transport, rings and daemon.
+gradients are in the job's shared memory (cuda-client-copy: copied and announced by this process;
+cuda-ipc: every staging slot copied out by the daemon); H2D is optimizer.step() and bringing the new
+weights of every bucket into the parameters, once the daemon has updated them (the update itself is
+not timed, but it runs during the D2H phase as in training, competing for host memory bandwidth;
+--daemon-threads 1 all but removes that to show the transport alone). Both go through the real
+hooks, transport, rings and daemon.
 
-    python3 benchmarks/transfer/transfer.py --gpus 2 --total-gib 1 --bucket-mb 32 --json out.json
+    python3 benchmarks/transfer/transfer.py --gpus 2 --total-gib 1 --bucket-mb 32 --transport cuda-ipc
 """
 
 from __future__ import annotations
@@ -73,15 +74,19 @@ def worker(gpu: int, args, barrier, results) -> None:
         graph.pop().backward()
         rank.transport.flush()  # every bucket copied out and announced to the daemon
 
-    def wait_for_daemon():
-        opt.step()
+    def wait_for_update():
         for b in range(len(rank.buckets)):
-            rank.session.wait_params_ready(b, rank._ready_step[b])
+            while rank.session.applied_step(b) < rank._bucket_step[b]:
+                time.sleep(1e-4)
+
+    def trainstream_h2d():
+        opt.step()
+        rank.synchronize()
 
     samples = {key: [] for key in ("reference_d2h", "reference_h2d", "trainstream_d2h", "trainstream_h2d")}
     for repeat in range(args.warmup + args.repeats):
         phases = [("reference_d2h", reference_d2h), ("reference_h2d", reference_h2d), (None, forward),
-                  ("trainstream_d2h", trainstream_d2h), (None, wait_for_daemon), ("trainstream_h2d", rank.synchronize)]
+                  ("trainstream_d2h", trainstream_d2h), (None, wait_for_update), ("trainstream_h2d", trainstream_h2d)]
         for key, fn in phases:
             barrier.wait()
             seconds = timed(fn)
@@ -106,8 +111,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--daemon-threads", type=int, help="the daemon's update threads (default: all CPUs); "
                         "1 keeps its update, which overlaps the D2H phase, from competing for host memory bandwidth")
+    parser.add_argument("--transport", choices=["cuda-ipc", "cuda-client-copy"], default="cuda-ipc")
     parser.add_argument("--json")
     args = parser.parse_args()
+    os.environ["TRAINSTREAM_TRANSPORT"] = args.transport  # the spawned workers inherit it
     if not torch.cuda.is_available() or args.gpus < 1:
         sys.exit("benchmarks/transfer needs CUDA GPUs")
 
@@ -130,10 +137,12 @@ def main() -> None:
         total[direction + "_ratio"] = total[f"trainstream_{direction}_gbs"] / total[f"reference_{direction}_gbs"]
     for r in per_gpu:
         print(json.dumps(r))
-    print(json.dumps({"gpus": args.gpus, "daemon_threads": args.daemon_threads, "total": total}))
+    print(json.dumps({"gpus": args.gpus, "transport": args.transport, "daemon_threads": args.daemon_threads,
+                      "total": total}))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"gpus": args.gpus, "bucket_mb": args.bucket_mb, "total_gib": args.total_gib,
+            json.dump({"gpus": args.gpus, "transport": args.transport, "bucket_mb": args.bucket_mb,
+                       "total_gib": args.total_gib,
                        "daemon_threads": args.daemon_threads or os.cpu_count(),
                        "repeats": args.repeats, "per_gpu": per_gpu, "total": total}, f, indent=1)
 

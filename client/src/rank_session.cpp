@@ -111,6 +111,10 @@ void RankSession::Impl::ReadEvents() {
     if (event.has_warning()) warnings.push_back(event.warning());
     if (event.has_error() && !failure) failure = "trainstreamd: " + event.error();
     if (event.has_shutdown() && !failure) failure = "trainstreamd: " + event.shutdown();
+    if (event.has_cuda_ipc()) {
+      cuda_ipc_reply = event.cuda_ipc().error();
+      cuda_ipc_answered.notify_all();
+    }
   }
   const grpc::Status status = stream->Finish();
   Fail(closing ? std::string("the session was closed")
@@ -123,6 +127,7 @@ void RankSession::Impl::Fail(const std::string& message) {
     if (!failure) failure = message;
   }
   failed = true;
+  cuda_ipc_answered.notify_all();
   view.header->completion_doorbell.Ring();  // wake our own waiters
 }
 
@@ -145,6 +150,10 @@ void RankSession::Impl::Drain() {
         outstanding[message.bucket] = 0;
         break;
       case shm::MessageKind::kSlotFree: outstanding[message.bucket] = 0; break;
+      case shm::MessageKind::kStagingFree:
+        TS_CHECK(message.slot < staging_busy.size(), Code::kInternal, "STAGING_FREE for unknown slot {}", message.slot);
+        staging_busy[message.slot] = 0;
+        break;
       default: Throw(Code::kInternal, "unexpected completion kind {}", static_cast<int>(message.kind));
     }
   }
@@ -214,17 +223,74 @@ size_t RankSession::rank_bytes() const {
   return impl_->layout.rank_bytes;
 }
 
-void RankSession::SendGradReady(uint32_t bucket, uint64_t step, uint32_t micro, bool final_micro) {
+void RankSession::SendGradReady(uint32_t bucket, uint64_t step, uint32_t micro, bool final_micro, uint32_t slot) {
   TS_CHECK(bucket < impl_->layout.buckets.size(), Code::kInvalidArgument, "bucket {} out of range", bucket);
   {
     std::lock_guard lock(impl_->mutex);
     impl_->outstanding[bucket] = 1;
+    if (!impl_->staging_busy.empty()) {
+      TS_CHECK(slot < impl_->staging_busy.size(), Code::kInvalidArgument, "staging slot {} out of range", slot);
+      impl_->staging_busy[slot] = 1;
+    }
   }
   impl_->Push(shm::Message{.kind = shm::MessageKind::kGradReady,
                            .flags = static_cast<uint16_t>(final_micro ? shm::kFinalMicro : 0),
                            .bucket = bucket,
                            .step = step,
-                           .micro = micro});
+                           .micro = micro,
+                           .slot = slot});
+}
+
+std::string RankSession::RegisterCudaIpc(const CudaIpcBuffers& buffers) {
+  v1::SessionRequest request;
+  v1::CudaIpcRegistration* r = request.mutable_register_cuda_ipc();
+  r->set_device_uuid(buffers.device_uuid);
+  r->set_params_handle(buffers.params_handle);
+  r->set_params_bytes(buffers.params_bytes);
+  r->set_staging_handle(buffers.staging_handle);
+  r->set_slot_bytes(buffers.slot_bytes);
+  for (const std::string& event : buffers.grad_ready_events) r->add_grad_ready_events(event);
+  for (const std::string& event : buffers.weights_wanted_events) r->add_weights_wanted_events(event);
+  impl_->CheckHealthy();
+  {
+    std::lock_guard lock(impl_->event_mutex);
+    impl_->cuda_ipc_reply.reset();
+  }
+  TS_CHECK(impl_->stream->Write(request), Code::kUnavailable,
+           "registering the GPU buffers: the session with trainstreamd is gone");
+  std::string error;
+  for (;;) {
+    {
+      std::unique_lock lock(impl_->event_mutex);
+      if (impl_->cuda_ipc_answered.wait_for(lock, kWakeInterval, [&] { return impl_->cuda_ipc_reply.has_value(); })) {
+        error = *impl_->cuda_ipc_reply;
+        break;
+      }
+    }
+    impl_->CheckHealthy();
+  }
+  if (error.empty()) {  // the GPU holds none of the job's weights until the daemon pushes them
+    std::lock_guard lock(impl_->mutex);
+    impl_->staging_busy.assign(buffers.grad_ready_events.size(), 0);
+    std::fill(impl_->params_ready.begin(), impl_->params_ready.end(), -1);
+  }
+  return error;
+}
+
+void RankSession::SendWeightsWanted(uint64_t step, uint32_t event) {
+  impl_->Push(shm::Message{.kind = shm::MessageKind::kWeightsWanted, .step = step, .slot = event});
+}
+
+void RankSession::WaitStagingFree(uint32_t slot) {
+  {
+    std::lock_guard lock(impl_->mutex);
+    TS_CHECK(slot < impl_->staging_busy.size(), Code::kInvalidArgument, "staging slot {} out of range", slot);
+  }
+  impl_->WaitUntil([&] { return impl_->staging_busy[slot] == 0; });
+}
+
+void RankSession::WaitWeightsWantedWaits(uint64_t count) {
+  impl_->WaitUntil([&] { return impl_->view.header->weights_wanted_waits.load() >= count; });
 }
 
 void RankSession::SendLoadState(uint64_t step) {

@@ -5,6 +5,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -45,6 +46,7 @@ struct RankSession::Impl {
   shm::RingConsumer completions;
   std::vector<int64_t> params_ready;  // per bucket: last published step, -1 before the first
   std::vector<uint8_t> outstanding;   // per bucket: grads sent, not yet released
+  std::vector<uint8_t> staging_busy;  // cuda-ipc, per staging slot: sent, not yet copied out
 
   grpc::ClientContext context;
   std::unique_ptr<grpc::ClientReaderWriter<v1::SessionRequest, v1::SessionEvent>> stream;
@@ -54,6 +56,8 @@ struct RankSession::Impl {
   std::mutex event_mutex;  // guards failure and warnings
   std::optional<std::string> failure;
   std::vector<std::string> warnings;
+  std::optional<std::string> cuda_ipc_reply;  // the daemon's answer to RegisterCudaIpc
+  std::condition_variable cuda_ipc_answered;
 };
 
 }  // namespace trainstream

@@ -11,6 +11,7 @@
 
 namespace py = pybind11;
 using trainstream::Client;
+using trainstream::GpuBuffer;
 using trainstream::RankSession;
 
 namespace {
@@ -168,6 +169,22 @@ PYBIND11_MODULE(_C, m) {
           py::arg("max_grad_norm"), py::arg("seed"), py::arg("peers") = std::vector<std::string>(),
           py::arg("node_rank") = 0, py::arg("transport") = "host", py::arg("device") = "cpu");
 
+  // Device memory for the cuda-ipc transport; torch.as_tensor(buffer, device=...) views it through
+  // __cuda_array_interface__, and the tensor keeps the buffer alive.
+  py::class_<GpuBuffer, std::shared_ptr<GpuBuffer>>(m, "GpuBuffer")
+      .def(py::init<int, size_t>(), py::arg("device"), py::arg("nbytes"))
+      .def_property_readonly("address", &GpuBuffer::address)
+      .def_property_readonly("nbytes", &GpuBuffer::bytes)
+      .def("ipc_handle", [](const GpuBuffer& b) { return py::bytes(b.ipc_handle()); })
+      .def_property_readonly("__cuda_array_interface__", [](const GpuBuffer& b) {
+        py::dict interface;
+        interface["shape"] = py::make_tuple(b.bytes());
+        interface["typestr"] = "|u1";
+        interface["data"] = py::make_tuple(b.address(), false);
+        interface["version"] = 2;
+        return interface;
+      });
+
   py::class_<RankSession, std::shared_ptr<RankSession>>(m, "RankSession")
       .def_property_readonly("rank", &RankSession::rank)
       .def_property_readonly("created", &RankSession::created)
@@ -217,8 +234,34 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("step"), py::arg("group"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
           py::arg("weight_decay"))
+      .def_property_readonly("grad_bytes", [](const RankSession& s) { return s.layout().grad_bytes; })
       .def("send_grad_ready", &RankSession::SendGradReady, py::arg("bucket"), py::arg("step"), py::arg("micro"),
-           py::arg("final"), py::call_guard<py::gil_scoped_release>())
+           py::arg("final"), py::arg("slot") = 0, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "register_cuda_ipc",
+          [](RankSession& s, const py::bytes& device_uuid, const py::bytes& params_handle, uint64_t params_bytes,
+             const py::bytes& staging_handle, uint64_t slot_bytes, const std::vector<py::bytes>& grad_ready_events,
+             const std::vector<py::bytes>& weights_wanted_events) {
+            trainstream::CudaIpcBuffers buffers{.device_uuid = device_uuid,
+                                                .params_handle = params_handle,
+                                                .params_bytes = params_bytes,
+                                                .staging_handle = staging_handle,
+                                                .slot_bytes = slot_bytes,
+                                                .grad_ready_events = {},
+                                                .weights_wanted_events = {}};
+            for (const auto& event : grad_ready_events) buffers.grad_ready_events.emplace_back(event);
+            for (const auto& event : weights_wanted_events) buffers.weights_wanted_events.emplace_back(event);
+            py::gil_scoped_release release;
+            return s.RegisterCudaIpc(buffers);
+          },
+          py::arg("device_uuid"), py::arg("params_handle"), py::arg("params_bytes"), py::arg("staging_handle"),
+          py::arg("slot_bytes"), py::arg("grad_ready_events"), py::arg("weights_wanted_events"))
+      .def("send_weights_wanted", &RankSession::SendWeightsWanted, py::arg("step"), py::arg("event"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("wait_staging_free", &RankSession::WaitStagingFree, py::arg("slot"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("wait_weights_wanted_waits", &RankSession::WaitWeightsWantedWaits, py::arg("count"),
+           py::call_guard<py::gil_scoped_release>())
       .def("send_load_state", &RankSession::SendLoadState, py::arg("step"), py::call_guard<py::gil_scoped_release>())
       .def(
           "send_raw",

@@ -124,12 +124,13 @@ class Rank:
                 self._bucket_step[b] = s.applied_step(b) + 1
                 self._ready_step[b] = s.applied_step(b)
             self._stale = set(range(len(self.buckets)))
+            self.transport.step_done(max(self._ready_step, default=0))
         else:
             self._mark_all_stale(0)
         self.synchronize()
 
     def _mark_all_stale(self, step: int) -> None:
-        self.transport.step_done()
+        self.transport.step_done(step)
         for b in range(len(self.buckets)):
             self._bucket_step[b] = step + 1
             self._ready_step[b] = step
@@ -213,7 +214,7 @@ class Rank:
 
     def _open(self, b: int) -> None:
         """Before the first gradient of bucket b in this micro-batch: its slot must be free."""
-        self.transport.wait_sent(b)  # the slot's previous contents must have been sent...
+        self.transport.open_bucket(b)  # the slot's previous contents must have been sent...
         self.session.wait_slot_free(b)  # ...and consumed
         for i in self._bucket_params[b]:
             self._presence[i] = 0
@@ -241,7 +242,7 @@ class Rank:
     def _send(self, b: int) -> None:
         step, micro = self._bucket_step[b], self._micro
         final = micro + 1 == self.accumulation_steps
-        self.transport.bucket_done(b, lambda: self.session.send_grad_ready(b, step, micro, final))
+        self.transport.bucket_done(b, lambda slot=0: self.session.send_grad_ready(b, step, micro, final, slot))
         self._sent[b] = True
 
     def _end_backward(self) -> None:
@@ -278,7 +279,7 @@ class Rank:
             self._stale = set(range(len(self.buckets)))
             self._micro = 0
             self._step_pending = False
-            self.transport.step_done()
+            self.transport.step_done(max(self._ready_step, default=0))
         self._report_warnings()
 
     def _report_warnings(self) -> None:

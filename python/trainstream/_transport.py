@@ -1,7 +1,13 @@
 """How gradients reach the job's host slots and new weights reach the parameters.
 
 HostTransport  — parameters on the CPU: plain copies between the parameters and the segments.
-CudaCopyTransport — parameters on a CUDA device, copied by this process: the rank's gradient region
+CudaIpcTransport — parameters on a CUDA device, copied by the daemon (DESIGN.md "One step"): the
+    parameters become views of one flat buffer allocated outside torch's allocator, completed
+    buckets' gradients go into a few staging slots, and both are exported once by CUDA IPC handle,
+    with interprocess events that order the daemon's copies after this process's kernels. Nothing is
+    pinned in this process. The default for CUDA parameters.
+CudaCopyTransport — the fallback where the daemon cannot open IPC handles (another PID namespace, no
+    driver in the daemon's view): parameters copied by this process: the rank's gradient region
     and the job's upload region are pinned (cudaHostRegister) and the copies run on a side CUDA
     stream, ordered against the compute stream by events, without any CPU wait. A
     bucket's GRAD_READY is sent by a sender thread once an event recorded after its copies has
@@ -14,11 +20,15 @@ that bucket, which cannot start before this rank's next gradients — queued aft
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
+import uuid as _uuid
+import warnings
 
 import torch
 
+from trainstream import _C
 from trainstream._C import TrainstreamError
 
 
@@ -34,7 +44,7 @@ class HostTransport:
     def bucket_done(self, b: int, send) -> None:
         send()
 
-    def wait_sent(self, b: int) -> None:
+    def open_bucket(self, b: int) -> None:
         pass
 
     def weights_in(self, i: int) -> None:
@@ -43,7 +53,7 @@ class HostTransport:
     def weights_done(self) -> None:
         pass
 
-    def step_done(self) -> None:
+    def step_done(self, step: int) -> None:
         pass
 
     def flush(self) -> None:
@@ -91,7 +101,7 @@ class CudaCopyTransport:
         self._sent[b] = threading.Event()
         self._queue.put((event, send, self._sent[b]))
 
-    def wait_sent(self, b: int) -> None:
+    def open_bucket(self, b: int) -> None:
         """Waits until bucket b's last GRAD_READY has gone out (not the buckets queued after it, so
         the next bucket's copies are queued while earlier ones are still in flight)."""
         sent = self._sent.get(b)
@@ -99,7 +109,7 @@ class CudaCopyTransport:
             sent.wait()
         self._raise_pending()
 
-    def step_done(self) -> None:
+    def step_done(self, step: int) -> None:
         """optimizer.step(): new weights may overwrite the parameters once the queued kernels ran."""
         self._compute_done = torch.cuda.Event()
         self._compute_done.record(torch.cuda.current_stream(self.device))
@@ -169,14 +179,120 @@ def _ranges_to_pin(rank) -> list[tuple[int, int]]:
     return [(start, end - start) for start, end in merged]
 
 
-_TRANSPORTS = {"cpu": HostTransport, "cuda": CudaCopyTransport}
+class CudaIpcTransport:
+    name = "cuda-ipc"
+    _WANT_EVENTS = 2  # weights-wanted events, used in turn
+
+    def __init__(self, rank, device: torch.device):
+        self.rank = rank
+        self.device = device
+        self.session = rank.session
+        sizes = [b["numel"] * _DTYPE_BYTES[b["dtype"]] for b in rank.buckets]
+        self.slot_bytes = _round_up(max(sizes, default=1), 256)
+        slots = int(os.environ.get("TRAINSTREAM_STAGING_SLOTS", 4 if self.slot_bytes <= 64 << 20 else 2))
+        with torch.cuda.device(device):
+            self._params_buffer = _C.GpuBuffer(device.index, max(self.session.grad_bytes, 1))
+            self._staging_buffer = _C.GpuBuffer(device.index, slots * self.slot_bytes)
+            self._grad_ready = [torch.cuda.Event(interprocess=True) for _ in range(slots)]
+            self._wanted = [torch.cuda.Event(interprocess=True) for _ in range(self._WANT_EVENTS)]
+            uuid = _uuid.UUID(str(torch.cuda.get_device_properties(device).uuid)).bytes
+            refusal = self.session.register_cuda_ipc(
+                uuid, self._params_buffer.ipc_handle(), self._params_buffer.nbytes, self._staging_buffer.ipc_handle(),
+                self.slot_bytes, [bytes(e.ipc_handle()) for e in self._grad_ready],
+                [bytes(e.ipc_handle()) for e in self._wanted])
+        if refusal:
+            raise CudaIpcRefused(refusal)
+        self.device_bytes = self._params_buffer.nbytes + self._staging_buffer.nbytes  # outside torch's allocator
+        self._staging = torch.as_tensor(self._staging_buffer, device=device)
+        self._rehome_parameters(torch.as_tensor(self._params_buffer, device=device))
+        self._pending: dict[int, list[tuple[int, torch.Tensor]]] = {}  # bucket -> gradients not yet staged
+        self._next_slot = 0
+        self._wants = 0  # kWeightsWanted messages sent
+
+    def _rehome_parameters(self, flat: torch.Tensor) -> None:
+        """Every parameter becomes a view of the flat buffer at its bucket's offset, keeping its values."""
+        with torch.no_grad():
+            for i, p in enumerate(self.rank.params):
+                start = self._byte_offset(i) + self.rank.buckets[self.rank.param_layout[i][0]]["grad_offset"]
+                view = flat[start:start + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+                view.copy_(p.detach())
+                p.data = view
+
+    def _byte_offset(self, i: int) -> int:
+        """Where parameter i starts inside its bucket, in bytes."""
+        return self.rank.param_layout[i][1] * self.rank.params[i].element_size()
+
+    def grad_out(self, i: int, grad: torch.Tensor) -> None:
+        """Kept until the bucket is complete: slots hold whole buckets, so none waits for a half one."""
+        self._pending.setdefault(self.rank.param_layout[i][0], []).append((i, grad))
+
+    def bucket_done(self, b: int, send) -> None:
+        slot = self._next_slot
+        self._next_slot = (slot + 1) % len(self._grad_ready)
+        self.session.wait_staging_free(slot)  # the daemon copied its previous bucket out
+        stream = torch.cuda.current_stream(self.device)
+        base = slot * self.slot_bytes
+        for i, grad in self._pending.pop(b, []):
+            start = base + self._byte_offset(i)
+            self._staging[start:start + grad.numel() * grad.element_size()].view(grad.dtype).view(grad.shape).copy_(grad)
+        self._grad_ready[slot].record(stream)
+        send(slot)
+
+    def open_bucket(self, b: int) -> None:
+        pass
+
+    def weights_in(self, i: int) -> None:
+        pass  # the daemon wrote them, and its PARAMS_READY comes after the copy completed
+
+    def weights_done(self) -> None:
+        pass
+
+    def step_done(self, step: int) -> None:
+        """The daemon may write the weights of `step` once the kernels queued so far have run."""
+        n = self._wants
+        if n >= self._WANT_EVENTS:  # its event's previous use must have been waited for
+            self.session.wait_weights_wanted_waits(n - self._WANT_EVENTS + 1)
+        event = n % self._WANT_EVENTS
+        self._wanted[event].record(torch.cuda.current_stream(self.device))
+        self.session.send_weights_wanted(step, event)
+        self._wants += 1
+
+    def flush(self) -> None:
+        """Waits until the daemon has copied every staging slot out."""
+        for slot in range(len(self._grad_ready)):
+            self.session.wait_staging_free(slot)
+
+    def close(self) -> None:
+        """The parameters move back into torch's memory: the flat buffer goes with this transport."""
+        torch.cuda.synchronize(self.device)
+        with torch.no_grad():
+            for p in self.rank.params:
+                p.data = p.data.clone()
+        self._pending.clear()
+
+
+class CudaIpcRefused(TrainstreamError):
+    """The daemon cannot reach this process's GPU memory (the message says why)."""
+
+
+_DTYPE_BYTES = {0: 4, 1: 2, 2: 2}
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
 
 
 def transport_name(device: torch.device) -> str:
     """The transport for parameters on `device`, named before attaching (the daemon logs it)."""
-    if device.type not in _TRANSPORTS:
+    if device.type == "cpu":
+        return HostTransport.name
+    if device.type != "cuda":
         raise TrainstreamError(f"parameters on {device} are not supported (cpu or cuda)")
-    return _TRANSPORTS[device.type].name
+    wanted = os.environ.get("TRAINSTREAM_TRANSPORT", CudaIpcTransport.name)
+    if wanted not in (CudaIpcTransport.name, CudaCopyTransport.name):
+        raise TrainstreamError(f"TRAINSTREAM_TRANSPORT={wanted!r}: use {CudaIpcTransport.name!r} or "
+                               f"{CudaCopyTransport.name!r}")
+    return wanted
 
 
 def describe_device(device: torch.device) -> str:
@@ -187,4 +303,13 @@ def describe_device(device: torch.device) -> str:
 
 
 def transport_for(rank, device: torch.device):
-    return HostTransport(rank) if device.type == "cpu" else CudaCopyTransport(rank, device)
+    name = transport_name(device)
+    if name == HostTransport.name:
+        return HostTransport(rank)
+    if name == CudaIpcTransport.name:
+        try:
+            return CudaIpcTransport(rank, device)
+        except CudaIpcRefused as refusal:
+            warnings.warn(f"trainstream: the daemon cannot copy this process's GPU data ({refusal}); "
+                          "this process copies it instead (cuda-client-copy)", RuntimeWarning, stacklevel=3)
+    return CudaCopyTransport(rank, device)

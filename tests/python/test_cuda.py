@@ -1,5 +1,6 @@
-"""The GPU path (parameters on CUDA), against torch on the same GPU. Skipped without CUDA; these run
-on the GPU machine (scripts/device_run.sh)."""
+"""The GPU path (parameters on CUDA), against torch on the same GPU, through both transports: cuda-ipc
+(the daemon copies) and cuda-client-copy (the fallback). Skipped without CUDA; these run on the GPU
+machine (scripts/device_run.sh)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,12 @@ pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(autouse=True, params=["cuda-ipc", "cuda-client-copy"])
+def transport(request, monkeypatch):
+    monkeypatch.setenv("TRAINSTREAM_TRANSPORT", request.param)  # trainer subprocesses inherit it
+    return request.param
 
 
 def mlp():
@@ -110,11 +117,11 @@ def test_bf16_parameters_under_autocast(client):
     assert state["exp_avg"].dtype == torch.bfloat16 and state["exp_avg"].device.type == "cuda"
 
 
-def test_job_reports_the_client_copy_transport(client):
+def test_job_reports_its_transport(client, transport):
     model = mlp()
     model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters()), client=client, job="cuda-transport")
-    transport = next(j for j in client.stats()["jobs"] if j["name"] == "cuda-transport")["transports"][0]
-    assert transport.startswith("cuda-client-copy on cuda") and torch.cuda.get_device_name() in transport
+    shown = next(j for j in client.stats()["jobs"] if j["name"] == "cuda-transport")["transports"][0]
+    assert shown.startswith(f"{transport} on cuda") and torch.cuda.get_device_name() in shown
     trainstream.unwrap(model)
     client.drop_job("cuda-transport")
 

@@ -164,6 +164,31 @@ def test_unknown_transport_is_refused_before_the_job_exists(client):
     assert_daemon_healthy(client)
 
 
+def register_fake_cuda_ipc(session, params_bytes=1 << 20):
+    handle = b"\0" * 64
+    return session.register_cuda_ipc(b"\0" * 16, handle, params_bytes, handle, 1 << 20, [handle], [handle, handle])
+
+
+def test_refused_cuda_ipc_registration_leaves_a_working_session(client):
+    session = attach(client, job="ipc-refused", transport="cuda-ipc")
+    # No driver here; on a GPU machine no GPU has this UUID. Either way: refused, with the reason.
+    assert register_fake_cuda_ipc(session)
+    session.check_healthy()
+    job = next(j for j in client.stats()["jobs"] if j["name"] == "ipc-refused")
+    assert job["transports"][0].startswith("cuda-client-copy (cuda-ipc refused)")
+    session.send_load_state(0)  # the rank goes on copying its own data
+    session.wait_params_ready(0, 0)
+    with pytest.raises(TrainstreamError, match="unexpected message"):  # only one registration per session
+        register_fake_cuda_ipc(session)
+    assert_daemon_healthy(client)
+
+
+def test_cuda_ipc_buffers_too_small_for_the_job_are_refused(client):
+    session = attach(client, job="ipc-small", transport="cuda-ipc")
+    assert "the parameter buffer has 8 bytes, the job's buckets need" in register_fake_cuda_ipc(session, params_bytes=8)
+    session.check_healthy()
+
+
 def test_duplicate_delivery(client):
     session = attach(client, world_size=2, job="dup")
     session.set_hparams(1, 0, 1e-3, 0.9, 0.999, 1e-8, 0.0)

@@ -39,8 +39,38 @@ struct JobReport {
 
 // How a rank moves its data, told to the daemon at attach (which logs it and shows it in Stats).
 struct RankTransport {
-  std::string name = "host";   // "host" or "cuda-client-copy"
+  std::string name = "host";   // "host", "cuda-ipc" or "cuda-client-copy"
   std::string device = "cpu";  // where the parameters live, e.g. "cuda:0 (NVIDIA H200, GPU-...)"
+};
+
+// What a cuda-ipc rank exports to the daemon, once: raw IPC handle bytes (CudaIpcRegistration in
+// control.proto says what each is).
+struct CudaIpcBuffers {
+  std::string device_uuid;  // 16 bytes
+  std::string params_handle;
+  uint64_t params_bytes = 0;
+  std::string staging_handle;
+  uint64_t slot_bytes = 0;
+  std::vector<std::string> grad_ready_events, weights_wanted_events;
+};
+
+// Device memory allocated with the driver, outside any framework's allocator, so that it can be
+// exported by a CUDA IPC handle whatever that allocator's settings (expandable segments included).
+class GpuBuffer {
+ public:
+  GpuBuffer(int device_ordinal, size_t bytes);  // in the device's primary context (torch's)
+  ~GpuBuffer();
+  GpuBuffer(const GpuBuffer&) = delete;
+  GpuBuffer& operator=(const GpuBuffer&) = delete;
+  [[nodiscard]] uint64_t address() const { return address_; }
+  [[nodiscard]] size_t bytes() const { return bytes_; }
+  [[nodiscard]] std::string ipc_handle() const;
+
+ private:
+  int device_ordinal_;
+  size_t bytes_;
+  void* context_ = nullptr;  // the device's primary context, retained
+  uint64_t address_ = 0;
 };
 
 struct StatsReport {
@@ -96,8 +126,19 @@ class RankSession {
   [[nodiscard]] size_t state_bytes() const;
   [[nodiscard]] size_t rank_bytes() const;
 
-  // Tells the daemon that this rank's gradients of `bucket` for (step, micro) are in its grad region.
-  void SendGradReady(uint32_t bucket, uint64_t step, uint32_t micro, bool final_micro);
+  // Tells the daemon that this rank's gradients of `bucket` for (step, micro) are in its grad region
+  // (cuda-ipc: in staging slot `slot`, after its grad-ready event).
+  void SendGradReady(uint32_t bucket, uint64_t step, uint32_t micro, bool final_micro, uint32_t slot = 0);
+  // cuda-ipc: hands the daemon this rank's GPU buffers and events. Returns why the daemon refused
+  // (the rank then copies its data itself), or an empty string.
+  std::string RegisterCudaIpc(const CudaIpcBuffers& buffers);
+  // cuda-ipc: optimizer.step() for `step` was called; `event` was recorded after the kernels that read
+  // the weights (the `count`-th such message of this session, from 1).
+  void SendWeightsWanted(uint64_t step, uint32_t event);
+  // cuda-ipc: blocks until the daemon copied staging slot `slot` out.
+  void WaitStagingFree(uint32_t slot);
+  // cuda-ipc: blocks until the daemon has waited for `count` weights-wanted events.
+  void WaitWeightsWantedWaits(uint64_t count);
   // Tells the daemon that the client wrote master weights / moments / step counts: publish as `step`.
   void SendLoadState(uint64_t step);
   // Pushes an arbitrary message (tests use it to send malformed ones).

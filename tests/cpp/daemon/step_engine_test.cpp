@@ -8,7 +8,10 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <deque>
 #include <condition_variable>
 #include <functional>
 #include <future>
@@ -24,6 +27,7 @@
 #include <vector>
 
 #include "daemon/job.h"
+#include "daemon/rank_transfer.h"
 #include "daemon/session_sink.h"
 #include "daemon/worker_pool.h"
 #include "shm/error.h"
@@ -514,6 +518,176 @@ TEST_F(StepEngineTest, ReattachDuringAnInFlightUpdateKeepsTheNewRankSegment) {
   EXPECT_NO_THROW(shm::Segment::Open(name));
 }
 
+// A RankTransfer whose "GPU" is host memory: copies are memcpy on a thread of its own, in submission
+// order, so the engine's cuda-ipc stages (pull before delivery, push after the update and after
+// WEIGHTS_WANTED) run on machines without a GPU.
+class FakeGpu final : public RankTransfer {
+ public:
+  FakeGpu(size_t params_bytes, uint32_t slots, size_t slot_bytes)
+      : params(params_bytes), staging(slots * slot_bytes), slots_(slots), slot_bytes_(slot_bytes) {}
+  ~FakeGpu() override {
+    {
+      std::lock_guard lock(mutex_);
+      stopping_ = true;
+    }
+    wake_.notify_all();
+    thread_.join();
+  }
+  [[nodiscard]] uint32_t staging_slots() const override { return slots_; }
+  [[nodiscard]] uint32_t weights_wanted_events() const override { return 2; }
+  void PullGradients(uint32_t slot, void* host, size_t bytes, Done done) override {
+    Run([=, this] { std::memcpy(host, staging.data() + slot * slot_bytes_, bytes); }, std::move(done));
+  }
+  void AwaitWeightsWanted(uint32_t, Done done) override { Run([] {}, std::move(done)); }
+  void PushWeights(uint64_t offset, const void* host, size_t bytes, Done done) override {
+    Run([=, this] { std::memcpy(params.data() + offset, host, bytes); }, std::move(done));
+  }
+  // The rank's view of parameter p: its place in the flat parameter buffer, or in staging slot `slot`.
+  std::span<float> Param(const shm::JobLayout& layout, uint32_t p) {
+    return {reinterpret_cast<float*>(params.data() + layout.buckets[layout.params[p].bucket].grad_offset) +
+                layout.params[p].offset_in_bucket,
+            layout.params[p].numel};
+  }
+  std::span<float> Staged(const shm::JobLayout& layout, uint32_t slot, uint32_t p) {
+    return {reinterpret_cast<float*>(staging.data() + slot * slot_bytes_) + layout.params[p].offset_in_bucket,
+            layout.params[p].numel};
+  }
+
+  std::vector<std::byte> params, staging;
+
+ private:
+  void Run(std::function<void()> copy, Done done) {
+    {
+      std::lock_guard lock(mutex_);
+      queue_.emplace_back(std::move(copy), std::move(done));
+    }
+    wake_.notify_all();
+  }
+  void Loop() {
+    for (;;) {
+      std::unique_lock lock(mutex_);
+      wake_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      auto [copy, done] = std::move(queue_.front());
+      queue_.pop_front();
+      lock.unlock();
+      copy();
+      done(std::nullopt);
+    }
+  }
+
+  const uint32_t slots_;
+  const size_t slot_bytes_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::deque<std::pair<std::function<void()>, Done>> queue_;
+  bool stopping_ = false;
+  std::thread thread_{[this] { Loop(); }};
+};
+
+class CudaIpcStagesTest : public StepEngineTest {
+ protected:
+  void SetUp() override {
+    job_ = MakeJob();
+    client_ = std::make_unique<RankClient>(*job_, 0);
+    size_t largest = 0;
+    for (const shm::BucketLayout& bucket : layout().buckets) largest = std::max<size_t>(largest, bucket.bytes());
+    gpu_ = std::make_shared<FakeGpu>(layout().grad_bytes, /*slots=*/2, largest);
+    job_->SetTransfer(0, gpu_, "fake-gpu");
+  }
+  [[nodiscard]] const shm::JobLayout& layout() const { return job_->layout(); }
+  void WantWeights(uint64_t step) {
+    client_->Send(Message{.kind = MessageKind::kWeightsWanted, .step = step, .slot = wants_++ % 2});
+  }
+  // Gradients of `step` into the staging slots (bucket b in slot b), then GRAD_READY naming them.
+  void StageStep(uint64_t step) {
+    client_->SetHParams(step, TestHParams());
+    for (uint32_t p = 0; p < layout().params.size(); ++p) {
+      std::span<float> staged = gpu_->Staged(layout(), layout().params[p].bucket, p);
+      for (uint64_t i = 0; i < staged.size(); ++i) staged[i] = Gradient(p, 0, step, i);
+      client_->view().presence[p] = 1;
+    }
+    for (uint32_t b = 0; b < client_->buckets(); ++b) {
+      client_->Send(Message{
+          .kind = MessageKind::kGradReady, .flags = shm::kFinalMicro, .bucket = b, .step = step, .slot = b});
+    }
+  }
+  // Every completion of one kind, `count` of them, in any order (others fail the test).
+  std::vector<Message> ReceiveAll(MessageKind kind, uint32_t count) {
+    std::vector<Message> received;
+    while (received.size() < count) {
+      const std::optional<Message> message = client_->Receive();
+      if (!message) break;
+      EXPECT_EQ(message->kind, kind) << "bucket " << message->bucket << " step " << message->step;
+      received.push_back(*message);
+    }
+    EXPECT_EQ(received.size(), count);
+    return received;
+  }
+  void ExpectGpuHoldsMaster() {
+    for (uint32_t p = 0; p < layout().params.size(); ++p) {
+      const std::span<float> master = client_->Master(p), gpu = gpu_->Param(layout(), p);
+      EXPECT_TRUE(std::equal(master.begin(), master.end(), gpu.begin())) << "param " << p;
+    }
+  }
+
+  std::unique_ptr<Job> job_;
+  std::unique_ptr<RankClient> client_;
+  std::shared_ptr<FakeGpu> gpu_;
+  uint32_t wants_ = 0;
+};
+
+TEST_F(CudaIpcStagesTest, WeightsReachTheGpuOnlyOnceWanted) {
+  client_->LoadInitialState();
+  client_->ExpectNoCompletion(100ms);  // loaded, but the rank has not asked for weights yet
+  WantWeights(0);
+  client_->ExpectParamsReady(0);
+  ExpectGpuHoldsMaster();
+  EXPECT_TRUE(trainstream::testing::PollUntil([&] { return client_->view().header->weights_wanted_waits == 1; }));
+
+  StageStep(1);
+  std::vector<Message> freed = ReceiveAll(MessageKind::kStagingFree, 2);  // both slots copied out
+  std::vector<uint32_t> slots;
+  for (const Message& m : freed) slots.push_back(m.slot);
+  std::sort(slots.begin(), slots.end());
+  EXPECT_EQ(slots, (std::vector<uint32_t>{0, 1}));
+  client_->ExpectNoCompletion(100ms);  // updated, but optimizer.step() has not been called
+  AdamWReference reference(job_->spec());
+  reference.Step(1, TestHParams());
+  reference.ExpectMatches(*client_);
+  WantWeights(1);
+  client_->ExpectParamsReady(1);
+  ExpectGpuHoldsMaster();
+}
+
+TEST_F(CudaIpcStagesTest, StepsMatchAdamWThroughTheGpuBuffers) {
+  client_->LoadInitialState();
+  WantWeights(0);
+  client_->ExpectParamsReady(0);
+  AdamWReference reference(job_->spec());
+  for (uint64_t step = 1; step <= 3; ++step) {
+    StageStep(step);
+    WantWeights(step);  // optimizer.step() right after backward: the usual order
+    ReceiveAll(MessageKind::kStagingFree, 2);
+    client_->ExpectParamsReady(step);
+    reference.Step(step, TestHParams());
+  }
+  reference.ExpectMatches(*client_);
+  ExpectGpuHoldsMaster();
+  EXPECT_TRUE(client_->sink().failures().empty());
+}
+
+TEST_F(CudaIpcStagesTest, AStagingSlotOutOfRangeFailsTheSession) {
+  client_->LoadInitialState();
+  WantWeights(0);
+  client_->ExpectParamsReady(0);
+  client_->SetHParams(1, TestHParams());
+  client_->Send(Message{.kind = MessageKind::kGradReady, .flags = shm::kFinalMicro, .bucket = 0, .step = 1, .slot = 7});
+  const std::optional<std::string> failure = client_->sink().WaitForFailure();
+  ASSERT_TRUE(failure.has_value());
+  EXPECT_NE(failure->find("staging slot 7"), std::string::npos) << *failure;
+}
+
 // One protocol violation: what rank 0 does wrong, and what the failure message must mention.
 struct Violation {
   std::string label;
@@ -575,6 +749,9 @@ INSTANTIATE_TEST_SUITE_P(
                                       .kind = MessageKind::kGradReady, .flags = 0, .bucket = 0, .step = 1, .micro = 0});
                                 },
                                 "final"},
+                      Violation{"WeightsWantedWithoutCudaIpc", 1,
+                                [](RankClient& c) { c.Send(Message{.kind = MessageKind::kWeightsWanted, .step = 1}); },
+                                "no cuda-ipc"},
                       Violation{"UnknownKind", 1,
                                 [](RankClient& c) { c.Send(Message{.kind = static_cast<MessageKind>(99)}); },
                                 "kind 99"},

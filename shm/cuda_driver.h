@@ -1,0 +1,111 @@
+// The CUDA driver API, loaded at run time with dlopen("libcuda.so.1"): neither the daemon nor the
+// client has a build or run dependency on CUDA. A process without a driver gets a clear error from
+// CudaDriver::Get() and goes on without the CUDA IPC transport.
+//
+// Only what the CUDA IPC transport needs is declared here, with the driver's ABI types. Every call goes
+// through Check(), which turns a failed CUresult into a trainstream::Error naming the call and the
+// driver's own description.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace trainstream::cuda {
+
+using CUresult = int;
+using CUdevice = int;
+using CUdeviceptr = unsigned long long;  // NOLINT(google-runtime-int): the driver's ABI type
+using CUcontext = struct CUctx_st*;
+using CUstream = struct CUstream_st*;
+using CUevent = struct CUevent_st*;
+struct CUipcMemHandle {
+  char reserved[64];
+};
+struct CUipcEventHandle {
+  char reserved[64];
+};
+struct CUuuid {
+  char bytes[16];
+};
+constexpr size_t kIpcHandleBytes = 64;
+constexpr size_t kUuidBytes = 16;
+
+constexpr unsigned kStreamNonBlocking = 0x1;
+constexpr unsigned kEventBlockingSync = 0x1;
+constexpr unsigned kEventDisableTiming = 0x2;
+constexpr unsigned kEventInterprocess = 0x4;
+constexpr unsigned kIpcMemLazyEnablePeerAccess = 0x1;
+constexpr unsigned kMemHostRegisterPortable = 0x1;
+
+struct CudaDriver {
+  // The process's driver, loaded and initialized (cuInit) once. Throws kUnavailable, saying why, when
+  // there is no usable driver.
+  static const CudaDriver& Get();
+
+  // Throws an Error "<what>: <driver's error name>: <description>" unless `result` is success.
+  void Check(CUresult result, const char* what) const;
+  // The device whose UUID is `uuid` (16 raw bytes), among those this process can see.
+  [[nodiscard]] CUdevice DeviceByUuid(const std::string& uuid) const;
+
+  CUresult (*cuInit)(unsigned flags) = nullptr;
+  CUresult (*cuGetErrorName)(CUresult, const char**) = nullptr;
+  CUresult (*cuGetErrorString)(CUresult, const char**) = nullptr;
+  CUresult (*cuDeviceGetCount)(int*) = nullptr;
+  CUresult (*cuDeviceGet)(CUdevice*, int ordinal) = nullptr;
+  CUresult (*cuDeviceGetUuid)(CUuuid*, CUdevice) = nullptr;
+  CUresult (*cuDevicePrimaryCtxRetain)(CUcontext*, CUdevice) = nullptr;
+  CUresult (*cuDevicePrimaryCtxRelease)(CUdevice) = nullptr;
+  CUresult (*cuCtxSetCurrent)(CUcontext) = nullptr;
+  CUresult (*cuCtxPushCurrent)(CUcontext) = nullptr;
+  CUresult (*cuCtxPopCurrent)(CUcontext*) = nullptr;
+  CUresult (*cuStreamCreate)(CUstream*, unsigned flags) = nullptr;
+  CUresult (*cuStreamDestroy)(CUstream) = nullptr;
+  CUresult (*cuStreamWaitEvent)(CUstream, CUevent, unsigned flags) = nullptr;
+  CUresult (*cuEventCreate)(CUevent*, unsigned flags) = nullptr;
+  CUresult (*cuEventDestroy)(CUevent) = nullptr;
+  CUresult (*cuEventRecord)(CUevent, CUstream) = nullptr;
+  CUresult (*cuEventSynchronize)(CUevent) = nullptr;
+  CUresult (*cuMemAlloc)(CUdeviceptr*, size_t) = nullptr;
+  CUresult (*cuMemFree)(CUdeviceptr) = nullptr;
+  CUresult (*cuMemcpyDtoHAsync)(void*, CUdeviceptr, size_t, CUstream) = nullptr;
+  CUresult (*cuMemcpyHtoDAsync)(CUdeviceptr, const void*, size_t, CUstream) = nullptr;
+  CUresult (*cuMemHostRegister)(void*, size_t, unsigned flags) = nullptr;
+  CUresult (*cuMemHostUnregister)(void*) = nullptr;
+  CUresult (*cuIpcGetMemHandle)(CUipcMemHandle*, CUdeviceptr) = nullptr;
+  CUresult (*cuIpcOpenMemHandle)(CUdeviceptr*, CUipcMemHandle, unsigned flags) = nullptr;
+  CUresult (*cuIpcCloseMemHandle)(CUdeviceptr) = nullptr;
+  CUresult (*cuIpcGetEventHandle)(CUipcEventHandle*, CUevent) = nullptr;
+  CUresult (*cuIpcOpenEventHandle)(CUevent*, CUipcEventHandle) = nullptr;
+};
+
+// Makes `context` current on this thread for the scope, restoring the previous one after (the thread
+// may belong to torch, whose own notion of the current device must not change).
+class ScopedContext {
+ public:
+  ScopedContext(const CudaDriver& driver, CUcontext context);
+  ~ScopedContext();
+  ScopedContext(const ScopedContext&) = delete;
+  ScopedContext& operator=(const ScopedContext&) = delete;
+
+ private:
+  const CudaDriver& driver_;
+};
+
+// A device's primary context (the one the CUDA runtime, and so torch, uses), retained while this lives.
+class PrimaryContext {
+ public:
+  PrimaryContext(const CudaDriver& driver, CUdevice device);
+  ~PrimaryContext();
+  PrimaryContext(const PrimaryContext&) = delete;
+  PrimaryContext& operator=(const PrimaryContext&) = delete;
+  [[nodiscard]] CUcontext get() const { return context_; }
+  [[nodiscard]] CUdevice device() const { return device_; }
+
+ private:
+  const CudaDriver& driver_;
+  CUdevice device_;
+  CUcontext context_ = nullptr;
+};
+
+}  // namespace trainstream::cuda
