@@ -97,10 +97,12 @@ void CudaRankTransfer::PullGradients(uint32_t slot, void* host, size_t bytes, Do
   gpu_->to_host.Submit(
       [self = shared_from_this(), slot, host, bytes](cuda::CUstream stream) {
         const cuda::CudaDriver& d = self->driver();
-        PinnedHost::Instance().Ensure(host, bytes);
         d.Check(d.cuStreamWaitEvent(stream, self->grad_ready_[slot], 0), "waiting for a rank's gradients");
-        d.Check(d.cuMemcpyDtoHAsync(host, self->staging_ + slot * self->slot_bytes_, bytes, stream),
-                "copying gradients to the host");
+        const cuda::CUdeviceptr source = self->staging_ + slot * self->slot_bytes_;
+        for (const PinnedHost::Piece& piece : PinnedHost::Instance().Ensure(host, bytes)) {
+          const size_t offset = piece.data - static_cast<std::byte*>(host);
+          d.Check(d.cuMemcpyDtoHAsync(piece.data, source + offset, piece.bytes, stream), "copying gradients to the host");
+        }
       },
       std::move(done));
 }
@@ -122,8 +124,11 @@ void CudaRankTransfer::PushWeights(uint64_t offset, const void* host, size_t byt
   gpu_->to_device.Submit(
       [self = shared_from_this(), offset, host, bytes](cuda::CUstream stream) {
         const cuda::CudaDriver& d = self->driver();
-        PinnedHost::Instance().Ensure(host, bytes);
-        d.Check(d.cuMemcpyHtoDAsync(self->params_ + offset, host, bytes, stream), "copying weights to the GPU");
+        for (const PinnedHost::Piece& piece : PinnedHost::Instance().Ensure(host, bytes)) {
+          const size_t at = piece.data - static_cast<const std::byte*>(host);
+          d.Check(d.cuMemcpyHtoDAsync(self->params_ + offset + at, piece.data, piece.bytes, stream),
+                  "copying weights to the GPU");
+        }
       },
       std::move(done));
 }

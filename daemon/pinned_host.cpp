@@ -20,13 +20,17 @@ PinnedHost& PinnedHost::Instance() {
   return instance;
 }
 
-void PinnedHost::Ensure(const void* data, size_t bytes) {
-  if (bytes == 0) return;
-  const uintptr_t page = PageSize();
-  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes + page - 1) / page * page;
-  uintptr_t at = reinterpret_cast<uintptr_t>(data) / page * page;
+std::vector<PinnedHost::Piece> PinnedHost::Ensure(const void* data, size_t bytes) {
   std::lock_guard lock(mutex_);
-  if (warned_) return;  // registration was refused once: the driver will not do better now
+  if (bytes != 0 && !warned_) Register(reinterpret_cast<uintptr_t>(data), bytes);
+  return Cut(reinterpret_cast<uintptr_t>(data), bytes);
+}
+
+// Registers the pages of [first, first + bytes) outside every registered range, range by range.
+void PinnedHost::Register(uintptr_t first, size_t bytes) {
+  const uintptr_t page = PageSize();
+  const uintptr_t end = (first + bytes + page - 1) / page * page;
+  uintptr_t at = first / page * page;
   const cuda::CudaDriver& driver = cuda::CudaDriver::Get();
   while (at < end) {
     auto next = ranges_.upper_bound(at);
@@ -51,6 +55,20 @@ void PinnedHost::Ensure(const void* data, size_t bytes) {
     pinned_bytes_ += stop - at;
     at = stop;
   }
+}
+
+// [first, first + bytes) in pieces that each lie inside one registered range or outside all of them.
+std::vector<PinnedHost::Piece> PinnedHost::Cut(uintptr_t first, size_t bytes) const {
+  std::vector<Piece> pieces;
+  const uintptr_t end = first + bytes;
+  for (uintptr_t at = first; at < end;) {
+    auto next = ranges_.upper_bound(at);
+    uintptr_t stop = next == ranges_.end() ? end : std::min(end, next->first);
+    if (next != ranges_.begin() && std::prev(next)->second > at) stop = std::min(end, std::prev(next)->second);
+    pieces.push_back(Piece{reinterpret_cast<std::byte*>(at), stop - at});
+    at = stop;
+  }
+  return pieces;
 }
 
 void PinnedHost::Release(const void* base, size_t bytes) {

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <vector>
 
 namespace trainstream::daemon {
 
@@ -19,15 +20,25 @@ class PinnedHost {
  public:
   static PinnedHost& Instance();
 
-  // Registers the pages of [data, data + bytes) that are not registered yet. A refusal is logged once
-  // and the copy goes ahead from pageable memory (slower, still correct).
-  void Ensure(const void* data, size_t bytes);
+  // One copy's host range, cut where registrations begin or end: the driver refuses a copy that
+  // spans two registrations (CUDA_ERROR_INVALID_VALUE), and neighbouring buckets share pages.
+  struct Piece {
+    std::byte* data;
+    size_t bytes;
+  };
+  // Registers the pages of [data, data + bytes) that are not registered yet, and returns the range in
+  // pieces to copy one by one. A refused registration is logged once; the copies then go ahead from
+  // pageable memory (slower, still correct).
+  std::vector<Piece> Ensure(const void* data, size_t bytes);
   // Unregisters every range inside [base, base + bytes). Call before unmapping that memory, once no
   // copy can touch it.
   void Release(const void* base, size_t bytes);
   [[nodiscard]] uint64_t pinned_bytes();
 
  private:
+  void Register(uintptr_t first, size_t bytes);                  // requires mutex_
+  [[nodiscard]] std::vector<Piece> Cut(uintptr_t first, size_t bytes) const;  // requires mutex_
+
   std::mutex mutex_;
   std::map<uintptr_t, uintptr_t> ranges_;  // start -> end, page-aligned
   uint64_t pinned_bytes_ = 0;

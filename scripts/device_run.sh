@@ -62,6 +62,14 @@ for what in "$@"; do
         --bf16-weights --moment-dtype bfloat16 --adamw-json benchmarks/results/adamw_h200-16core.json \
         --json "$OUT/gpt_1.86b_cap24_bf16_$T.json" 2>&1 | tail -2
       ;;
+    gpt-large-transports)
+      stage gpt-large-transports  # the 1.86B under the 24 GiB cap through each transport, and its GPU-only bound
+      for transport in cuda-ipc cuda-client-copy; do
+        TRAINSTREAM_TRANSPORT=$transport timeout 300 python3 benchmarks/train_gpt/train_gpt.py --config 1.86b \
+          --vram-cap-gib 24 --steps 6 --modes ${GPT_MODES:-gpu-only,trainstream} \
+          --adamw-json benchmarks/results/adamw_h200-16core.json --json "$OUT/gpt_1.86b_cap24_$transport.json" 2>&1 | tail -2
+      done
+      ;;
     gpt-largest)
       stage gpt-largest
       for config in ${LARGEST_CONFIGS:-5b 7b}; do

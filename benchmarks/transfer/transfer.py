@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import statistics
 import sys
 import time
@@ -127,7 +128,18 @@ def main() -> None:
     procs = [ctx.Process(target=worker, args=(gpu, args, barrier, results)) for gpu in range(args.gpus)]
     for p in procs:
         p.start()
-    per_gpu = sorted((results.get(timeout=900) for _ in procs), key=lambda r: r["gpu"])
+    per_gpu = []
+    while len(per_gpu) < len(procs):
+        try:
+            per_gpu.append(results.get(timeout=5))
+        except queue.Empty:
+            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if failed:  # a worker died: its barrier partners would wait forever
+                for p in procs:
+                    p.kill()
+                daemon.stop()
+                sys.exit(f"a GPU worker failed (exit codes {failed}); see its traceback above")
+    per_gpu.sort(key=lambda r: r["gpu"])
     for p in procs:
         p.join()
     daemon.stop()
