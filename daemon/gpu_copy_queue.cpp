@@ -10,14 +10,8 @@ CopyQueue::CopyQueue(const cuda::CudaDriver& driver, cuda::CUcontext context, st
     : driver_(driver), context_(context), name_(std::move(name)) {
   cuda::ScopedContext scope(driver_, context_);
   driver_.Check(driver_.cuStreamCreate(&stream_, cuda::kStreamNonBlocking), "cuStreamCreate");
-  for (size_t i = 0; i < kWindow; ++i) {
-    cuda::CUevent event = nullptr;
-    // Blocking sync: the queue thread sleeps on a copy instead of spinning a core the update needs.
-    driver_.Check(driver_.cuEventCreate(&event, cuda::kEventBlockingSync | cuda::kEventDisableTiming),
-                  "cuEventCreate");
-    idle_events_.push_back(event);
-  }
-  thread_ = std::thread([this] { Loop(); });
+  issuer_ = std::thread([this] { IssueLoop(); });
+  completer_ = std::thread([this] { CompleteLoop(); });
 }
 
 CopyQueue::~CopyQueue() {
@@ -25,10 +19,12 @@ CopyQueue::~CopyQueue() {
     std::lock_guard lock(mutex_);
     stopping_ = true;
   }
-  wake_.notify_all();
-  thread_.join();
+  submitted_.notify_all();
+  issued_.notify_all();
+  issuer_.join();
+  completer_.join();
   cuda::ScopedContext scope(driver_, context_);
-  for (cuda::CUevent event : idle_events_) driver_.cuEventDestroy(event);
+  for (cuda::CUevent event : all_events_) driver_.cuEventDestroy(event);
   driver_.cuStreamDestroy(stream_);
 }
 
@@ -37,56 +33,86 @@ void CopyQueue::Submit(Issue issue, Done done) {
     std::lock_guard lock(mutex_);
     pending_.push_back(Item{std::move(issue), std::move(done)});
   }
-  wake_.notify_one();
+  submitted_.notify_one();
 }
 
-void CopyQueue::Loop() {
+void CopyQueue::IssueLoop() {
   driver_.cuCtxSetCurrent(context_);
   for (;;) {
-    std::optional<Item> next;
+    Item item;
     {
       std::unique_lock lock(mutex_);
-      wake_.wait(lock, [&] { return stopping_ || !pending_.empty() || !in_flight_.empty(); });
-      if (!pending_.empty() && in_flight_.size() < kWindow) {
-        next = std::move(pending_.front());
-        pending_.pop_front();
-      } else if (in_flight_.empty()) {
-        return;  // stopping, nothing left
+      submitted_.wait(lock, [&] { return stopping_ || !pending_.empty(); });
+      if (pending_.empty()) {  // stopping, nothing left to issue
+        issuer_done_ = true;
+        issued_.notify_one();
+        return;
       }
+      item = std::move(pending_.front());
+      pending_.pop_front();
     }
-    if (next) {
-      Start(std::move(*next));
-    } else {
-      FinishOldest();
+    InFlight started = Start(std::move(item));
+    {
+      std::lock_guard lock(mutex_);
+      in_flight_.push_back(std::move(started));
     }
+    issued_.notify_one();
   }
 }
 
-void CopyQueue::Start(Item item) {
+CopyQueue::InFlight CopyQueue::Start(Item item) {
   try {
     item.issue(stream_);
-    cuda::CUevent finished = idle_events_.back();
+    cuda::CUevent finished = nullptr;
+    {
+      std::lock_guard lock(mutex_);
+      finished = TakeEvent();
+    }
     driver_.Check(driver_.cuEventRecord(finished, stream_), "cuEventRecord");
-    idle_events_.pop_back();
-    in_flight_.push_back(InFlight{finished, std::move(item.done)});
+    return InFlight{finished, std::move(item.done), std::nullopt};
   } catch (const Error& e) {
     spdlog::warn("{}: {}", name_, e.what());
-    if (item.done) item.done(std::string(e.what()));
+    return InFlight{nullptr, std::move(item.done), std::string(e.what())};
   }
 }
 
-void CopyQueue::FinishOldest() {
-  InFlight oldest = std::move(in_flight_.front());
-  in_flight_.pop_front();
-  std::optional<std::string> error;
-  try {
-    driver_.Check(driver_.cuEventSynchronize(oldest.finished), "a GPU copy");
-  } catch (const Error& e) {
-    spdlog::warn("{}: {}", name_, e.what());
-    error = e.what();
+// Blocking sync: the completing thread sleeps on a copy instead of spinning a core the update needs.
+cuda::CUevent CopyQueue::TakeEvent() {
+  if (idle_events_.empty()) {
+    cuda::CUevent event = nullptr;
+    driver_.Check(driver_.cuEventCreate(&event, cuda::kEventBlockingSync | cuda::kEventDisableTiming),
+                  "cuEventCreate");
+    all_events_.push_back(event);
+    return event;
   }
-  idle_events_.push_back(oldest.finished);
-  if (oldest.done) oldest.done(std::move(error));
+  cuda::CUevent event = idle_events_.back();
+  idle_events_.pop_back();
+  return event;
+}
+
+void CopyQueue::CompleteLoop() {
+  driver_.cuCtxSetCurrent(context_);
+  for (;;) {
+    InFlight oldest;
+    {
+      std::unique_lock lock(mutex_);
+      issued_.wait(lock, [&] { return !in_flight_.empty() || issuer_done_; });
+      if (in_flight_.empty()) return;  // stopping, everything issued has finished
+      oldest = std::move(in_flight_.front());
+      in_flight_.pop_front();
+    }
+    if (oldest.finished != nullptr) {
+      try {
+        driver_.Check(driver_.cuEventSynchronize(oldest.finished), "a GPU copy");
+      } catch (const Error& e) {
+        spdlog::warn("{}: {}", name_, e.what());
+        oldest.error = e.what();
+      }
+      std::lock_guard lock(mutex_);
+      idle_events_.push_back(oldest.finished);
+    }
+    if (oldest.done) oldest.done(std::move(oldest.error));
+  }
 }
 
 }  // namespace trainstream::daemon

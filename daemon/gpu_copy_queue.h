@@ -1,6 +1,7 @@
-// One CUDA stream of one GPU and the thread that feeds it. Work is issued in submission order with up
-// to kWindow items in flight on the GPU, so the copy engine never idles between buckets; each item's
-// `done` runs on this thread once the GPU has finished it, or with the error that stopped it.
+// One CUDA stream of one GPU and the two threads that serve it: one issues work in submission order
+// the moment it is submitted, the other waits for each item to finish on the GPU and then runs its
+// `done`, with the error that stopped it if any. Issuing never waits for a completion, so the copy
+// engine always has every submitted copy queued.
 #pragma once
 
 #include <condition_variable>
@@ -10,6 +11,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "shm/cuda_driver.h"
 
@@ -28,32 +30,35 @@ class CopyQueue {
   void Submit(Issue issue, Done done);
 
  private:
-  static constexpr size_t kWindow = 4;
   struct Item {
     Issue issue;
     Done done;
   };
   struct InFlight {
-    cuda::CUevent finished;
+    cuda::CUevent finished;  // nullptr: failed to issue, `error` says why
     Done done;
+    std::optional<std::string> error;
   };
 
-  void Loop();
-  void Start(Item item);
-  void FinishOldest();
+  void IssueLoop();
+  void CompleteLoop();
+  InFlight Start(Item item);
+  cuda::CUevent TakeEvent();  // requires mutex_
 
   const cuda::CudaDriver& driver_;
   const cuda::CUcontext context_;
   const std::string name_;
   cuda::CUstream stream_ = nullptr;
-  std::vector<cuda::CUevent> idle_events_;
-  std::deque<InFlight> in_flight_;  // queue thread only
 
   std::mutex mutex_;
-  std::condition_variable wake_;
+  std::condition_variable submitted_, issued_;
   std::deque<Item> pending_;
+  std::deque<InFlight> in_flight_;
+  std::vector<cuda::CUevent> idle_events_;
+  std::vector<cuda::CUevent> all_events_;
   bool stopping_ = false;
-  std::thread thread_;
+  bool issuer_done_ = false;
+  std::thread issuer_, completer_;
 };
 
 }  // namespace trainstream::daemon
