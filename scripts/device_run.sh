@@ -99,6 +99,15 @@ for what in "$@"; do
         done
       done
       ;;
+    transfer-slots)
+      stage transfer-slots  # cuda-ipc with 4 and 8 gradient staging slots, with the update and alone
+      for slots in 4 8; do
+        for threads in 16 1; do
+          TRAINSTREAM_STAGING_SLOTS=$slots timeout 60 python3 benchmarks/transfer/transfer.py --gpus 1 \
+            --transport cuda-ipc --daemon-threads $threads 2>&1 | tail -1 | sed "s/^/[slots $slots] /"
+        done
+      done
+      ;;
     torchrun-gpt)
       stage torchrun-gpt
       python3 benchmarks/ranks/torchrun_gpt.py --measures "${MEASURES:-check,bench}" ${RANKS:+--ranks $RANKS} \
