@@ -143,12 +143,20 @@ Timing Measure(int reps, const std::function<void()>& fn) {
   return {times.front(), times[times.size() / 2]};
 }
 
+// torch.optim.AdamW(fused=True) on fp32 moves 28 bytes per parameter: reads param, grad, exp_avg, exp_avg_sq
+// and writes param, exp_avg, exp_avg_sq (4 bytes each). A variant moving B bytes per parameter can beat it by
+// at most 28 / B at the same bandwidth (GB/s): the physical bound of its ratio unless it streams faster.
+constexpr double kTorchFusedBytesPerParam = 28.0;
+
 struct Result {
   std::string name, kernel;
   double bytes_per_param, best_s, median_s;
   size_t params;
+  bool update = true;  // an optimizer step (has a torch bound), not the norm pass
   [[nodiscard]] double ParamsPerSecond() const { return static_cast<double>(params) / best_s; }
   [[nodiscard]] double GBps() const { return bytes_per_param * static_cast<double>(params) / best_s / 1e9; }
+  // The largest params/s ratio to torch fused at equal bandwidth (kTorchFusedBytesPerParam / bytes).
+  [[nodiscard]] double EqualBandwidthBound() const { return kTorchFusedBytesPerParam / bytes_per_param; }
 };
 
 std::string Json(const Options& o, const std::string& host, const std::string& cpu, const Result& triad,
@@ -159,12 +167,18 @@ std::string Json(const Options& o, const std::string& host, const std::string& c
   out += "  \"reps\": " + std::to_string(o.reps) + ",\n  \"huge_pages\": " + (o.huge_pages ? "true" : "false") + ",\n";
   out += std::string("  \"active_kernel\": \"") + opt::ActiveKernelName() + "\",\n";
   auto entry = [](const Result& r) {
-    char buffer[512];
+    char bound[128] = "";
+    if (r.update) {
+      std::snprintf(bound, sizeof bound,
+                    ", \"torch_fused_bytes_per_param\": %.1f, \"max_torch_ratio_at_equal_bandwidth\": %.4f",
+                    kTorchFusedBytesPerParam, r.EqualBandwidthBound());
+    }
+    char buffer[768];
     std::snprintf(buffer, sizeof buffer,
                   "{\"name\": \"%s\", \"kernel\": \"%s\", \"bytes_per_param\": %.1f, \"best_s\": %.6f, "
-                  "\"median_s\": %.6f, \"params_per_s\": %.6g, \"gb_per_s\": %.3f}",
+                  "\"median_s\": %.6f, \"params_per_s\": %.6g, \"gb_per_s\": %.3f%s}",
                   r.name.c_str(), r.kernel.c_str(), r.bytes_per_param, r.best_s, r.median_s, r.ParamsPerSecond(),
-                  r.GBps());
+                  r.GBps(), bound);
     return std::string(buffer);
   };
   out += "  \"triad\": " + entry(triad) + ",\n  \"variants\": [\n";
@@ -222,7 +236,7 @@ int Run(int argc, char** argv) {
         for (size_t i = chunks.Begin(piece); i < end; ++i) pa[i] = pb[i] + scalar * pc[i];
       });
     });
-    triad = {"triad", "plain", 12.0, t.best, t.median, n};  // 3 arrays x 4 bytes, STREAM's convention
+    triad = {"triad", "plain", 12.0, t.best, t.median, n, false};  // 3 arrays x 4 bytes, STREAM's convention
     std::printf("  %-44s %8.2f GB/s  (a = b + s*c, 12 B/elem, ordinary stores)\n", "STREAM triad", triad.GBps());
 #if defined(__SSE2__)
     // The same with non-temporal stores (no write-allocate read of a): usually the higher of the two.
@@ -237,7 +251,7 @@ int Run(int argc, char** argv) {
         _mm_sfence();
       });
     });
-    const Result streamed{"triad", "nt-store", 12.0, nt.best, nt.median, n};
+    const Result streamed{"triad", "nt-store", 12.0, nt.best, nt.median, n, false};
     std::printf("  %-44s %8.2f GB/s  (non-temporal stores)\n", "STREAM triad", streamed.GBps());
     if (streamed.best_s < triad.best_s) triad = streamed;
 #endif
@@ -282,6 +296,10 @@ int Run(int argc, char** argv) {
     std::printf("  %-44s %-8s %6.1f B/p %8.3f Gparam/s %8.2f GB/s %6.1f%% of triad  (%.2f ms)\n", r.name.c_str(),
                 r.kernel.c_str(), r.bytes_per_param, r.ParamsPerSecond() / 1e9, r.GBps(),
                 100.0 * r.GBps() / triad.GBps(), r.best_s * 1e3);
+    if (r.update) {
+      std::printf("    bound: %.0f B/p vs torch fused's %.0f: at most %.2fx torch fused at equal bandwidth\n",
+                  r.bytes_per_param, kTorchFusedBytesPerParam, r.EqualBandwidthBound());
+    }
     std::fflush(stdout);
   };
   auto run_update = [&](const opt::KernelTable& k, const Config& c) {
@@ -344,7 +362,7 @@ int Run(int argc, char** argv) {
             kernel.sum_of_squares({std::span<const void* const>(slots, ranks), dtype, nullptr, 1.0f}, count, &bad);
       });
     });
-    Result r{name, kernel.name, static_cast<double>(ranks * ts::SizeOf(dtype)), t.best, t.median, n};
+    Result r{name, kernel.name, static_cast<double>(ranks * ts::SizeOf(dtype)), t.best, t.median, n, false};
     print(r);
     results.push_back(r);
   };

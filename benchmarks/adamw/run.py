@@ -94,7 +94,8 @@ def main():
     print(f"\nsummary ({host}, {result['cpu']}, {params} params, {args.threads} threads, kernel "
           f"{result['active_kernel']}; roofline = triad {triad_gbps:.1f} GB/s"
           + (f"; torch fused {torch_result['params_per_s'] / 1e9:.3f} Gparam/s" if torch_result else "") + ")")
-    print(f"  {'variant':46s} {'kernel':8s} {'Gparam/s':>9s} {'GB/s':>8s} {'roofline':>9s} {'x torch':>8s}  target")
+    print(f"  {'variant':46s} {'kernel':8s} {'Gparam/s':>9s} {'GB/s':>8s} {'roofline':>9s} {'x torch':>8s} "
+          f"{'bound':>6s}  target")
     for v in result["variants"]:
         v["roofline_fraction"] = v["gb_per_s"] / triad_gbps
         is_update = not v["name"].startswith("norm")  # the norm pass is not an optimizer step
@@ -107,12 +108,29 @@ def main():
                  (target[2] is None or v["torch_fused_ratio"] is None or v["torch_fused_ratio"] >= target[2])
             verdict = f"{target[0]}: {'MET' if ok else 'NOT MET'}"
         ratio = f"{v['torch_fused_ratio']:.2f}x" if v["torch_fused_ratio"] else "-"
+        bound = f"{v['max_torch_ratio_at_equal_bandwidth']:.2f}x" if is_update else "-"
         print(f"  {v['name']:46s} {v['kernel']:8s} {v['params_per_s'] / 1e9:9.3f} {v['gb_per_s']:8.2f} "
-              f"{v['roofline_fraction'] * 100:8.1f}% {ratio:>8s}  {verdict}")
+              f"{v['roofline_fraction'] * 100:8.1f}% {ratio:>8s} {bound:>6s}  {verdict}")
     if torch_result:
         print(f"  {'torch.optim.AdamW(fused=True)':46s} {'torch':8s} {torch_result['params_per_s'] / 1e9:9.3f} "
               f"{torch_result['gb_per_s']:8.2f} {torch_result['gb_per_s'] / triad_gbps * 100:8.1f}% {'1.00x':>8s}")
     by_name = {v["name"]: v for v in result["variants"] if v["kernel"] == result["active_kernel"]}
+    # What is physically possible: torch fused moves 28 B/param, a variant B; at torch's own bandwidth the
+    # variant is at most 28/B times faster ("bound" above); a ratio target beyond that needs more GB/s.
+    print("  bound = 28 B/param (torch fused) / the variant's bytes per param: its largest ratio at equal bandwidth")
+    for name, (_, _, ratio_target) in TARGETS.items():
+        v = by_name.get(name)
+        if v is None or ratio_target is None:
+            continue
+        line = (f"    {name}: {v['bytes_per_param']:.0f} B/param -> at most "
+                f"{v['max_torch_ratio_at_equal_bandwidth']:.2f}x at torch's bandwidth")
+        if torch_result:
+            needed = ratio_target * torch_result["params_per_s"] * v["bytes_per_param"] / 1e9
+            best = max(x["gb_per_s"] for x in by_name.values() if not x["name"].startswith("norm"))
+            line += (f" ({torch_result['gb_per_s']:.1f} GB/s); {ratio_target:.2f}x needs {needed:.1f} GB/s "
+                     f"({needed / torch_result['gb_per_s']:.2f}x torch's, {needed / best:.2f}x this run's best "
+                     f"variant's {best:.1f})")
+        print(line)
     print("  4 ranks / 1 rank time (target <= 1.3x):")
     for one, four in [("fp32 grad, fp32 moments, bf16 upload", "fp32 grad x4 ranks, fp32 moments, bf16 upload"),
                       ("bf16 grad, fp32 moments, bf16 upload", "bf16 grad x4 ranks, fp32 moments, bf16 upload"),

@@ -1,7 +1,9 @@
 // The SIMD kernel body, written once over a small vector-operations struct (simd_ops_*.h) and compiled
-// once per instruction set (kernels_avx2.cpp, kernels_avx512.cpp). Vector loop over whole vectors; the
-// alignment peel and the tail run the scalar reference (adamw_element.h), so every variant computes
-// the same fp32 operations in the same order and agrees with the portable variant bit for bit.
+// once per instruction set (kernels_avx2.cpp, kernels_avx512.cpp, kernels_avx512bf16.cpp). Vector loop over
+// whole vectors; the alignment peel and the tail run as masked vectors where the ISA has masks (AVX-512), else
+// the scalar reference (adamw_element.h). Every variant computes the same fp32 operations in the same order
+// (vector lanes are elementwise IEEE operations, masked or not) and agrees with the portable variant bit for
+// bit.
 //
 // Why hand-written intrinsics behind a thin ops struct rather than Highway (libhwy), decided by
 // measurement on the dev box (AMD Zen 4, 2 cores) and by what the GPU machine has:
@@ -21,6 +23,7 @@
 //    one more ~150-line ops struct with the same interface (no change to this body).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
@@ -36,22 +39,84 @@ namespace {  // internal linkage: one copy per ISA translation unit
 constexpr size_t kStreamMinBytes = 64 * 1024;
 
 template <class Ops, DType kDType>
-inline typename Ops::F LoadV(const void* base, size_t i) {
+[[gnu::always_inline]] inline typename Ops::F LoadV(const void* base, size_t i) {
   if constexpr (kDType == DType::kFloat32) return Ops::LoadF32(static_cast<const float*>(base) + i);
   if constexpr (kDType == DType::kBFloat16) return Ops::LoadBF16(static_cast<const uint16_t*>(base) + i);
   if constexpr (kDType == DType::kFloat16) return Ops::LoadF16(static_cast<const uint16_t*>(base) + i);
 }
 
-// (accum or 0) + slot_0 + ... + slot_{N-1}, then * scale: the order of GradElement.
-template <class Ops, DType kGrad>
-inline typename Ops::F GradV(const GradSources& grads, const void* const* slots, size_t ranks, size_t i) {
-  typename Ops::F sum = grads.accum != nullptr ? Ops::LoadF32(grads.accum + i) : Ops::Zero();
-  for (size_t r = 0; r < ranks; ++r) sum = Ops::Add(sum, LoadV<Ops, kGrad>(slots[r], i));
-  return Ops::Mul(sum, Ops::Set(grads.scale));
+// The lanes of the vector at i that `mask` selects (Ops with masks); the others read as zero, and their
+// memory is not touched (no fault past the end of a buffer).
+template <class Ops, DType kDType, class Mask>
+[[gnu::always_inline]] inline typename Ops::F LoadV(const void* base, size_t i, Mask mask) {
+  if constexpr (kDType == DType::kFloat32) return Ops::LoadF32(static_cast<const float*>(base) + i, mask);
+  if constexpr (kDType == DType::kBFloat16) return Ops::LoadBF16(static_cast<const uint16_t*>(base) + i, mask);
+  if constexpr (kDType == DType::kFloat16) return Ops::LoadF16(static_cast<const uint16_t*>(base) + i, mask);
 }
 
+// The two vectors at i and i + kLanes (bf16: one load, widened in two halves).
+template <class Ops, DType kDType>
+[[gnu::always_inline]] inline void LoadV2(const void* base, size_t i, typename Ops::F* a, typename Ops::F* b) {
+  if constexpr (kDType == DType::kBFloat16) {
+    Ops::LoadBF16x2(static_cast<const uint16_t*>(base) + i, a, b);
+  } else {
+    *a = LoadV<Ops, kDType>(base, i);
+    *b = LoadV<Ops, kDType>(base, i + Ops::kLanes);
+  }
+}
+
+// The gradient of a range, g = scale * (accum + sum_r grad_r) in GradElement's order, with the loop-
+// invariant pointers in locals (the stores of the update could alias the GradSources the caller passed, so
+// the compiler would reload them every vector). kOne: one slot and no accumulator, the common case, without
+// the rank loop; its sum is still 0 + slot (-0 becomes +0, as in GradElement).
+template <class Ops, DType kGrad, bool kOne>
+class GradReader {
+ public:
+  using F = typename Ops::F;
+  explicit GradReader(const GradSources& grads)
+      : accum_(grads.accum), slots_(grads.slots.data()), ranks_(grads.slots.size()), scale_(Ops::Set(grads.scale)) {}
+
+  [[gnu::always_inline]] F At(size_t i) const {
+    if constexpr (kOne) {
+      return Ops::Mul(Ops::Add(Ops::Zero(), LoadV<Ops, kGrad>(slots_[0], i)), scale_);
+    } else {
+      F sum = accum_ != nullptr ? Ops::LoadF32(accum_ + i) : Ops::Zero();
+      for (size_t r = 0; r < ranks_; ++r) sum = Ops::Add(sum, LoadV<Ops, kGrad>(slots_[r], i));
+      return Ops::Mul(sum, scale_);
+    }
+  }
+  template <class Mask>
+  [[gnu::always_inline]] F At(size_t i, Mask mask) const {
+    F sum = accum_ != nullptr ? Ops::LoadF32(accum_ + i, mask) : Ops::Zero();
+    for (size_t r = 0; r < ranks_; ++r) sum = Ops::Add(sum, LoadV<Ops, kGrad>(slots_[r], i, mask));
+    return Ops::Mul(sum, scale_);
+  }
+  [[gnu::always_inline]] void At2(size_t i, F* a, F* b) const {
+    if constexpr (kOne) {
+      LoadV2<Ops, kGrad>(slots_[0], i, a, b);
+      *a = Ops::Mul(Ops::Add(Ops::Zero(), *a), scale_);
+      *b = Ops::Mul(Ops::Add(Ops::Zero(), *b), scale_);
+    } else {
+      F sa = Ops::Zero(), sb = Ops::Zero();
+      if (accum_ != nullptr) sa = Ops::LoadF32(accum_ + i), sb = Ops::LoadF32(accum_ + i + Ops::kLanes);
+      for (size_t r = 0; r < ranks_; ++r) {
+        F ga, gb;
+        LoadV2<Ops, kGrad>(slots_[r], i, &ga, &gb);
+        sa = Ops::Add(sa, ga), sb = Ops::Add(sb, gb);
+      }
+      *a = Ops::Mul(sa, scale_), *b = Ops::Mul(sb, scale_);
+    }
+  }
+
+ private:
+  const float* accum_;
+  const void* const* slots_;
+  size_t ranks_;
+  F scale_;
+};
+
 template <class Ops, UploadKind kUpload>
-inline void StoreUploadV(void* base, size_t i, typename Ops::F v, bool stream) {
+[[gnu::always_inline]] inline void StoreUploadV(void* base, size_t i, typename Ops::F v, bool stream) {
   if constexpr (kUpload == UploadKind::kFloat32) {
     float* p = static_cast<float*>(base) + i;
     stream ? Ops::StreamF32(p, v) : Ops::StoreF32(p, v);
@@ -64,8 +129,15 @@ inline void StoreUploadV(void* base, size_t i, typename Ops::F v, bool stream) {
   }
 }
 
-// How many leading elements to do in scalar so the upload stores are aligned for streaming; sets
-// *stream when the main loop should stream.
+template <class Ops, UploadKind kUpload, class Mask>
+[[gnu::always_inline]] inline void StoreUploadMaskedV(void* base, size_t i, typename Ops::F v, Mask mask) {
+  if constexpr (kUpload == UploadKind::kFloat32) Ops::StoreF32(static_cast<float*>(base) + i, v, mask);
+  if constexpr (kUpload == UploadKind::kBFloat16) Ops::StoreBF16(static_cast<uint16_t*>(base) + i, v, mask);
+  if constexpr (kUpload == UploadKind::kFloat16) Ops::StoreF16(static_cast<uint16_t*>(base) + i, v, mask);
+}
+
+// How many leading elements to do before the main loop so the upload stores are aligned for streaming;
+// sets *stream when the main loop should stream.
 template <class Ops, UploadKind kUpload>
 inline size_t StreamPeel(const void* upload, size_t n, bool* stream) {
   *stream = false;
@@ -98,121 +170,188 @@ struct StepVectors {
         eps(Ops::Set(c.eps)) {}
 };
 
-// The math of one vector of elements at i: UpdateElement's operations in its order. Stores master; returns
-// the new p, m, v for the caller to store.
-template <class Ops, DType kG, DType kM, bool kD>
-inline void UpdateMath(const GradSources& grads, const void* const* slots, size_t ranks, const StepVectors<Ops>& k,
-                       float* master, const MomentBuffers& moments, size_t i, typename Ops::F* p_out,
-                       typename Ops::F* m_out, typename Ops::F* v_out) {
+// The math of one vector of elements, UpdateElement's operations in its order: g and the loaded p, m, v in,
+// the new p, m, v out.
+template <class Ops, bool kD>
+[[gnu::always_inline]] inline void AdamMath(const StepVectors<Ops>& k, typename Ops::F g, typename Ops::F* p,
+                                            typename Ops::F* m, typename Ops::F* v) {
   using F = typename Ops::F;
-  F g = GradV<Ops, kG>(grads, slots, ranks, i);
-  F p = Ops::LoadF32(master + i);
   if constexpr (kD) {
-    p = Ops::Mul(p, k.decay);
+    *p = Ops::Mul(*p, k.decay);
   } else {
-    g = Ops::Add(g, Ops::Mul(k.weight_decay, p));
+    g = Ops::Add(g, Ops::Mul(k.weight_decay, *p));
   }
-  F m = LoadV<Ops, kM>(moments.exp_avg, i);
-  F v = LoadV<Ops, kM>(moments.exp_avg_sq, i);
-  m = Ops::Add(m, Ops::Mul(k.one_minus_beta1, Ops::Sub(g, m)));
-  v = Ops::Add(Ops::Mul(v, k.beta2), Ops::Mul(Ops::Mul(k.one_minus_beta2, g), g));
-  const F denom = Ops::Add(Ops::Div(Ops::Sqrt(v), k.bc2_sqrt), k.eps);
-  p = Ops::Sub(p, Ops::Mul(k.step_size, Ops::Div(m, denom)));
-  Ops::StoreF32(master + i, p);
-  *p_out = p, *m_out = m, *v_out = v;
+  *m = Ops::Add(*m, Ops::Mul(k.one_minus_beta1, Ops::Sub(g, *m)));
+  *v = Ops::Add(Ops::Mul(*v, k.beta2), Ops::Mul(Ops::Mul(k.one_minus_beta2, g), g));
+  const F denom = Ops::Add(Ops::Div(Ops::Sqrt(*v), k.bc2_sqrt), k.eps);
+  *p = Ops::Sub(*p, Ops::Mul(k.step_size, Ops::Div(*m, denom)));
 }
 
-// fp32 moments: one vector per iteration.
-template <class Ops, DType kG, UploadKind kU, bool kD>
-size_t UpdateVectorsF32(const GradSources& grads, const StepVectors<Ops>& k, float* master,
-                        const MomentBuffers& moments, const Upload& upload, size_t i, size_t end, bool stream) {
+// The pointers of one update, in locals (see GradReader).
+struct UpdatePointers {
+  float* master;
+  void* exp_avg;
+  void* exp_avg_sq;
+  void* upload;
+};
+
+// Elements [i, i + count) of a range, count <= kLanes, as one masked vector (Ops with masks only): the head
+// that aligns the streamed upload and the tails, without the scalar reference. Ordinary stores. bf16
+// moments: counter0 is the hash counter (index * kRandomWeyl) of element i, key the range's mixed key.
+template <class Ops, DType kG, DType kM, UploadKind kU, bool kD, class Grad>
+[[gnu::always_inline]] inline void UpdateMasked(const Grad& grad, const StepVectors<Ops>& k, const UpdatePointers& at,
+                                                size_t i, size_t count, uint32_t counter0, typename Ops::I key) {
   using F = typename Ops::F;
-  const void* const* slots = grads.slots.data();
-  const size_t ranks = grads.slots.size();
+  using I = typename Ops::I;
+  const auto mask = Ops::FirstN(count);
+  const F g = grad.At(i, mask);
+  F p = Ops::LoadF32(at.master + i, mask);
+  F m = LoadV<Ops, kM>(at.exp_avg, i, mask);
+  F v = LoadV<Ops, kM>(at.exp_avg_sq, i, mask);
+  AdamMath<Ops, kD>(k, g, &p, &m, &v);
+  Ops::StoreF32(at.master + i, p, mask);
+  if constexpr (kM == DType::kFloat32) {
+    Ops::StoreF32(static_cast<float*>(at.exp_avg) + i, m, mask);
+    Ops::StoreF32(static_cast<float*>(at.exp_avg_sq) + i, v, mask);
+  } else {
+    I lo, hi;
+    Ops::HashSplit(Ops::WeylCounter(counter0, kRandomWeyl), key, Ops::SetI(kRandomHash1), Ops::SetI(kRandomHash2), &lo,
+                   &hi);
+    Ops::StoreHigh16(static_cast<uint16_t*>(at.exp_avg) + i, Ops::StochasticWord(m, lo), mask);
+    Ops::StoreHigh16(static_cast<uint16_t*>(at.exp_avg_sq) + i, Ops::StochasticWord(v, hi), mask);
+  }
+  StoreUploadMaskedV<Ops, kU>(at.upload, i, p, mask);
+}
+
+// Elements [i, end), fewer than a few vectors: masked vectors where the Ops have masks, else the scalar
+// reference. bf16 moments: key is RandomKey of the range's high 32 index bits (all of [i, end) share them).
+template <class Ops, DType kG, DType kM, UploadKind kU, bool kD, class Grad>
+inline void UpdateRest(const Grad& grad, const StepVectors<Ops>& k, const UpdatePointers& at, const GradSources& grads,
+                       const StepConstants& c, const MomentBuffers& moments, const Upload& upload, size_t i, size_t end,
+                       uint32_t key) {
+  if constexpr (Ops::kMasked) {
+    const typename Ops::I key_v = Ops::MixKey(key);
+    for (; i < end; i += Ops::kLanes) {
+      const uint32_t counter0 = static_cast<uint32_t>(moments.element_base + i) * kRandomWeyl;
+      UpdateMasked<Ops, kG, kM, kU, kD>(grad, k, at, i, std::min(end - i, Ops::kLanes), counter0, key_v);
+    }
+  } else {
+    for (; i < end; ++i) UpdateElement<kG, kM, kU, kD>(grads, c, at.master, moments, upload, i);
+  }
+}
+
+// fp32 moments: one vector per iteration over [i, end); returns where it stopped (< kLanes before end).
+template <class Ops, DType kG, UploadKind kU, bool kD, class Grad>
+size_t UpdateVectorsF32(const Grad& grad, const StepVectors<Ops>& k, const UpdatePointers& at, size_t i, size_t end,
+                        bool stream) {
+  using F = typename Ops::F;
+  float* const master = at.master;
+  float* const exp_avg = static_cast<float*>(at.exp_avg);
+  float* const exp_avg_sq = static_cast<float*>(at.exp_avg_sq);
+  void* const upload = at.upload;
   for (; i + Ops::kLanes <= end; i += Ops::kLanes) {
-    F p, m, v;
-    UpdateMath<Ops, kG, DType::kFloat32, kD>(grads, slots, ranks, k, master, moments, i, &p, &m, &v);
-    Ops::StoreF32(static_cast<float*>(moments.exp_avg) + i, m);
-    Ops::StoreF32(static_cast<float*>(moments.exp_avg_sq) + i, v);
-    StoreUploadV<Ops, kU>(upload.data, i, p, stream);
+    const F g = grad.At(i);
+    F p = Ops::LoadF32(master + i), m = Ops::LoadF32(exp_avg + i), v = Ops::LoadF32(exp_avg_sq + i);
+    AdamMath<Ops, kD>(k, g, &p, &m, &v);
+    Ops::StoreF32(master + i, p);
+    Ops::StoreF32(exp_avg + i, m);
+    Ops::StoreF32(exp_avg_sq + i, v);
+    StoreUploadV<Ops, kU>(upload, i, p, stream);
   }
   return i;
 }
 
-// bf16 moments with stochastic rounding, for elements [i, end) whose global indices share their high 32
-// bits (key = RandomKey of them): two vectors per iteration, so each bf16 stream is one full-width store
-// (one word permute packs two vectors), then at most one single vector. One hash per element.
-template <class Ops, DType kG, UploadKind kU, bool kD>
-size_t UpdateVectorsBF16(const GradSources& grads, const StepVectors<Ops>& k, float* master,
-                         const MomentBuffers& moments, const Upload& upload, size_t i, size_t end, bool stream,
-                         uint32_t key) {
+// bf16 moments with stochastic rounding over [i, end), whose global indices share their high 32 bits (key =
+// RandomKey of them): two vectors per iteration, so each bf16 stream is one full-width load and one
+// full-width store (one word permute packs two vectors); returns where it stopped (fewer than 2 * kLanes
+// before end with masks, fewer than kLanes without). One hash per element (RandomBits: its low 16 bits round
+// exp_avg, its high 16 bits exp_avg_sq).
+template <class Ops, DType kG, UploadKind kU, bool kD, class Grad>
+size_t UpdateVectorsBF16(const Grad& grad, const StepVectors<Ops>& k, const UpdatePointers& at, size_t i, size_t end,
+                         bool stream, uint32_t key, uint64_t element_base) {
   using F = typename Ops::F;
   using I = typename Ops::I;
   constexpr size_t kLanes = Ops::kLanes;
-  const void* const* slots = grads.slots.data();
-  const size_t ranks = grads.slots.size();
-  auto* exp_avg = static_cast<uint16_t*>(moments.exp_avg);
-  auto* exp_avg_sq = static_cast<uint16_t*>(moments.exp_avg_sq);
+  float* const master = at.master;
+  auto* const exp_avg = static_cast<uint16_t*>(at.exp_avg);
+  auto* const exp_avg_sq = static_cast<uint16_t*>(at.exp_avg_sq);
+  void* const upload = at.upload;
   const I key_v = Ops::MixKey(key), h1 = Ops::SetI(kRandomHash1), h2 = Ops::SetI(kRandomHash2);
   const I step = Ops::SetI(static_cast<uint32_t>(kLanes) * kRandomWeyl);
-  I counter = Ops::WeylCounter(static_cast<uint32_t>(moments.element_base + i) * kRandomWeyl, kRandomWeyl);
+  I counter = Ops::WeylCounter(static_cast<uint32_t>(element_base + i) * kRandomWeyl, kRandomWeyl);
   for (; i + 2 * kLanes <= end; i += 2 * kLanes) {
-    F p0, m0, v0, p1, m1, v1;
-    UpdateMath<Ops, kG, DType::kBFloat16, kD>(grads, slots, ranks, k, master, moments, i, &p0, &m0, &v0);
-    UpdateMath<Ops, kG, DType::kBFloat16, kD>(grads, slots, ranks, k, master, moments, i + kLanes, &p1, &m1, &v1);
+    F g0, g1, m0, m1, v0, v1;
+    grad.At2(i, &g0, &g1);
+    F p0 = Ops::LoadF32(master + i), p1 = Ops::LoadF32(master + i + kLanes);
+    LoadV2<Ops, DType::kBFloat16>(exp_avg, i, &m0, &m1);
+    LoadV2<Ops, DType::kBFloat16>(exp_avg_sq, i, &v0, &v1);
+    AdamMath<Ops, kD>(k, g0, &p0, &m0, &v0);
+    AdamMath<Ops, kD>(k, g1, &p1, &m1, &v1);
+    Ops::StoreF32(master + i, p0);
+    Ops::StoreF32(master + i + kLanes, p1);
     I lo0, hi0, lo1, hi1;
     Ops::HashSplit(counter, key_v, h1, h2, &lo0, &hi0);
-    counter = Ops::AddI(counter, step);
-    Ops::HashSplit(counter, key_v, h1, h2, &lo1, &hi1);
-    counter = Ops::AddI(counter, step);
+    Ops::HashSplit(Ops::AddI(counter, step), key_v, h1, h2, &lo1, &hi1);
+    counter = Ops::AddI(counter, Ops::AddI(step, step));
     Ops::StoreHigh16x2(exp_avg + i, Ops::StochasticWord(m0, lo0), Ops::StochasticWord(m1, lo1));
     Ops::StoreHigh16x2(exp_avg_sq + i, Ops::StochasticWord(v0, hi0), Ops::StochasticWord(v1, hi1));
     if constexpr (kU == UploadKind::kBFloat16) {
-      Ops::StoreBF16x2(static_cast<uint16_t*>(upload.data) + i, p0, p1, stream);
+      Ops::StoreBF16x2(static_cast<uint16_t*>(upload) + i, p0, p1, stream);
     } else {
-      StoreUploadV<Ops, kU>(upload.data, i, p0, stream);
-      StoreUploadV<Ops, kU>(upload.data, i + kLanes, p1, stream);
+      StoreUploadV<Ops, kU>(upload, i, p0, stream);
+      StoreUploadV<Ops, kU>(upload, i + kLanes, p1, stream);
     }
   }
-  if (i + kLanes <= end) {
-    F p, m, v;
-    UpdateMath<Ops, kG, DType::kBFloat16, kD>(grads, slots, ranks, k, master, moments, i, &p, &m, &v);
-    I lo, hi;
-    Ops::HashSplit(counter, key_v, h1, h2, &lo, &hi);
-    Ops::StoreHigh16(exp_avg + i, Ops::StochasticWord(m, lo));
-    Ops::StoreHigh16(exp_avg_sq + i, Ops::StochasticWord(v, hi));
-    StoreUploadV<Ops, kU>(upload.data, i, p, stream);
-    i += kLanes;
+  if constexpr (!Ops::kMasked) {  // one more whole vector, so at most kLanes - 1 are left to the scalar tail
+    if (i + kLanes <= end) {
+      const F g = grad.At(i);
+      F p = Ops::LoadF32(master + i), m = LoadV<Ops, DType::kBFloat16>(exp_avg, i),
+        v = LoadV<Ops, DType::kBFloat16>(exp_avg_sq, i);
+      AdamMath<Ops, kD>(k, g, &p, &m, &v);
+      Ops::StoreF32(master + i, p);
+      I lo, hi;
+      Ops::HashSplit(counter, key_v, h1, h2, &lo, &hi);
+      Ops::StoreHigh16(exp_avg + i, Ops::StochasticWord(m, lo));
+      Ops::StoreHigh16(exp_avg_sq + i, Ops::StochasticWord(v, hi));
+      StoreUploadV<Ops, kU>(upload, i, p, stream);
+      i += kLanes;
+    }
   }
   return i;
 }
 
-template <class Ops, DType kG, DType kM, UploadKind kU, bool kD>
+template <class Ops, DType kG, DType kM, UploadKind kU, bool kD, class Grad>
 void UpdateRange(const GradSources& grads, const StepConstants& c, float* master, const MomentBuffers& moments,
                  const Upload& upload, size_t n) {
-  bool stream = false;
-  const size_t peel = StreamPeel<Ops, kU>(upload.data, n, &stream);
-  const bool fence = stream;
-  size_t i = 0;
-  for (; i < peel; ++i) UpdateElement<kG, kM, kU, kD>(grads, c, master, moments, upload, i);
+  const Grad grad(grads);
   const StepVectors<Ops> k(c);
+  const UpdatePointers at{master, moments.exp_avg, moments.exp_avg_sq, upload.data};
+  bool stream = false;
+  size_t peel = StreamPeel<Ops, kU>(upload.data, n, &stream);
+  const bool fence = stream;
   if constexpr (kM == DType::kFloat32) {
-    i = UpdateVectorsF32<Ops, kG, kU, kD>(grads, k, master, moments, upload, i, n, stream);
+    UpdateRest<Ops, kG, kM, kU, kD>(grad, k, at, grads, c, moments, upload, 0, peel, 0);
+    const size_t i = UpdateVectorsF32<Ops, kG, kU, kD>(grad, k, at, peel, n, stream);
+    UpdateRest<Ops, kG, kM, kU, kD>(grad, k, at, grads, c, moments, upload, i, n, 0);
   } else {
     // The hash key changes where the global index crosses a multiple of 2^32: one segment per key (in
-    // practice one). A segment's scalar tail can leave the upload unaligned: no streaming after it.
+    // practice one). The streamed upload needs the alignment peel in the first segment; a segment's tail
+    // leaves the next one unaligned: no streaming after it.
+    size_t i = 0;
     while (true) {
       const uint64_t index = moments.element_base + i;
       const uint64_t to_boundary = (uint64_t{1} << 32) - (index & 0xFFFFFFFFu);
       const size_t end = to_boundary < n - i ? i + static_cast<size_t>(to_boundary) : n;
-      i = UpdateVectorsBF16<Ops, kG, kU, kD>(grads, k, master, moments, upload, i, end, stream,
-                                             RandomKey(c.sr_seed, index >> 32));
+      const uint32_t key = RandomKey(c.sr_seed, index >> 32);
+      if (peel > end - i) stream = false, peel = 0;  // the peel would cross the boundary: no streaming
+      UpdateRest<Ops, kG, kM, kU, kD>(grad, k, at, grads, c, moments, upload, i, i + peel, key);
+      i = UpdateVectorsBF16<Ops, kG, kU, kD>(grad, k, at, i + peel, end, stream, key, moments.element_base);
+      UpdateRest<Ops, kG, kM, kU, kD>(grad, k, at, grads, c, moments, upload, i, end, key);
+      i = end, peel = 0;
       if (end == n) break;
-      for (; i < end; ++i) UpdateElement<kG, kM, kU, kD>(grads, c, master, moments, upload, i);
       stream = false;
     }
   }
-  for (; i < n; ++i) UpdateElement<kG, kM, kU, kD>(grads, c, master, moments, upload, i);
   if (fence) Ops::StreamFence();  // streamed stores are weakly ordered: publish before completion
 }
 
@@ -220,9 +359,14 @@ template <class Ops>
 void SimdUpdate(const GradSources& grads, const AdamWStep& step, float* master, const MomentBuffers& moments,
                 const Upload& upload, size_t n) {
   const StepConstants c(step, moments);
+  const bool one = grads.slots.size() == 1 && grads.accum == nullptr;
   DispatchUpdate(grads.dtype, moments.dtype, UploadKindOf(upload), step.decoupled,
                  [&]<DType kG, DType kM, UploadKind kU, bool kD>() {
-                   UpdateRange<Ops, kG, kM, kU, kD>(grads, c, master, moments, upload, n);
+                   if (one) {
+                     UpdateRange<Ops, kG, kM, kU, kD, GradReader<Ops, kG, true>>(grads, c, master, moments, upload, n);
+                   } else {
+                     UpdateRange<Ops, kG, kM, kU, kD, GradReader<Ops, kG, false>>(grads, c, master, moments, upload, n);
+                   }
                  });
 }
 
@@ -230,11 +374,10 @@ template <class Ops>
 double SimdSumOfSquares(const GradSources& grads, size_t n, bool* nonfinite) {
   double sum = 0;
   DispatchGrad(grads.dtype, [&]<DType kG>() {
-    const void* const* slots = grads.slots.data();
-    const size_t ranks = grads.slots.size();
+    const GradReader<Ops, kG, false> grad(grads);
     typename Ops::SquareSum acc;
     size_t i = 0;
-    for (; i + Ops::kLanes <= n; i += Ops::kLanes) Ops::AddSquares(acc, GradV<Ops, kG>(grads, slots, ranks, i));
+    for (; i + Ops::kLanes <= n; i += Ops::kLanes) Ops::AddSquares(acc, grad.At(i));
     sum = Ops::Total(acc);
     for (; i < n; ++i) {
       const double g = GradElement<kG>(grads, i);

@@ -31,6 +31,10 @@ struct Avx2Ops {
   }
   static F LoadF16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
+  // No masked vectors: heads and tails run the scalar reference.
+  static constexpr bool kMasked = false;
+  static void LoadBF16x2(const uint16_t* p, F* a, F* b) { *a = LoadBF16(p), *b = LoadBF16(p + kLanes); }
+
   static void StoreF32(float* p, F v) { _mm256_storeu_ps(p, v); }
   static void StreamF32(float* p, F v) { _mm256_stream_ps(p, v); }
 

@@ -36,20 +36,40 @@ struct Avx512Ops {
   static F LoadF16(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
+  // 2 * kLanes bf16 -> elements 0-15 in *a, 16-31 in *b. One 64-byte load; each half is one word permute
+  // (VPERMW) that puts word k of the half into the high half of lane k and zeroes the low halves, instead of
+  // a widening load and a shift per vector.
+  static void LoadBF16x2(const uint16_t* p, F* a, F* b) {
+    const __m512i x = _mm512_loadu_si512(p);
+    const __m512i low = _mm512_setr_epi32(0 << 16, 1 << 16, 2 << 16, 3 << 16, 4 << 16, 5 << 16, 6 << 16, 7 << 16,
+                                          8 << 16, 9 << 16, 10 << 16, 11 << 16, 12 << 16, 13 << 16, 14 << 16, 15 << 16);
+    const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(16 << 16));
+    constexpr __mmask32 kOddWords = 0xAAAAAAAAu;
+    *a = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(kOddWords, low, x));
+    *b = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(kOddWords, high, x));
+  }
+
+  // Masked vectors: the first n lanes (n <= kLanes) of loads and stores, the others read as zero and left
+  // alone (no fault past the end of a buffer). Heads and tails of the update run as masked vectors.
+  static constexpr bool kMasked = true;
+  using Mask = __mmask16;
+  static Mask FirstN(size_t n) { return static_cast<Mask>((1u << n) - 1); }
+  static F LoadF32(const float* p, Mask m) { return _mm512_maskz_loadu_ps(m, p); }
+  static F LoadBF16(const uint16_t* p, Mask m) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+  }
+  static F LoadF16(const uint16_t* p, Mask m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
+  static void StoreF32(float* p, F v, Mask m) { _mm512_mask_storeu_ps(p, m, v); }
+  static void StoreBF16(uint16_t* p, F v, Mask m) { _mm256_mask_storeu_epi16(p, m, Narrow(RoundBF16(v))); }
+  static void StoreF16(uint16_t* p, F v, Mask m) {
+    _mm256_mask_storeu_epi16(p, m, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
 
   static void StoreF32(float* p, F v) { _mm512_storeu_ps(p, v); }
   static void StreamF32(float* p, F v) { _mm512_stream_ps(p, v); }
 
   // fp32 bits -> bf16 bits in the low half of each 32-bit lane, round to nearest even; NaN stays NaN.
-  static __m512i RoundBF16(F v) {
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i rounded =
-        _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
-    return _mm512_mask_mov_epi32(rounded, nan, quiet);
-  }
+  static __m512i RoundBF16(F v) { return _mm512_srli_epi32(NearestWord(v), 16); }
   static __m256i Narrow(__m512i v) { return _mm512_cvtepi32_epi16(v); }  // low 16 bits of each lane
 
   static void StoreBF16(uint16_t* p, F v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), Narrow(RoundBF16(v))); }
@@ -91,20 +111,25 @@ struct Avx512Ops {
   // Stochastic rounding word: finite and inf: bits + random16 (inf + r < 2^16 stays inf); NaN: quieted, as
   // RoundBF16 (bits | 0x400000). High halves equal FloatToBF16Stochastic.
   static I StochasticWord(F v, I random16) {
-    const I bits = _mm512_castps_si512(v);
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    return _mm512_mask_or_epi32(_mm512_add_epi32(bits, random16), nan, bits, _mm512_set1_epi32(0x400000));
+    const I sum = _mm512_add_epi32(_mm512_castps_si512(v), random16);
+    return _mm512_castps_si512(QuietNaNs(_mm512_castsi512_ps(sum), v));
   }
+  // `word` where v is not NaN, v with the quiet bit set (bits | 0x400000) where it is: one VFIXUPIMMPS
+  // (classifies v; token 2, QNaN(src), for QNaN and SNaN, token 0, keep the destination, for every other
+  // class) instead of a compare into a mask and a masked OR. Not an arithmetic operation on `word`.
+  static F QuietNaNs(F word, F v) { return _mm512_fixupimm_ps(word, v, _mm512_set1_epi32(0x22), 0); }
   // Round-to-nearest-even word (high halves equal FloatToBF16).
   static I NearestWord(F v) {
     const I bits = _mm512_castps_si512(v);
     const I lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
     const I rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    return _mm512_mask_or_epi32(rounded, nan, bits, _mm512_set1_epi32(0x400000));
+    return _mm512_castps_si512(QuietNaNs(_mm512_castsi512_ps(rounded), v));
   }
   static void StoreHigh16(uint16_t* p, I w) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(w, 16)));
+  }
+  static void StoreHigh16(uint16_t* p, I w, Mask m) {
+    _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(w, 16)));
   }
   // High halves of a's lanes then b's lanes: 2 * kLanes bf16 in one 64-byte store.
   static I PackHigh16(I a, I b) {
@@ -149,8 +174,7 @@ struct Avx512Bf16Ops : Avx512Ops {
 
   static void StoreBF16x2(uint16_t* p, F a, F b, bool stream) {
     I w = reinterpret_cast<I>(_mm512_cvtne2ps_pbh(b, a));  // a -> low 16 words, b -> high 16 words
-    const __mmask16 denormal = _mm512_fpclass_ps_mask(a, kDenormal) | _mm512_fpclass_ps_mask(b, kDenormal);
-    if (denormal != 0) [[unlikely]]
+    if (!_kortestz_mask16_u8(_mm512_fpclass_ps_mask(a, kDenormal), _mm512_fpclass_ps_mask(b, kDenormal))) [[unlikely]]
       w = PackHigh16(NearestWord(a), NearestWord(b));
     stream ? _mm512_stream_si512(reinterpret_cast<__m512i*>(p), w) : _mm512_storeu_si512(p, w);
   }
@@ -160,6 +184,7 @@ struct Avx512Bf16Ops : Avx512Ops {
     return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
   }
   static void StoreBF16(uint16_t* p, F v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), NearestBF16(v)); }
+  static void StoreBF16(uint16_t* p, F v, Mask m) { _mm256_mask_storeu_epi16(p, m, NearestBF16(v)); }
   static void StreamBF16(uint16_t* p, F v) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), NearestBF16(v)); }
 };
 #endif  // __AVX512BF16__

@@ -145,6 +145,52 @@ TEST_P(VariantTest, UpdateMatchesReferenceOnStreamingSizes) {
   }
 }
 
+// The update writes exactly its range: the AVX-512 variants run heads and tails as masked vectors, and a
+// store past either end would corrupt the neighbouring piece in the daemon. Every buffer gets guard elements
+// on both sides of the range; they must keep their bytes (also the upload's, ordinary and streamed).
+TEST_P(VariantTest, UpdateTouchesNothingOutsideItsRange) {
+  constexpr size_t kGuard = 40;
+  std::vector<size_t> sizes = TestSizes();
+  sizes.push_back(40000 + 13);  // streamed upload, with the alignment head
+  for (size_t n : sizes) {
+    for (DType moment : {DType::kFloat32, DType::kBFloat16}) {
+      for (int upload : {0, 1, 2}) {
+        for (size_t ranks : {size_t{1}, size_t{2}}) {
+          const size_t misalign = n % 7;
+          std::mt19937_64 rng(n * 31 + ranks);
+          Grads grads(DType::kBFloat16, ranks, ranks == 2, n + 2 * kGuard, misalign, rng);
+          for (const void*& pointer : grads.pointers) pointer = static_cast<const uint16_t*>(pointer) + kGuard;
+          grads.sources.slots = grads.pointers;
+          if (grads.sources.accum != nullptr) grads.sources.accum += kGuard;
+          State state(n + 2 * kGuard, moment, true, static_cast<DType>(upload), misalign, rng);
+          const State before = state.Copy();
+          const size_t moment_bytes = SizeOf(moment), upload_bytes = SizeOf(static_cast<DType>(upload));
+          const AdamWStep step = AdamWStep::For(1e-3, 0.9, 0.999, 1e-8, 0.01, true, 7);
+          MomentBuffers moments{static_cast<char*>(state.exp_avg.data()) + kGuard * moment_bytes,
+                                static_cast<char*>(state.exp_avg_sq.data()) + kGuard * moment_bytes, moment, 99, 12345};
+          Upload up{static_cast<char*>(state.upload.data()) + kGuard * upload_bytes, static_cast<DType>(upload)};
+          kernel().update(grads.sources, step, state.master.f32() + kGuard, moments, up, n);
+          const std::string what = ::testing::PrintToString(std::make_tuple(n, NameOf(moment), upload, ranks));
+          for (auto [after, original] : {std::pair{&state.master, &before.master},
+                                         {&state.exp_avg, &before.exp_avg},
+                                         {&state.exp_avg_sq, &before.exp_avg_sq},
+                                         {&state.upload, &before.upload}}) {
+            const size_t bytes = SizeOf(after->dtype());
+            const auto* a = static_cast<const char*>(after->data());
+            const auto* b = static_cast<const char*>(original->data());
+            ASSERT_EQ(std::memcmp(a, b, kGuard * bytes), 0) << what << ": before the range";
+            ASSERT_EQ(std::memcmp(a + (kGuard + n) * bytes, b + (kGuard + n) * bytes, kGuard * bytes), 0)
+                << what << ": after the range";
+            if (after == &state.master) {  // and the range itself was updated
+              ASSERT_NE(std::memcmp(a + kGuard * bytes, b + kGuard * bytes, n * bytes), 0) << what << ": not updated";
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST_P(VariantTest, RepeatedStepsStayIdentical) {
   // 20 steps of every variant against 20 of the reference: no drift from any 1-ulp difference.
   const size_t n = 1000 + 3;
