@@ -43,8 +43,8 @@ void CheckFits(const CudaIpcExport& exported, const shm::JobLayout& layout) {
 
 std::shared_ptr<CudaRankTransfer> CudaRankTransfer::Open(const CudaIpcExport& exported, const shm::JobLayout& layout) {
   CheckFits(exported, layout);
-  return std::shared_ptr<CudaRankTransfer>(new CudaRankTransfer(GpuDevices::Instance().Get(exported.device_uuid),
-                                                                exported));
+  return std::shared_ptr<CudaRankTransfer>(
+      new CudaRankTransfer(GpuDevices::Instance().Get(exported.device_uuid), exported));
 }
 
 CudaRankTransfer::CudaRankTransfer(std::shared_ptr<GpuDevice> gpu, const CudaIpcExport& exported)
@@ -101,7 +101,8 @@ void CudaRankTransfer::PullGradients(uint32_t slot, void* host, size_t bytes, Do
         const cuda::CUdeviceptr source = self->staging_ + slot * self->slot_bytes_;
         for (const PinnedHost::Piece& piece : PinnedHost::Instance().Ensure(host, bytes)) {
           const size_t offset = piece.data - static_cast<std::byte*>(host);
-          d.Check(d.cuMemcpyDtoHAsync(piece.data, source + offset, piece.bytes, stream), "copying gradients to the host");
+          d.Check(d.cuMemcpyDtoHAsync(piece.data, source + offset, piece.bytes, stream),
+                  "copying gradients to the host");
         }
       },
       std::move(done));

@@ -80,8 +80,7 @@ CopyQueue::InFlight CopyQueue::Start(Item item) {
 cuda::CUevent CopyQueue::TakeEvent() {
   if (idle_events_.empty()) {
     cuda::CUevent event = nullptr;
-    driver_.Check(driver_.cuEventCreate(&event, cuda::kEventBlockingSync | cuda::kEventDisableTiming),
-                  "cuEventCreate");
+    driver_.Check(driver_.cuEventCreate(&event, cuda::kEventBlockingSync | cuda::kEventDisableTiming), "cuEventCreate");
     all_events_.push_back(event);
     return event;
   }

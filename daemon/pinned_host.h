@@ -36,11 +36,11 @@ class PinnedHost {
   [[nodiscard]] uint64_t pinned_bytes();
 
  private:
-  void Register(uintptr_t first, size_t bytes);                  // requires mutex_
-  [[nodiscard]] std::vector<Piece> Cut(uintptr_t first, size_t bytes) const;  // requires mutex_
+  void Register(std::byte* first, size_t bytes);                               // requires mutex_
+  [[nodiscard]] std::vector<Piece> Cut(std::byte* first, size_t bytes) const;  // requires mutex_
 
   std::mutex mutex_;
-  std::map<uintptr_t, uintptr_t> ranges_;  // start -> end, page-aligned
+  std::map<std::byte*, std::byte*, std::less<>> ranges_;  // start -> end, page-aligned
   uint64_t pinned_bytes_ = 0;
   bool warned_ = false;
 };

@@ -83,10 +83,8 @@ void StepEngine::RemoveRank(uint32_t rank) {
 
 void StepEngine::SetTransfer(uint32_t rank, std::shared_ptr<RankTransfer> transfer) {
   std::lock_guard lock(mutex_);
-  TS_CHECK(rank < ranks_.size() && ranks_[rank] != nullptr, Code::kFailedPrecondition, "rank {} is not attached",
-           rank);
-  TS_CHECK(ranks_[rank]->transfer == nullptr, Code::kAlreadyExists, "rank {} registered its GPU buffers already",
-           rank);
+  TS_CHECK(rank < ranks_.size() && ranks_[rank] != nullptr, Code::kFailedPrecondition, "rank {} is not attached", rank);
+  TS_CHECK(ranks_[rank]->transfer == nullptr, Code::kAlreadyExists, "rank {} registered its GPU buffers already", rank);
   ranks_[rank]->transfer = std::move(transfer);
 }
 

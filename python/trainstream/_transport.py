@@ -234,7 +234,8 @@ class CudaIpcTransport:
         base = slot * self.slot_bytes
         for i, grad in self._pending.pop(b, []):
             start = base + self._byte_offset(i)
-            self._staging[start:start + grad.numel() * grad.element_size()].view(grad.dtype).view(grad.shape).copy_(grad)
+            staged = self._staging[start:start + grad.numel() * grad.element_size()]
+            staged.view(grad.dtype).view(grad.shape).copy_(grad)
         self._grad_ready[slot].record(stream)
         send(slot)
 

@@ -7,12 +7,12 @@
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
-#include <chrono>
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
 #include <deque>
-#include <condition_variable>
 #include <functional>
 #include <future>
 #include <latch>
@@ -538,7 +538,9 @@ class FakeGpu final : public RankTransfer {
   void PullGradients(uint32_t slot, void* host, size_t bytes, Done done) override {
     Run([=, this] { std::memcpy(host, staging.data() + slot * slot_bytes_, bytes); }, std::move(done));
   }
-  void AwaitWeightsWanted(uint32_t, Done done) override { Run([] {}, std::move(done)); }
+  void AwaitWeightsWanted(uint32_t, Done done) override {
+    Run([] {}, std::move(done));
+  }
   void PushWeights(uint64_t offset, const void* host, size_t bytes, Done done) override {
     Run([=, this] { std::memcpy(params.data() + offset, host, bytes); }, std::move(done));
   }
@@ -608,8 +610,8 @@ class CudaIpcStagesTest : public StepEngineTest {
       client_->view().presence[p] = 1;
     }
     for (uint32_t b = 0; b < client_->buckets(); ++b) {
-      client_->Send(Message{
-          .kind = MessageKind::kGradReady, .flags = shm::kFinalMicro, .bucket = b, .step = step, .slot = b});
+      client_->Send(
+          Message{.kind = MessageKind::kGradReady, .flags = shm::kFinalMicro, .bucket = b, .step = step, .slot = b});
     }
   }
   // Every completion of one kind, `count` of them, in any order (others fail the test).
