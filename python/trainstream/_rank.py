@@ -187,6 +187,7 @@ class Rank:
                 self._handles.append(module.register_forward_pre_hook(lambda m, args, b=buckets: self.refresh(b)))
         self._handles.append(self.model.register_state_dict_pre_hook(lambda *args, **kwargs: self.synchronize()))
         self._handles.append(self.model.register_load_state_dict_post_hook(lambda module, keys: self.push_weights()))
+        self._handles += [_ApplyGuard(self, module) for module in self.model.modules()]
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
@@ -295,6 +296,41 @@ class Rank:
                 self.client.drop_job(self.job)
             except TrainstreamError:
                 pass
+
+
+class _ApplyGuard:
+    """`module.to()`, `.cuda()`, `.half()`, ... (all through `Module._apply`) after wrap: in-flight
+    updates land first, and a conversion that would give the wrapped parameters another dtype, device
+    or storage is refused before anything changes (the daemon's job keeps their layout; unwrap first).
+    Conversions that leave them as they are (`.cuda()` on the GPU they are on) go ahead."""
+
+    def __init__(self, rank: Rank, module: torch.nn.Module):
+        self.module = module
+        wrapped = set(map(id, rank.params))
+        original = module._apply
+
+        def guarded_apply(fn, *args, **kwargs):
+            rank.synchronize()
+            with torch.no_grad():
+                for name, p in module.named_parameters():
+                    if id(p) in wrapped:
+                        _refuse_if_changed(name, p, fn(p))
+            return original(fn, *args, **kwargs)
+
+        module._apply = guarded_apply
+
+    def remove(self) -> None:
+        self.module.__dict__.pop("_apply", None)
+
+
+def _refuse_if_changed(name: str, before: torch.Tensor, after: torch.Tensor) -> None:
+    if after is before or (after.dtype == before.dtype and after.device == before.device
+                           and after.data_ptr() == before.data_ptr()):
+        return
+    raise TrainstreamError(
+        f"this would turn parameter '{name}' from {before.dtype} on {before.device} into {after.dtype} on "
+        f"{after.device}, but trainstream keeps its optimizer state in that layout: call "
+        "trainstream.unwrap(model) first, convert, then wrap again")
 
 
 def _bytes(region) -> torch.Tensor:
