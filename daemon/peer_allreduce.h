@@ -7,10 +7,12 @@
 // every node, which keeps the nodes' rings from waiting on each other in a cycle. A peer that does
 // not deliver within the timeout, or refuses a piece, fails the bucket with a message naming it.
 //
-// Chunks travel in pieces of 64-512 KiB (daemon/peer_allreduce.cpp), several in flight (daemon/peer_sender.h): a piece
-// received in one ring step is summed into the bucket and sent on in the next step at once, so
-// sending, receiving and adding overlap within a bucket. Pieces cover disjoint elements, so the
-// order in which they arrive changes no sum.
+// Chunks travel in pieces of up to 512 KiB (daemon/peer_allreduce.cpp), 2 in flight
+// (daemon/peer_sender.h), sent straight from the bucket's memory: a piece received in one ring step
+// is summed into the bucket and sent on in the next step at once, on the gRPC thread that received
+// it (the mailbox hands it over while the bucket is registered), so sending, receiving and adding
+// overlap within a bucket. Pieces cover disjoint elements, so the order in which they arrive
+// changes no sum.
 #pragma once
 
 #include <chrono>
@@ -57,6 +59,7 @@ class PeerAllReduce {
   void Stop(const std::string& reason);
 
  private:
+  struct Bucket;
   struct Request {
     float* data;
     size_t n;
@@ -67,9 +70,6 @@ class PeerAllReduce {
   std::optional<std::string> Reduce(uint64_t step, uint32_t bucket, float* data, size_t n);
   std::optional<std::string> Fail(std::string error);
   void Post(uint64_t step, uint32_t bucket, uint32_t ring_step, uint32_t piece, const float* data, size_t n);
-  std::optional<std::string> Receive(uint64_t step, uint32_t bucket, uint32_t ring_step, uint32_t piece, float* data,
-                                     size_t n);
-  std::optional<PeerPayload> Await(const ChunkKey& key, std::string& error);
   bool Stopping();
 
   const std::string job_;

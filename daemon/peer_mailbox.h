@@ -2,6 +2,10 @@
 // Keyed by (job, step, bucket, phase, round, piece): each key is delivered and taken exactly once,
 // so the order in which peers send does not matter. The pieces' floats stay in the slices gRPC
 // received them in (daemon/peer_wire.h).
+//
+// While a bucket is being reduced, its all-reduce registers a sink for (job, step, bucket): pieces
+// that arrive for it then go straight to the sink, on the gRPC thread that received them (no
+// hand-over to the reducing thread); pieces that came earlier wait here until the sink registers.
 #pragma once
 
 #include <chrono>
@@ -12,6 +16,8 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 #include "daemon/peer_wire.h"
 
@@ -24,18 +30,39 @@ struct ChunkKey {
   auto operator<=>(const ChunkKey&) const = default;
 };
 
+// Takes the pieces of one (job, step, bucket); called from any thread, also concurrently.
+class PeerSink {
+ public:
+  virtual ~PeerSink() = default;
+  virtual void Arrived(const ChunkKey& key, PeerPayload data) = 0;
+};
+
 class PeerMailbox {
  public:
+  // Hands the piece to the sink registered for its (job, step, bucket), or keeps it.
   void Put(ChunkKey key, PeerPayload data);
   // The piece for `key`, waiting at most `timeout`; nullopt on timeout.
   std::optional<PeerPayload> Take(const ChunkKey& key, std::chrono::milliseconds timeout);
+  // Sends later pieces of (job, step, bucket) to `sink` until Unregister; returns those already
+  // here, which the caller hands to the sink itself.
+  std::vector<std::pair<ChunkKey, PeerPayload>> Register(const std::string& job, uint64_t step, uint32_t bucket,
+                                                         PeerSink* sink);
+  // Stops handing pieces to the sink of (job, step, bucket) and waits until no thread is inside it.
+  void Unregister(const std::string& job, uint64_t step, uint32_t bucket);
   // Forgets what is waiting for `job` (dropped jobs).
   void Drop(const std::string& job);
 
  private:
+  using BucketKey = std::tuple<std::string, uint64_t, uint32_t>;
+  struct Registration {
+    PeerSink* sink;
+    int delivering = 0;  // threads inside sink->Arrived
+  };
+
   std::mutex mutex_;
-  std::condition_variable arrived_;
+  std::condition_variable arrived_, delivered_;
   std::map<ChunkKey, PeerPayload> chunks_;
+  std::map<BucketKey, Registration> sinks_;
 };
 
 }  // namespace trainstream::daemon

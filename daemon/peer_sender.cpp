@@ -11,45 +11,6 @@
 
 namespace trainstream::daemon {
 
-// Buffers for the outgoing copies of pieces, reused: a fresh allocation per piece would be mapped
-// (page faults, zeroing) on every copy. A buffer returns when gRPC releases its slice, which may be
-// after the call completed or the sender is gone; each buffer holds the pool alive until then.
-class PeerSender::BufferPool : public std::enable_shared_from_this<BufferPool> {
- public:
-  grpc::Slice Copy(const float* data, size_t n) {
-    auto* buffer = new Buffer{shared_from_this(), Take(n * sizeof(float))};
-    std::memcpy(buffer->bytes.data(), data, n * sizeof(float));
-    return {buffer->bytes.data(), n * sizeof(float), &Release, buffer};
-  }
-
- private:
-  struct Buffer {
-    std::shared_ptr<BufferPool> pool;
-    std::vector<uint8_t> bytes;
-  };
-  std::vector<uint8_t> Take(size_t bytes) {
-    std::vector<uint8_t> buffer;
-    {
-      std::lock_guard lock(mutex_);
-      if (!free_.empty()) {
-        buffer = std::move(free_.back());
-        free_.pop_back();
-      }
-    }
-    if (buffer.size() < bytes) buffer.resize(bytes);
-    return buffer;
-  }
-  static void Release(void* user_data) {
-    std::unique_ptr<Buffer> buffer(static_cast<Buffer*>(user_data));
-    const std::shared_ptr<BufferPool> pool = std::move(buffer->pool);
-    std::lock_guard lock(pool->mutex_);
-    pool->free_.push_back(std::move(buffer->bytes));
-  }
-
-  std::mutex mutex_;
-  std::vector<std::vector<uint8_t>> free_;
-};
-
 struct PeerSender::Call {
   grpc::ClientContext context;
   grpc::ByteBuffer request, response;
@@ -57,10 +18,16 @@ struct PeerSender::Call {
   uint32_t bucket = 0;
 };
 
-PeerSender::PeerSender(const std::shared_ptr<grpc::Channel>& channel, std::string peer, std::string secret,
+namespace {
+// How long Finish waits for gRPC to release the slices of cancelled calls before it closes the
+// connection to make it let go.
+constexpr std::chrono::milliseconds kRelease{1000};
+}  // namespace
+
+PeerSender::PeerSender(std::function<std::shared_ptr<grpc::Channel>()> connect, std::string peer, std::string secret,
                        std::chrono::milliseconds timeout, size_t window)
-    : stub_(channel),
-      pool_(std::make_shared<BufferPool>()),
+    : connect_(std::move(connect)),
+      stub_(std::make_unique<grpc::GenericStub>(connect_())),
       peer_(std::move(peer)),
       secret_(std::move(secret)),
       timeout_(timeout),
@@ -91,7 +58,13 @@ void PeerSender::StartQueued(std::unique_lock<std::mutex>& lock) {
 
 void PeerSender::Start(const Piece& piece) {
   auto call = std::make_shared<Call>();
-  call->request = EncodePiece(piece.header, pool_->Copy(piece.data, piece.n));
+  {
+    std::lock_guard lock(mutex_);
+    ++slices_;
+  }
+  // The bucket's memory itself; Released runs when gRPC (and the call's request) let go of it.
+  call->request = EncodePiece(
+      piece.header, grpc::Slice(const_cast<float*>(piece.data), piece.n * sizeof(float), &PeerSender::Released, this));
   call->step = piece.header.step();
   call->bucket = piece.header.bucket();
   call->context.AddMetadata(kSecretHeader, secret_);
@@ -104,8 +77,8 @@ void PeerSender::Start(const Piece& piece) {
     cancelled = cancelled_;
   }
   if (cancelled) call->context.TryCancel();  // Cancel ran while this call was starting
-  stub_.UnaryCall(&call->context, kDeliverMethod, grpc::StubOptions(), &call->request, &call->response,
-                  [this, call](const grpc::Status& status) { Done(call, status); });
+  stub_->UnaryCall(&call->context, kDeliverMethod, grpc::StubOptions(), &call->request, &call->response,
+                   [this, call](const grpc::Status& status) { Done(call, status); });
 }
 
 void PeerSender::Done(const std::shared_ptr<Call>& call, const grpc::Status& status) {
@@ -117,7 +90,13 @@ void PeerSender::Done(const std::shared_ptr<Call>& call, const grpc::Status& sta
   }
   if (error_) queued_.clear();
   StartQueued(lock);
-  if (queued_.empty() && in_flight_.empty() && starting_ == 0) idle_.notify_all();
+  if (Idle()) idle_.notify_all();
+}
+
+void PeerSender::Released(void* sender) {
+  auto* self = static_cast<PeerSender*>(sender);
+  std::lock_guard lock(self->mutex_);
+  if (--self->slices_ == 0 && self->Idle()) self->idle_.notify_all();
 }
 
 std::optional<std::string> PeerSender::Error() {
@@ -138,12 +117,24 @@ void PeerSender::Cancel() {
 
 bool PeerSender::WaitIdle(std::chrono::milliseconds timeout) {
   std::unique_lock lock(mutex_);
-  return idle_.wait_for(lock, timeout, [&] { return queued_.empty() && in_flight_.empty() && starting_ == 0; });
+  return idle_.wait_for(lock, timeout, [&] { return Idle(); });
 }
 
 std::optional<std::string> PeerSender::Finish() {
   std::unique_lock lock(mutex_);
   idle_.wait(lock, [&] { return queued_.empty() && in_flight_.empty() && starting_ == 0; });
+  if (!idle_.wait_for(lock, kRelease, [&] { return slices_ == 0; })) {
+    // Bytes of cancelled calls wait in the connection's output (the peer stopped reading): closing
+    // the connection drops them. The channel shares no connection (connect_), so dropping the
+    // last reference to it closes it.
+    lock.unlock();
+    stub_.reset();
+    lock.lock();
+    idle_.wait(lock, [&] { return slices_ == 0; });
+    lock.unlock();
+    stub_ = std::make_unique<grpc::GenericStub>(connect_());
+    lock.lock();
+  }
   cancelled_ = false;
   return std::exchange(error_, std::nullopt);
 }

@@ -69,10 +69,24 @@ PeerPayload SlicesFrom(const grpc::ByteBuffer& message, size_t skip) {
   return payload;
 }
 
+// Four floats: GCC and Clang add these lane by lane with one vector instruction (the plain loop
+// below stays scalar at -O2: measured 7% of a node's CPU time). Each lane's sum is the same IEEE
+// addition as the scalar one, so the result is bit-identical.
+using Floats = float __attribute__((vector_size(16)));
+
 void AddFloats(float* __restrict out, const uint8_t* __restrict in, size_t count) {
-  for (size_t i = 0; i < count; ++i) {
+  constexpr size_t kBlock = 4 * sizeof(Floats) / sizeof(float);
+  size_t i = 0;
+  for (; i + kBlock <= count; i += kBlock) {
+    Floats sum[4], value[4];
+    std::memcpy(sum, out + i, sizeof(sum));  // slices are not aligned to floats
+    std::memcpy(value, in + i * sizeof(float), sizeof(value));
+    for (int k = 0; k < 4; ++k) sum[k] += value[k];
+    std::memcpy(out + i, sum, sizeof(sum));
+  }
+  for (; i < count; ++i) {
     float value;
-    std::memcpy(&value, in + i * sizeof(float), sizeof(float));  // slices are not aligned to floats
+    std::memcpy(&value, in + i * sizeof(float), sizeof(float));
     out[i] += value;
   }
 }
