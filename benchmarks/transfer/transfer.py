@@ -95,6 +95,8 @@ def worker(gpu: int, args, barrier, results) -> None:
                 samples[key].append(seconds)
     result = {"gpu": gpu, "name": torch.cuda.get_device_name(device), "bytes": nbytes, "buckets": len(rank.buckets),
               "transport": rank.transport.name}
+    if hasattr(rank.transport, "slot_wait_s"):  # cuda-ipc: backward waiting for staging slots, per step
+        result["slot_wait_ms_per_step"] = 1000 * rank.transport.slot_wait_s / (args.warmup + args.repeats)
     for key, seconds in samples.items():
         result[key + "_gbs"] = nbytes / statistics.median(seconds) / GB
     for direction in ("d2h", "h2d"):

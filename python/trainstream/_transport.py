@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 import uuid as _uuid
 import warnings
 
@@ -208,6 +209,7 @@ class CudaIpcTransport:
         self._pending: dict[int, list[tuple[int, torch.Tensor]]] = {}  # bucket -> gradients not yet staged
         self._next_slot = 0
         self._wants = 0  # kWeightsWanted messages sent
+        self.slot_wait_s = 0.0  # time backward spent waiting for a free staging slot (benchmarks read it)
 
     def _rehome_parameters(self, flat: torch.Tensor) -> None:
         """Every parameter becomes a view of the flat buffer at its bucket's offset, keeping its values."""
@@ -229,7 +231,9 @@ class CudaIpcTransport:
     def bucket_done(self, b: int, send) -> None:
         slot = self._next_slot
         self._next_slot = (slot + 1) % len(self._grad_ready)
+        started = time.perf_counter()
         self.session.wait_staging_free(slot)  # the daemon copied its previous bucket out
+        self.slot_wait_s += time.perf_counter() - started
         stream = torch.cuda.current_stream(self.device)
         base = slot * self.slot_bytes
         for i, grad in self._pending.pop(b, []):
