@@ -99,7 +99,7 @@ void CudaRankTransfer::PullGradients(uint32_t slot, void* host, size_t bytes, Do
         const cuda::CudaDriver& d = self->driver();
         d.Check(d.cuStreamWaitEvent(stream, self->grad_ready_[slot], 0), "waiting for a rank's gradients");
         const cuda::CUdeviceptr source = self->staging_ + slot * self->slot_bytes_;
-        for (const PinnedHost::Piece& piece : PinnedHost::Instance().Ensure(host, bytes)) {
+        for (const HostRange& piece : PinnedHost::Instance().Ensure(host, bytes)) {
           const size_t offset = piece.data - static_cast<std::byte*>(host);
           d.Check(d.cuMemcpyDtoHAsync(piece.data, source + offset, piece.bytes, stream),
                   "copying gradients to the host");
@@ -125,7 +125,7 @@ void CudaRankTransfer::PushWeights(uint64_t offset, const void* host, size_t byt
   gpu_->to_device.Submit(
       [self = shared_from_this(), offset, host, bytes](cuda::CUstream stream) {
         const cuda::CudaDriver& d = self->driver();
-        for (const PinnedHost::Piece& piece : PinnedHost::Instance().Ensure(host, bytes)) {
+        for (const HostRange& piece : PinnedHost::Instance().Ensure(host, bytes)) {
           const size_t at = piece.data - static_cast<const std::byte*>(host);
           d.Check(d.cuMemcpyHtoDAsync(self->params_ + offset + at, piece.data, piece.bytes, stream),
                   "copying weights to the GPU");

@@ -16,32 +16,53 @@
 
 namespace trainstream::daemon {
 
+// A piece of host memory.
+struct HostRange {
+  std::byte* data;
+  size_t bytes;
+  bool operator==(const HostRange&) const = default;
+};
+
+// Disjoint page-aligned ranges and the arithmetic PinnedHost does on them; no driver calls, so it is
+// tested alone.
+class PageRanges {
+ public:
+  explicit PageRanges(size_t page) : page_(page) {}
+  // The page-aligned parts of the pages under [first, first + bytes) that no range covers, in order.
+  [[nodiscard]] std::vector<HostRange> Missing(std::byte* first, size_t bytes) const;
+  // [first, first + bytes) cut where ranges begin or end: each piece lies inside one range or
+  // outside all of them.
+  [[nodiscard]] std::vector<HostRange> Cut(std::byte* first, size_t bytes) const;
+  void Add(HostRange range);
+  // Removes and returns the ranges that start inside [first, first + bytes).
+  std::vector<HostRange> RemoveInside(const std::byte* first, size_t bytes);
+  [[nodiscard]] uint64_t bytes() const { return bytes_; }
+
+ private:
+  size_t page_;
+  std::map<std::byte*, std::byte*, std::less<>> ranges_;  // start -> end
+  uint64_t bytes_ = 0;
+};
+
 class PinnedHost {
  public:
   static PinnedHost& Instance();
 
-  // One copy's host range, cut where registrations begin or end: the driver refuses a copy that
-  // spans two registrations (CUDA_ERROR_INVALID_VALUE), and neighbouring buckets share pages.
-  struct Piece {
-    std::byte* data;
-    size_t bytes;
-  };
   // Registers the pages of [data, data + bytes) that are not registered yet, and returns the range in
-  // pieces to copy one by one. A refused registration is logged once; the copies then go ahead from
-  // pageable memory (slower, still correct).
-  std::vector<Piece> Ensure(const void* data, size_t bytes);
+  // pieces to copy one by one: the driver refuses a copy that spans two registrations
+  // (CUDA_ERROR_INVALID_VALUE), and neighbouring buckets share pages. A refused registration is
+  // logged once; the copies then go ahead from pageable memory (slower, still correct).
+  std::vector<HostRange> Ensure(const void* data, size_t bytes);
   // Unregisters every range inside [base, base + bytes). Call before unmapping that memory, once no
   // copy can touch it.
   void Release(const void* base, size_t bytes);
   [[nodiscard]] uint64_t pinned_bytes();
 
  private:
-  void Register(std::byte* first, size_t bytes);                               // requires mutex_
-  [[nodiscard]] std::vector<Piece> Cut(std::byte* first, size_t bytes) const;  // requires mutex_
+  PinnedHost();
 
   std::mutex mutex_;
-  std::map<std::byte*, std::byte*, std::less<>> ranges_;  // start -> end, page-aligned
-  uint64_t pinned_bytes_ = 0;
+  PageRanges registered_;  // guarded by mutex_
   bool warned_ = false;
 };
 
