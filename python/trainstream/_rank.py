@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import os
 import threading
+import types
 import warnings
+import weakref
 from typing import Iterable
 
 import torch
@@ -302,25 +304,33 @@ class _ApplyGuard:
     """`module.to()`, `.cuda()`, `.half()`, ... (all through `Module._apply`) after wrap: in-flight
     updates land first, and a conversion that would give the wrapped parameters another dtype, device
     or storage is refused before anything changes (the daemon's job keeps their layout; unwrap first).
-    Conversions that leave them as they are (`.cuda()` on the GPU they are on) go ahead."""
+    Conversions that leave them as they are (`.cuda()` on the GPU they are on) go ahead. The guard is
+    a method bound to the module, so a `copy.deepcopy` of the model (an EMA copy, say) gets one bound
+    to itself, which finds no rank and converts freely."""
 
     def __init__(self, rank: Rank, module: torch.nn.Module):
         self.module = module
-        wrapped = set(map(id, rank.params))
-        original = module._apply
-
-        def guarded_apply(fn, *args, **kwargs):
-            rank.synchronize()
-            with torch.no_grad():
-                for name, p in module.named_parameters():
-                    if id(p) in wrapped:
-                        _refuse_if_changed(name, p, fn(p))
-            return original(fn, *args, **kwargs)
-
-        module._apply = guarded_apply
+        _GUARDED[module] = rank
+        module._apply = types.MethodType(_guarded_apply, module)
 
     def remove(self) -> None:
+        _GUARDED.pop(self.module, None)
         self.module.__dict__.pop("_apply", None)
+
+
+_GUARDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> the Rank that wrapped it
+
+
+def _guarded_apply(module: torch.nn.Module, fn, *args, **kwargs):
+    rank = _GUARDED.get(module)
+    if rank is not None:
+        rank.synchronize()
+        wrapped = set(map(id, rank.params))
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                if id(p) in wrapped:
+                    _refuse_if_changed(name, p, fn(p))
+    return type(module)._apply(module, fn, *args, **kwargs)
 
 
 def _refuse_if_changed(name: str, before: torch.Tensor, after: torch.Tensor) -> None:

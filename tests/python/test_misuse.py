@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 import warnings
 
@@ -137,5 +138,7 @@ def test_converting_a_wrapped_model_is_refused_before_anything_changes(client):
     assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))  # nothing changed
     backward(model)  # and it still trains
     opt.step()
+    ema = copy.deepcopy(model)  # a copy is not wrapped: it converts freely, and alone
+    assert ema.double()[0].weight.dtype == torch.float64 and model[0].weight.dtype == torch.float32
     trainstream.unwrap(model)
     assert model.double()[0].weight.dtype == torch.float64
