@@ -58,6 +58,8 @@ struct RankChannel {
   std::vector<uint8_t> pushing;  // per bucket: its weights are being copied to the GPU
   std::vector<int64_t> pushed;   // per bucket: the step whose weights the GPU holds (-1: none)
   int64_t weights_wanted = -1;   // the latest step whose weights the rank asked for (kWeightsWanted)
+  int64_t claims_on_gpu = -1;    // kWeightsOnGpu: the step the rank says its GPU holds (its own load)
+  int64_t on_gpu = -1;           // the step whose weights the GPU holds without a push (claim checked)
   uint64_t push_generation = 0;  // a state load makes pushes still in flight stale
 };
 

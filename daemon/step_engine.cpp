@@ -606,6 +606,8 @@ void StepEngine::OnLoadState(RankChannel& channel, const shm::Message& message) 
   TS_CHECK(message.step < (uint64_t{1} << 62), Code::kInvalidArgument, "LOAD_STATE step {} out of range", message.step);
   loading_ = true;
   const uint64_t step = message.step;
+  const uint32_t loader = channel.rank;
+  channel.claims_on_gpu = -1;  // only a claim sent after this load counts for it
   auto remaining = std::make_shared<size_t>(buckets_.size());
   const ParamAddress at{layout_, state_, spec_.moment_dtype};
   for (uint32_t b = 0; b < buckets_.size(); ++b) {
@@ -617,7 +619,7 @@ void StepEngine::OnLoadState(RankChannel& channel, const shm::Message& message) 
           if (upload.data != nullptr)
             optimizer::ConvertMaster(at.state.master + at.Element(piece), upload, piece.count);
         },
-        [this, remaining, step] {
+        [this, remaining, step, loader] {
           if (--*remaining != 0) return;
           for (uint32_t bucket = 0; bucket < buckets_.size(); ++bucket) {
             state_.bucket_state[bucket].applied_step.store(step);
@@ -627,10 +629,16 @@ void StepEngine::OnLoadState(RankChannel& channel, const shm::Message& message) 
           state_.header->completed_step.store(step);
           state_.header->initialized = 1;
           loading_ = false;
-          for (const auto& channel : ranks_) {  // the GPUs' copies of the weights are stale now
+          loaded_by_ = loader;
+          loaded_step_ = step;
+          for (const auto& channel : ranks_) {  // the GPUs' copies of the weights are stale now...
             if (!channel) continue;
             ++channel->push_generation;
             std::fill(channel->pushed.begin(), channel->pushed.end(), -1);
+            // ...except the loader's, if it said its GPU holds what it loaded
+            channel->on_gpu = channel->rank == loader && channel->claims_on_gpu == static_cast<int64_t>(step)
+                                  ? static_cast<int64_t>(step)
+                                  : -1;
           }
           for (uint32_t bucket = buckets_.size(); bucket-- > 0;) PublishWeights(bucket, step);
         });
@@ -681,6 +689,13 @@ void StepEngine::OnWeightsWanted(const std::shared_ptr<RankChannel>& channel, co
     });
   });
   channel->weights_wanted = static_cast<int64_t>(message.step);
+  if ((message.flags & shm::kWeightsOnGpu) != 0) {
+    channel->claims_on_gpu = static_cast<int64_t>(message.step);
+    // The load it follows may have completed already; if it is still running, its end checks the claim.
+    if (!loading_ && loaded_by_ == static_cast<int64_t>(channel->rank) && loaded_step_ == message.step) {
+      channel->on_gpu = static_cast<int64_t>(message.step);
+    }
+  }
   for (uint32_t b = buckets_.size(); b-- > 0;) MaybePush(channel, b);  // the first layers first
 }
 
@@ -691,6 +706,12 @@ void StepEngine::MaybePush(const std::shared_ptr<RankChannel>& channel, uint32_t
   if (channel->failed || channel->pushing[b] || step > channel->weights_wanted || channel->pushed[b] >= step ||
       loading_ || progress.updating || state_.header->initialized == 0) {
     return;
+  }
+  if (channel->on_gpu == step) {  // the rank's GPU holds these weights already: nothing to copy
+    channel->pushed[b] = step;
+    return PostTo(
+        *channel,
+        shm::Message{.kind = shm::MessageKind::kParamsReady, .bucket = b, .step = static_cast<uint64_t>(step)});
   }
   const shm::BucketLayout& bucket = layout_.buckets[b];
   const void* source = bucket.uploads_from_master() ? static_cast<const void*>(state_.master + bucket.elem_offset)

@@ -23,6 +23,9 @@ enum class MessageKind : uint16_t {
 
 enum MessageFlags : uint16_t {
   kFinalMicro = 1,  // kGradReady: the last micro-batch of the step; the update follows
+  // kWeightsWanted: the rank's GPU already holds the weights of `step`: it wrote them into the master
+  // weights itself (LOAD_STATE), so the daemon need not push them back
+  kWeightsOnGpu = 2,
 };
 
 struct alignas(64) Message {

@@ -277,8 +277,11 @@ std::string RankSession::RegisterCudaIpc(const CudaIpcBuffers& buffers) {
   return error;
 }
 
-void RankSession::SendWeightsWanted(uint64_t step, uint32_t event) {
-  impl_->Push(shm::Message{.kind = shm::MessageKind::kWeightsWanted, .step = step, .slot = event});
+void RankSession::SendWeightsWanted(uint64_t step, uint32_t event, bool weights_on_gpu) {
+  impl_->Push(shm::Message{.kind = shm::MessageKind::kWeightsWanted,
+                           .flags = static_cast<uint16_t>(weights_on_gpu ? shm::kWeightsOnGpu : 0),
+                           .step = step,
+                           .slot = event});
 }
 
 void RankSession::WaitStagingFree(uint32_t slot) {

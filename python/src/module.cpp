@@ -257,7 +257,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("device_uuid"), py::arg("params_handle"), py::arg("params_bytes"), py::arg("staging_handle"),
           py::arg("slot_bytes"), py::arg("grad_ready_events"), py::arg("weights_wanted_events"))
       .def("send_weights_wanted", &RankSession::SendWeightsWanted, py::arg("step"), py::arg("event"),
-           py::call_guard<py::gil_scoped_release>())
+           py::arg("weights_on_gpu") = false, py::call_guard<py::gil_scoped_release>())
       .def("wait_staging_free", &RankSession::WaitStagingFree, py::arg("slot"),
            py::call_guard<py::gil_scoped_release>())
       .def("wait_weights_wanted_waits", &RankSession::WaitWeightsWantedWaits, py::arg("count"),

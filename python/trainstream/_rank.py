@@ -120,7 +120,7 @@ class Rank:
                 for i, p in enumerate(self.params):
                     self.master_view(i).copy_(p.detach())
             s.send_load_state(0)
-            self._mark_all_stale(0)
+            self._mark_all_stale(0, weights_on_gpu=True)
         elif s.initialized:
             for b in range(len(self.buckets)):
                 self._bucket_step[b] = s.applied_step(b) + 1
@@ -131,8 +131,9 @@ class Rank:
             self._mark_all_stale(0)
         self.synchronize()
 
-    def _mark_all_stale(self, step: int) -> None:
-        self.transport.step_done(step)
+    def _mark_all_stale(self, step: int, weights_on_gpu: bool = False) -> None:
+        """`weights_on_gpu`: this rank just loaded the master weights from its parameters."""
+        self.transport.step_done(step, weights_on_gpu)
         for b in range(len(self.buckets)):
             self._bucket_step[b] = step + 1
             self._ready_step[b] = step
@@ -168,7 +169,7 @@ class Rank:
     def _publish(self) -> None:
         step = self.session.completed_step
         self.session.send_load_state(step)
-        self._mark_all_stale(step)
+        self._mark_all_stale(step, weights_on_gpu=True)
         self.synchronize()
 
     def _require_idle(self, what: str) -> None:

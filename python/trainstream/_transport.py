@@ -54,7 +54,7 @@ class HostTransport:
     def weights_done(self) -> None:
         pass
 
-    def step_done(self, step: int) -> None:
+    def step_done(self, step: int, weights_on_gpu: bool = False) -> None:
         pass
 
     def flush(self) -> None:
@@ -110,7 +110,7 @@ class CudaCopyTransport:
             sent.wait()
         self._raise_pending()
 
-    def step_done(self, step: int) -> None:
+    def step_done(self, step: int, weights_on_gpu: bool = False) -> None:
         """optimizer.step(): new weights may overwrite the parameters once the queued kernels ran."""
         self._compute_done = torch.cuda.Event()
         self._compute_done.record(torch.cuda.current_stream(self.device))
@@ -252,14 +252,15 @@ class CudaIpcTransport:
     def weights_done(self) -> None:
         pass
 
-    def step_done(self, step: int) -> None:
-        """The daemon may write the weights of `step` once the kernels queued so far have run."""
+    def step_done(self, step: int, weights_on_gpu: bool = False) -> None:
+        """The daemon may write the weights of `step` once the kernels queued so far have run;
+        `weights_on_gpu`: the parameters hold them already (this rank just loaded them from there)."""
         n = self._wants
         if n >= self._WANT_EVENTS:  # its event's previous use must have been waited for
             self.session.wait_weights_wanted_waits(n - self._WANT_EVENTS + 1)
         event = n % self._WANT_EVENTS
         self._wanted[event].record(torch.cuda.current_stream(self.device))
-        self.session.send_weights_wanted(step, event)
+        self.session.send_weights_wanted(step, event, weights_on_gpu)
         self._wants += 1
 
     def flush(self) -> None:

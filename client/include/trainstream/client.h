@@ -133,8 +133,9 @@ class RankSession {
   // (the rank then copies its data itself), or an empty string.
   std::string RegisterCudaIpc(const CudaIpcBuffers& buffers);
   // cuda-ipc: optimizer.step() for `step` was called; `event` was recorded after the kernels that read
-  // the weights (the `count`-th such message of this session, from 1).
-  void SendWeightsWanted(uint64_t step, uint32_t event);
+  // the weights. `weights_on_gpu`: the GPU already holds the weights of `step` (this rank just loaded
+  // them from its parameters), so the daemon need not push them.
+  void SendWeightsWanted(uint64_t step, uint32_t event, bool weights_on_gpu = false);
   // cuda-ipc: blocks until the daemon copied staging slot `slot` out.
   void WaitStagingFree(uint32_t slot);
   // cuda-ipc: blocks until the daemon has waited for `count` weights-wanted events.

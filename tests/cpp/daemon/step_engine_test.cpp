@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -542,6 +543,7 @@ class FakeGpu final : public RankTransfer {
     Run([] {}, std::move(done));
   }
   void PushWeights(uint64_t offset, const void* host, size_t bytes, Done done) override {
+    ++pushes;
     Run([=, this] { std::memcpy(params.data() + offset, host, bytes); }, std::move(done));
   }
   // The rank's view of parameter p: its place in the flat parameter buffer, or in staging slot `slot`.
@@ -556,6 +558,7 @@ class FakeGpu final : public RankTransfer {
   }
 
   std::vector<std::byte> params, staging;
+  std::atomic<int> pushes{0};
 
  private:
   void Run(std::function<void()> copy, Done done) {
@@ -598,8 +601,8 @@ class CudaIpcStagesTest : public StepEngineTest {
     job_->SetTransfer(0, gpu_, "fake-gpu");
   }
   [[nodiscard]] const shm::JobLayout& layout() const { return job_->layout(); }
-  void WantWeights(uint64_t step) {
-    client_->Send(Message{.kind = MessageKind::kWeightsWanted, .step = step, .slot = wants_++ % 2});
+  void WantWeights(uint64_t step, uint16_t flags = 0) {
+    client_->Send(Message{.kind = MessageKind::kWeightsWanted, .flags = flags, .step = step, .slot = wants_++ % 2});
   }
   // Gradients of `step` into the staging slots (bucket b in slot b), then GRAD_READY naming them.
   void StageStep(uint64_t step) {
@@ -677,6 +680,27 @@ TEST_F(CudaIpcStagesTest, StepsMatchAdamWThroughTheGpuBuffers) {
   reference.ExpectMatches(*client_);
   ExpectGpuHoldsMaster();
   EXPECT_TRUE(client_->sink().failures().empty());
+}
+
+TEST_F(CudaIpcStagesTest, TheLoadersOwnWeightsAreNotPushedBack) {
+  client_->LoadInitialState();
+  WantWeights(0, shm::kWeightsOnGpu);  // rank 0 wrote the master weights from its GPU's parameters
+  client_->ExpectParamsReady(0);
+  EXPECT_EQ(gpu_->pushes.load(), 0);
+  StageStep(1);
+  WantWeights(1);
+  ReceiveAll(MessageKind::kStagingFree, 2);
+  client_->ExpectParamsReady(1);  // the step's new weights are pushed as usual
+  EXPECT_EQ(gpu_->pushes.load(), static_cast<int>(client_->buckets()));
+  ExpectGpuHoldsMaster();
+}
+
+TEST_F(CudaIpcStagesTest, AClaimArrivingAfterTheLoadCompletedCountsToo) {
+  client_->LoadInitialState();
+  ASSERT_TRUE(trainstream::testing::PollUntil([&] { return client_->state().header->initialized == 1; }));
+  WantWeights(0, shm::kWeightsOnGpu);
+  client_->ExpectParamsReady(0);
+  EXPECT_EQ(gpu_->pushes.load(), 0);
 }
 
 TEST_F(CudaIpcStagesTest, AStagingSlotOutOfRangeFailsTheSession) {
