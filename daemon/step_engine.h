@@ -156,7 +156,7 @@ class StepEngine {
   std::map<uint64_t, ClipGate> clip_gates_;
   std::map<uint64_t, uint32_t> updated_;  // per step: buckets updated
   bool loading_ = false;
-  int64_t loaded_by_ = -1;   // the rank whose LOAD_STATE was the last one to complete
+  int64_t loaded_by_ = -1;  // the rank whose LOAD_STATE was the last one to complete
   uint64_t loaded_step_ = 0;
 
   std::mutex finished_mutex_;
