@@ -58,15 +58,16 @@ CudaRankTransfer::CudaRankTransfer(std::shared_ptr<GpuDevice> gpu, const CudaIpc
     d.Check(d.cuIpcOpenMemHandle(&staging_, HandleFrom<cuda::CUipcMemHandle>(exported.staging_handle, "staging"),
                                  cuda::kIpcMemLazyEnablePeerAccess),
             "opening the staging slots' IPC handle (cuIpcOpenMemHandle)");
-    for (const auto* list : {&exported.grad_ready_events, &exported.weights_wanted_events}) {
-      auto& events = list == &exported.grad_ready_events ? grad_ready_ : weights_wanted_;
-      for (const std::string& bytes : *list) {
+    auto open_events = [&d](const std::vector<std::string>& handles, std::vector<cuda::CUevent>& opened) {
+      for (const std::string& bytes : handles) {
         cuda::CUevent event = nullptr;
         d.Check(d.cuIpcOpenEventHandle(&event, HandleFrom<cuda::CUipcEventHandle>(bytes, "event")),
                 "opening an interprocess event (cuIpcOpenEventHandle)");
-        events.push_back(event);
+        opened.push_back(event);  // as it opens: Close() below must see every one
       }
-    }
+    };
+    open_events(exported.grad_ready_events, grad_ready_);
+    open_events(exported.weights_wanted_events, weights_wanted_);
   } catch (...) {
     Close();  // what was opened so far
     throw;

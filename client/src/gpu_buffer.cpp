@@ -6,40 +6,35 @@
 namespace trainstream {
 
 namespace {
-cuda::CUcontext PrimaryContextOf(const cuda::CudaDriver& driver, int ordinal) {
+cuda::CUdevice DeviceOf(const cuda::CudaDriver& driver, int ordinal) {
   cuda::CUdevice device = 0;
   driver.Check(driver.cuDeviceGet(&device, ordinal), "cuDeviceGet");
-  cuda::CUcontext context = nullptr;
-  driver.Check(driver.cuDevicePrimaryCtxRetain(&context, device), "cuDevicePrimaryCtxRetain");
-  return context;
+  return device;
 }
 }  // namespace
 
-GpuBuffer::GpuBuffer(int device_ordinal, size_t bytes) : device_ordinal_(device_ordinal), bytes_(bytes) {
+GpuBuffer::GpuBuffer(int device_ordinal, size_t bytes) : bytes_(bytes) {
   const cuda::CudaDriver& driver = cuda::CudaDriver::Get();
-  context_ = PrimaryContextOf(driver, device_ordinal_);
-  cuda::ScopedContext scope(driver, static_cast<cuda::CUcontext>(context_));
+  context_ = std::make_unique<cuda::PrimaryContext>(driver, DeviceOf(driver, device_ordinal));
+  cuda::ScopedContext scope(driver, context_->get());
   cuda::CUdeviceptr address = 0;
   driver.Check(driver.cuMemAlloc(&address, bytes_ == 0 ? 1 : bytes_),
-               fmt::format("allocating {} bytes on GPU {} (cuMemAlloc)", bytes_, device_ordinal_).c_str());
+               fmt::format("allocating {} bytes on GPU {} (cuMemAlloc)", bytes_, device_ordinal).c_str());
   address_ = address;
 }
 
 GpuBuffer::~GpuBuffer() {
   const cuda::CudaDriver& driver = cuda::CudaDriver::Get();
-  if (driver.cuCtxPushCurrent(static_cast<cuda::CUcontext>(context_)) == 0) {
+  if (driver.cuCtxPushCurrent(context_->get()) == 0) {  // no throwing ScopedContext in a destructor
     driver.cuMemFree(address_);
     cuda::CUcontext popped = nullptr;
     driver.cuCtxPopCurrent(&popped);
   }
-  cuda::CUdevice device = 0;
-  driver.cuDeviceGet(&device, device_ordinal_);
-  driver.cuDevicePrimaryCtxRelease(device);  // the retain of the constructor
 }
 
 std::string GpuBuffer::ipc_handle() const {
   const cuda::CudaDriver& driver = cuda::CudaDriver::Get();
-  cuda::ScopedContext scope(driver, static_cast<cuda::CUcontext>(context_));
+  cuda::ScopedContext scope(driver, context_->get());
   cuda::CUipcMemHandle handle{};
   driver.Check(driver.cuIpcGetMemHandle(&handle, address_), "cuIpcGetMemHandle");
   return {handle.reserved, sizeof(handle.reserved)};

@@ -29,7 +29,7 @@ import warnings
 
 import torch
 
-from trainstream import _C
+from trainstream import _C, _layout
 from trainstream._C import TrainstreamError
 
 
@@ -188,7 +188,7 @@ class CudaIpcTransport:
         self.rank = rank
         self.device = device
         self.session = rank.session
-        sizes = [b["numel"] * _DTYPE_BYTES[b["dtype"]] for b in rank.buckets]
+        sizes = [b["numel"] * _layout.torch_dtype(b["dtype"]).itemsize for b in rank.buckets]
         self.slot_bytes = _round_up(max(sizes, default=1), 256)
         slots = int(os.environ.get("TRAINSTREAM_STAGING_SLOTS", 4 if self.slot_bytes <= 64 << 20 else 2))
         with torch.cuda.device(device):
@@ -279,9 +279,6 @@ class CudaIpcTransport:
 
 class CudaIpcRefused(TrainstreamError):
     """The daemon cannot reach this process's GPU memory (the message says why)."""
-
-
-_DTYPE_BYTES = {0: 4, 1: 2, 2: 2}
 
 
 def _round_up(value: int, multiple: int) -> int:

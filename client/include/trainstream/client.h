@@ -19,6 +19,10 @@
 
 namespace trainstream {
 
+namespace cuda {
+class PrimaryContext;  // shm/cuda_driver.h; only GpuBuffer's implementation sees it
+}  // namespace cuda
+
 struct DaemonInfo {
   std::string daemon_version;
   uint32_t protocol_version = 0;
@@ -67,9 +71,8 @@ class GpuBuffer {
   [[nodiscard]] std::string ipc_handle() const;
 
  private:
-  int device_ordinal_;
   size_t bytes_;
-  void* context_ = nullptr;  // the device's primary context, retained
+  std::unique_ptr<cuda::PrimaryContext> context_;  // retained while the buffer lives
   uint64_t address_ = 0;
 };
 
