@@ -98,7 +98,6 @@ void CudaRankTransfer::PullGradients(uint32_t slot, void* host, size_t bytes, Do
   gpu_->to_host.Submit(
       [self = shared_from_this(), slot, host, bytes](cuda::CUstream stream) {
         const cuda::CudaDriver& d = self->driver();
-        d.Check(d.cuStreamWaitEvent(stream, self->grad_ready_[slot], 0), "waiting for a rank's gradients");
         const cuda::CUdeviceptr source = self->staging_ + slot * self->slot_bytes_;
         for (const HostRange& piece : PinnedHost::Instance().Ensure(host, bytes)) {
           const size_t offset = piece.data - static_cast<std::byte*>(host);
@@ -106,18 +105,13 @@ void CudaRankTransfer::PullGradients(uint32_t slot, void* host, size_t bytes, Do
                   "copying gradients to the host");
         }
       },
-      std::move(done));
+      std::move(done), GateOn(grad_ready_[slot]));
 }
 
 void CudaRankTransfer::AwaitWeightsWanted(uint32_t event, Done done) {
   TS_CHECK(event < weights_wanted_.size(), Code::kInvalidArgument, "weights-wanted event {} of {}", event,
            weights_wanted_.size());
-  gpu_->to_device.Submit(
-      [self = shared_from_this(), event](cuda::CUstream stream) {
-        const cuda::CudaDriver& d = self->driver();
-        d.Check(d.cuStreamWaitEvent(stream, self->weights_wanted_[event], 0), "waiting for a rank's optimizer.step()");
-      },
-      std::move(done));
+  gpu_->to_device.Submit([](cuda::CUstream) {}, std::move(done), GateOn(weights_wanted_[event]));
 }
 
 void CudaRankTransfer::PushWeights(uint64_t offset, const void* host, size_t bytes, Done done) {
@@ -132,7 +126,19 @@ void CudaRankTransfer::PushWeights(uint64_t offset, const void* host, size_t byt
                   "copying weights to the GPU");
         }
       },
-      std::move(done));
+      std::move(done), GateOn(nullptr));
+}
+
+CopyQueue::Gate CudaRankTransfer::GateOn(cuda::CUevent event) {
+  return [self = shared_from_this(), event] {
+    TS_CHECK(!self->abandoned_, Code::kUnavailable, "the rank detached before its GPU work was ready");
+    if (event == nullptr) return true;
+    const cuda::CudaDriver& d = self->driver();
+    const cuda::CUresult result = d.cuEventQuery(event);
+    if (result == cuda::kErrorNotReady) return false;
+    d.Check(result, "waiting for a rank's interprocess event (cuEventQuery)");
+    return true;
+  };
 }
 
 }  // namespace trainstream::daemon

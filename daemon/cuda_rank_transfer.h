@@ -1,10 +1,12 @@
 // The cuda-ipc transport of one rank: the rank's flat parameter buffer and gradient staging slots,
 // opened from its IPC memory handles, and its interprocess events, all on the GPU it named by UUID.
-// Copies run on that GPU's copy queues; the host side of every copy is page-locked on first use
-// (PinnedHost). The handles are closed when the last copy that uses them has finished and the rank
-// is gone (owners hold a shared_ptr).
+// Copies run on that GPU's copy queues, each issued once the rank's event it depends on has completed
+// (see CopyQueue: the GPU never waits on another process's event); the host side of every copy is
+// page-locked on first use (PinnedHost). The handles are closed when the last copy that uses them has finished and the
+// rank is gone (owners hold a shared_ptr).
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <string>
 #include <vector>
@@ -40,16 +42,20 @@ class CudaRankTransfer final : public RankTransfer, public std::enable_shared_fr
   void PullGradients(uint32_t slot, void* host, size_t bytes, Done done) override;
   void AwaitWeightsWanted(uint32_t event, Done done) override;
   void PushWeights(uint64_t offset, const void* host, size_t bytes, Done done) override;
+  void Abandon() override { abandoned_ = true; }
 
  private:
   CudaRankTransfer(std::shared_ptr<GpuDevice> gpu, const CudaIpcExport& exported);
   [[nodiscard]] const cuda::CudaDriver& driver() const { return gpu_->driver; }
+  // Open once `event` (nullptr: none) has completed; fails once the rank is abandoned.
+  CopyQueue::Gate GateOn(cuda::CUevent event);
   void Close() noexcept;  // closes what was opened
 
   std::shared_ptr<GpuDevice> gpu_;
   uint64_t params_bytes_ = 0, slot_bytes_ = 0;
   cuda::CUdeviceptr params_ = 0, staging_ = 0;
   std::vector<cuda::CUevent> grad_ready_, weights_wanted_;
+  std::atomic<bool> abandoned_{false};
 };
 
 }  // namespace trainstream::daemon

@@ -1,7 +1,11 @@
 // One CUDA stream of one GPU and the two threads that serve it: one issues work in submission order
-// the moment it is submitted, the other waits for each item to finish on the GPU and then runs its
-// `done`, with the error that stopped it if any. Issuing never waits for a completion, so the copy
-// engine always has every submitted copy queued.
+// the moment it is submitted (and its gate, if any, is open), the other waits for each item to finish
+// on the GPU and then runs its `done`, with the error that stopped it if any. Issuing never waits for
+// a completion, so the copy engine always has every issued copy queued.
+//
+// Gates exist for work that depends on another process's GPU work (a trainer's interprocess event).
+// They are polled on the host instead of waited for on the GPU: a stream waiting on the GPU for an
+// event whose process has died never resumes, and every later copy on that GPU would wait with it.
 #pragma once
 
 #include <condition_variable>
@@ -21,18 +25,21 @@ class CopyQueue {
  public:
   using Issue = std::function<void(cuda::CUstream)>;  // enqueues work on the stream; may throw Error
   using Done = std::function<void(std::optional<std::string> error)>;
+  // True once the item may be issued; throws Error when it never will (its `done` gets the error).
+  using Gate = std::function<bool()>;
 
   CopyQueue(const cuda::CudaDriver& driver, cuda::CUcontext context, std::string name);
   ~CopyQueue();  // finishes everything submitted
   CopyQueue(const CopyQueue&) = delete;
   CopyQueue& operator=(const CopyQueue&) = delete;
 
-  void Submit(Issue issue, Done done);
+  void Submit(Issue issue, Done done, Gate gate = nullptr);
 
  private:
   struct Item {
     Issue issue;
     Done done;
+    Gate gate;
   };
   struct InFlight {
     cuda::CUevent finished;  // nullptr: failed to issue, `error` says why

@@ -4,7 +4,7 @@
 //
 // Every call returns at once; `done` runs later, on another thread, exactly once, with the error that
 // stopped the work if any. Work of one kind runs in submission order: a push submitted after
-// AwaitWeightsWanted waits (on the GPU) for that event.
+// AwaitWeightsWanted starts after that event has completed.
 #pragma once
 
 #include <cstddef>
@@ -28,6 +28,8 @@ class RankTransfer {
   virtual void AwaitWeightsWanted(uint32_t event, Done done) = 0;
   // `host` -> the rank's flat parameter buffer at `offset`.
   virtual void PushWeights(uint64_t offset, const void* host, size_t bytes, Done done) = 0;
+  // The rank is gone: work not yet started fails instead of waiting for events that may never come.
+  virtual void Abandon() = 0;
 };
 
 }  // namespace trainstream::daemon

@@ -77,6 +77,7 @@ void StepEngine::AddRank(std::shared_ptr<RankChannel> channel) {
 void StepEngine::RemoveRank(uint32_t rank) {
   std::lock_guard lock(mutex_);
   if (rank >= ranks_.size() || ranks_[rank] == nullptr) return;
+  if (ranks_[rank]->transfer) ranks_[rank]->transfer->Abandon();  // its GPU may never reach its events
   ranks_[rank] = nullptr;
   ResetCollecting(fmt::format("rank {} detached", rank));
 }

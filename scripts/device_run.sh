@@ -29,6 +29,11 @@ for what in "$@"; do
         -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)" -DPython_EXECUTABLE="$(command -v python3)" \
         >"$OUT/build.log" 2>&1 && cmake --build build -j16 ${BUILD_TARGETS:+--target $BUILD_TARGETS} >>"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
       ;;
+    torchao)
+      stage torchao  # the reference offloader, from a wheel carried in .device (the machine has no network)
+      python3 -m pip install -q --no-deps --no-index .device/torchao-*.whl 2>&1 | tail -2
+      python3 -c "import torchao.optim; print('torchao', torchao.__version__)" 2>&1 | tail -1
+      ;;
     test)
       stage ctest
       if [[ -n ${BUILD_TARGETS:-} ]]; then
@@ -70,6 +75,15 @@ for what in "$@"; do
           --adamw-json benchmarks/results/adamw_h200-16core.json --json "$OUT/gpt_1.86b_cap24_$transport.json" 2>&1 | tail -2
       done
       ;;
+    gpt-memory)
+      stage gpt-memory  # the 1.86B under the 24 GiB cap: GPU-only, trainstream, torchao, then trainstream with paging
+      timeout 400 python3 benchmarks/train_gpt/train_gpt.py --config 1.86b --vram-cap-gib 24 --steps 6 \
+        --modes gpu-only,trainstream,torchao --adamw-json benchmarks/results/adamw_h200-16core.json \
+        --json "$OUT/gpt_1.86b_cap24_memory.json" 2>&1 | tail -4
+      timeout 200 python3 benchmarks/train_gpt/train_gpt.py --config 1.86b --vram-cap-gib "${PAGING_CAP:-16}" --steps 6 \
+        --modes trainstream --activation-paging --adamw-json benchmarks/results/adamw_h200-16core.json \
+        --json "$OUT/gpt_1.86b_cap${PAGING_CAP:-16}_paging.json" 2>&1 | tail -2
+      ;;
     gpt-largest)
       stage gpt-largest
       for config in ${LARGEST_CONFIGS:-5b 7b}; do
@@ -81,8 +95,9 @@ for what in "$@"; do
       ;;
     test-cuda)
       stage test-cuda  # with torch's default CUDA allocator and with expandable segments
-      for conf in "" "expandable_segments:True"; do
-        PYTORCH_CUDA_ALLOC_CONF=$conf python3 -m pytest -q -p no:cacheprovider -x ${PYTEST_ARGS:-tests/python/test_cuda.py} \
+      for allocator in ${CUDA_ALLOCATORS:-default expandable}; do
+        conf=""; [[ $allocator == expandable ]] && conf="expandable_segments:True"
+        PYTORCH_CUDA_ALLOC_CONF=$conf timeout 300 python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-tests/python/test_cuda.py} \
           >"$OUT/pytest_cuda_${conf:+expandable}.log" 2>&1
         tail -3 "$OUT/pytest_cuda_${conf:+expandable}.log" | sed "s/^/[${conf:-default}] /"
       done
@@ -91,13 +106,17 @@ for what in "$@"; do
       stage transfer
       gpus=$(nvidia-smi -L | wc -l)
       for n in $(seq "$gpus" -1 1); do
-        for transport in cuda-ipc cuda-client-copy; do
+        for transport in ${TRANSPORTS:-cuda-ipc cuda-client-copy}; do
           python3 benchmarks/transfer/transfer.py --gpus "$n" --transport $transport \
             --json "$OUT/transfer_${n}gpu_$transport.json" 2>&1 | tail -1
           python3 benchmarks/transfer/transfer.py --gpus "$n" --transport $transport --daemon-threads 1 \
             --json "$OUT/transfer_${n}gpu_${transport}_1thread.json" 2>&1 | tail -1
         done
       done
+      ;;
+    context-probe)
+      stage context-probe  # D2H from IPC-imported memory by a second process, the owner idle and busy
+      timeout 60 python3 benchmarks/transfer/context_probe.py 2>&1 | tail -2
       ;;
     transfer-slots)
       stage transfer-slots  # cuda-ipc with 4 and 8 gradient staging slots, with the update and alone

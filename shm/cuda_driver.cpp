@@ -36,11 +36,11 @@ CudaDriver LoadDriver() {
   Load(library, "cuCtxPopCurrent_v2", &d.cuCtxPopCurrent);
   Load(library, "cuStreamCreate", &d.cuStreamCreate);
   Load(library, "cuStreamDestroy_v2", &d.cuStreamDestroy);
-  Load(library, "cuStreamWaitEvent", &d.cuStreamWaitEvent);
   Load(library, "cuEventCreate", &d.cuEventCreate);
   Load(library, "cuEventDestroy_v2", &d.cuEventDestroy);
   Load(library, "cuEventRecord", &d.cuEventRecord);
   Load(library, "cuEventSynchronize", &d.cuEventSynchronize);
+  Load(library, "cuEventQuery", &d.cuEventQuery);
   Load(library, "cuMemAlloc_v2", &d.cuMemAlloc);
   Load(library, "cuMemFree_v2", &d.cuMemFree);
   Load(library, "cuMemcpyDtoHAsync_v2", &d.cuMemcpyDtoHAsync);

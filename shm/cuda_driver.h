@@ -31,6 +31,7 @@ struct CUuuid {
 constexpr size_t kIpcHandleBytes = 64;
 constexpr size_t kUuidBytes = 16;
 
+constexpr CUresult kErrorNotReady = 600;  // CUDA_ERROR_NOT_READY: cuEventQuery's "not yet"
 constexpr unsigned kStreamNonBlocking = 0x1;
 constexpr unsigned kEventBlockingSync = 0x1;
 constexpr unsigned kEventDisableTiming = 0x2;
@@ -61,11 +62,11 @@ struct CudaDriver {
   CUresult (*cuCtxPopCurrent)(CUcontext*) = nullptr;
   CUresult (*cuStreamCreate)(CUstream*, unsigned flags) = nullptr;
   CUresult (*cuStreamDestroy)(CUstream) = nullptr;
-  CUresult (*cuStreamWaitEvent)(CUstream, CUevent, unsigned flags) = nullptr;
   CUresult (*cuEventCreate)(CUevent*, unsigned flags) = nullptr;
   CUresult (*cuEventDestroy)(CUevent) = nullptr;
   CUresult (*cuEventRecord)(CUevent, CUstream) = nullptr;
   CUresult (*cuEventSynchronize)(CUevent) = nullptr;
+  CUresult (*cuEventQuery)(CUevent) = nullptr;
   CUresult (*cuMemAlloc)(CUdeviceptr*, size_t) = nullptr;
   CUresult (*cuMemFree)(CUdeviceptr) = nullptr;
   CUresult (*cuMemcpyDtoHAsync)(void*, CUdeviceptr, size_t, CUstream) = nullptr;

@@ -138,6 +138,20 @@ def test_two_processes_one_gpu_two_jobs(daemon):
     assert jobs["gpu0"]["completed_step"] == 20 and jobs["gpu1"]["completed_step"] == 20
 
 
+def test_trainer_killed_before_its_gradients_were_ready(daemon):
+    """A trainer dies with GRAD_READY sent for gradients its GPU never computed: the daemon's copies
+    for other trainers on the same GPU must not wait for them."""
+    script = os.path.join(HERE, "trainer_process.py")
+    argv = [sys.executable, script, "--socket", daemon.socket, "--device", "cuda"]
+    dying = subprocess.run([*argv, "--job", "dies", "--steps", "2", "--die-behind-gpu-work"], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, timeout=120)
+    assert dying.returncode == -signal.SIGKILL and "queued" in dying.stdout, dying.stdout
+    survivor = subprocess.run([*argv, "--job", "lives", "--steps", "5"], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=60)
+    assert survivor.returncode == 0 and "done" in survivor.stdout, survivor.stdout
+    assert daemon.process.poll() is None, daemon.output()
+
+
 def test_daemon_killed_mid_step(daemon):
     model = mlp()
     model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters()), client=daemon.client())

@@ -521,7 +521,8 @@ TEST_F(StepEngineTest, ReattachDuringAnInFlightUpdateKeepsTheNewRankSegment) {
 
 // A RankTransfer whose "GPU" is host memory: copies are memcpy on a thread of its own, in submission
 // order, so the engine's cuda-ipc stages (pull before delivery, push after the update and after
-// WEIGHTS_WANTED) run on machines without a GPU.
+// WEIGHTS_WANTED) run on machines without a GPU. ReachEvents(false) models a trainer's GPU that has
+// not reached its events (or never will: its process died): work that waits for them waits.
 class FakeGpu final : public RankTransfer {
  public:
   FakeGpu(size_t params_bytes, uint32_t slots, size_t slot_bytes)
@@ -537,15 +538,17 @@ class FakeGpu final : public RankTransfer {
   [[nodiscard]] uint32_t staging_slots() const override { return slots_; }
   [[nodiscard]] uint32_t weights_wanted_events() const override { return 2; }
   void PullGradients(uint32_t slot, void* host, size_t bytes, Done done) override {
-    Run([=, this] { std::memcpy(host, staging.data() + slot * slot_bytes_, bytes); }, std::move(done));
+    Run([=, this] { std::memcpy(host, staging.data() + slot * slot_bytes_, bytes); }, std::move(done), true);
   }
   void AwaitWeightsWanted(uint32_t, Done done) override {
-    Run([] {}, std::move(done));
+    Run([] {}, std::move(done), true);
   }
   void PushWeights(uint64_t offset, const void* host, size_t bytes, Done done) override {
     ++pushes;
-    Run([=, this] { std::memcpy(params.data() + offset, host, bytes); }, std::move(done));
+    Run([=, this] { std::memcpy(params.data() + offset, host, bytes); }, std::move(done), false);
   }
+  void Abandon() override { Set(abandoned_, true); }
+  void ReachEvents(bool reached) { Set(events_reached_, reached); }
   // The rank's view of parameter p: its place in the flat parameter buffer, or in staging slot `slot`.
   std::span<float> Param(const shm::JobLayout& layout, uint32_t p) {
     return {reinterpret_cast<float*>(params.data() + layout.buckets[layout.params[p].bucket].grad_offset) +
@@ -559,25 +562,46 @@ class FakeGpu final : public RankTransfer {
 
   std::vector<std::byte> params, staging;
   std::atomic<int> pushes{0};
+  std::atomic<int> given_up{0};  // work that failed because the rank was abandoned
 
  private:
-  void Run(std::function<void()> copy, Done done) {
+  struct Work {
+    std::function<void()> copy;
+    Done done;
+    bool waits_for_event;
+  };
+  void Set(bool& flag, bool value) {
     {
       std::lock_guard lock(mutex_);
-      queue_.emplace_back(std::move(copy), std::move(done));
+      flag = value;
+    }
+    wake_.notify_all();
+  }
+  void Run(std::function<void()> copy, Done done, bool waits_for_event) {
+    {
+      std::lock_guard lock(mutex_);
+      queue_.push_back(Work{std::move(copy), std::move(done), waits_for_event});
     }
     wake_.notify_all();
   }
   void Loop() {
     for (;;) {
       std::unique_lock lock(mutex_);
-      wake_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;
-      auto [copy, done] = std::move(queue_.front());
+      wake_.wait(lock, [&] {
+        return stopping_ || (!queue_.empty() && (abandoned_ || events_reached_ || !queue_.front().waits_for_event));
+      });
+      if (queue_.empty()) return;  // stopping
+      Work work = std::move(queue_.front());
       queue_.pop_front();
+      const bool abandoned = abandoned_;
       lock.unlock();
-      copy();
-      done(std::nullopt);
+      if (abandoned) {
+        ++given_up;
+        work.done("abandoned");
+        continue;
+      }
+      work.copy();
+      work.done(std::nullopt);
     }
   }
 
@@ -585,8 +609,10 @@ class FakeGpu final : public RankTransfer {
   const size_t slot_bytes_;
   std::mutex mutex_;
   std::condition_variable wake_;
-  std::deque<std::pair<std::function<void()>, Done>> queue_;
+  std::deque<Work> queue_;
   bool stopping_ = false;
+  bool abandoned_ = false;
+  bool events_reached_ = true;
   std::thread thread_{[this] { Loop(); }};
 };
 
@@ -680,6 +706,18 @@ TEST_F(CudaIpcStagesTest, StepsMatchAdamWThroughTheGpuBuffers) {
   reference.ExpectMatches(*client_);
   ExpectGpuHoldsMaster();
   EXPECT_TRUE(client_->sink().failures().empty());
+}
+
+TEST_F(CudaIpcStagesTest, ADetachedRanksUnreachedEventsHoldNothing) {
+  client_->LoadInitialState();
+  WantWeights(0);
+  client_->ExpectParamsReady(0);
+  gpu_->ReachEvents(false);  // the trainer died before its GPU computed these gradients
+  StageStep(1);
+  client_->ExpectNoCompletion(100ms);
+  job_->Detach(0);
+  EXPECT_TRUE(trainstream::testing::PollUntil([&] { return gpu_->given_up.load() == 2; }));  // both pulls
+  gpu_->ReachEvents(true);  // had they not been given up, the engine could still end
 }
 
 TEST_F(CudaIpcStagesTest, TheLoadersOwnWeightsAreNotPushedBack) {
