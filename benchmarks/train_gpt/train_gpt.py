@@ -1,4 +1,5 @@
-"""Trains a nanoGPT-shaped model with stock fused GPU AdamW and with trainstream, and reports step
+"""Trains a nanoGPT-shaped model with stock fused GPU AdamW, with trainstream and (mode torchao, when
+installed) with torchao's CPUOffloadOptimizer, and reports step
 time, tokens/s, peak GPU memory (torch's counter and the driver's) and host memory.
 
 Each mode runs in a process of its own, so no mode sees another's memory. References measured in the
@@ -51,7 +52,7 @@ def host_triad_gbs(threads: int, gib: float = 1.0) -> float:
 
 
 class Memory:
-    """Peak GPU memory from torch's allocator and from the driver (cudaMemGetInfo)."""
+    """Peak GPU memory from torch's allocator and from the driver (cudaMemGetInfo), from its creation on."""
 
     def __init__(self):
         torch.cuda.reset_peak_memory_stats()
@@ -99,7 +100,6 @@ def run(args, mode: str) -> dict:
     torch.cuda.empty_cache()
     weight_dtype = torch.bfloat16 if args.bf16_weights else torch.float32
     autocast = not args.bf16_weights
-    memory = Memory()
     result = {"mode": mode}
     try:
         torch.manual_seed(0)
@@ -118,6 +118,15 @@ def run(args, mode: str) -> dict:
                 forward_backward(model, tokens, targets, autocast)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
+        elif mode == "torchao":  # torchao's CPUOffloadOptimizer, gradients offloaded, fused CPU AdamW
+            from torchao.optim import CPUOffloadOptimizer
+            opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, offload_gradients=True, fused=True,
+                                      lr=1e-4)
+
+            def step(tokens, targets):
+                forward_backward(model, tokens, targets, autocast)
+                opt.step()
+                opt.zero_grad()
         else:
             start = time.perf_counter()
             client = trainstream.connect()
@@ -138,6 +147,7 @@ def run(args, mode: str) -> dict:
             def step(tokens, targets):
                 forward_backward(model, tokens, targets, autocast, args.activation_paging)
                 opt.step()
+        memory = Memory()  # the peaks of the training steps, not of building the model
         times = timed_steps(args, step, memory)
         result["step_ms"] = 1000 * statistics.median(times)
         result["tokens_per_s"] = args.batch * args.seq / statistics.median(times)
@@ -185,7 +195,8 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=float, default=32)
     parser.add_argument("--activation-paging", action="store_true",
                         help="trainstream mode: saved activations in pinned host memory (activation_paging)")
-    parser.add_argument("--modes", default="gpu-only,stock,trainstream")
+    parser.add_argument("--modes", default="gpu-only,stock,trainstream",
+                        help="any of gpu-only, stock, trainstream, torchao")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--adamw-json", help="benchmarks/adamw result of this machine, for the triad bandwidth")
     parser.add_argument("--json", help="write the results here")
