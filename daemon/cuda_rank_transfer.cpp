@@ -12,6 +12,7 @@ namespace trainstream::daemon {
 namespace {
 
 constexpr size_t kMaxEvents = 64;
+constexpr uint64_t kSlotAlignment = 256;  // pieces of a bucket start at multiples of the slot size
 
 template <typename Handle>
 Handle HandleFrom(const std::string& bytes, const char* what) {
@@ -23,14 +24,12 @@ Handle HandleFrom(const std::string& bytes, const char* what) {
 }
 
 void CheckFits(const CudaIpcExport& exported, const shm::JobLayout& layout) {
-  uint64_t largest_bucket = 0;
-  for (const shm::BucketLayout& bucket : layout.buckets) largest_bucket = std::max(largest_bucket, bucket.bytes());
   TS_CHECK(exported.params_bytes >= layout.grad_bytes, Code::kInvalidArgument,
            "cuda-ipc: the parameter buffer has {} bytes, the job's buckets need {}", exported.params_bytes,
            layout.grad_bytes);
-  TS_CHECK(exported.slot_bytes >= largest_bucket, Code::kInvalidArgument,
-           "cuda-ipc: staging slots of {} bytes cannot hold the largest bucket ({} bytes)", exported.slot_bytes,
-           largest_bucket);
+  TS_CHECK(exported.slot_bytes >= kSlotAlignment && exported.slot_bytes % kSlotAlignment == 0, Code::kInvalidArgument,
+           "cuda-ipc: staging slots of {} bytes; a positive multiple of {} is needed", exported.slot_bytes,
+           kSlotAlignment);
   const size_t slots = exported.grad_ready_events.size();
   TS_CHECK(slots >= 1 && slots <= kMaxEvents, Code::kInvalidArgument,
            "cuda-ipc: {} staging slots (grad-ready events); 1 to {} are allowed", slots, kMaxEvents);

@@ -36,6 +36,7 @@ class CudaRankTransfer final : public RankTransfer, public std::enable_shared_fr
   ~CudaRankTransfer() override;
 
   [[nodiscard]] uint32_t staging_slots() const override { return static_cast<uint32_t>(grad_ready_.size()); }
+  [[nodiscard]] uint64_t slot_bytes() const override { return slot_bytes_; }
   [[nodiscard]] uint32_t weights_wanted_events() const override {
     return static_cast<uint32_t>(weights_wanted_.size());
   }

@@ -25,7 +25,8 @@ struct RankChannel {
         requests(view.request_ring),
         completions(view.completion_ring, &view.header->completion_doorbell),
         session(std::move(session)),
-        pulling(layout.buckets.size(), 0),
+        staged(layout.buckets.size(), 0),
+        pulled(layout.buckets.size(), 0),
         pushing(layout.buckets.size(), 0),
         pushed(layout.buckets.size(), -1) {}
   // No copy can touch the segment any more (copies hold a reference): it may stop being page-locked.
@@ -54,7 +55,8 @@ struct RankChannel {
 
   // cuda-ipc ranks only: the daemon copies gradients from the rank's GPU and weights to it.
   std::shared_ptr<RankTransfer> transfer;
-  std::vector<uint8_t> pulling;  // per bucket: its gradients are being copied from the GPU
+  // Per bucket, for the micro-batch it collects: pieces announced (GRAD_READY) and copied to the host.
+  std::vector<uint32_t> staged, pulled;
   std::vector<uint8_t> pushing;  // per bucket: its weights are being copied to the GPU
   std::vector<int64_t> pushed;   // per bucket: the step whose weights the GPU holds (-1: none)
   int64_t weights_wanted = -1;   // the latest step whose weights the rank asked for (kWeightsWanted)

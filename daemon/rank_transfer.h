@@ -21,6 +21,7 @@ class RankTransfer {
   virtual ~RankTransfer() = default;
 
   [[nodiscard]] virtual uint32_t staging_slots() const = 0;
+  [[nodiscard]] virtual uint64_t slot_bytes() const = 0;  // a bucket larger than this comes in pieces
   [[nodiscard]] virtual uint32_t weights_wanted_events() const = 0;
   // Once the rank's grad-ready event of `slot` has completed: the slot's first `bytes` -> `host`.
   virtual void PullGradients(uint32_t slot, void* host, size_t bytes, Done done) = 0;

@@ -152,6 +152,9 @@ void StepEngine::RestartBucket(uint32_t b) {
   progress.delivered_count = 0;
   std::fill(progress.delivered.begin(), progress.delivered.end(), 0);
   for (uint32_t p : layout_.buckets[b].params) had_grad_[p] = 0;
+  for (const auto& channel : ranks_) {
+    if (channel) channel->staged[b] = channel->pulled[b] = 0;
+  }
 }
 
 void StepEngine::Loop() {
@@ -233,29 +236,37 @@ void StepEngine::OnGradReady(RankChannel& channel, const shm::Message& message) 
   TS_CHECK(final_micro == (message.micro + 1 == spec_.accumulation_steps), Code::kInvalidArgument,
            "GRAD_READY micro-batch {} marked {}final, but accumulation_steps is {}", message.micro,
            final_micro ? "" : "not ", spec_.accumulation_steps);
-  if (channel.transfer != nullptr) {
-    TS_CHECK(message.slot < channel.transfer->staging_slots(), Code::kInvalidArgument,
-             "GRAD_READY for bucket {} names staging slot {}, but rank {} registered {}", b, message.slot, channel.rank,
-             channel.transfer->staging_slots());
-    TS_CHECK(!channel.pulling[b], Code::kInvalidArgument,
-             "rank {} delivered bucket {} again while its gradients were still being copied", channel.rank, b);
-    return PullThenDeliver(ranks_[channel.rank], b, message.slot);
-  }
-  Deliver(channel, b);
+  if (channel.transfer == nullptr) return Deliver(channel, b);
+  TS_CHECK(message.slot < channel.transfer->staging_slots(), Code::kInvalidArgument,
+           "GRAD_READY for bucket {} names staging slot {}, but rank {} registered {}", b, message.slot, channel.rank,
+           channel.transfer->staging_slots());
+  const uint32_t pieces = PiecesOf(b, *channel.transfer);
+  TS_CHECK(message.piece == channel.staged[b] && message.piece < pieces, Code::kInvalidArgument,
+           "GRAD_READY for piece {} of bucket {} ({} pieces), but piece {} is the next one", message.piece, b, pieces,
+           channel.staged[b]);
+  ++channel.staged[b];
+  PullThenDeliver(ranks_[channel.rank], b, message.slot, message.piece);
 }
 
-// cuda-ipc: the bucket's gradients reach the rank's host slot first; the slot on the GPU is then free.
-void StepEngine::PullThenDeliver(const std::shared_ptr<RankChannel>& channel, uint32_t b, uint32_t slot) {
+uint32_t StepEngine::PiecesOf(uint32_t b, const RankTransfer& transfer) const {
+  const uint64_t bytes = layout_.buckets[b].bytes();
+  return static_cast<uint32_t>(std::max<uint64_t>(1, (bytes + transfer.slot_bytes() - 1) / transfer.slot_bytes()));
+}
+
+// cuda-ipc: each piece of the bucket's gradients reaches the rank's host slot first (the slot on the
+// GPU is then free); the bucket is delivered once every piece has.
+void StepEngine::PullThenDeliver(const std::shared_ptr<RankChannel>& channel, uint32_t b, uint32_t slot,
+                                 uint32_t piece) {
   const shm::BucketLayout& bucket = layout_.buckets[b];
   const uint64_t step = buckets_[b].step;
   const uint32_t micro = buckets_[b].micro;
-  channel->pulling[b] = 1;
+  const uint64_t offset = piece * channel->transfer->slot_bytes();
   ++inflight_;
   channel->transfer->PullGradients(
-      slot, channel->view.grads + bucket.grad_offset, bucket.bytes(),
+      slot, channel->view.grads + bucket.grad_offset + offset,
+      std::min(channel->transfer->slot_bytes(), bucket.bytes() - offset),
       [this, channel, b, slot, step, micro](std::optional<std::string> error) {
         Continue([this, channel, b, slot, step, micro, error = std::move(error)] {
-          channel->pulling[b] = 0;
           if (!Attached(channel)) return;
           if (error) {
             return FailRank(*channel, fmt::format("copying bucket {}'s gradients from the GPU failed: {}", b, *error));
@@ -263,6 +274,8 @@ void StepEngine::PullThenDeliver(const std::shared_ptr<RankChannel>& channel, ui
           const BucketProgress& progress = buckets_[b];
           if (progress.step != step || progress.micro != micro || progress.phase != Phase::kCollecting) return;
           PostTo(*channel, shm::Message{.kind = shm::MessageKind::kStagingFree, .step = step, .slot = slot});
+          if (++channel->pulled[b] < PiecesOf(b, *channel->transfer)) return;
+          channel->staged[b] = channel->pulled[b] = 0;
           Deliver(*channel, b);
         });
       });

@@ -99,7 +99,8 @@ class StepEngine {
   void Handle(RankChannel& channel, const shm::Message& message);
   void OnGradReady(RankChannel& channel, const shm::Message& message);
   void Deliver(RankChannel& channel, uint32_t bucket);
-  void PullThenDeliver(const std::shared_ptr<RankChannel>& channel, uint32_t bucket, uint32_t slot);
+  void PullThenDeliver(const std::shared_ptr<RankChannel>& channel, uint32_t bucket, uint32_t slot, uint32_t piece);
+  [[nodiscard]] uint32_t PiecesOf(uint32_t bucket, const RankTransfer& transfer) const;  // staged piece by piece
   void OnLoadState(RankChannel& channel, const shm::Message& message);
   void OnWeightsWanted(const std::shared_ptr<RankChannel>& channel, const shm::Message& message);
   // The weights of `bucket` after `step` are final: PARAMS_READY, after a push for cuda-ipc ranks.

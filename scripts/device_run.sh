@@ -76,13 +76,15 @@ for what in "$@"; do
       done
       ;;
     gpt-memory)
-      stage gpt-memory  # the 1.86B under the 24 GiB cap: GPU-only, trainstream, torchao, then trainstream with paging
+      stage gpt-memory  # the 1.86B under the 24 GiB cap: GPU-only, trainstream, torchao; then trainstream with paging
       timeout 400 python3 benchmarks/train_gpt/train_gpt.py --config 1.86b --vram-cap-gib 24 --steps 6 \
-        --modes gpu-only,trainstream,torchao --adamw-json benchmarks/results/adamw_h200-16core.json \
+        --modes "${GPT_MODES:-gpu-only,trainstream,torchao}" --adamw-json benchmarks/results/adamw_h200-16core.json \
         --json "$OUT/gpt_1.86b_cap24_memory.json" 2>&1 | tail -4
-      timeout 200 python3 benchmarks/train_gpt/train_gpt.py --config 1.86b --vram-cap-gib "${PAGING_CAP:-16}" --steps 6 \
-        --modes trainstream --activation-paging --adamw-json benchmarks/results/adamw_h200-16core.json \
-        --json "$OUT/gpt_1.86b_cap${PAGING_CAP:-16}_paging.json" 2>&1 | tail -2
+      for cap in ${PAGING_CAPS:-24 16}; do
+        PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 200 python3 benchmarks/train_gpt/train_gpt.py \
+          --config 1.86b --vram-cap-gib "$cap" --steps 6 --modes trainstream --activation-paging \
+          --adamw-json benchmarks/results/adamw_h200-16core.json --json "$OUT/gpt_1.86b_cap${cap}_paging.json" 2>&1 | tail -2
+      done
       ;;
     gpt-largest)
       stage gpt-largest

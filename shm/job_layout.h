@@ -27,7 +27,7 @@
 
 namespace trainstream::shm {
 
-constexpr uint32_t kSegmentVersion = 4;
+constexpr uint32_t kSegmentVersion = 5;
 constexpr size_t kMaxJobName = 256;
 constexpr uint32_t kRingCapacity = 1024;
 constexpr size_t kAlign = 64;

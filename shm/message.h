@@ -35,7 +35,10 @@ struct alignas(64) Message {
   uint64_t step = 0;
   uint32_t micro = 0;
   uint32_t slot = 0;  // cuda-ipc: staging slot (kGradReady, kStagingFree) or event (kWeightsWanted)
-  uint8_t reserved[40] = {};
+  // cuda-ipc kGradReady: the slot holds bytes [piece * slot_bytes, (piece + 1) * slot_bytes) of the
+  // bucket's gradients (a bucket larger than a slot is staged piece by piece, in order)
+  uint32_t piece = 0;
+  uint8_t reserved[36] = {};
 };
 
 static_assert(sizeof(Message) == 64);

@@ -159,6 +159,7 @@ def run(args, mode: str) -> dict:
             result["daemon_rss_gib"] = stats["rss_bytes"] / GIB
             result["daemon_segments_gib"] = stats["host_bytes"] / GIB
             result["kernel"] = stats["kernel"]
+            torch.cuda.set_per_process_memory_fraction(1.0)  # cuda-ipc: the parameters move back into torch
             trainstream.unwrap(model)
     except torch.OutOfMemoryError as e:
         result["oom"] = True

@@ -223,7 +223,8 @@ size_t RankSession::rank_bytes() const {
   return impl_->layout.rank_bytes;
 }
 
-void RankSession::SendGradReady(uint32_t bucket, uint64_t step, uint32_t micro, bool final_micro, uint32_t slot) {
+void RankSession::SendGradReady(uint32_t bucket, uint64_t step, uint32_t micro, bool final_micro, uint32_t slot,
+                                uint32_t piece) {
   TS_CHECK(bucket < impl_->layout.buckets.size(), Code::kInvalidArgument, "bucket {} out of range", bucket);
   {
     std::lock_guard lock(impl_->mutex);
@@ -238,7 +239,8 @@ void RankSession::SendGradReady(uint32_t bucket, uint64_t step, uint32_t micro, 
                            .bucket = bucket,
                            .step = step,
                            .micro = micro,
-                           .slot = slot});
+                           .slot = slot,
+                           .piece = piece});
 }
 
 std::string RankSession::RegisterCudaIpc(const CudaIpcBuffers& buffers) {

@@ -236,7 +236,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("weight_decay"))
       .def_property_readonly("grad_bytes", [](const RankSession& s) { return s.layout().grad_bytes; })
       .def("send_grad_ready", &RankSession::SendGradReady, py::arg("bucket"), py::arg("step"), py::arg("micro"),
-           py::arg("final"), py::arg("slot") = 0, py::call_guard<py::gil_scoped_release>())
+           py::arg("final"), py::arg("slot") = 0, py::arg("piece") = 0, py::call_guard<py::gil_scoped_release>())
       .def(
           "register_cuda_ipc",
           [](RankSession& s, const py::bytes& device_uuid, const py::bytes& params_handle, uint64_t params_bytes,

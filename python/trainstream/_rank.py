@@ -246,7 +246,8 @@ class Rank:
     def _send(self, b: int) -> None:
         step, micro = self._bucket_step[b], self._micro
         final = micro + 1 == self.accumulation_steps
-        self.transport.bucket_done(b, lambda slot=0: self.session.send_grad_ready(b, step, micro, final, slot))
+        self.transport.bucket_done(
+            b, lambda slot=0, piece=0: self.session.send_grad_ready(b, step, micro, final, slot, piece))
         self._sent[b] = True
 
     def _end_backward(self) -> None:

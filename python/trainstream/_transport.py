@@ -183,14 +183,15 @@ def _ranges_to_pin(rank) -> list[tuple[int, int]]:
 class CudaIpcTransport:
     name = "cuda-ipc"
     _WANT_EVENTS = 2  # weights-wanted events, used in turn
+    _SLOT_CAP = 32 << 20  # a bucket larger than a slot (a large embedding) is staged piece by piece
 
     def __init__(self, rank, device: torch.device):
         self.rank = rank
         self.device = device
         self.session = rank.session
-        sizes = [b["numel"] * _layout.torch_dtype(b["dtype"]).itemsize for b in rank.buckets]
-        self.slot_bytes = _round_up(max(sizes, default=1), 256)
-        slots = int(os.environ.get("TRAINSTREAM_STAGING_SLOTS", 4 if self.slot_bytes <= 64 << 20 else 2))
+        self._bucket_bytes = [b["numel"] * _layout.torch_dtype(b["dtype"]).itemsize for b in rank.buckets]
+        self.slot_bytes = _round_up(min(max(self._bucket_bytes, default=1), self._SLOT_CAP), 256)
+        slots = int(os.environ.get("TRAINSTREAM_STAGING_SLOTS", 4))
         with torch.cuda.device(device):
             self._params_buffer = _C.GpuBuffer(device.index, max(self.session.grad_bytes, 1))
             self._staging_buffer = _C.GpuBuffer(device.index, slots * self.slot_bytes)
@@ -229,19 +230,29 @@ class CudaIpcTransport:
         self._pending.setdefault(self.rank.param_layout[i][0], []).append((i, grad))
 
     def bucket_done(self, b: int, send) -> None:
+        """The bucket's gradient bytes go out in slot-sized pieces, each in the next free slot."""
+        grads = [(self._byte_offset(i), grad.reshape(-1).view(torch.uint8)) for i, grad in self._pending.pop(b, [])]
+        stream = torch.cuda.current_stream(self.device)
+        size = self._bucket_bytes[b]
+        for piece, start in enumerate(range(0, max(size, 1), self.slot_bytes)):
+            end = min(start + self.slot_bytes, size)
+            slot = self._free_slot()
+            base = slot * self.slot_bytes - start  # bucket byte k goes to staging byte base + k
+            for first, data in grads:
+                lo, hi = max(first, start), min(first + data.numel(), end)
+                if lo < hi:
+                    self._staging[base + lo:base + hi].copy_(data[lo - first:hi - first])
+            self._grad_ready[slot].record(stream)
+            send(slot, piece)
+
+    def _free_slot(self) -> int:
+        """The next slot in turn, once the daemon has copied out what it held."""
         slot = self._next_slot
         self._next_slot = (slot + 1) % len(self._grad_ready)
         started = time.perf_counter()
-        self.session.wait_staging_free(slot)  # the daemon copied its previous bucket out
+        self.session.wait_staging_free(slot)
         self.slot_wait_s += time.perf_counter() - started
-        stream = torch.cuda.current_stream(self.device)
-        base = slot * self.slot_bytes
-        for i, grad in self._pending.pop(b, []):
-            start = base + self._byte_offset(i)
-            staged = self._staging[start:start + grad.numel() * grad.element_size()]
-            staged.view(grad.dtype).view(grad.shape).copy_(grad)
-        self._grad_ready[slot].record(stream)
-        send(slot)
+        return slot
 
     def open_bucket(self, b: int) -> None:
         pass

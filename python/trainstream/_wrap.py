@@ -107,7 +107,8 @@ def synchronize(model: torch.nn.Module | None = None) -> None:
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """Removes trainstream from `model` and returns it with its current weights. The job's state stays
-    in the daemon (dropped if the job was auto-named)."""
+    in the daemon (dropped if the job was auto-named). With the cuda-ipc transport the parameters move
+    back into torch's allocator, which then needs room for them before their old buffer is freed."""
     r = _rank_of(model)
     r.synchronize()
     r.close(drop=r in _auto_named)

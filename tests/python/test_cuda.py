@@ -71,6 +71,12 @@ def test_parity_with_accumulation(client):
     assert train_pair(client, mlp, accumulation_steps=4) <= 1e-6
 
 
+def test_buckets_larger_than_a_staging_slot(client, monkeypatch):
+    """cuda-ipc stages a bucket larger than a slot (a large embedding) piece by piece."""
+    monkeypatch.setattr(trainstream._transport.CudaIpcTransport, "_SLOT_CAP", 4096)  # 64 KiB weights: 16 pieces
+    assert train_pair(client, mlp, steps=5) <= 1e-6
+
+
 def test_race_exposing_model(client):
     """Few FLOPs, many bytes: weights must be in place before each forward, gradients complete
     before they are sent. Any ordering bug shows up as divergence."""

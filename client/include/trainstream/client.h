@@ -130,8 +130,9 @@ class RankSession {
   [[nodiscard]] size_t rank_bytes() const;
 
   // Tells the daemon that this rank's gradients of `bucket` for (step, micro) are in its grad region
-  // (cuda-ipc: in staging slot `slot`, after its grad-ready event).
-  void SendGradReady(uint32_t bucket, uint64_t step, uint32_t micro, bool final_micro, uint32_t slot = 0);
+  // (cuda-ipc: piece `piece` of them in staging slot `slot`, after its grad-ready event).
+  void SendGradReady(uint32_t bucket, uint64_t step, uint32_t micro, bool final_micro, uint32_t slot = 0,
+                     uint32_t piece = 0);
   // cuda-ipc: hands the daemon this rank's GPU buffers and events. Returns why the daemon refused
   // (the rank then copies its data itself), or an empty string.
   std::string RegisterCudaIpc(const CudaIpcBuffers& buffers);

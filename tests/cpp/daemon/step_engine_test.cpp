@@ -536,6 +536,7 @@ class FakeGpu final : public RankTransfer {
     thread_.join();
   }
   [[nodiscard]] uint32_t staging_slots() const override { return slots_; }
+  [[nodiscard]] uint64_t slot_bytes() const override { return slot_bytes_; }
   [[nodiscard]] uint32_t weights_wanted_events() const override { return 2; }
   void PullGradients(uint32_t slot, void* host, size_t bytes, Done done) override {
     Run([=, this] { std::memcpy(host, staging.data() + slot * slot_bytes_, bytes); }, std::move(done), true);
@@ -555,10 +556,7 @@ class FakeGpu final : public RankTransfer {
                 layout.params[p].offset_in_bucket,
             layout.params[p].numel};
   }
-  std::span<float> Staged(const shm::JobLayout& layout, uint32_t slot, uint32_t p) {
-    return {reinterpret_cast<float*>(staging.data() + slot * slot_bytes_) + layout.params[p].offset_in_bucket,
-            layout.params[p].numel};
-  }
+  std::byte* Slot(uint32_t slot) { return staging.data() + slot * slot_bytes_; }
 
   std::vector<std::byte> params, staging;
   std::atomic<int> pushes{0};
@@ -623,25 +621,48 @@ class CudaIpcStagesTest : public StepEngineTest {
     client_ = std::make_unique<RankClient>(*job_, 0);
     size_t largest = 0;
     for (const shm::BucketLayout& bucket : layout().buckets) largest = std::max<size_t>(largest, bucket.bytes());
-    gpu_ = std::make_shared<FakeGpu>(layout().grad_bytes, /*slots=*/2, largest);
+    gpu_ = std::make_shared<FakeGpu>(layout().grad_bytes, kSlots, SlotBytes(largest));
     job_->SetTransfer(0, gpu_, "fake-gpu");
   }
+  [[nodiscard]] virtual size_t SlotBytes(size_t largest_bucket) const { return largest_bucket; }
   [[nodiscard]] const shm::JobLayout& layout() const { return job_->layout(); }
   void WantWeights(uint64_t step, uint16_t flags = 0) {
     client_->Send(Message{.kind = MessageKind::kWeightsWanted, .flags = flags, .step = step, .slot = wants_++ % 2});
   }
-  // Gradients of `step` into the staging slots (bucket b in slot b), then GRAD_READY naming them.
+  // Gradients of `step`, bucket by bucket and slot-sized piece by piece, through the staging slots in
+  // turn, each announced by GRAD_READY; a slot is reused once its STAGING_FREE has arrived. The frees of
+  // the last pieces are left for ReceiveFrees().
   void StageStep(uint64_t step) {
     client_->SetHParams(step, TestHParams());
-    for (uint32_t p = 0; p < layout().params.size(); ++p) {
-      std::span<float> staged = gpu_->Staged(layout(), layout().params[p].bucket, p);
-      for (uint64_t i = 0; i < staged.size(); ++i) staged[i] = Gradient(p, 0, step, i);
-      client_->view().presence[p] = 1;
-    }
     for (uint32_t b = 0; b < client_->buckets(); ++b) {
-      client_->Send(
-          Message{.kind = MessageKind::kGradReady, .flags = shm::kFinalMicro, .bucket = b, .step = step, .slot = b});
+      const shm::BucketLayout& bucket = layout().buckets[b];
+      std::vector<float> gradients(bucket.bytes() / sizeof(float));
+      for (uint32_t p : bucket.params) {
+        const shm::ParamLayout& param = layout().params[p];
+        for (uint64_t i = 0; i < param.numel; ++i) gradients[param.offset_in_bucket + i] = Gradient(p, 0, step, i);
+        client_->view().presence[p] = 1;
+      }
+      const auto* bytes = reinterpret_cast<const std::byte*>(gradients.data());
+      for (uint32_t piece = 0; piece * gpu_->slot_bytes() < bucket.bytes(); ++piece) {
+        if (unfreed_ == kSlots) ReceiveFrees(1);
+        const uint32_t slot = next_slot_++ % kSlots;
+        const uint64_t offset = piece * gpu_->slot_bytes();
+        std::memcpy(gpu_->Slot(slot), bytes + offset, std::min(gpu_->slot_bytes(), bucket.bytes() - offset));
+        client_->Send(Message{.kind = MessageKind::kGradReady,
+                              .flags = shm::kFinalMicro,
+                              .bucket = b,
+                              .step = step,
+                              .slot = slot,
+                              .piece = piece});
+        ++unfreed_;
+      }
     }
+  }
+  // STAGING_FREE for `count` pieces still in the slots (default: all of them).
+  std::vector<Message> ReceiveFrees(std::optional<uint32_t> count = std::nullopt) {
+    const uint32_t n = count.value_or(unfreed_);
+    unfreed_ -= n;
+    return ReceiveAll(MessageKind::kStagingFree, n);
   }
   // Every completion of one kind, `count` of them, in any order (others fail the test).
   std::vector<Message> ReceiveAll(MessageKind kind, uint32_t count) {
@@ -666,6 +687,9 @@ class CudaIpcStagesTest : public StepEngineTest {
   std::unique_ptr<RankClient> client_;
   std::shared_ptr<FakeGpu> gpu_;
   uint32_t wants_ = 0;
+  uint32_t next_slot_ = 0;
+  uint32_t unfreed_ = 0;  // pieces announced whose STAGING_FREE the test has not received
+  static constexpr uint32_t kSlots = 2;
 };
 
 TEST_F(CudaIpcStagesTest, WeightsReachTheGpuOnlyOnceWanted) {
@@ -677,7 +701,7 @@ TEST_F(CudaIpcStagesTest, WeightsReachTheGpuOnlyOnceWanted) {
   EXPECT_TRUE(trainstream::testing::PollUntil([&] { return client_->view().header->weights_wanted_waits == 1; }));
 
   StageStep(1);
-  std::vector<Message> freed = ReceiveAll(MessageKind::kStagingFree, 2);  // both slots copied out
+  std::vector<Message> freed = ReceiveFrees();  // both slots copied out
   std::vector<uint32_t> slots;
   for (const Message& m : freed) slots.push_back(m.slot);
   std::sort(slots.begin(), slots.end());
@@ -699,7 +723,7 @@ TEST_F(CudaIpcStagesTest, StepsMatchAdamWThroughTheGpuBuffers) {
   for (uint64_t step = 1; step <= 3; ++step) {
     StageStep(step);
     WantWeights(step);  // optimizer.step() right after backward: the usual order
-    ReceiveAll(MessageKind::kStagingFree, 2);
+    ReceiveFrees();
     client_->ExpectParamsReady(step);
     reference.Step(step, TestHParams());
   }
@@ -727,7 +751,7 @@ TEST_F(CudaIpcStagesTest, TheLoadersOwnWeightsAreNotPushedBack) {
   EXPECT_EQ(gpu_->pushes.load(), 0);
   StageStep(1);
   WantWeights(1);
-  ReceiveAll(MessageKind::kStagingFree, 2);
+  ReceiveFrees();
   client_->ExpectParamsReady(1);  // the step's new weights are pushed as usual
   EXPECT_EQ(gpu_->pushes.load(), static_cast<int>(client_->buckets()));
   ExpectGpuHoldsMaster();
@@ -750,6 +774,53 @@ TEST_F(CudaIpcStagesTest, AStagingSlotOutOfRangeFailsTheSession) {
   const std::optional<std::string> failure = client_->sink().WaitForFailure();
   ASSERT_TRUE(failure.has_value());
   EXPECT_NE(failure->find("staging slot 7"), std::string::npos) << *failure;
+}
+
+// Staging slots a third of the largest bucket's size: that bucket reaches the daemon in three pieces.
+class CudaIpcPiecesTest : public CudaIpcStagesTest {
+ protected:
+  [[nodiscard]] size_t SlotBytes(size_t largest_bucket) const override {
+    return (largest_bucket / 3 + 255) / 256 * 256;
+  }
+  [[nodiscard]] uint32_t LargestBucket() const {
+    const auto& buckets = layout().buckets;
+    return static_cast<uint32_t>(std::max_element(buckets.begin(), buckets.end(),
+                                                  [](const auto& a, const auto& b) { return a.bytes() < b.bytes(); }) -
+                                 buckets.begin());
+  }
+};
+
+TEST_F(CudaIpcPiecesTest, BucketsLargerThanASlotMatchAdamW) {
+  ASSERT_GT(layout().buckets[LargestBucket()].bytes(), 2 * gpu_->slot_bytes());
+  client_->LoadInitialState();
+  WantWeights(0);
+  client_->ExpectParamsReady(0);
+  AdamWReference reference(job_->spec());
+  for (uint64_t step = 1; step <= 3; ++step) {
+    StageStep(step);
+    WantWeights(step);
+    ReceiveFrees();
+    client_->ExpectParamsReady(step);
+    reference.Step(step, TestHParams());
+  }
+  reference.ExpectMatches(*client_);
+  ExpectGpuHoldsMaster();
+  EXPECT_TRUE(client_->sink().failures().empty());
+}
+
+TEST_F(CudaIpcPiecesTest, APieceOutOfOrderFailsTheSession) {
+  client_->LoadInitialState();
+  WantWeights(0);
+  client_->ExpectParamsReady(0);
+  client_->SetHParams(1, TestHParams());
+  const uint32_t b = LargestBucket();
+  client_->Send(Message{
+      .kind = MessageKind::kGradReady, .flags = shm::kFinalMicro, .bucket = b, .step = 1, .slot = 0, .piece = 1});
+  const std::optional<std::string> failure = client_->sink().WaitForFailure();
+  ASSERT_TRUE(failure.has_value());
+  EXPECT_NE(failure->find(fmt::format("piece 1 of bucket {} (3 pieces), but piece 0 is the next one", b)),
+            std::string::npos)
+      << *failure;
 }
 
 // One protocol violation: what rank 0 does wrong, and what the failure message must mention.
