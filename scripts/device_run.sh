@@ -3,7 +3,9 @@
 # Carry `.device` (holding sysroot.tgz, see ../shared/device/README.md) with the device tool.
 #   scripts/device_run.sh build test bench-adamw gpt-small gpt-large
 # TRAINSTREAM_TRANSPORT=cuda-client-copy runs the GPU stages through the fallback transport (the
-# default is cuda-ipc); the gpt stages name their JSON after it.
+# default is cuda-ipc); the gpt stages name their JSON after it. The torchao stage installs the
+# reference offloader from a wheel in .device (the machine has no network):
+#   pip download torchao --no-deps -d .device
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
