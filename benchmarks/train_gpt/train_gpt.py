@@ -88,9 +88,10 @@ def timed_steps(args, step_fn, memory: Memory) -> list[float]:
     return times
 
 
-def forward_backward(model, tokens, targets, autocast: bool, paging: bool = False):
+def forward_backward(model, tokens, targets, autocast: bool, paging: bool = False, paging_gib: float = 0):
+    max_bytes = int(paging_gib * GIB) if paging_gib else None
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast), \
-            trainstream.activation_paging() if paging else contextlib.nullcontext():
+            trainstream.activation_paging(max_bytes=max_bytes) if paging else contextlib.nullcontext():
         loss = model(tokens, targets)
     loss.backward()
     return loss
@@ -145,7 +146,7 @@ def run(args, mode: str) -> dict:
                 torch.cuda.empty_cache()  # the parameters' old blocks: torch's cache would count them
 
             def step(tokens, targets):
-                forward_backward(model, tokens, targets, autocast, args.activation_paging)
+                forward_backward(model, tokens, targets, autocast, args.activation_paging, args.paging_gib)
                 opt.step()
         memory = Memory()  # the peaks of the training steps, not of building the model
         times = timed_steps(args, step, memory)
@@ -196,6 +197,8 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=float, default=32)
     parser.add_argument("--activation-paging", action="store_true",
                         help="trainstream mode: saved activations in pinned host memory (activation_paging)")
+    parser.add_argument("--paging-gib", type=float, default=0,
+                        help="with --activation-paging: page only the first this many GiB (max_bytes)")
     parser.add_argument("--modes", default="gpu-only,stock,trainstream",
                         help="any of gpu-only, stock, trainstream, torchao")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
@@ -217,7 +220,7 @@ def main() -> None:
     else:
         triad, triad_source = host_triad_gbs(args.threads), "torch triad"
     results = {"config": args.config, "batch": args.batch, "seq": args.seq, "vram_cap_gib": args.vram_cap_gib,
-               "activation_paging": args.activation_paging,
+               "activation_paging": args.activation_paging, "paging_gib": args.paging_gib,
                "bf16_weights": args.bf16_weights, "moment_dtype": args.moment_dtype,
                "gpu": torch.cuda.get_device_name(0), "host": platform.node(), "threads": args.threads,
                "host_bandwidth_gbs": triad, "host_bandwidth_source": triad_source, "runs": []}

@@ -12,6 +12,8 @@ right before the autograd node that needs it; the CPU never waits.
 
 Not paged: parameters and views of them (Linear saves `weight.t()`; they stay on the GPU anyway),
 tensors on other devices, and small tensors, whose copies would cost more in latency than they free.
+`max_bytes` pages only the first tensors saved, up to that many bytes: the first layers' activations,
+which backward needs last, so their copies back have the most time to hide; the rest stay on the GPU.
 `paged_bytes` counts what this context has paged.
 """
 
@@ -21,8 +23,9 @@ import torch
 
 
 class activation_paging(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (used as a context manager)
-    def __init__(self, min_bytes: int = 1 << 20):
+    def __init__(self, min_bytes: int = 1 << 20, max_bytes: int | None = None):
         self.min_bytes = min_bytes
+        self.max_bytes = max_bytes
         self.paged_bytes = 0
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         super().__init__(self._pack, self._unpack)
@@ -39,6 +42,8 @@ class activation_paging(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801
     def _pack(self, tensor: torch.Tensor):
         nbytes = tensor.numel() * tensor.element_size()
         if not tensor.is_cuda or nbytes < self.min_bytes or is_parameter(tensor):
+            return tensor
+        if self.max_bytes is not None and self.paged_bytes + nbytes > self.max_bytes:
             return tensor
         stream = self._side_stream(tensor.device)
         stream.wait_stream(torch.cuda.current_stream(tensor.device))  # the tensor has been computed

@@ -94,6 +94,16 @@ def test_weights_are_not_paged():
 
 @cuda
 @pytest.mark.cuda
+def test_max_bytes_pages_the_first_tensors_only():
+    layers = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)]).cuda()
+    x = torch.randn(1024, 1024, device="cuda")  # every saved input: 4 MiB
+    with trainstream.activation_paging(max_bytes=9 << 20) as paging:
+        layers(x).sum().backward()
+    assert paging.paged_bytes == 8 << 20  # the first two inputs; a third would exceed 9 MiB
+
+
+@cuda
+@pytest.mark.cuda
 def test_training_with_paging_matches_torch(client):
     torch.manual_seed(0)
     model = Wide().cuda()
