@@ -2,8 +2,8 @@
 // opened from its IPC memory handles, and its interprocess events, all on the GPU it named by UUID.
 // Copies run on that GPU's copy queues, each issued once the rank's event it depends on has completed
 // (see CopyQueue: the GPU never waits on another process's event); the host side of every copy is
-// page-locked on first use (PinnedHost). The handles are closed when the last copy that uses them has finished and the
-// rank is gone (owners hold a shared_ptr).
+// page-locked on first use (PinnedHost). The handles are closed when the last copy that uses them
+// has finished and the rank is gone (owners hold a shared_ptr).
 #pragma once
 
 #include <atomic>

@@ -15,7 +15,8 @@ CONFIGS = {  # name: (layers, heads, width)
     "1.86b": (35, 16, 2048),
     "3b": (32, 32, 2560),
     "5b": (40, 32, 3200),
-    "7b": (32, 32, 4096),
+    "7b": (32, 32, 4096),  # 6.66B parameters: LLaMA-7B's shape
+    "7.05b": (34, 32, 4096),  # the smallest of this family at or above 7.0B
     "10b": (48, 40, 4096),
 }
 
