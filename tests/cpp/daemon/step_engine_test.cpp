@@ -676,6 +676,23 @@ class CudaIpcStagesTest : public StepEngineTest {
     EXPECT_EQ(received.size(), count);
     return received;
   }
+  // The initial load, then three steps through the GPU buffers, checked against AdamW.
+  void ExpectStepsMatchAdamW() {
+    client_->LoadInitialState();
+    WantWeights(0);
+    client_->ExpectParamsReady(0);
+    AdamWReference reference(job_->spec());
+    for (uint64_t step = 1; step <= 3; ++step) {
+      StageStep(step);
+      WantWeights(step);  // optimizer.step() right after backward: the usual order
+      ReceiveFrees();
+      client_->ExpectParamsReady(step);
+      reference.Step(step, TestHParams());
+    }
+    reference.ExpectMatches(*client_);
+    ExpectGpuHoldsMaster();
+    EXPECT_TRUE(client_->sink().failures().empty());
+  }
   void ExpectGpuHoldsMaster() {
     for (uint32_t p = 0; p < layout().params.size(); ++p) {
       const std::span<float> master = client_->Master(p), gpu = gpu_->Param(layout(), p);
@@ -716,20 +733,7 @@ TEST_F(CudaIpcStagesTest, WeightsReachTheGpuOnlyOnceWanted) {
 }
 
 TEST_F(CudaIpcStagesTest, StepsMatchAdamWThroughTheGpuBuffers) {
-  client_->LoadInitialState();
-  WantWeights(0);
-  client_->ExpectParamsReady(0);
-  AdamWReference reference(job_->spec());
-  for (uint64_t step = 1; step <= 3; ++step) {
-    StageStep(step);
-    WantWeights(step);  // optimizer.step() right after backward: the usual order
-    ReceiveFrees();
-    client_->ExpectParamsReady(step);
-    reference.Step(step, TestHParams());
-  }
-  reference.ExpectMatches(*client_);
-  ExpectGpuHoldsMaster();
-  EXPECT_TRUE(client_->sink().failures().empty());
+  ExpectStepsMatchAdamW();
 }
 
 TEST_F(CudaIpcStagesTest, ADetachedRanksUnreachedEventsHoldNothing) {
@@ -792,20 +796,7 @@ class CudaIpcPiecesTest : public CudaIpcStagesTest {
 
 TEST_F(CudaIpcPiecesTest, BucketsLargerThanASlotMatchAdamW) {
   ASSERT_GT(layout().buckets[LargestBucket()].bytes(), 2 * gpu_->slot_bytes());
-  client_->LoadInitialState();
-  WantWeights(0);
-  client_->ExpectParamsReady(0);
-  AdamWReference reference(job_->spec());
-  for (uint64_t step = 1; step <= 3; ++step) {
-    StageStep(step);
-    WantWeights(step);
-    ReceiveFrees();
-    client_->ExpectParamsReady(step);
-    reference.Step(step, TestHParams());
-  }
-  reference.ExpectMatches(*client_);
-  ExpectGpuHoldsMaster();
-  EXPECT_TRUE(client_->sink().failures().empty());
+  ExpectStepsMatchAdamW();
 }
 
 TEST_F(CudaIpcPiecesTest, APieceOutOfOrderFailsTheSession) {
