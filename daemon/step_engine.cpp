@@ -144,7 +144,7 @@ void StepEngine::ResetCollecting(const std::string& reason) {
   }
 }
 
-// Forgets what bucket b collected of its current step: it collects that step again from scratch.
+// Forgets what bucket b collected of its current step: it collects that step (progress.step) from scratch.
 void StepEngine::RestartBucket(uint32_t b) {
   BucketProgress& progress = buckets_[b];
   progress.phase = Phase::kCollecting;
@@ -594,11 +594,7 @@ void StepEngine::OnUpdated(uint32_t b, uint64_t step, bool nonfinite) {
   BucketProgress& progress = buckets_[b];
   progress.updating = false;
   progress.step = step + 1;
-  progress.micro = 0;
-  progress.delivered_count = 0;
-  std::fill(progress.delivered.begin(), progress.delivered.end(), 0);
-  progress.phase = Phase::kCollecting;
-  for (uint32_t p : layout_.buckets[b].params) had_grad_[p] = 0;
+  RestartBucket(b);  // collects the next step from scratch
   updates_++;
   if (++updated_[step] == buckets_.size()) {  // before the last PARAMS_READY: a client may read it then
     updated_.erase(step);
