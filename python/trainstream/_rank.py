@@ -321,18 +321,25 @@ class _ApplyGuard:
 
 
 _GUARDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> the Rank that wrapped it
+_applying = threading.local()  # .ranks: those whose guarded _apply runs; it checked their submodules too
 
 
 def _guarded_apply(module: torch.nn.Module, fn, *args, **kwargs):
     rank = _GUARDED.get(module)
-    if rank is not None:
-        rank.synchronize()
-        wrapped = set(map(id, rank.params))
-        with torch.no_grad():
-            for name, p in module.named_parameters():
-                if id(p) in wrapped:
-                    _refuse_if_changed(name, p, fn(p))
-    return type(module)._apply(module, fn, *args, **kwargs)
+    active = _applying.__dict__.setdefault("ranks", set())
+    if rank is None or rank in active:
+        return type(module)._apply(module, fn, *args, **kwargs)
+    rank.synchronize()
+    wrapped = set(map(id, rank.params))
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if id(p) in wrapped:
+                _refuse_if_changed(name, p, fn(p))
+    active.add(rank)
+    try:
+        return type(module)._apply(module, fn, *args, **kwargs)
+    finally:
+        active.discard(rank)
 
 
 def _refuse_if_changed(name: str, before: torch.Tensor, after: torch.Tensor) -> None:
