@@ -79,13 +79,15 @@ for what in "$@"; do
       ;;
     gpt-memory)
       stage gpt-memory  # the 1.86B under the 24 GiB cap: GPU-only, trainstream, torchao; then trainstream with paging
+      # (PAGING_GIB=N pages only the first N GiB of activations)
       timeout 400 python3 benchmarks/train_gpt/train_gpt.py --config 1.86b --vram-cap-gib 24 --steps 6 \
         --modes "${GPT_MODES:-gpu-only,trainstream,torchao}" --adamw-json benchmarks/results/adamw_h200-16core.json \
         --json "$OUT/gpt_1.86b_cap24_memory.json" 2>&1 | tail -4
       for cap in ${PAGING_CAPS:-24 16}; do
         PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 200 python3 benchmarks/train_gpt/train_gpt.py \
-          --config 1.86b --vram-cap-gib "$cap" --steps 6 --modes trainstream --activation-paging \
-          --adamw-json benchmarks/results/adamw_h200-16core.json --json "$OUT/gpt_1.86b_cap${cap}_paging.json" 2>&1 | tail -2
+          --config 1.86b --vram-cap-gib "$cap" --steps 6 --modes trainstream --activation-paging ${PAGING_GIB:+--paging-gib $PAGING_GIB} \
+          --adamw-json benchmarks/results/adamw_h200-16core.json \
+          --json "$OUT/gpt_1.86b_cap${cap}_paging${PAGING_GIB:+${PAGING_GIB}gib}.json" 2>&1 | tail -2
       done
       ;;
     gpt-largest)
