@@ -142,6 +142,16 @@ for what in "$@"; do
       stage ranks
       python3 benchmarks/ranks/shared_vs_private.py --ranks 4 --config 124m --json "$OUT/ranks_4x124m.json" 2>&1 | tail -3
       ;;
+    allreduce)
+      stage allreduce  # the peer all-reduce against gloo on loopback, one process per node, RUNS times each
+      for nodes in ${NODES:-2 3 4}; do
+        for run in $(seq "${RUNS:-3}"); do
+          python3 benchmarks/allreduce/run.py --bench build/benchmarks/allreduce/ts_bench_allreduce --nodes "$nodes" \
+            ${SIZES:+--sizes $SIZES} --tag "h200-16core-${nodes}nodes-run$run" 2>&1 | grep MiB | sed "s/^/[$nodes nodes, run $run] /"
+          cp "benchmarks/results/allreduce_h200-16core-${nodes}nodes-run$run.json" "$OUT/"
+        done
+      done
+      ;;
     *) echo "unknown stage $what"; exit 2 ;;
   esac
 done
