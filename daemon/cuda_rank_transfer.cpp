@@ -79,15 +79,14 @@ CudaRankTransfer::~CudaRankTransfer() {
 
 void CudaRankTransfer::Close() noexcept {
   const cuda::CudaDriver& d = driver();
-  if (d.cuCtxPushCurrent(gpu_->context.get()) != 0) return;  // the driver is going away with the process
-  for (cuda::CUevent event : grad_ready_) d.cuEventDestroy(event);
-  for (cuda::CUevent event : weights_wanted_) d.cuEventDestroy(event);
-  grad_ready_.clear();
-  weights_wanted_.clear();
-  if (params_ != 0) d.cuIpcCloseMemHandle(std::exchange(params_, 0));
-  if (staging_ != 0) d.cuIpcCloseMemHandle(std::exchange(staging_, 0));
-  cuda::CUcontext popped = nullptr;
-  d.cuCtxPopCurrent(&popped);
+  cuda::ReleaseInContext(d, gpu_->context.get(), [&] {
+    for (cuda::CUevent event : grad_ready_) d.cuEventDestroy(event);
+    for (cuda::CUevent event : weights_wanted_) d.cuEventDestroy(event);
+    grad_ready_.clear();
+    weights_wanted_.clear();
+    if (params_ != 0) d.cuIpcCloseMemHandle(std::exchange(params_, 0));
+    if (staging_ != 0) d.cuIpcCloseMemHandle(std::exchange(staging_, 0));
+  });
 }
 
 void CudaRankTransfer::PullGradients(uint32_t slot, void* host, size_t bytes, Done done) {

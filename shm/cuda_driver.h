@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 
 namespace trainstream::cuda {
 
@@ -92,6 +93,17 @@ class ScopedContext {
  private:
   const CudaDriver& driver_;
 };
+
+// For destructors, where nothing may throw: runs `release` with `context` current and restores the
+// previous one; skips it when the context cannot be made current (the driver is going away with the
+// process, and the resources with it).
+template <typename Release>
+void ReleaseInContext(const CudaDriver& driver, CUcontext context, Release&& release) noexcept {
+  if (driver.cuCtxPushCurrent(context) != 0) return;
+  std::forward<Release>(release)();
+  CUcontext popped = nullptr;
+  driver.cuCtxPopCurrent(&popped);
+}
 
 // A device's primary context (the one the CUDA runtime, and so torch, uses), retained while this lives.
 class PrimaryContext {

@@ -25,11 +25,7 @@ GpuBuffer::GpuBuffer(int device_ordinal, size_t bytes) : bytes_(bytes) {
 
 GpuBuffer::~GpuBuffer() {
   const cuda::CudaDriver& driver = cuda::CudaDriver::Get();
-  if (driver.cuCtxPushCurrent(context_->get()) == 0) {  // no throwing ScopedContext in a destructor
-    driver.cuMemFree(address_);
-    cuda::CUcontext popped = nullptr;
-    driver.cuCtxPopCurrent(&popped);
-  }
+  cuda::ReleaseInContext(driver, context_->get(), [&] { driver.cuMemFree(address_); });
 }
 
 std::string GpuBuffer::ipc_handle() const {
