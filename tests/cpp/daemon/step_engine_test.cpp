@@ -528,12 +528,14 @@ class FakeGpu final : public RankTransfer {
   FakeGpu(size_t params_bytes, uint32_t slots, size_t slot_bytes)
       : params(params_bytes), staging(slots * slot_bytes), slots_(slots), slot_bytes_(slot_bytes) {}
   ~FakeGpu() override {
-    {
-      std::lock_guard lock(mutex_);
-      stopping_ = true;
+    Set(queue_->stopping, true);
+    // The engine's callbacks hold the rank (and so this) too: when the last of them lets go on the
+    // queue's own thread, that thread must not join itself. It ends alone; its state outlives this.
+    if (thread_.get_id() == std::this_thread::get_id()) {
+      thread_.detach();
+    } else {
+      thread_.join();
     }
-    wake_.notify_all();
-    thread_.join();
   }
   [[nodiscard]] uint32_t staging_slots() const override { return slots_; }
   [[nodiscard]] uint64_t slot_bytes() const override { return slot_bytes_; }
@@ -548,8 +550,8 @@ class FakeGpu final : public RankTransfer {
     ++pushes;
     Run([=, this] { std::memcpy(params.data() + offset, host, bytes); }, std::move(done), false);
   }
-  void Abandon() override { Set(abandoned_, true); }
-  void ReachEvents(bool reached) { Set(events_reached_, reached); }
+  void Abandon() override { Set(queue_->abandoned, true); }
+  void ReachEvents(bool reached) { Set(queue_->events_reached, reached); }
   // The rank's view of parameter p: its place in the flat parameter buffer, or in staging slot `slot`.
   std::span<float> Param(const shm::JobLayout& layout, uint32_t p) {
     return {reinterpret_cast<float*>(params.data() + layout.buckets[layout.params[p].bucket].grad_offset) +
@@ -557,10 +559,10 @@ class FakeGpu final : public RankTransfer {
             layout.params[p].numel};
   }
   std::byte* Slot(uint32_t slot) { return staging.data() + slot * slot_bytes_; }
+  [[nodiscard]] int given_up() const { return queue_->given_up; }  // work failed: the rank was abandoned
 
   std::vector<std::byte> params, staging;
   std::atomic<int> pushes{0};
-  std::atomic<int> given_up{0};  // work that failed because the rank was abandoned
 
  private:
   struct Work {
@@ -568,33 +570,44 @@ class FakeGpu final : public RankTransfer {
     Done done;
     bool waits_for_event;
   };
+  // What the copying thread uses, shared with it so that it may outlive this object (see ~FakeGpu).
+  struct Queue {
+    std::mutex mutex;
+    std::condition_variable wake;
+    std::deque<Work> work;
+    bool stopping = false;
+    bool abandoned = false;
+    bool events_reached = true;
+    std::atomic<int> given_up{0};
+  };
   void Set(bool& flag, bool value) {
     {
-      std::lock_guard lock(mutex_);
+      std::lock_guard lock(queue_->mutex);
       flag = value;
     }
-    wake_.notify_all();
+    queue_->wake.notify_all();
   }
   void Run(std::function<void()> copy, Done done, bool waits_for_event) {
     {
-      std::lock_guard lock(mutex_);
-      queue_.push_back(Work{std::move(copy), std::move(done), waits_for_event});
+      std::lock_guard lock(queue_->mutex);
+      queue_->work.push_back(Work{std::move(copy), std::move(done), waits_for_event});
     }
-    wake_.notify_all();
+    queue_->wake.notify_all();
   }
-  void Loop() {
+  static void Loop(Queue& queue) {
     for (;;) {
-      std::unique_lock lock(mutex_);
-      wake_.wait(lock, [&] {
-        return stopping_ || (!queue_.empty() && (abandoned_ || events_reached_ || !queue_.front().waits_for_event));
+      std::unique_lock lock(queue.mutex);
+      queue.wake.wait(lock, [&] {
+        return queue.stopping || (!queue.work.empty() &&
+                                  (queue.abandoned || queue.events_reached || !queue.work.front().waits_for_event));
       });
-      if (queue_.empty()) return;  // stopping
-      Work work = std::move(queue_.front());
-      queue_.pop_front();
-      const bool abandoned = abandoned_;
+      if (queue.work.empty()) return;  // stopping
+      Work work = std::move(queue.work.front());
+      queue.work.pop_front();
+      const bool abandoned = queue.abandoned;
       lock.unlock();
       if (abandoned) {
-        ++given_up;
+        ++queue.given_up;
         work.done("abandoned");
         continue;
       }
@@ -605,13 +618,8 @@ class FakeGpu final : public RankTransfer {
 
   const uint32_t slots_;
   const size_t slot_bytes_;
-  std::mutex mutex_;
-  std::condition_variable wake_;
-  std::deque<Work> queue_;
-  bool stopping_ = false;
-  bool abandoned_ = false;
-  bool events_reached_ = true;
-  std::thread thread_{[this] { Loop(); }};
+  std::shared_ptr<Queue> queue_ = std::make_shared<Queue>();
+  std::thread thread_{[queue = queue_] { Loop(*queue); }};
 };
 
 class CudaIpcStagesTest : public StepEngineTest {
@@ -744,7 +752,7 @@ TEST_F(CudaIpcStagesTest, ADetachedRanksUnreachedEventsHoldNothing) {
   StageStep(1);
   client_->ExpectNoCompletion(100ms);
   job_->Detach(0);
-  EXPECT_TRUE(trainstream::testing::PollUntil([&] { return gpu_->given_up.load() == 2; }));  // both pulls
+  EXPECT_TRUE(trainstream::testing::PollUntil([&] { return gpu_->given_up() == 2; }));  // both pulls
   gpu_->ReachEvents(true);  // had they not been given up, the engine could still end
 }
 
