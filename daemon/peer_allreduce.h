@@ -7,12 +7,12 @@
 // every node, which keeps the nodes' rings from waiting on each other in a cycle. A peer that does
 // not deliver within the timeout, or refuses a piece, fails the bucket with a message naming it.
 //
-// Chunks travel in pieces of a quarter of a chunk, 512 KiB to 4 MiB (daemon/peer_allreduce.cpp),
-// 2 in flight (daemon/peer_sender.h), sent straight from the bucket's memory: a piece received in
-// one ring step is summed into the bucket and sent on in the next step at once, on the gRPC thread
-// that received it (the mailbox hands it over while the bucket is registered), so sending,
-// receiving and adding overlap within a bucket. Pieces cover disjoint elements, so the order in
-// which they arrive changes no sum.
+// Chunks travel in pieces of a quarter of a chunk, 128 KiB to 4 MiB (daemon/peer_allreduce.cpp),
+// over 4 connections with 2 in flight on each (daemon/peer_sender.h), sent straight from the
+// bucket's memory: a piece received in one ring step is summed into the bucket and sent on in the
+// next step at once, on the gRPC thread that received it (the mailbox hands it over while the
+// bucket is registered), so sending, receiving and adding overlap within a bucket. Pieces cover
+// disjoint elements, so the order in which they arrive changes no sum.
 #pragma once
 
 #include <chrono>

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -24,18 +25,24 @@ namespace {
 constexpr std::chrono::milliseconds kRelease{1000};
 }  // namespace
 
-PeerSender::PeerSender(std::function<std::shared_ptr<grpc::Channel>()> connect, std::string peer, std::string secret,
-                       std::chrono::milliseconds timeout, size_t window)
+PeerSender::PeerSender(std::function<std::shared_ptr<grpc::Channel>()> connect, size_t connections, std::string peer,
+                       std::string secret, std::chrono::milliseconds timeout, size_t window)
     : connect_(std::move(connect)),
-      stub_(std::make_unique<grpc::GenericStub>(connect_())),
+      stubs_(std::max<size_t>(connections, 1)),
       peer_(std::move(peer)),
       secret_(std::move(secret)),
       timeout_(timeout),
-      window_(window) {}
+      window_(window) {
+  Connect();
+}
 
 PeerSender::~PeerSender() {
   Cancel();
   Finish();
+}
+
+void PeerSender::Connect() {
+  for (auto& stub : stubs_) stub = std::make_unique<grpc::GenericStub>(connect_());
 }
 
 void PeerSender::Post(v1::PeerChunk header, const float* data, size_t n) {
@@ -69,16 +76,21 @@ void PeerSender::Start(const Piece& piece) {
   call->bucket = piece.header.bucket();
   call->context.AddMetadata(kSecretHeader, secret_);
   call->context.set_deadline(std::chrono::system_clock::now() + timeout_);
+  // A connection attempt among several opened at once may fail (seen on loopback): the channel
+  // retries it, and the call waits for that until its deadline.
+  call->context.set_wait_for_ready(true);
   bool cancelled = false;
+  grpc::GenericStub* stub = nullptr;
   {
     std::lock_guard lock(mutex_);
     in_flight_.insert(call);
     --starting_;
     cancelled = cancelled_;
+    stub = stubs_[next_stub_++ % stubs_.size()].get();
   }
   if (cancelled) call->context.TryCancel();  // Cancel ran while this call was starting
-  stub_->UnaryCall(&call->context, kDeliverMethod, grpc::StubOptions(), &call->request, &call->response,
-                   [this, call](const grpc::Status& status) { Done(call, status); });
+  stub->UnaryCall(&call->context, kDeliverMethod, grpc::StubOptions(), &call->request, &call->response,
+                  [this, call](const grpc::Status& status) { Done(call, status); });
 }
 
 void PeerSender::Done(const std::shared_ptr<Call>& call, const grpc::Status& status) {
@@ -128,11 +140,11 @@ std::optional<std::string> PeerSender::Finish() {
     // the connection drops them. The channel shares no connection (connect_), so dropping the
     // last reference to it closes it.
     lock.unlock();
-    stub_.reset();
+    for (auto& stub : stubs_) stub.reset();
     lock.lock();
     idle_.wait(lock, [&] { return slices_ == 0; });
     lock.unlock();
-    stub_ = std::make_unique<grpc::GenericStub>(connect_());
+    Connect();
     lock.lock();
   }
   cancelled_ = false;

@@ -1,7 +1,10 @@
 // Sends the pieces of one all-reduce to the next daemon of the ring: asynchronous Deliver calls,
-// at most `window` in flight, the rest queued in the order they were posted. Pieces are not
-// copied: each call's message holds a slice of the bucket's own memory, which gRPC reads when it
-// writes the message to the socket (measured: the copy was 12% of a node's CPU time).
+// spread in turn over several connections (each one's bytes are framed, written, read and parsed
+// by one gRPC thread at a time: on a machine with cores to spare, one connection was the limit;
+// daemon/peer_allreduce.cpp has the numbers), at most `window` in flight, the rest queued in the
+// order they were posted. Pieces are not copied: each call's message holds a slice of the bucket's
+// own memory, which gRPC reads when it writes the message to the socket (measured: the copy was
+// 12% of a node's CPU time). A call waits for its connection to come up, until its deadline.
 //
 // Invariants: a posted region must not change until the right-hand peer received it (the
 // all-reduce writes a region only after that, see daemon/peer_allreduce.cpp); after Finish or
@@ -24,6 +27,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "trainstream/v1/peer.pb.h"
 
@@ -32,9 +36,10 @@ namespace trainstream::daemon {
 class PeerSender {
  public:
   // `peer` names the receiver in errors ("peer host:port (node 1)").
-  // `connect` opens a channel of its own (not sharing connections with other channels: see Finish).
-  PeerSender(std::function<std::shared_ptr<grpc::Channel>()> connect, std::string peer, std::string secret,
-             std::chrono::milliseconds timeout, size_t window);
+  // `connect` opens a channel of its own (not sharing connections with other channels: see Finish);
+  // it is called once per connection.
+  PeerSender(std::function<std::shared_ptr<grpc::Channel>()> connect, size_t connections, std::string peer,
+             std::string secret, std::chrono::milliseconds timeout, size_t window);
   ~PeerSender();
   PeerSender(const PeerSender&) = delete;
   PeerSender& operator=(const PeerSender&) = delete;
@@ -59,13 +64,15 @@ class PeerSender {
   };
   struct Call;
   bool Idle() const { return queued_.empty() && in_flight_.empty() && starting_ == 0 && slices_ == 0; }
+  void Connect();  // new connections, one per stub
   static void Released(void* sender);
   void StartQueued(std::unique_lock<std::mutex>& lock);
   void Start(const Piece& piece);
   void Done(const std::shared_ptr<Call>& call, const grpc::Status& status);
 
   const std::function<std::shared_ptr<grpc::Channel>()> connect_;
-  std::unique_ptr<grpc::GenericStub> stub_;  // replaced by Finish only, when nothing is in flight
+  std::vector<std::unique_ptr<grpc::GenericStub>> stubs_;  // replaced by Finish only, when nothing is in flight
+  size_t next_stub_ = 0;                                   // the connection of the next call
   const std::string peer_, secret_;
   const std::chrono::milliseconds timeout_;
   const size_t window_;
