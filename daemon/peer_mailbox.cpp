@@ -18,15 +18,6 @@ void PeerMailbox::Put(ChunkKey key, PeerPayload data) {
     return;
   }
   chunks_.insert_or_assign(std::move(key), std::move(data));
-  lock.unlock();
-  arrived_.notify_all();
-}
-
-std::optional<PeerPayload> PeerMailbox::Take(const ChunkKey& key, std::chrono::milliseconds timeout) {
-  std::unique_lock lock(mutex_);
-  if (!arrived_.wait_for(lock, timeout, [&] { return chunks_.contains(key); })) return std::nullopt;
-  auto node = chunks_.extract(key);
-  return std::move(node.mapped());
 }
 
 std::vector<std::pair<ChunkKey, PeerPayload>> PeerMailbox::Register(const std::string& job, uint64_t step,

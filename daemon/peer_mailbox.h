@@ -8,12 +8,10 @@
 // hand-over to the reducing thread); pieces that came earlier wait here until the sink registers.
 #pragma once
 
-#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <map>
 #include <mutex>
-#include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -41,8 +39,6 @@ class PeerMailbox {
  public:
   // Hands the piece to the sink registered for its (job, step, bucket), or keeps it.
   void Put(ChunkKey key, PeerPayload data);
-  // The piece for `key`, waiting at most `timeout`; nullopt on timeout.
-  std::optional<PeerPayload> Take(const ChunkKey& key, std::chrono::milliseconds timeout);
   // Sends later pieces of (job, step, bucket) to `sink` until Unregister; returns those already
   // here, which the caller hands to the sink itself.
   std::vector<std::pair<ChunkKey, PeerPayload>> Register(const std::string& job, uint64_t step, uint32_t bucket,
@@ -60,7 +56,7 @@ class PeerMailbox {
   };
 
   std::mutex mutex_;
-  std::condition_variable arrived_, delivered_;
+  std::condition_variable delivered_;
   std::map<ChunkKey, PeerPayload> chunks_;
   std::map<BucketKey, Registration> sinks_;
 };
