@@ -5,7 +5,9 @@ Per backward pass (a micro-batch): each parameter's gradient is copied into this
 bucket as soon as autograd has accumulated it, and `p.grad` is freed; a bucket whose parameters are
 all in is sent (GRAD_READY) at once, the rest at the end of the backward pass. After the last
 micro-batch, optimizer.step() only records which step's weights each bucket must show; the forward
-pre-hook of a module waits for its buckets' new weights and copies them in.
+pre-hook of a module waits for its buckets' new weights and copies them in, and a parameter the
+forward reads elsewhere (a parent using a child's weight directly) is refreshed when a torch
+function first gets it (_StaleReadGuard).
 
 Invariants: a bucket's slot is written only after the daemon released it (SLOT_FREE / PARAMS_READY);
 a parameter is read by the model only after its bucket's weights of the last step are in place.
@@ -21,6 +23,7 @@ import weakref
 from typing import Iterable
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from trainstream import _layout
 from trainstream._C import TrainstreamError
@@ -56,6 +59,7 @@ class Rank:
         self._map_regions()
         self.transport = transport_for(self, device)
         self._lock = threading.RLock()  # hooks may run on autograd threads
+        self._refreshing = False        # refresh() runs (its own copies read stale parameters)
         self._micro = 0                 # micro-batches finished in this step
         self._step_pending = False      # all micro-batches in; optimizer.step() is due
         self._in_backward = False
@@ -143,16 +147,34 @@ class Rank:
         """Makes the parameters of `buckets` show their latest weights (waits for the daemon)."""
         self.session.check_healthy()  # a dead daemon is reported here even when nothing needs waiting for
         with self._lock:
-            for b in buckets:
-                if b not in self._stale:
-                    continue
-                self.session.wait_params_ready(b, self._ready_step[b])
-                with torch.no_grad():
-                    for i in self._bucket_params[b]:
-                        self.transport.weights_in(i)
-                self._stale.discard(b)
-            self.transport.weights_done()
+            self._refreshing = True
+            try:
+                for b in buckets:
+                    if b not in self._stale:
+                        continue
+                    self.session.wait_params_ready(b, self._ready_step[b])
+                    with torch.no_grad():
+                        for i in self._bucket_params[b]:
+                            self.transport.weights_in(i)
+                    self._stale.discard(b)
+                self.transport.weights_done()
+            finally:
+                self._refreshing = False
         self._report_warnings()
+
+    def refresh_read(self, args: tuple, kwargs: dict) -> None:
+        """Refreshes the stale buckets of the wrapped parameters among a torch function's arguments
+        (and in lists and tuples among them, as torch.cat's), unless a refresh is running already."""
+        if self._refreshing:
+            return
+        buckets = set()
+        for a in (*args, *kwargs.values()):
+            for t in a if isinstance(a, (list, tuple)) else (a,):
+                i = self._index.get(id(t))
+                if i is not None and self._bucket_of[i] in self._stale:
+                    buckets.add(self._bucket_of[i])
+        if buckets:
+            self.refresh(sorted(buckets))
 
     def synchronize(self) -> None:
         self.refresh(sorted(self._stale, reverse=True))
@@ -182,7 +204,7 @@ class Rank:
     def _install_hooks(self) -> None:
         for i, p in enumerate(self.params):
             self._handles.append(p.register_post_accumulate_grad_hook(lambda param, i=i: self._on_grad(i, param)))
-        index = {id(p): i for i, p in enumerate(self.params)}
+        self._index = index = {id(p): i for i, p in enumerate(self.params)}
         for module in self.model.modules():
             own = [index[id(p)] for p in module.parameters(recurse=False) if id(p) in index]
             buckets = tuple(sorted({self._bucket_of[i] for i in own}))
@@ -191,6 +213,7 @@ class Rank:
         self._handles.append(self.model.register_state_dict_pre_hook(lambda *args, **kwargs: self.synchronize()))
         self._handles.append(self.model.register_load_state_dict_post_hook(lambda module, keys: self.push_weights()))
         self._handles += [_ApplyGuard(self, module) for module in self.model.modules()]
+        self._handles.append(_StaleReadGuard(self))
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
@@ -300,6 +323,49 @@ class Rank:
                 self.client.drop_job(self.job)
             except TrainstreamError:
                 pass
+
+
+class _StaleReadGuard(TorchFunctionMode):
+    """While the wrapped model's forward runs with some bucket still stale, looks at the arguments of
+    every torch function and refreshes the stale parameters among them first: a forward may read a
+    parameter before any pre-hook of its module ran (`x @ self.proj.weight.t()` in a parent's forward,
+    a weight read before its module is called), and must see the same weights as in plain torch. Once
+    nothing is stale, a function costs one attribute check; without stale buckets at the forward's
+    start the mode is not entered at all."""
+
+    def __init__(self, rank: Rank):
+        super().__init__()
+        self.rank = rank
+        self.depth = 0  # nested forwards of the model; entered at the outermost one
+        self.entered = False
+        # Closures, not bound methods: copy.deepcopy(model) copies bound methods with their object.
+        # First of the pre-hooks (another one may raise) and called however the forward ends.
+        self.handles = [rank.model.register_forward_pre_hook(lambda module, args: self._forward_starts(),
+                                                             prepend=True),
+                        rank.model.register_forward_hook(lambda module, args, output: self._forward_ends(),
+                                                         always_call=True)]
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.rank._stale:
+            self.rank.refresh_read(args, kwargs)
+        return func(*args, **kwargs)
+
+    def _forward_starts(self) -> None:
+        self.depth += 1
+        if self.depth == 1 and self.rank._stale:
+            self.__enter__()
+            self.entered = True
+
+    def _forward_ends(self) -> None:
+        self.depth -= 1
+        if self.depth == 0 and self.entered:
+            self.entered = False
+            self.__exit__(None, None, None)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
 
 
 class _ApplyGuard:

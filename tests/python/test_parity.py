@@ -237,3 +237,23 @@ def test_model_load_state_dict_reaches_the_master_weights(client):
     model.load_state_dict(fresh.state_dict())
     ref.load_state_dict(fresh.state_dict())
     assert _continue(model, opt, ref, ref_opt) <= TOLERANCE
+
+
+class UsesWeightsDirectly(torch.nn.Module):
+    """The root's forward reads `proj`'s parameters without calling `proj`, and `late`'s weight before
+    `late` runs: no forward pre-hook of their modules precedes those reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.late = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.tanh(x @ self.proj.weight.t() + self.proj.bias)
+        h = h * self.late.weight.sum(dim=0)
+        return self.late(h)
+
+
+def test_parameters_read_outside_their_modules_forward(client):
+    model, _, ref, _ = train_both(client, UsesWeightsDirectly, adamw)
+    assert max_difference(model, ref) <= TOLERANCE
