@@ -13,6 +13,7 @@
 // Node n starts with x[i] = (i + n) % 7; after the warm-up every node checks a strided sample of
 // its buffer against the sum over the nodes (exact: small integers), after the timed all-reduces
 // against sum * M^reps (within rounding), and exits 1 on a mismatch.
+#include <absl/synchronization/mutex.h>
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
@@ -155,7 +156,9 @@ int main(int argc, char** argv) {
   if (nodes < 2 || floats < 1) Die("--nodes must be at least 2, --floats at least 1");
   if (node >= static_cast<int>(nodes)) Die("--node must be below --nodes");
   if (node >= 0 && ports_dir.empty()) Die("--node needs --ports-dir");
-  KeepPeerBuffersMapped();  // as trainstreamd does
+  // As trainstreamd does (daemon/peer_service.h, daemon/main.cpp).
+  KeepPeerBuffersMapped();
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
 
   // This process's nodes: one, or all of them.
   const uint32_t first = node >= 0 ? static_cast<uint32_t>(node) : 0, last = node >= 0 ? first + 1 : nodes;
