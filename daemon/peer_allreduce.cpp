@@ -16,15 +16,15 @@ constexpr uint32_t kReduceScatter = 0, kAllGather = 1;
 // peer with 2 pieces in flight on each. Measured on loopback, one process per node, against gloo's
 // bus bandwidth (benchmarks/results/allreduce_h200-16core-*.jsonl): on a 16-core machine one
 // connection with pieces of at least 512 KiB was the limit below 128 MiB (1-32 MiB: 0.42-0.93x
-// gloo); 4 connections with 128 KiB pieces: 8-128 MiB at 0.92-1.66x, 1 MiB at 0.58-0.96x, where
-// pieces of 64 KiB, 2 or 8 connections, 1 piece in flight per connection, a 1 MiB HTTP/2 frame,
-// and direct sends between all pairs instead of the ring (2 hops instead of 2(M-1), branch
-// exp/conns) were no better overall. Every piece is one call, and a call costs much CPU time in gRPC (2
-// cores, 128 MiB over 3 nodes: 48 ms of user time per node with 512 KiB pieces, 35 ms with 2 MiB,
-// 29 ms with 8 MiB), so large chunks use large pieces: 128 MiB over 3 nodes took 180 ms with 4 MiB
-// pieces against 261 ms with 512 KiB; beyond 4 MiB it gained nothing. On 2 cores, where the CPU is
-// the limit, 4 connections with 128 KiB pieces were within run-to-run noise of one with 512 KiB,
-// except 1 MiB over 3 nodes (0.66-0.75x gloo against 0.91-0.96x): more calls for the same bytes.
+// gloo); 4 connections with 128 KiB pieces: 8-128 MiB at 0.92-1.66x, 1 MiB at 0.58-0.96x. Pieces
+// of 64 KiB, 2 or 8 connections, 1 piece in flight per connection, a 1 MiB HTTP/2 frame, and
+// direct sends between all pairs instead of the ring (2 hops instead of 2(M-1), branch exp/conns)
+// were no better overall. Every piece is one call, and a call costs much CPU time in gRPC (2 cores,
+// 128 MiB over 3 nodes: 48 ms of user time per node with 512 KiB pieces, 35 ms with 2 MiB, 29 ms
+// with 8 MiB), so large chunks use large pieces: 128 MiB over 3 nodes took 180 ms with 4 MiB pieces
+// against 261 ms with 512 KiB; beyond 4 MiB it gained nothing. On 2 cores, where the CPU is the
+// limit, 4 connections with 128 KiB pieces were within run-to-run noise of one with 512 KiB, except
+// 1 MiB over 3 nodes (0.66-0.75x gloo against 0.91-0.96x): more calls for the same bytes.
 constexpr size_t kMinPieces = 4;
 constexpr size_t kMinPieceFloats = (size_t{128} << 10) / sizeof(float);
 constexpr size_t kMaxPieceFloats = (size_t{4} << 20) / sizeof(float);
