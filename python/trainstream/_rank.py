@@ -329,9 +329,9 @@ class _StaleReadGuard(TorchFunctionMode):
     """While the wrapped model's forward runs with some bucket still stale, looks at the arguments of
     every torch function and refreshes the stale parameters among them first: a forward may read a
     parameter before any pre-hook of its module ran (`x @ self.proj.weight.t()` in a parent's forward,
-    a weight read before its module is called), and must see the same weights as in plain torch. Once
-    nothing is stale, a function costs one attribute check; without stale buckets at the forward's
-    start the mode is not entered at all."""
+    a weight read before its module is called), and must see the same weights as in plain torch. The
+    mode costs each torch function about 1 us of Python while it is entered, 2 us while something is
+    stale (2-core dev machine); without stale buckets at the forward's start it is not entered."""
 
     def __init__(self, rank: Rank):
         super().__init__()
