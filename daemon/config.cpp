@@ -46,8 +46,10 @@ std::pair<std::string, std::string> SplitHostPort(const std::string& address, co
   return {address.substr(0, colon), port};
 }
 
-// The peer settings that only make sense together.
+// The peer settings that only make sense together, and in range.
 void CheckPeerSettings(const Config& config) {
+  TS_CHECK(config.peer_connections >= 1 && config.peer_connections <= 16, Code::kInvalidArgument,
+           "peer_connections is {}; expected 1 to 16", config.peer_connections);
   if (!config.peer_listen.empty()) SplitHostPort(config.peer_listen, "peer_listen");
   if (config.peer_advertise.empty()) return;
   TS_CHECK(!config.peer_listen.empty(), Code::kInvalidArgument, "peer_advertise needs peer_listen (--peer-listen)");
@@ -74,9 +76,18 @@ void LoadConfigFile(const std::string& path, Config& config) {
     Throw(Code::kInvalidArgument, "cannot parse config file {}: {} (line {})", path, e.description(),
           e.source().begin.line);
   }
-  static const std::vector<std::string> kKnown = {
-      "socket",         "threads",     "log_level",      "socket_mode",      "job_ttl_seconds",     "max_jobs",
-      "max_host_bytes", "peer_listen", "peer_advertise", "peer_secret_file", "peer_timeout_seconds"};
+  static const std::vector<std::string> kKnown = {"socket",
+                                                  "threads",
+                                                  "log_level",
+                                                  "socket_mode",
+                                                  "job_ttl_seconds",
+                                                  "max_jobs",
+                                                  "max_host_bytes",
+                                                  "peer_listen",
+                                                  "peer_advertise",
+                                                  "peer_secret_file",
+                                                  "peer_timeout_seconds",
+                                                  "peer_connections"};
   for (const auto& [key, value] : table) {
     TS_CHECK(std::find(kKnown.begin(), kKnown.end(), key.str()) != kKnown.end(), Code::kInvalidArgument,
              "unknown key '{}' in config file {}", key.str(), path);
@@ -95,6 +106,7 @@ void LoadConfigFile(const std::string& path, Config& config) {
   ReadKey(table, "peer_advertise", config.peer_advertise);
   ReadKey(table, "peer_secret_file", config.peer_secret_file);
   ReadKey(table, "peer_timeout_seconds", config.peer_timeout_seconds);
+  ReadKey(table, "peer_connections", config.peer_connections);
 }
 
 std::optional<Config> ParseConfig(int argc, char** argv) {
@@ -117,6 +129,7 @@ std::optional<Config> ParseConfig(int argc, char** argv) {
   app.add_option("--parent-pid", parent_pid, "exit when this process exits (private daemons)");
   std::optional<std::string> peer_listen, peer_secret_file;
   std::optional<uint64_t> peer_timeout;
+  std::optional<uint32_t> peer_connections;
   std::optional<std::string> peer_advertise;
   app.add_option("--peer-listen", peer_listen, "host:port of the Peer service for multi-node jobs (default: off)");
   app.add_option("--peer-advertise", peer_advertise,
@@ -124,6 +137,9 @@ std::optional<Config> ParseConfig(int argc, char** argv) {
                  "is 0.0.0.0 or [::], with the listening port)");
   app.add_option("--peer-secret-file", peer_secret_file, "file holding the peers' shared secret");
   app.add_option("--peer-timeout", peer_timeout, "seconds a peer may stay silent before its job fails (default 30)");
+  app.add_option("--peer-connections", peer_connections,
+                 "connections to the next node of a job's ring, 1 to 16 (default 4; 1 may suit machines with few "
+                 "cores)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::Success& e) {
@@ -148,6 +164,7 @@ std::optional<Config> ParseConfig(int argc, char** argv) {
   if (peer_advertise) config.peer_advertise = *peer_advertise;
   if (peer_secret_file) config.peer_secret_file = *peer_secret_file;
   if (peer_timeout) config.peer_timeout_seconds = *peer_timeout;
+  if (peer_connections) config.peer_connections = *peer_connections;
   CheckPeerSettings(config);
   return config;
 }

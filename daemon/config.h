@@ -22,6 +22,7 @@ struct Config {
   std::string peer_advertise;          // "host:port" the other nodes dial; empty: derived from peer_listen
   std::string peer_secret_file;        // the peers' shared secret (required with peer_listen)
   uint64_t peer_timeout_seconds = 30;  // a peer silent for this long fails the job
+  uint32_t peer_connections = 4;       // to the next daemon of a job's ring (docs/multi-node.md), 1-16
   std::string config_file;
 };
 

@@ -116,8 +116,8 @@ int Serve(const Config& config) {
   std::unique_ptr<grpc::Server> peer_server = StartPeerPlane(config, mailbox, peer_service, peer_address);
   PeerConfig peer_config;
   if (peer_server) {
-    peer_config =
-        PeerConfig{&mailbox, ReadSecret(config.peer_secret_file), std::chrono::seconds(config.peer_timeout_seconds)};
+    peer_config = PeerConfig{&mailbox, ReadSecret(config.peer_secret_file),
+                             std::chrono::seconds(config.peer_timeout_seconds), config.peer_connections};
   }
   JobRegistry registry(config, pool, peer_config);
   if (config.parent_pid == 0) registry.ClaimOrphans();  // a private daemon's socket is new every time

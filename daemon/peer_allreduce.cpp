@@ -12,24 +12,24 @@ namespace trainstream::daemon {
 namespace {
 constexpr uint32_t kReduceScatter = 0, kAllGather = 1;
 // A chunk travels in pieces, so that sending, receiving and adding overlap: a quarter of the chunk,
-// at least 128 KiB and at most 4 MiB (the last one shorter), over 4 connections to the right-hand
-// peer with 2 pieces in flight on each. Measured on loopback, one process per node, against gloo's
-// bus bandwidth (benchmarks/results/allreduce_h200-16core-*.jsonl): on a 16-core machine one
-// connection with pieces of at least 512 KiB was the limit below 128 MiB (1-32 MiB: 0.42-0.93x
-// gloo); 4 connections with 128 KiB pieces: 8-128 MiB at 0.92-1.66x, 1 MiB at 0.58-0.96x. Pieces
-// of 64 KiB, 2 or 8 connections, 1 piece in flight per connection, a 1 MiB HTTP/2 frame, and
-// direct sends between all pairs instead of the ring (2 hops instead of 2(M-1), branch exp/conns)
-// were no better overall. Every piece is one call, and a call costs much CPU time in gRPC (2 cores,
-// 128 MiB over 3 nodes: 48 ms of user time per node with 512 KiB pieces, 35 ms with 2 MiB, 29 ms
-// with 8 MiB), so large chunks use large pieces: 128 MiB over 3 nodes took 180 ms with 4 MiB pieces
-// against 261 ms with 512 KiB; beyond 4 MiB it gained nothing. On 2 cores, where the CPU is the
-// limit, 4 connections with 128 KiB pieces were within run-to-run noise of one with 512 KiB, except
-// 1 MiB over 3 nodes (0.66-0.75x gloo against 0.91-0.96x): more calls for the same bytes.
+// at least 128 KiB and at most 4 MiB (the last one shorter), over PeerConfig::connections to the
+// right-hand peer (4 unless --peer-connections says otherwise) with 2 pieces in flight on each.
+// Measured on loopback, one process per node, against gloo's bus bandwidth
+// (benchmarks/results/allreduce_h200-16core-*.jsonl): on a 16-core machine one connection with
+// pieces of at least 512 KiB was the limit below 128 MiB (1-32 MiB: 0.42-0.93x gloo); 4 connections
+// with 128 KiB pieces: 8-128 MiB at 0.92-1.66x, 1 MiB at 0.58-0.96x. Pieces of 64 KiB, 2 or 8
+// connections, 1 piece in flight per connection, a 1 MiB HTTP/2 frame, and direct sends between all
+// pairs instead of the ring (2 hops instead of 2(M-1), branch exp/conns) were no better overall.
+// Every piece is one call, and a call costs much CPU time in gRPC (2 cores, 128 MiB over 3 nodes:
+// 48 ms of user time per node with 512 KiB pieces, 35 ms with 2 MiB, 29 ms with 8 MiB), so large
+// chunks use large pieces: 128 MiB over 3 nodes took 180 ms with 4 MiB pieces against 261 ms with
+// 512 KiB; beyond 4 MiB it gained nothing. On 2 cores, where the CPU is the limit, 4 connections
+// with 128 KiB pieces were within run-to-run noise of one with 512 KiB, except 1 MiB over 3 nodes
+// (0.66-0.75x gloo against 0.91-0.96x): more calls for the same bytes.
 constexpr size_t kMinPieces = 4;
 constexpr size_t kMinPieceFloats = (size_t{128} << 10) / sizeof(float);
 constexpr size_t kMaxPieceFloats = (size_t{4} << 20) / sizeof(float);
-constexpr size_t kConnections = 4;              // to the right-hand peer
-constexpr size_t kWindow = 2 * kConnections;    // pieces in flight to the right-hand peer
+constexpr size_t kInFlightPerConnection = 2;
 constexpr std::chrono::milliseconds kPoll{50};  // how often a wait looks for failed sends and Stop
 
 // How every node splits a bucket of n floats: M chunks [n*c/M, n*(c+1)/M), each in pieces of
@@ -70,8 +70,9 @@ PeerAllReduce::PeerAllReduce(std::string job, std::vector<std::string> peers, ui
     args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
     return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
   };
-  right_ = std::make_unique<PeerSender>(connect, kConnections, fmt::format("peer {} (node {})", peers_[right], right),
-                                        config_.secret, config_.timeout, kWindow);
+  right_ =
+      std::make_unique<PeerSender>(connect, config_.connections, fmt::format("peer {} (node {})", peers_[right], right),
+                                   config_.secret, config_.timeout, kInFlightPerConnection * config_.connections);
   thread_ = std::thread([this] { Run(); });
 }
 

@@ -8,7 +8,7 @@
 // not deliver within the timeout, or refuses a piece, fails the bucket with a message naming it.
 //
 // Chunks travel in pieces of a quarter of a chunk, 128 KiB to 4 MiB (daemon/peer_allreduce.cpp),
-// over 4 connections with 2 in flight on each (daemon/peer_sender.h), sent straight from the
+// over 4 connections (--peer-connections) with 2 in flight on each (daemon/peer_sender.h), sent straight from the
 // bucket's memory: a piece received in one ring step is summed into the bucket and sent on in the
 // next step at once, on the gRPC thread that received it (the mailbox hands it over while the
 // bucket is registered), so sending, receiving and adding overlap within a bucket. Pieces cover
@@ -35,6 +35,7 @@ struct PeerConfig {
   PeerMailbox* mailbox = nullptr;  // nullptr: this daemon serves no peer plane
   std::string secret;
   std::chrono::milliseconds timeout{30000};
+  uint32_t connections = 4;  // to the right-hand peer (daemon/peer_allreduce.cpp)
 };
 
 class PeerAllReduce {

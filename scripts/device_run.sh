@@ -147,7 +147,7 @@ for what in "$@"; do
       for nodes in ${NODES:-2 3 4}; do
         for run in $(seq "${RUNS:-3}"); do
           python3 benchmarks/allreduce/run.py --bench build/benchmarks/allreduce/ts_bench_allreduce --nodes "$nodes" \
-            ${SIZES:+--sizes $SIZES} --tag "h200-16core-${nodes}nodes-run$run" 2>&1 | grep MiB | sed "s/^/[$nodes nodes, run $run] /"
+            ${SIZES:+--sizes $SIZES} ${CONNECTIONS:+--connections $CONNECTIONS} --tag "h200-16core-${nodes}nodes-run$run" 2>&1 | grep MiB | sed "s/^/[$nodes nodes, run $run] /"
           cp "benchmarks/results/allreduce_h200-16core-${nodes}nodes-run$run.json" "$OUT/"
         done
       done

@@ -6,7 +6,8 @@
 // on 127.0.0.1:0, writes the port to DIR/node-<i>.port, waits for the other nodes' ports, reduces
 // once to warm up, then `reps` times (the ring keeps the nodes in step); node 0 writes --json.
 //
-//   ts_bench_allreduce --nodes 2 --node 0 --ports-dir DIR --floats 8388608 --reps 10 [--json out.json]
+//   ts_bench_allreduce --nodes 2 --node 0 --ports-dir DIR --floats 8388608 --reps 10 [--connections 4]
+//                      [--json out.json]
 //
 // Without --node, all M nodes (M servers, M PeerAllReduce instances) run in this one process.
 //
@@ -68,9 +69,9 @@ struct Node {
     if (!server || port == 0) Die("cannot start the Peer server on 127.0.0.1");
   }
 
-  void Join(const std::vector<std::string>& peers, uint32_t rank, size_t floats) {
-    ring = std::make_unique<PeerAllReduce>("bench", peers, rank, 1,
-                                           PeerConfig{&mailbox, kSecret, std::chrono::milliseconds(60000)});
+  void Join(const std::vector<std::string>& peers, uint32_t rank, size_t floats, uint32_t connections) {
+    ring = std::make_unique<PeerAllReduce>(
+        "bench", peers, rank, 1, PeerConfig{&mailbox, kSecret, std::chrono::milliseconds(60000), connections});
     data.resize(floats);
     for (size_t i = 0; i < floats; ++i) data[i] = static_cast<float>((i + rank) % 7);
   }
@@ -139,7 +140,7 @@ void WriteFile(const std::filesystem::path& dir, uint32_t node, const std::strin
 }  // namespace
 
 int main(int argc, char** argv) {
-  uint32_t nodes = 2, reps = 10, wait_s = 60;
+  uint32_t nodes = 2, reps = 10, wait_s = 60, connections = PeerConfig{}.connections;
   int node = -1;  // -1: every node in this process
   size_t floats = size_t{1} << 23;
   std::string json, ports_dir;
@@ -151,6 +152,7 @@ int main(int argc, char** argv) {
     if (arg == "--wait-s") wait_s = static_cast<uint32_t>(std::stoul(value));
     if (arg == "--floats") floats = static_cast<size_t>(std::stod(value));
     if (arg == "--reps") reps = static_cast<uint32_t>(std::stoul(value));
+    if (arg == "--connections") connections = static_cast<uint32_t>(std::stoul(value));
     if (arg == "--json") json = value;
   }
   if (nodes < 2 || floats < 1) Die("--nodes must be at least 2, --floats at least 1");
@@ -173,7 +175,7 @@ int main(int argc, char** argv) {
   } else {
     for (const auto& n : local) peers.push_back("127.0.0.1:" + std::to_string(n->port));
   }
-  for (uint32_t n = first; n < last; ++n) local[n - first]->Join(peers, n, floats);
+  for (uint32_t n = first; n < last; ++n) local[n - first]->Join(peers, n, floats, connections);
 
   auto once = [&](uint64_t step) {
     std::vector<std::future<std::optional<std::string>>> done;

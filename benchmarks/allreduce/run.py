@@ -43,7 +43,8 @@ def run_nodes(args, floats, tmp):
     """Runs ts_bench_allreduce, one process per node; returns node 0's JSON. Kills every node when one
     fails or the run takes longer than --timeout, and exits with the nodes' stderr."""
     out = os.path.join(tmp, "ours.json")
-    common = ["--nodes", str(args.nodes), "--floats", str(floats), "--reps", str(args.reps), "--json", out]
+    common = ["--nodes", str(args.nodes), "--floats", str(floats), "--reps", str(args.reps), "--json", out,
+              "--connections", str(args.connections)]
     if args.in_process:
         commands = [[args.bench] + common]
     else:
@@ -92,6 +93,7 @@ def main():
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--sizes", default="262144,4194304,33554432", help="floats per all-reduce")
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--connections", type=int, default=4, help="ours: connections per peer (--peer-connections)")
     parser.add_argument("--tag", default=socket.gethostname())
     parser.add_argument("--in-process", action="store_true", help="all our nodes in one process (the old benchmark)")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per size before the nodes are killed")
@@ -119,7 +121,8 @@ def main():
                   f"{row['gloo_bus_gbs']:6.2f} GB/s  ratio {row['ratio']:.2f}x  (target >= 1.0x)", flush=True)
     out = os.path.join(ROOT, "benchmarks", "results", f"allreduce_{args.tag}.json")
     with open(out, "w") as f:
-        json.dump({"nodes": args.nodes, "host": socket.gethostname(), "rows": rows}, f, indent=1)
+        json.dump({"nodes": args.nodes, "connections": args.connections, "host": socket.gethostname(), "rows": rows},
+                  f, indent=1)
     print("wrote", out)
 
 

@@ -26,7 +26,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_nodes(tmp_path, count, secrets=None, hosts=None):
+def start_nodes(tmp_path, count, secrets=None, hosts=None, daemon_args=()):
     """`count` daemons with a peer plane: on loopback, or each in the network namespace of `hosts`
     ((namespace, address) pairs)."""
     daemons, peers = [], []
@@ -37,7 +37,7 @@ def start_nodes(tmp_path, count, secrets=None, hosts=None):
         address = f"{host}:{free_port()}"
         prefix = ("ip", "netns", "exec", namespace) if namespace else ()
         daemons.append(Daemon("--peer-listen", address, "--peer-secret-file", str(secret_file), "--peer-timeout", "3",
-                              prefix=prefix))
+                              *daemon_args, prefix=prefix))
         peers.append(address)
     return daemons, peers
 
@@ -60,10 +60,11 @@ def stop(daemons):
         d.stop()
 
 
-@pytest.mark.parametrize("nodes,ranks,options", [(2, 2, {}), (3, 2, {}), (2, 1, {"max_grad_norm": 0.05})],
-                         ids=["2x2", "3x2", "2x1-clipping"])
-def test_nodes_match_single_process_reference(tmp_path, nodes, ranks, options):
-    daemons, peers = start_nodes(tmp_path, nodes)
+@pytest.mark.parametrize("nodes,ranks,options,daemon_args", [
+    (2, 2, {}, ()), (3, 2, {}, ()), (2, 1, {"max_grad_norm": 0.05}, ("--peer-connections", "1"))],
+    ids=["2x2", "3x2", "2x1-clipping-one-connection"])
+def test_nodes_match_single_process_reference(tmp_path, nodes, ranks, options, daemon_args):
+    daemons, peers = start_nodes(tmp_path, nodes, daemon_args=daemon_args)
     try:
         extra = ["--max-grad-norm", str(options["max_grad_norm"])] if options else []
         procs = start_ranks(daemons, peers, tmp_path, ranks, *extra)

@@ -184,10 +184,18 @@ TEST(ParseConfig, PeerFlagsAndKeys) {
   const Config flags = ParseOk({"--peer-listen", "0.0.0.0:7150", "--peer-advertise", "node3.cluster:7150"});
   EXPECT_EQ(flags.peer_listen, "0.0.0.0:7150");
   EXPECT_EQ(flags.peer_advertise, "node3.cluster:7150");
-  TempToml file("peer_listen = \"[::]:7151\"\npeer_advertise = \"10.0.0.3:7151\"\n");
+  EXPECT_EQ(flags.peer_connections, 4u);
+  EXPECT_EQ(ParseOk({"--peer-connections", "1"}).peer_connections, 1u);
+  TempToml file("peer_listen = \"[::]:7151\"\npeer_advertise = \"10.0.0.3:7151\"\npeer_connections = 16\n");
   const Config from_file = ParseOk({"--config", file.path()});
   EXPECT_EQ(from_file.peer_listen, "[::]:7151");
   EXPECT_EQ(from_file.peer_advertise, "10.0.0.3:7151");
+  EXPECT_EQ(from_file.peer_connections, 16u);
+}
+
+TEST(ParseConfig, PeerConnectionsOutOfRangeAreRejected) {
+  ExpectRejected({"--peer-connections", "0"}, "peer_connections is 0; expected 1 to 16");
+  ExpectFileRejected("peer_connections = 17\n", "peer_connections is 17; expected 1 to 16");
 }
 
 TEST(ParseConfig, BadPeerAddressesAreRejected) {
