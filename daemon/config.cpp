@@ -138,8 +138,7 @@ std::optional<Config> ParseConfig(int argc, char** argv) {
   app.add_option("--peer-secret-file", peer_secret_file, "file holding the peers' shared secret");
   app.add_option("--peer-timeout", peer_timeout, "seconds a peer may stay silent before its job fails (default 30)");
   app.add_option("--peer-connections", peer_connections,
-                 "connections to the next node of a job's ring, 1 to 16 (default 4; 1 may suit machines with few "
-                 "cores)");
+                 "connections to the next node of a job's ring, 1 to 16 (default 4)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::Success& e) {
