@@ -61,18 +61,9 @@ PeerAllReduce::PeerAllReduce(std::string job, std::vector<std::string> peers, ui
            "a ring needs at least 2 nodes and this node among them ({} peers, node rank {})", peers_.size(),
            node_rank_);
   const uint32_t right = (node_rank_ + 1) % peers_.size();
-  auto connect = [address = peers_[right]] {
-    grpc::ChannelArguments args;
-    args.SetMaxSendMessageSize(-1);
-    args.SetMaxReceiveMessageSize(-1);
-    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);       // a connection of its own (PeerSender::Finish)
-    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);  // a failed attempt is retried soon
-    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
-    return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
-  };
-  right_ =
-      std::make_unique<PeerSender>(connect, config_.connections, fmt::format("peer {} (node {})", peers_[right], right),
-                                   config_.secret, config_.timeout, kInFlightPerConnection * config_.connections);
+  right_ = std::make_unique<PeerSender>(peers_[right], config_.connections,
+                                        fmt::format("peer {} (node {})", peers_[right], right), config_.secret,
+                                        config_.timeout, kInFlightPerConnection * config_.connections);
   thread_ = std::thread([this] { Run(); });
 }
 

@@ -25,9 +25,9 @@ namespace {
 constexpr std::chrono::milliseconds kRelease{1000};
 }  // namespace
 
-PeerSender::PeerSender(std::function<std::shared_ptr<grpc::Channel>()> connect, size_t connections, std::string peer,
-                       std::string secret, std::chrono::milliseconds timeout, size_t window)
-    : connect_(std::move(connect)),
+PeerSender::PeerSender(std::string address, size_t connections, std::string peer, std::string secret,
+                       std::chrono::milliseconds timeout, size_t window)
+    : address_(std::move(address)),
       stubs_(std::max<size_t>(connections, 1)),
       peer_(std::move(peer)),
       secret_(std::move(secret)),
@@ -42,7 +42,16 @@ PeerSender::~PeerSender() {
 }
 
 void PeerSender::Connect() {
-  for (auto& stub : stubs_) stub = std::make_unique<grpc::GenericStub>(connect_());
+  grpc::ChannelArguments args;
+  args.SetMaxSendMessageSize(-1);
+  args.SetMaxReceiveMessageSize(-1);
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);       // a connection of its own per channel
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);  // a failed attempt is retried soon (Start)
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  for (auto& stub : stubs_) {
+    stub = std::make_unique<grpc::GenericStub>(
+        grpc::CreateCustomChannel(address_, grpc::InsecureChannelCredentials(), args));
+  }
 }
 
 void PeerSender::Post(v1::PeerChunk header, const float* data, size_t n) {
@@ -137,7 +146,7 @@ std::optional<std::string> PeerSender::Finish() {
   idle_.wait(lock, [&] { return queued_.empty() && in_flight_.empty() && starting_ == 0; });
   if (!idle_.wait_for(lock, kRelease, [&] { return slices_ == 0; })) {
     // Bytes of cancelled calls wait in the connection's output (the peer stopped reading): closing
-    // the connection drops them. The channel shares no connection (connect_), so dropping the
+    // the connection drops them. The channel shares no connection (Connect), so dropping the
     // last reference to it closes it.
     lock.unlock();
     for (auto& stub : stubs_) stub.reset();

@@ -21,7 +21,6 @@
 #include <chrono>
 #include <condition_variable>
 #include <deque>
-#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -36,10 +35,9 @@ namespace trainstream::daemon {
 class PeerSender {
  public:
   // `peer` names the receiver in errors ("peer host:port (node 1)").
-  // `connect` opens a channel of its own (not sharing connections with other channels: see Finish);
-  // it is called once per connection.
-  PeerSender(std::function<std::shared_ptr<grpc::Channel>()> connect, size_t connections, std::string peer,
-             std::string secret, std::chrono::milliseconds timeout, size_t window);
+  // Sends to `address` ("host:port") over `connections` connections of its own.
+  PeerSender(std::string address, size_t connections, std::string peer, std::string secret,
+             std::chrono::milliseconds timeout, size_t window);
   ~PeerSender();
   PeerSender(const PeerSender&) = delete;
   PeerSender& operator=(const PeerSender&) = delete;
@@ -64,13 +62,13 @@ class PeerSender {
   };
   struct Call;
   bool Idle() const { return queued_.empty() && in_flight_.empty() && starting_ == 0 && slices_ == 0; }
-  void Connect();  // new connections, one per stub
+  void Connect();  // new connections, one per stub (each a channel sharing none: see Finish)
   static void Released(void* sender);
   void StartQueued(std::unique_lock<std::mutex>& lock);
   void Start(const Piece& piece);
   void Done(const std::shared_ptr<Call>& call, const grpc::Status& status);
 
-  const std::function<std::shared_ptr<grpc::Channel>()> connect_;
+  const std::string address_;
   std::vector<std::unique_ptr<grpc::GenericStub>> stubs_;  // replaced by Finish only, when nothing is in flight
   size_t next_stub_ = 0;                                   // the connection of the next call
   const std::string peer_, secret_;

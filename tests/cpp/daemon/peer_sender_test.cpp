@@ -96,14 +96,7 @@ int FreePort() {
 }
 
 std::unique_ptr<PeerSender> SenderTo(const std::string& address, size_t connections, milliseconds timeout) {
-  auto connect = [address] {
-    grpc::ChannelArguments args;
-    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
-    return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
-  };
-  return std::make_unique<PeerSender>(connect, connections, "peer " + address + " (node 1)", "secret", timeout,
+  return std::make_unique<PeerSender>(address, connections, "peer " + address + " (node 1)", "secret", timeout,
                                       2 * connections);
 }
 
