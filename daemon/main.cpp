@@ -92,6 +92,22 @@ std::unique_ptr<grpc::Server> StartPeerPlane(const Config& config, PeerMailbox& 
   return server;
 }
 
+// The control socket is created with socket_mode by bind() itself. A chmod after BuildAndStart left a
+// window in which the daemon accepted connections but refused other uids (a test's client saw
+// "Permission denied"), or, under a lax umask, admitted uids that socket_mode excludes. The umask is
+// process-wide; nothing else creates files while the daemon starts (segments set their own mode).
+std::unique_ptr<grpc::Server> StartControlPlane(const Config& config, ControlService& service) {
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("unix:" + config.socket, grpc::InsecureServerCredentials());
+  builder.RegisterService(&service);
+  const mode_t previous_umask = umask(~config.socket_mode & 0777);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  umask(previous_umask);
+  TS_CHECK(server != nullptr, Code::kUnavailable, "cannot listen on {}", config.socket);
+  return server;
+}
+
 int Serve(const Config& config) {
   spdlog::set_level(spdlog::level::from_str(config.log_level));
   spdlog::set_pattern("[%Y-%m-%d %H:%M:%S.%e] [trainstreamd] [%l] %v");
@@ -123,13 +139,7 @@ int Serve(const Config& config) {
   if (config.parent_pid == 0) registry.ClaimOrphans();  // a private daemon's socket is new every time
   ControlService service(registry, pool, peer_address);
 
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort("unix:" + config.socket, grpc::InsecureServerCredentials());
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  TS_CHECK(server != nullptr, Code::kUnavailable, "cannot listen on {}", config.socket);
-  chmod(config.socket.c_str(), config.socket_mode);
+  std::unique_ptr<grpc::Server> server = StartControlPlane(config, service);
   spdlog::info("trainstreamd {} listening on {} ({} worker threads, kernel {}, pid {})", kVersion, config.socket,
                threads, optimizer::ActiveKernelName(), getpid());
   NotifySystemd("READY=1");

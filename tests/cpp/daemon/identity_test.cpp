@@ -94,6 +94,8 @@ TEST_F(IdentityTest, JobSegmentsBelongToTheirUserAndOthersAreRefused) {
   ASSERT_EQ(pipe(release), 0);
   // Alice attaches, checks who owns her segments, and stays attached until released.
   const pid_t alice = ForkChild([&] {
+    close(ready[0]);
+    close(release[1]);
     if (setgid(kAlice) != 0 || setuid(kAlice) != 0) return 98;
     auto client = Client::Connect(daemon.socket());
     auto session = client->Attach("alice", 0, TinySpec(), 1);
@@ -104,8 +106,15 @@ TEST_F(IdentityTest, JobSegmentsBelongToTheirUserAndOthersAreRefused) {
     if (write(ready[1], &byte, 1) != 1 || read(release[0], &byte, 1) != 1) return 3;
     return 0;
   });
+  // Each side keeps only its own ends, so a read sees end-of-file when the other side dies.
+  close(ready[1]);
+  close(release[0]);
   char byte = 0;
-  ASSERT_EQ(read(ready[0], &byte, 1), 1) << "alice did not attach";
+  if (read(ready[0], &byte, 1) != 1) {
+    ADD_FAILURE() << "alice did not attach";
+    WaitChild(alice);
+    return;
+  }
 
   EXPECT_TRUE(ExitedWith(RunAs(kMallory,
                                [&] {
