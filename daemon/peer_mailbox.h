@@ -25,6 +25,7 @@ struct ChunkKey {
   std::string job;
   uint64_t step = 0;
   uint32_t bucket = 0, phase = 0, round = 0, piece = 0;
+  // NOLINTNEXTLINE(modernize-use-nullptr): clang-tidy 14 misreads a defaulted <=>'s comparison with 0
   auto operator<=>(const ChunkKey&) const = default;
 };
 

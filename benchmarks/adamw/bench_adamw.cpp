@@ -138,6 +138,7 @@ struct Timing {
 Timing Measure(int reps, const std::function<void()>& fn) {
   fn();  // warm-up (and page faults, if any are left)
   std::vector<double> times;
+  times.reserve(reps);
   for (int r = 0; r < reps; ++r) times.push_back(Seconds(fn));
   std::sort(times.begin(), times.end());
   return {times.front(), times[times.size() / 2]};

@@ -179,6 +179,7 @@ int main(int argc, char** argv) {
 
   auto once = [&](uint64_t step) {
     std::vector<std::future<std::optional<std::string>>> done;
+    done.reserve(local.size());
     for (auto& n : local) done.push_back(n->Submit(step));
     for (auto& d : done) Await(d);
   };

@@ -22,6 +22,7 @@ namespace {
 std::optional<Config> Parse(std::vector<std::string> args) {
   args.insert(args.begin(), "trainstreamd");
   std::vector<char*> argv;
+  argv.reserve(args.size() + 1);
   for (std::string& arg : args) argv.push_back(arg.data());
   argv.push_back(nullptr);
   return ParseConfig(static_cast<int>(args.size()), argv.data());
@@ -244,7 +245,7 @@ TEST(PeerAdvertiseAddress, ExplicitAdvertiseWins) {
 std::string PrintedBy(const std::vector<std::string>& args) {
   ::testing::internal::CaptureStdout();
   const bool parsed = Parse(args).has_value();
-  const std::string printed = ::testing::internal::GetCapturedStdout();
+  std::string printed = ::testing::internal::GetCapturedStdout();
   EXPECT_FALSE(parsed) << ::testing::PrintToString(args) << " returned a config";
   return printed;
 }

@@ -728,6 +728,7 @@ TEST_F(CudaIpcStagesTest, WeightsReachTheGpuOnlyOnceWanted) {
   StageStep(1);
   std::vector<Message> freed = ReceiveFrees();  // both slots copied out
   std::vector<uint32_t> slots;
+  slots.reserve(freed.size());
   for (const Message& m : freed) slots.push_back(m.slot);
   std::sort(slots.begin(), slots.end());
   EXPECT_EQ(slots, (std::vector<uint32_t>{0, 1}));

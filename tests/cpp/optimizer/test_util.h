@@ -18,7 +18,7 @@ namespace trainstream::optimizer::testing {
 class Buffer {
  public:
   Buffer() = default;
-  Buffer(DType dtype, size_t n, size_t misalign) : dtype_(dtype), n_(n), misalign_(misalign) {
+  Buffer(DType dtype, size_t n, size_t misalign) : dtype_(dtype), n_(n) {
     storage_.assign(n * SizeOf(dtype) + 128 + misalign * SizeOf(dtype), 0);
     const auto base = reinterpret_cast<uintptr_t>(storage_.data());
     offset_ = (64 - base % 64) % 64 + misalign * SizeOf(dtype);
@@ -56,7 +56,7 @@ class Buffer {
 
  private:
   DType dtype_ = DType::kFloat32;
-  size_t n_ = 0, misalign_ = 0, offset_ = 0;
+  size_t n_ = 0, offset_ = 0;
   std::vector<uint8_t> storage_;
 };
 
