@@ -1,5 +1,6 @@
 #include "shm/job_layout.h"
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -86,6 +87,7 @@ void Validate(const LayoutSpec& spec) {
   TS_CHECK(spec.peers.size() <= 256, Code::kInvalidArgument, "{} peers (limit 256)", spec.peers.size());
   TS_CHECK(spec.node_rank < spec.nodes(), Code::kInvalidArgument, "node_rank {} out of range for {} node(s)",
            spec.node_rank, spec.nodes());
+  constexpr uint64_t kMaxElements = uint64_t{1} << 40;
   uint64_t total = 0;
   for (size_t i = 0; i < spec.params.size(); ++i) {
     const ParamSpec& p = spec.params[i];
@@ -96,11 +98,18 @@ void Validate(const LayoutSpec& spec) {
     TS_CHECK(p.shape.size() <= 16, Code::kInvalidArgument, "parameter {} ({}) has {} dimensions", i, p.name,
              p.shape.size());
     for (int64_t d : p.shape) {
-      TS_CHECK(d >= 0 && d < (int64_t{1} << 40), Code::kInvalidArgument, "parameter {} ({}) has dimension {}", i,
-               p.name, d);
+      TS_CHECK(d >= 0 && static_cast<uint64_t>(d) < kMaxElements, Code::kInvalidArgument,
+               "parameter {} ({}) has dimension {}", i, p.name, d);
     }
+    // numel() wraps silently (2^32 x 2^32 is 0, 512 x (2^55 - 1) is -512): here overflow is caught.
+    uint64_t numel = 1;
+    bool overflow = false;
+    for (int64_t d : p.shape) overflow |= __builtin_mul_overflow(numel, static_cast<uint64_t>(d), &numel);
+    const bool empty = std::find(p.shape.begin(), p.shape.end(), 0) != p.shape.end();
+    TS_CHECK(empty || (!overflow && numel < kMaxElements), Code::kInvalidArgument,
+             "parameter {} ({}) has over 2^40 elements", i, p.name);
     total += p.numel();
-    TS_CHECK(total < (uint64_t{1} << 40), Code::kInvalidArgument, "layout has over 2^40 elements");
+    TS_CHECK(total < kMaxElements, Code::kInvalidArgument, "layout has over 2^40 elements");
   }
 }
 

@@ -236,6 +236,22 @@ TEST(ComputeLayout, InvalidSpecsAreRejectedNamingTheProblem) {
          s.params[1].shape = {4, -3};
        },
        "dimension -3"},
+      {"elements overflow 64 bits",
+       [](LayoutSpec& s) {
+         s.params[1].shape = {int64_t{1} << 32, int64_t{1} << 32};
+       },
+       "parameter 1 (w1) has over 2^40 elements"},
+      {"elements over 2^40",
+       [](LayoutSpec& s) {
+         s.params[1].shape = {int64_t{1} << 20, int64_t{1} << 20};
+       },
+       "has over 2^40 elements"},
+      // 512 * (2^55 - 1) = 2^64 - 512: each dimension in range, the product wraps to "-512 elements".
+      {"elements wrap to a small count",
+       [](LayoutSpec& s) {
+         s.params[1].shape = {512, 23 * 31 * 89 * 881, int64_t{3191} * 201961};
+       },
+       "has over 2^40 elements"},
       {"fp16 moments", [](LayoutSpec& s) { s.moment_dtype = DType::kFloat16; }, "moment dtype"},
       {"accumulation 0", [](LayoutSpec& s) { s.accumulation_steps = 0; }, "accumulation_steps"},
       {"max_grad_norm negative", [](LayoutSpec& s) { s.max_grad_norm = -1; }, "max_grad_norm"},
