@@ -1,6 +1,8 @@
 #include "shm/segment.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <boost/interprocess/exceptions.hpp>
@@ -47,6 +49,18 @@ Code CodeOf(const bip::interprocess_exception& e) {
     default: return Code::kInternal;
   }
 }
+// Backs every page now. A sparse segment that tmpfs cannot back later is found by whoever touches
+// the missing page first, with a SIGBUS: the daemon, and every job with it.
+void Reserve(int fd, const std::string& name, size_t bytes) {
+  if (bytes == 0) return;
+  const int error = posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+  if (error == 0) return;
+  struct statvfs shm {};
+  const uint64_t available = statvfs("/dev/shm", &shm) == 0 ? uint64_t{shm.f_bavail} * shm.f_frsize : 0;
+  Throw(error == ENOSPC || error == EFBIG ? Code::kResourceExhausted : Code::kInternal,
+        "cannot reserve {} bytes for shared memory segment {} ({} bytes available in /dev/shm): {}", bytes, name,
+        available, std::strerror(error));
+}
 }  // namespace
 
 Segment Segment::Create(const std::string& name, size_t bytes, std::optional<uint32_t> owner_uid) {
@@ -61,6 +75,7 @@ Segment Segment::Create(const std::string& name, size_t bytes, std::optional<uin
                Code::kPermissionDenied, "cannot give segment {} to uid {}: {}", name, *owner_uid, std::strerror(errno));
     }
     object.truncate(static_cast<bip::offset_t>(bytes));
+    Reserve(object.get_mapping_handle().handle, name, bytes);
     segment.region_ = bip::mapped_region(object, bip::read_write);
     segment.remove_on_destroy_ = false;
   } catch (const bip::interprocess_exception& e) {

@@ -24,8 +24,9 @@ class Segment {
   Segment& operator=(Segment&&) noexcept;
   ~Segment();
 
-  // Creates a new zero-filled segment of `bytes`; fails if the name exists. With `owner_uid`, the
-  // segment is given to that uid (a root daemon creating a job's memory for its user).
+  // Creates a new zero-filled segment of `bytes`, every page backed (kResourceExhausted where
+  // /dev/shm has no room); fails if the name exists. With `owner_uid`, the segment is given to that
+  // uid (a root daemon creating a job's memory for its user).
   static Segment Create(const std::string& name, size_t bytes, std::optional<uint32_t> owner_uid = std::nullopt);
   // Maps an existing segment read/write; fails with kNotFound if missing, kPermissionDenied if the
   // caller may not open it.

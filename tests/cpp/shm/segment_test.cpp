@@ -2,6 +2,7 @@
 // error codes, unlinking, move semantics, and sharing between two real processes.
 #include <gtest/gtest.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -87,6 +88,21 @@ TEST(Segment, OpeningAMissingNameFailsWithNotFound) {
 TEST(Segment, FailedCreateLeavesNoNameBehind) {
   ScopedSegmentName name;
   EXPECT_THROW(Segment::Create(name.str(), size_t{1} << 62), Error);  // cannot be mapped
+  EXPECT_FALSE(Segment::Exists(name.str()));
+}
+
+TEST(Segment, CreateBacksEveryPage) {
+  ScopedSegmentName name;
+  const Segment segment = Segment::Create(name.str(), size_t{1} << 20);
+  EXPECT_GE(StatOf(name.str()).st_blocks * 512, 1 << 20);  // not sparse
+}
+
+TEST(Segment, CreateBeyondWhatDevShmHoldsFailsWithResourceExhausted) {
+  struct statvfs shm {};
+  ASSERT_EQ(statvfs("/dev/shm", &shm), 0);
+  const size_t beyond = static_cast<size_t>(shm.f_blocks) * shm.f_frsize + (size_t{1} << 20);
+  ScopedSegmentName name;
+  TS_EXPECT_ERROR(Segment::Create(name.str(), beyond), Code::kResourceExhausted, "available in /dev/shm");
   EXPECT_FALSE(Segment::Exists(name.str()));
 }
 
