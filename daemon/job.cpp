@@ -75,6 +75,8 @@ Job::Attachment Job::Attach(uint32_t rank, std::shared_ptr<SessionSink> session,
            name_, spec_.world_size);
   engine_->PlaceState();         // here, not in the constructor: the registry's lock is not held now
   std::lock_guard lock(mutex_);  // one attach/detach at a time: they share the rank's segment name
+  TS_CHECK(!closed_, Code::kAborted, "job '{}' went away while rank {} attached ({}); attach again", name_, rank,
+           closed_.value_or(""));
   TS_CHECK(!engine_->HasRank(rank), Code::kAlreadyExists, "rank {} of job '{}' is already attached by another client",
            rank, name_);
   const std::string name = RankSegmentName(rank);
@@ -136,10 +138,18 @@ size_t Job::attached_ranks() {
   return attached_;
 }
 
-std::optional<std::chrono::steady_clock::time_point> Job::idle_since() {
+void Job::Close(const std::string& reason, bool force) {
   std::lock_guard lock(mutex_);
-  if (attached_ != 0) return std::nullopt;
-  return idle_since_;
+  TS_CHECK(attached_ == 0 || force, Code::kFailedPrecondition,
+           "job '{}' has {} attached rank(s); detach them or drop with force", name_, attached_);
+  closed_ = reason;
+}
+
+bool Job::CloseIfIdle(std::chrono::steady_clock::duration ttl, const std::string& reason) {
+  std::lock_guard lock(mutex_);
+  if (attached_ != 0 || std::chrono::steady_clock::now() - idle_since_ < ttl) return false;
+  closed_ = reason;
+  return true;
 }
 
 JobInfo Job::Info() {

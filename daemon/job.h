@@ -60,6 +60,12 @@ class Job {
   // The rank's data moves through `transfer` (RegisterCudaIpc's work; tests hand in their own).
   void SetTransfer(uint32_t rank, std::shared_ptr<RankTransfer> transfer, const std::string& transport);
   void FailAll(const std::string& message) { engine_->FailAll(message); }
+  // Closes the job to ranks: an Attach that found the job before the registry forgot it fails
+  // (kAborted, naming `reason`) instead of running on a job nothing else can see. kFailedPrecondition
+  // while ranks are attached, unless `force` (the caller then fails their sessions with FailAll).
+  void Close(const std::string& reason, bool force);
+  // Closes the job if no rank has been attached for `ttl`; returns whether it did.
+  bool CloseIfIdle(std::chrono::steady_clock::duration ttl, const std::string& reason);
 
   [[nodiscard]] const std::string& name() const { return name_; }
   [[nodiscard]] const std::string& key() const { return key_; }
@@ -69,8 +75,6 @@ class Job {
   [[nodiscard]] const std::string& state_segment_name() const { return state_.name(); }
   [[nodiscard]] uint64_t host_bytes();  // state + attached rank segments
   [[nodiscard]] size_t attached_ranks();
-  // Since when no rank has been attached (nullopt while one is).
-  [[nodiscard]] std::optional<std::chrono::steady_clock::time_point> idle_since();
   JobInfo Info();
 
  private:
@@ -90,6 +94,7 @@ class Job {
   size_t attached_ = 0;
   std::map<uint32_t, std::string> transports_;  // by attached rank
   std::chrono::steady_clock::time_point idle_since_;
+  std::optional<std::string> closed_;  // why, once Close ran
 };
 
 }  // namespace trainstream::daemon

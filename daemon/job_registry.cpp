@@ -116,13 +116,15 @@ void JobRegistry::Drop(const std::string& name, uint32_t uid, bool force) {
     auto it = jobs_.find(name);
     TS_CHECK(it != jobs_.end(), Code::kNotFound, "no job named '{}'", name);
     CheckOwner(name, it->second->uid(), uid);
-    const size_t attached = it->second->attached_ranks();
-    TS_CHECK(attached == 0 || force, Code::kFailedPrecondition,
-             "job '{}' has {} attached rank(s); detach them or drop with force", name, attached);
+    it->second->Close("it was dropped", force);
     job = std::move(it->second);
     jobs_.erase(it);
   }
   job->FailAll(fmt::format("job '{}' was dropped", name));
+  DropWaitingPieces(name);
+}
+
+void JobRegistry::DropWaitingPieces(const std::string& name) {
   if (peer_config_.mailbox != nullptr) peer_config_.mailbox->Drop(name);
 }
 
@@ -140,8 +142,7 @@ size_t JobRegistry::ExpireIdle() {
   {
     std::lock_guard lock(mutex_);
     for (auto it = jobs_.begin(); it != jobs_.end();) {
-      const auto idle = it->second->idle_since();
-      if (idle && now - *idle >= ttl) {
+      if (it->second->CloseIfIdle(ttl, "it was idle for the TTL")) {
         spdlog::info("job '{}' idle for over {} s: dropping it", it->first, config_.job_ttl_seconds);
         expired.push_back(std::move(it->second));
         it = jobs_.erase(it);
@@ -158,6 +159,7 @@ size_t JobRegistry::ExpireIdle() {
       orphans_.clear();
     }
   }
+  for (const auto& job : expired) DropWaitingPieces(job->name());
   return expired.size();  // destroyed here, outside the lock
 }
 
@@ -167,7 +169,10 @@ void JobRegistry::Shutdown(const std::string& reason) {
     std::lock_guard lock(mutex_);
     jobs.swap(jobs_);
   }
-  for (auto& [_, job] : jobs) job->FailAll(reason);
+  for (auto& [_, job] : jobs) {
+    job->Close(reason, true);
+    job->FailAll(reason);
+  }
 }
 
 }  // namespace trainstream::daemon

@@ -41,6 +41,8 @@ class JobRegistry {
   std::vector<OrphanedJob> Orphans();  // claimed, not re-adopted yet
 
  private:
+  void DropWaitingPieces(const std::string& name);  // peers' pieces for the job, in the mailbox
+
   const Config& config_;
   WorkerPool& pool_;
   const PeerConfig peer_config_;

@@ -21,6 +21,7 @@ enum class Code : int {
   kPermissionDenied = 7,
   kResourceExhausted = 8,
   kFailedPrecondition = 9,
+  kAborted = 10,  // raced with another request (a job removed while a rank attached): try again
   kInternal = 13,
   kUnavailable = 14,
 };

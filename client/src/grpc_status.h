@@ -17,6 +17,7 @@ inline void ThrowIfFailed(const grpc::Status& status, const std::string& what) {
     case grpc::StatusCode::PERMISSION_DENIED:
     case grpc::StatusCode::RESOURCE_EXHAUSTED:
     case grpc::StatusCode::FAILED_PRECONDITION:
+    case grpc::StatusCode::ABORTED:
     case grpc::StatusCode::INTERNAL:
     case grpc::StatusCode::UNAVAILABLE: break;
     default: code = Code::kUnavailable;

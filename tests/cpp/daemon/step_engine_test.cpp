@@ -27,7 +27,9 @@
 #include <thread>
 #include <vector>
 
+#include "daemon/config.h"
 #include "daemon/job.h"
+#include "daemon/job_registry.h"
 #include "daemon/rank_transfer.h"
 #include "daemon/session_sink.h"
 #include "daemon/worker_pool.h"
@@ -385,6 +387,50 @@ TEST_F(StepEngineTest, NonFiniteGradientsAreReportedOnceWithClipping) {
   ASSERT_EQ(warnings.size(), 1u);
   EXPECT_NE(warnings[0].find("step 1: gradients contain inf or NaN"), std::string::npos) << warnings[0];
   EXPECT_EQ(job.Info().engine.nonfinite_steps, 1u);
+}
+
+// The control plane finds a job, then attaches to it, outside the registry's lock. A job the
+// registry forgot in between (dropped, expired) must refuse the attach: a rank on it would train on
+// a job that Stats, DropJob and the quotas no longer see, and the next rank would make another.
+TEST_F(StepEngineTest, AJobDroppedBetweenFindAndAttachRefusesTheAttach) {
+  const Config config;
+  JobRegistry registry(config, pool_);
+  const auto uid = static_cast<uint32_t>(getuid());
+  const JobRegistry::Found found = registry.FindOrCreate("raced", uid, TwoParamSpec(1), 7);
+  registry.Drop("raced", uid, /*force=*/false);
+  TS_EXPECT_ERROR(found.job->Attach(0, std::make_shared<RecordingSink>()), Code::kAborted,
+                  "job 'raced' went away while rank 0 attached (it was dropped)");
+  EXPECT_TRUE(registry.Jobs().empty());
+}
+
+TEST_F(StepEngineTest, DropRefusesAJobWithRanksUnlessForcedAndThenFailsThem) {
+  const Config config;
+  JobRegistry registry(config, pool_);
+  const auto uid = static_cast<uint32_t>(getuid());
+  const JobRegistry::Found found = registry.FindOrCreate("busy", uid, TwoParamSpec(1), 7);
+  RankClient client(*found.job, 0);
+  TS_EXPECT_ERROR(registry.Drop("busy", uid, false), Code::kFailedPrecondition, "1 attached rank(s)");
+  EXPECT_EQ(registry.Jobs().size(), 1u);
+  client.Reattach();  // refusing the drop left the job open
+  registry.Drop("busy", uid, true);
+  EXPECT_TRUE(registry.Jobs().empty());
+  const std::optional<std::string> failure = client.sink().WaitForFailure();
+  ASSERT_TRUE(failure.has_value());
+  EXPECT_NE(failure->find("job 'busy' was dropped"), std::string::npos) << *failure;
+}
+
+TEST_F(StepEngineTest, IdleExpiryTakesOnlyJobsWithoutRanksAndTheyRefuseLateAttaches) {
+  Config config;
+  config.job_ttl_seconds = 0;
+  JobRegistry registry(config, pool_);
+  const auto uid = static_cast<uint32_t>(getuid());
+  const JobRegistry::Found busy = registry.FindOrCreate("busy", uid, TwoParamSpec(1), 7);
+  const RankClient client(*busy.job, 0);
+  const JobRegistry::Found idle = registry.FindOrCreate("idle", uid, TwoParamSpec(1), 7);
+  EXPECT_EQ(registry.ExpireIdle(), 1u);
+  ASSERT_EQ(registry.Jobs().size(), 1u);
+  EXPECT_EQ(registry.Jobs()[0]->name(), "busy");
+  TS_EXPECT_ERROR(idle.job->Attach(0, std::make_shared<RecordingSink>()), Code::kAborted, "idle");
 }
 
 TEST_F(StepEngineTest, ParameterWithoutGradientIsLeftAlone) {
