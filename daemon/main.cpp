@@ -79,12 +79,8 @@ std::unique_ptr<grpc::Server> StartPeerPlane(const Config& config, PeerMailbox& 
   TS_CHECK(!config.peer_secret_file.empty(), Code::kInvalidArgument, "--peer-listen needs --peer-secret-file");
   service = std::make_unique<PeerService>(mailbox, ReadSecret(config.peer_secret_file));
   KeepPeerBuffersMapped();
-  grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(config.peer_listen, grpc::InsecureServerCredentials(), &port);
-  builder.SetMaxReceiveMessageSize(-1);
-  builder.RegisterService(service.get());
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  std::unique_ptr<grpc::Server> server = StartPeerServer(config.peer_listen, *service, port);
   TS_CHECK(server != nullptr && port != 0, Code::kUnavailable, "cannot listen for peers on {}", config.peer_listen);
   advertise = PeerAdvertiseAddress(config, Hostname(), port);
   spdlog::info("peer plane listening on {} (port {}), advertised to the other nodes as {}", config.peer_listen, port,

@@ -28,7 +28,7 @@ constexpr uint32_t kReduceScatter = 0, kAllGather = 1;
 // (0.66-0.75x gloo against 0.91-0.96x): more calls for the same bytes.
 constexpr size_t kMinPieces = 4;
 constexpr size_t kMinPieceFloats = (size_t{128} << 10) / sizeof(float);
-constexpr size_t kMaxPieceFloats = (size_t{4} << 20) / sizeof(float);
+constexpr size_t kMaxPieceFloats = kMaxPieceBytes / sizeof(float);
 constexpr size_t kInFlightPerConnection = 2;
 constexpr std::chrono::milliseconds kPoll{50};  // how often a wait looks for failed sends and Stop
 

@@ -19,6 +19,14 @@ bool SecretsEqual(const std::string& a, const std::string& b) {
   return diff == 0;
 }
 
+std::unique_ptr<grpc::Server> StartPeerServer(const std::string& address, PeerService& service, int& port) {
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &port);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(kMaxPieceMessageBytes));
+  builder.RegisterService(&service);
+  return builder.BuildAndStart();
+}
+
 grpc::ServerUnaryReactor* PeerService::Deliver(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
                                                grpc::ByteBuffer* response) {
   const grpc::Slice empty;  // a serialized PeerAck

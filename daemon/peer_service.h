@@ -4,6 +4,9 @@
 // a PeerChunk, so its floats reach the mailbox as the slices gRPC received.
 #pragma once
 
+#include <grpcpp/grpcpp.h>
+
+#include <memory>
 #include <string>
 
 #include "daemon/peer_mailbox.h"
@@ -25,6 +28,12 @@ class PeerService final : public v1::Peer::WithRawCallbackMethod_Deliver<v1::Pee
   PeerMailbox& mailbox_;
   const std::string secret_;
 };
+
+// Serves `service` on `address` ("host:port"; port 0 picks one, returned in `port`); nullptr when
+// it cannot listen. Messages over kMaxPieceMessageBytes are refused (RESOURCE_EXHAUSTED) from their
+// length prefix: gRPC reads a whole message before the handler can check the secret, so without a
+// bound a client without the secret made the daemon buffer gigabytes.
+std::unique_ptr<grpc::Server> StartPeerServer(const std::string& address, PeerService& service, int& port);
 
 // gRPC reads a peer's pieces into freshly allocated buffers, one after the other; glibc's default
 // trimming hands the freed memory back to the kernel each time, so every piece would be mapped and

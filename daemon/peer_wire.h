@@ -17,6 +17,10 @@
 namespace trainstream::daemon {
 
 inline constexpr char kDeliverMethod[] = "/trainstream.v1.Peer/Deliver";
+// The most float bytes one piece carries (daemon/peer_allreduce.cpp), and the most a whole message
+// may hold: the piece and its header, whose one long field is the job name (256 bytes at most).
+inline constexpr size_t kMaxPieceBytes = size_t{4} << 20;
+inline constexpr size_t kMaxPieceMessageBytes = kMaxPieceBytes + 4096;
 
 // The float32 bytes of one delivered piece: slices of the received message, in order.
 using PeerPayload = std::vector<grpc::Slice>;

@@ -61,11 +61,7 @@ struct Node {
   std::vector<float> data;
 
   Node() : service(std::make_unique<PeerService>(mailbox, kSecret)) {
-    grpc::ServerBuilder builder;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    builder.SetMaxReceiveMessageSize(-1);
-    builder.RegisterService(service.get());
-    server = builder.BuildAndStart();
+    server = StartPeerServer("127.0.0.1:0", *service, port);
     if (!server || port == 0) Die("cannot start the Peer server on 127.0.0.1");
   }
 
