@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <spdlog/spdlog.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -88,6 +89,16 @@ std::unique_ptr<grpc::Server> StartPeerPlane(const Config& config, PeerMailbox& 
   return server;
 }
 
+// Every connection is a descriptor, and gRPC 1.51 stops accepting on a listener for good once
+// accept() fails with EMFILE: a flood of connections to the peer port left both planes unreachable
+// until a restart. So the daemon takes all the descriptors its hard limit allows.
+void RaiseOpenFileLimit() {
+  rlimit limit{};
+  if (getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == limit.rlim_max) return;
+  limit.rlim_cur = limit.rlim_max;
+  if (setrlimit(RLIMIT_NOFILE, &limit) != 0) spdlog::warn("cannot raise the open-file limit: {}", strerror(errno));
+}
+
 // The control socket is created with socket_mode by bind() itself. A chmod after BuildAndStart left a
 // window in which the daemon accepted connections but refused other uids (a test's client saw
 // "Permission denied"), or, under a lax umask, admitted uids that socket_mode excludes. The umask is
@@ -119,6 +130,7 @@ int Serve(const Config& config) {
     if (getppid() != config.parent_pid) return 0;  // the parent is already gone
   }
 
+  RaiseOpenFileLimit();
   PrepareSocketPath(config.socket);
   const uint32_t threads = config.threads != 0 ? config.threads : std::max<uint32_t>(1, AllowedCpus().size());
   WorkerPool pool(threads);

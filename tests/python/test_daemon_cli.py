@@ -162,6 +162,17 @@ def test_flags_override_the_config_file(tmp):
         assert d.stop() == 0
 
 
+def test_the_daemon_raises_its_open_file_limit_to_the_hard_limit(tmp):
+    # Each connection takes a descriptor; at the limit gRPC stops accepting for good.
+    d = Daemon(prefix=("prlimit", "--nofile=64:4096"), socket=os.path.join(tmp, "d.sock"), threads=1)
+    try:
+        with open(f"/proc/{d.process.pid}/limits") as f:
+            line = next(line for line in f if line.startswith("Max open files"))
+        assert line.split()[3:5] == ["4096", "4096"], line
+    finally:
+        assert d.stop() == 0
+
+
 # ----- signals, sockets -----
 
 def test_sigterm_shuts_down_cleanly_and_the_trainer_is_told():
