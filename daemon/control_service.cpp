@@ -7,6 +7,7 @@
 #include <mutex>
 #include <set>
 
+#include "daemon/grpc_status.h"
 #include "daemon/optimizer/adamw_kernels.h"
 #include "shm/error.h"
 #include "shm/version.h"
@@ -14,10 +15,6 @@
 namespace trainstream::daemon {
 
 namespace {
-
-grpc::Status ToStatus(const Error& e) {
-  return {static_cast<grpc::StatusCode>(e.code()), e.what()};
-}
 
 // Runs a handler body; the one place where errors become statuses.
 template <typename Body>
@@ -27,10 +24,10 @@ grpc::Status Guarded(const char* what, Body body) {
     return grpc::Status::OK;
   } catch (const Error& e) {
     spdlog::debug("{} refused: {}", what, e.what());
-    return ToStatus(e);
+    return StatusOf(e);
   } catch (const std::exception& e) {
     spdlog::error("{} failed: {}", what, e.what());
-    return {grpc::StatusCode::INTERNAL, fmt::format("{} failed inside the daemon: {}", what, e.what())};
+    return StatusOf(Code::kInternal, fmt::format("{} failed inside the daemon: {}", what, e.what()));
   }
 }
 
@@ -201,7 +198,7 @@ grpc::Status ControlService::Session(grpc::ServerContext* context,
   }
   const std::optional<std::string> failure = sink->Close();
   job->Detach(attach.rank());
-  if (failure) return {grpc::StatusCode::ABORTED, *failure};
+  if (failure) return StatusOf(Code::kAborted, *failure);
   if (protocol_error) return {grpc::StatusCode::INVALID_ARGUMENT, *protocol_error};
   return grpc::Status::OK;
 }

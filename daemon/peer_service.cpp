@@ -3,6 +3,7 @@
 #include <malloc.h>
 #include <spdlog/spdlog.h>
 
+#include "daemon/grpc_status.h"
 #include "shm/error.h"
 
 namespace trainstream::daemon {
@@ -51,7 +52,7 @@ grpc::Status PeerService::Store(grpc::CallbackServerContext& context, const grpc
     mailbox_.Put(ChunkKey{chunk.job(), chunk.step(), chunk.bucket(), chunk.phase(), chunk.round(), chunk.piece()},
                  std::move(data));
   } catch (const Error& e) {
-    return {static_cast<grpc::StatusCode>(e.code()), e.what()};
+    return StatusOf(e);
   }
   return grpc::Status::OK;
 }

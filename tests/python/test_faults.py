@@ -246,6 +246,13 @@ def test_unknown_job(client):
     assert_daemon_healthy(client)
 
 
+def test_an_error_quoting_a_huge_name_still_reaches_the_client(client):
+    # A status message travels in a header gRPC limits to 16 KiB: the daemon cuts its messages.
+    with pytest.raises(TrainstreamError, match=r"no job named 'x{100}.*\(\d+ more bytes\)"):
+        client.drop_job("x" * 100_000)
+    assert_daemon_healthy(client)
+
+
 def test_drop_job_with_attached_rank_needs_force(client):
     session = attach(client, job="busy")
     with pytest.raises(TrainstreamError, match="has 1 attached rank"):
