@@ -2,6 +2,9 @@
 
 #include <spdlog/spdlog.h>
 
+#include <string>
+#include <vector>
+
 #include "shm/error.h"
 
 namespace trainstream::daemon {
@@ -22,11 +25,21 @@ std::string DescribeMismatch(const shm::LayoutSpec& have, const shm::LayoutSpec&
                          NameOf(b.dtype), b.group);
     }
   }
-  return fmt::format(
-      "options differ (job: world_size={} accumulation_steps={} max_grad_norm={} bucket_bytes={} moments={}; "
-      "this rank: world_size={} accumulation_steps={} max_grad_norm={} bucket_bytes={} moments={})",
-      have.world_size, have.accumulation_steps, have.max_grad_norm, have.bucket_bytes, NameOf(have.moment_dtype),
-      want.world_size, want.accumulation_steps, want.max_grad_norm, want.bucket_bytes, NameOf(want.moment_dtype));
+  std::vector<std::string> differ;
+  auto compare = [&differ](const char* option, const auto& job, const auto& rank) {
+    if (job != rank) differ.push_back(fmt::format("{}: job {}, this rank {}", option, job, rank));
+  };
+  compare("world_size", have.world_size, want.world_size);
+  compare("accumulation_steps", have.accumulation_steps, want.accumulation_steps);
+  compare("max_grad_norm", have.max_grad_norm, want.max_grad_norm);
+  compare("bucket_bytes", have.bucket_bytes, want.bucket_bytes);
+  compare("moments", NameOf(have.moment_dtype), NameOf(want.moment_dtype));
+  compare("num_groups", have.num_groups, want.num_groups);
+  compare("optimizer", have.optimizer == shm::OptimizerKind::kAdam ? "Adam" : "AdamW",
+          want.optimizer == shm::OptimizerKind::kAdam ? "Adam" : "AdamW");
+  compare("peers", fmt::format("[{}]", fmt::join(have.peers, ", ")), fmt::format("[{}]", fmt::join(want.peers, ", ")));
+  compare("node_rank", have.node_rank, want.node_rank);
+  return fmt::format("options differ ({})", fmt::join(differ, "; "));
 }
 
 // Only the uid that created a job may attach to it or drop it.

@@ -403,6 +403,18 @@ TEST_F(StepEngineTest, AJobDroppedBetweenFindAndAttachRefusesTheAttach) {
   EXPECT_TRUE(registry.Jobs().empty());
 }
 
+TEST_F(StepEngineTest, ALayoutMismatchNamesTheOptionsThatDiffer) {
+  const Config config;
+  JobRegistry registry(config, pool_);
+  const auto uid = static_cast<uint32_t>(getuid());
+  registry.FindOrCreate("job", uid, TwoParamSpec(1), 7);
+  shm::LayoutSpec other = TwoParamSpec(1);
+  other.num_groups = 2;
+  other.optimizer = shm::OptimizerKind::kAdam;
+  TS_EXPECT_ERROR(registry.FindOrCreate("job", uid, other, 7), Code::kInvalidArgument,
+                  "options differ (num_groups: job 1, this rank 2; optimizer: job AdamW, this rank Adam)");
+}
+
 TEST_F(StepEngineTest, DropRefusesAJobWithRanksUnlessForcedAndThenFailsThem) {
   const Config config;
   JobRegistry registry(config, pool_);
