@@ -5,6 +5,7 @@
 
 #include "daemon/grpc_status.h"
 #include "shm/error.h"
+#include "shm/job_layout.h"
 
 namespace trainstream::daemon {
 
@@ -47,8 +48,11 @@ grpc::Status PeerService::Store(grpc::CallbackServerContext& context, const grpc
   try {
     v1::PeerChunk chunk;
     PeerPayload data = DecodePiece(request, chunk);
-    TS_CHECK(PayloadBytes(data) % sizeof(float) == 0 && chunk.phase() <= 1, Code::kInvalidArgument,
-             "malformed peer chunk");
+    TS_CHECK(PayloadBytes(data) % sizeof(float) == 0, Code::kInvalidArgument,
+             "peer chunk holds {} bytes, not a whole number of floats", PayloadBytes(data));
+    TS_CHECK(chunk.phase() <= 1, Code::kInvalidArgument, "peer chunk of phase {} (0 or 1)", chunk.phase());
+    TS_CHECK(!chunk.job().empty() && chunk.job().size() <= shm::kMaxJobName, Code::kInvalidArgument,
+             "peer chunk's job name has {} characters (1 to {})", chunk.job().size(), shm::kMaxJobName);
     mailbox_.Put(ChunkKey{chunk.job(), chunk.step(), chunk.bucket(), chunk.phase(), chunk.round(), chunk.piece()},
                  std::move(data));
   } catch (const Error& e) {

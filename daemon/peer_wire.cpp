@@ -140,7 +140,8 @@ PeerPayload DecodePiece(const grpc::ByteBuffer& message, v1::PeerChunk& header) 
   grpc::ByteBuffer readable(message);  // shares the slices; the readers want a mutable buffer
   const DataField data = FindData(readable);
   TS_CHECK(data.begin + data.bytes == message.Length(), Code::kInvalidArgument,
-           "malformed peer chunk: data is not its last field");
+           "malformed peer chunk: its data field says {} bytes but {} follow (data must be the last field)", data.bytes,
+           message.Length() - data.begin);
   header = ReadHeader(readable, data.header_bytes);
   return SlicesFrom(message, data.begin);
 }

@@ -91,6 +91,28 @@ TEST_F(PeerServiceTest, AWrongSecretStoresNothing) {
   EXPECT_TRUE(Waiting().empty());
 }
 
+TEST_F(PeerServiceTest, MalformedPiecesAreRefusedNamingWhatIsWrong) {
+  const std::vector<float> values(16, 1.0F);
+  auto piece = [&](const v1::PeerChunk& header, size_t bytes) {
+    return EncodePiece(header, grpc::Slice(values.data(), bytes));
+  };
+  v1::PeerChunk phase2 = Header();
+  phase2.set_phase(2);
+  v1::PeerChunk long_name = Header();
+  long_name.set_job(std::string(257, 'j'));
+  const std::vector<std::pair<grpc::ByteBuffer, std::string>> cases = {
+      {piece(Header(), 6), "6 bytes, not a whole number of floats"},
+      {piece(phase2, 16), "phase 2 (0 or 1)"},
+      {piece(long_name, 16), "job name has 257 characters (1 to 256)"},
+  };
+  for (const auto& [message, needle] : cases) {
+    const grpc::Status status = Deliver(message, kSecret);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << needle;
+    EXPECT_NE(status.error_message().find(needle), std::string::npos) << status.error_message();
+  }
+  EXPECT_TRUE(Waiting().empty());
+}
+
 TEST_F(PeerServiceTest, AMessageLargerThanAnyPieceIsRefused) {
   const std::string bytes(kMaxPieceMessageBytes + 1, 'x');
   const grpc::Slice slice(bytes);

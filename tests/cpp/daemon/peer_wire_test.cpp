@@ -9,6 +9,7 @@
 
 #include "daemon/peer_wire.h"
 #include "shm/error.h"
+#include "tests/cpp/shm/test_support.h"
 
 namespace trainstream::daemon {
 namespace {
@@ -87,6 +88,15 @@ TEST(PeerWire, RefusesAChunkWhoseDataIsNotLast) {
   EXPECT_THROW(DecodePiece(Sliced(bytes, {}), header), Error);
   v1::PeerChunk no_data = Header();
   EXPECT_THROW(DecodePiece(Sliced(no_data.SerializeAsString(), {}), header), Error);
+}
+
+TEST(PeerWire, RefusesADataLengthThatDisagreesWithTheMessage) {
+  const std::vector<float> values(4, 1.0f);
+  std::string bytes = Flatten(EncodePiece(Header(), grpc::Slice(values.data(), values.size() * sizeof(float))));
+  bytes.resize(bytes.size() - 2);  // the data field says 16 bytes; 14 follow
+  v1::PeerChunk header;
+  TS_EXPECT_ERROR(DecodePiece(Sliced(bytes, {}), header), Code::kInvalidArgument,
+                  "data field says 16 bytes but 14 follow");
 }
 
 }  // namespace
