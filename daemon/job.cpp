@@ -77,6 +77,12 @@ Job::Attachment Job::Attach(uint32_t rank, std::shared_ptr<SessionSink> session,
   std::lock_guard lock(mutex_);  // one attach/detach at a time: they share the rank's segment name
   TS_CHECK(!closed_, Code::kAborted, "job '{}' went away while rank {} attached ({}); attach again", name_, rank,
            closed_.value_or(""));
+  if (auto diverged = engine_->Diverged()) {
+    Throw(Code::kFailedPrecondition,
+          "job '{}' cannot resume here: {}, so its nodes may hold different weights; drop it on every node "
+          "(drop_job('{}', force=True)) and restart from a checkpoint",
+          name_, *diverged, name_);
+  }
   TS_CHECK(!engine_->HasRank(rank), Code::kAlreadyExists, "rank {} of job '{}' is already attached by another client",
            rank, name_);
   const std::string name = RankSegmentName(rank);

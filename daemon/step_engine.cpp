@@ -94,6 +94,11 @@ bool StepEngine::HasRank(uint32_t rank) {
   return rank < ranks_.size() && ranks_[rank] != nullptr;
 }
 
+std::optional<std::string> StepEngine::Diverged() {
+  std::lock_guard lock(mutex_);
+  return diverged_;
+}
+
 EngineStats StepEngine::Stats() {
   EngineStats stats{.updates = updates_.load(), .nonfinite_steps = nonfinite_steps_.load(), .attached_ranks = {}};
   std::lock_guard lock(mutex_);
@@ -455,8 +460,11 @@ void StepEngine::StartReduce(uint32_t b) {
                    [this, b](std::optional<std::string> error) {
                      Continue([this, b, error = std::move(error)] {
                        if (!error) return AfterGradients(b);
-                       RestartBucket(b);  // the step is lost on every node; ranks restart it
-                       FailSessions(fmt::format("all-reduce between daemons failed: {}", *error));
+                       RestartBucket(b);
+                       const std::string message = fmt::format("all-reduce between daemons failed: {}", *error);
+                       if (!diverged_)
+                         diverged_ = fmt::format("{} (bucket {} of step {})", message, b, buckets_[b].step);
+                       FailSessions(message);
                      });
                    });
   });

@@ -68,6 +68,9 @@ class StepEngine {
   void SetTransfer(uint32_t rank, std::shared_ptr<RankTransfer> transfer);
   void RemoveRank(uint32_t rank);
   [[nodiscard]] bool HasRank(uint32_t rank);
+  // Why no rank may attach any more, if so: a failed all-reduce between daemons may have left the
+  // nodes with different weights (some applied buckets of the step that others did not).
+  [[nodiscard]] std::optional<std::string> Diverged();
   EngineStats Stats();
   // Fails every attached session (daemon shutdown, job dropped).
   void FailAll(const std::string& message);
@@ -148,8 +151,9 @@ class StepEngine {
   PeerAllReduce* const peers_;
 
   std::once_flag placed_;
-  std::mutex mutex_;                                 // guards ranks_
+  std::mutex mutex_;                                 // guards ranks_ and diverged_
   std::vector<std::shared_ptr<RankChannel>> ranks_;  // by rank; nullptr when not attached
+  std::optional<std::string> diverged_;
 
   // Engine-thread state.
   std::vector<BucketProgress> buckets_;
