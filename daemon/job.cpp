@@ -34,7 +34,9 @@ Job::Job(std::string name, uint32_t uid, shm::LayoutSpec spec, uint64_t seed, Wo
     state_ = shm::Segment::Open(adopted->state_segment);
     shm::CheckStateSegment(state_.data(), state_.size(), layout_);
   } else {
-    state_ = shm::Segment::Create(shm::SegmentName(uid_, key_, "state"), layout_.state_bytes, uid_);
+    // With several NUMA nodes the engine's threads first-touch the state on their nodes (PlaceState).
+    state_ = shm::Segment::Create(shm::SegmentName(uid_, key_, "state"), layout_.state_bytes, uid_,
+                                  /*reserve=*/pool.nodes() == 1);
     shm::InitStateSegment(state_.data(), layout_);
     auto* header = static_cast<shm::StateHeader*>(state_.data());
     header->owner = SelfAsOwner();

@@ -49,21 +49,26 @@ Code CodeOf(const bip::interprocess_exception& e) {
     default: return Code::kInternal;
   }
 }
-// Backs every page now. A sparse segment that tmpfs cannot back later is found by whoever touches
-// the missing page first, with a SIGBUS: the daemon, and every job with it.
-void Reserve(int fd, const std::string& name, size_t bytes) {
-  if (bytes == 0) return;
-  const int error = posix_fallocate(fd, 0, static_cast<off_t>(bytes));
-  if (error == 0) return;
+uint64_t AvailableInDevShm() {
   struct statvfs shm {};
-  const uint64_t available = statvfs("/dev/shm", &shm) == 0 ? uint64_t{shm.f_bavail} * shm.f_frsize : 0;
+  return statvfs("/dev/shm", &shm) == 0 ? uint64_t{shm.f_bavail} * shm.f_frsize : 0;
+}
+
+// A sparse segment that tmpfs cannot back later is found by whoever touches the missing page first,
+// with a SIGBUS: the daemon, and every job with it. So the room is checked now, and with `reserve`
+// every page is backed now.
+void Back(int fd, const std::string& name, size_t bytes, bool reserve) {
+  if (bytes == 0) return;
+  int error = AvailableInDevShm() >= bytes ? 0 : ENOSPC;
+  if (error == 0 && reserve) error = posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+  if (error == 0) return;
   Throw(error == ENOSPC || error == EFBIG ? Code::kResourceExhausted : Code::kInternal,
         "cannot reserve {} bytes for shared memory segment {} ({} bytes available in /dev/shm): {}", bytes, name,
-        available, std::strerror(error));
+        AvailableInDevShm(), std::strerror(error));
 }
 }  // namespace
 
-Segment Segment::Create(const std::string& name, size_t bytes, std::optional<uint32_t> owner_uid) {
+Segment Segment::Create(const std::string& name, size_t bytes, std::optional<uint32_t> owner_uid, bool reserve) {
   Segment segment;
   segment.name_ = name;
   try {
@@ -75,7 +80,7 @@ Segment Segment::Create(const std::string& name, size_t bytes, std::optional<uin
                Code::kPermissionDenied, "cannot give segment {} to uid {}: {}", name, *owner_uid, std::strerror(errno));
     }
     object.truncate(static_cast<bip::offset_t>(bytes));
-    Reserve(object.get_mapping_handle().handle, name, bytes);
+    Back(object.get_mapping_handle().handle, name, bytes, reserve);
     segment.region_ = bip::mapped_region(object, bip::read_write);
     segment.remove_on_destroy_ = false;
   } catch (const bip::interprocess_exception& e) {

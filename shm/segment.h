@@ -24,10 +24,14 @@ class Segment {
   Segment& operator=(Segment&&) noexcept;
   ~Segment();
 
-  // Creates a new zero-filled segment of `bytes`, every page backed (kResourceExhausted where
-  // /dev/shm has no room); fails if the name exists. With `owner_uid`, the segment is given to that
-  // uid (a root daemon creating a job's memory for its user).
-  static Segment Create(const std::string& name, size_t bytes, std::optional<uint32_t> owner_uid = std::nullopt);
+  // Creates a new zero-filled segment of `bytes`; fails if the name exists, and with
+  // kResourceExhausted where /dev/shm has less room. With `reserve`, every page is backed now, so
+  // that /dev/shm filling up later cannot make the first touch of a page a SIGBUS; a segment whose
+  // pages must be first touched by the threads of their NUMA node passes false (allocation places a
+  // page on the allocating thread's node). With `owner_uid`, the segment is given to that uid (a
+  // root daemon creating a job's memory for its user).
+  static Segment Create(const std::string& name, size_t bytes, std::optional<uint32_t> owner_uid = std::nullopt,
+                        bool reserve = true);
   // Maps an existing segment read/write; fails with kNotFound if missing, kPermissionDenied if the
   // caller may not open it.
   static Segment Open(const std::string& name);

@@ -97,13 +97,22 @@ TEST(Segment, CreateBacksEveryPage) {
   EXPECT_GE(StatOf(name.str()).st_blocks * 512, 1 << 20);  // not sparse
 }
 
+TEST(Segment, CreateWithoutReserveLeavesPagesToTheFirstTouch) {
+  ScopedSegmentName name;
+  const Segment segment = Segment::Create(name.str(), size_t{1} << 20, std::nullopt, /*reserve=*/false);
+  EXPECT_EQ(StatOf(name.str()).st_blocks, 0);
+}
+
 TEST(Segment, CreateBeyondWhatDevShmHoldsFailsWithResourceExhausted) {
   struct statvfs shm {};
   ASSERT_EQ(statvfs("/dev/shm", &shm), 0);
   const size_t beyond = static_cast<size_t>(shm.f_blocks) * shm.f_frsize + (size_t{1} << 20);
-  ScopedSegmentName name;
-  TS_EXPECT_ERROR(Segment::Create(name.str(), beyond), Code::kResourceExhausted, "available in /dev/shm");
-  EXPECT_FALSE(Segment::Exists(name.str()));
+  for (const bool reserve : {true, false}) {
+    ScopedSegmentName name;
+    TS_EXPECT_ERROR(Segment::Create(name.str(), beyond, std::nullopt, reserve), Code::kResourceExhausted,
+                    "available in /dev/shm");
+    EXPECT_FALSE(Segment::Exists(name.str()));
+  }
 }
 
 TEST(Segment, OpenMapsTheSameMemory) {
