@@ -160,6 +160,9 @@ int Serve(const Config& config) {
       break;
     }
     registry.ExpireIdle();
+    // A reduction waits at most the peer timeout for progress; what waited several times that long
+    // belongs to none (a job that never came here, a failed step).
+    if (peer_server) mailbox.Expire(4 * peer_config.timeout);
   }
 
   NotifySystemd("STOPPING=1");

@@ -17,7 +17,7 @@ void PeerMailbox::Put(ChunkKey key, PeerPayload data) {
     }
     return;
   }
-  chunks_.insert_or_assign(std::move(key), std::move(data));
+  chunks_.insert_or_assign(std::move(key), Waiting{std::move(data), std::chrono::steady_clock::now()});
 }
 
 std::vector<std::pair<ChunkKey, PeerPayload>> PeerMailbox::Register(const std::string& job, uint64_t step,
@@ -28,7 +28,7 @@ std::vector<std::pair<ChunkKey, PeerPayload>> PeerMailbox::Register(const std::s
   const ChunkKey first{job, step, bucket, 0, 0, 0};
   auto it = chunks_.lower_bound(first);
   while (it != chunks_.end() && it->first.job == job && it->first.step == step && it->first.bucket == bucket) {
-    waiting.emplace_back(it->first, std::move(it->second));
+    waiting.emplace_back(it->first, std::move(it->second.data));
     it = chunks_.erase(it);
   }
   return waiting;
@@ -45,6 +45,12 @@ void PeerMailbox::Unregister(const std::string& job, uint64_t step, uint32_t buc
 void PeerMailbox::Drop(const std::string& job) {
   std::lock_guard lock(mutex_);
   std::erase_if(chunks_, [&](const auto& entry) { return entry.first.job == job; });
+}
+
+size_t PeerMailbox::Expire(std::chrono::steady_clock::duration age) {
+  const auto before = std::chrono::steady_clock::now() - age;
+  std::lock_guard lock(mutex_);
+  return std::erase_if(chunks_, [&](const auto& entry) { return entry.second.arrived < before; });
 }
 
 }  // namespace trainstream::daemon

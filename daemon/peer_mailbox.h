@@ -6,8 +6,11 @@
 // While a bucket is being reduced, its all-reduce registers a sink for (job, step, bucket): pieces
 // that arrive for it then go straight to the sink, on the gRPC thread that received them (no
 // hand-over to the reducing thread); pieces that came earlier wait here until the sink registers.
+// A piece that waited longer than a reduction can wait for its peer (the peer timeout) belongs to
+// no reduction any more: a job that never came, a step that failed. The daemon expires those.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <map>
@@ -48,6 +51,8 @@ class PeerMailbox {
   void Unregister(const std::string& job, uint64_t step, uint32_t bucket);
   // Forgets what is waiting for `job` (dropped jobs).
   void Drop(const std::string& job);
+  // Forgets the pieces that have waited longer than `age`; returns how many.
+  size_t Expire(std::chrono::steady_clock::duration age);
 
  private:
   using BucketKey = std::tuple<std::string, uint64_t, uint32_t>;
@@ -58,7 +63,11 @@ class PeerMailbox {
 
   std::mutex mutex_;
   std::condition_variable delivered_;
-  std::map<ChunkKey, PeerPayload> chunks_;
+  struct Waiting {
+    PeerPayload data;
+    std::chrono::steady_clock::time_point arrived;
+  };
+  std::map<ChunkKey, Waiting> chunks_;
   std::map<BucketKey, Registration> sinks_;
 };
 
