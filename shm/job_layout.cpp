@@ -1,6 +1,5 @@
 #include "shm/job_layout.h"
 
-#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -97,18 +96,18 @@ void Validate(const LayoutSpec& spec) {
              p.group, spec.num_groups);
     TS_CHECK(p.shape.size() <= 16, Code::kInvalidArgument, "parameter {} ({}) has {} dimensions", i, p.name,
              p.shape.size());
+    // numel() wraps silently (2^32 x 2^32 is 0, 512 x (2^55 - 1) is -512): here overflow is caught.
+    uint64_t numel = 1;
+    bool overflow = false, empty = false;
     for (int64_t d : p.shape) {
       TS_CHECK(d >= 0 && static_cast<uint64_t>(d) < kMaxElements, Code::kInvalidArgument,
                "parameter {} ({}) has dimension {}", i, p.name, d);
+      overflow |= __builtin_mul_overflow(numel, static_cast<uint64_t>(d), &numel);
+      empty |= d == 0;
     }
-    // numel() wraps silently (2^32 x 2^32 is 0, 512 x (2^55 - 1) is -512): here overflow is caught.
-    uint64_t numel = 1;
-    bool overflow = false;
-    for (int64_t d : p.shape) overflow |= __builtin_mul_overflow(numel, static_cast<uint64_t>(d), &numel);
-    const bool empty = std::find(p.shape.begin(), p.shape.end(), 0) != p.shape.end();
     TS_CHECK(empty || (!overflow && numel < kMaxElements), Code::kInvalidArgument,
              "parameter {} ({}) has over 2^40 elements", i, p.name);
-    total += p.numel();
+    total += numel;  // 0 when a dimension is 0, however the product wrapped before it
     TS_CHECK(total < kMaxElements, Code::kInvalidArgument, "layout has over 2^40 elements");
   }
 }
