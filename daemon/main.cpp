@@ -72,21 +72,30 @@ std::string Hostname() {
   return name.data();
 }
 
-// The Peer service on TCP, for multi-node jobs; nothing unless --peer-listen was given. Sets
-// `advertise` to the address the other nodes should dial.
-std::unique_ptr<grpc::Server> StartPeerPlane(const Config& config, PeerMailbox& mailbox,
-                                             std::unique_ptr<PeerService>& service, std::string& advertise) {
-  if (config.peer_listen.empty()) return nullptr;
+// The Peer service on TCP, for multi-node jobs; all empty unless --peer-listen was given.
+struct PeerPlane {
+  std::unique_ptr<PeerService> service;  // outlives the server that calls it
+  std::unique_ptr<grpc::Server> server;
+  std::string advertise;  // the address the other nodes should dial
+  PeerConfig jobs;        // for the jobs' all-reduces
+};
+
+PeerPlane StartPeerPlane(const Config& config, PeerMailbox& mailbox) {
+  PeerPlane plane;
+  if (config.peer_listen.empty()) return plane;
   TS_CHECK(!config.peer_secret_file.empty(), Code::kInvalidArgument, "--peer-listen needs --peer-secret-file");
-  service = std::make_unique<PeerService>(mailbox, ReadSecret(config.peer_secret_file));
+  plane.jobs = PeerConfig{&mailbox, ReadSecret(config.peer_secret_file),
+                          std::chrono::seconds(config.peer_timeout_seconds), config.peer_connections};
+  plane.service = std::make_unique<PeerService>(mailbox, plane.jobs.secret);
   KeepPeerBuffersMapped();
   int port = 0;
-  std::unique_ptr<grpc::Server> server = StartPeerServer(config.peer_listen, *service, port);
-  TS_CHECK(server != nullptr && port != 0, Code::kUnavailable, "cannot listen for peers on {}", config.peer_listen);
-  advertise = PeerAdvertiseAddress(config, Hostname(), port);
+  plane.server = StartPeerServer(config.peer_listen, *plane.service, port);
+  TS_CHECK(plane.server != nullptr && port != 0, Code::kUnavailable, "cannot listen for peers on {}",
+           config.peer_listen);
+  plane.advertise = PeerAdvertiseAddress(config, Hostname(), port);
   spdlog::info("peer plane listening on {} (port {}), advertised to the other nodes as {}", config.peer_listen, port,
-               advertise);
-  return server;
+               plane.advertise);
+  return plane;
 }
 
 // Every connection is a descriptor, and gRPC 1.51 stops accepting on a listener for good once
@@ -135,17 +144,10 @@ int Serve(const Config& config) {
   const uint32_t threads = config.threads != 0 ? config.threads : std::max<uint32_t>(1, AllowedCpus().size());
   WorkerPool pool(threads);
   PeerMailbox mailbox;
-  std::unique_ptr<PeerService> peer_service;
-  std::string peer_address;
-  std::unique_ptr<grpc::Server> peer_server = StartPeerPlane(config, mailbox, peer_service, peer_address);
-  PeerConfig peer_config;
-  if (peer_server) {
-    peer_config = PeerConfig{&mailbox, ReadSecret(config.peer_secret_file),
-                             std::chrono::seconds(config.peer_timeout_seconds), config.peer_connections};
-  }
-  JobRegistry registry(config, pool, peer_config);
+  PeerPlane peers = StartPeerPlane(config, mailbox);
+  JobRegistry registry(config, pool, peers.jobs);
   if (config.parent_pid == 0) registry.ClaimOrphans();  // a private daemon's socket is new every time
-  ControlService service(registry, pool, peer_address);
+  ControlService service(registry, pool, peers.advertise);
 
   std::unique_ptr<grpc::Server> server = StartControlPlane(config, service);
   spdlog::info("trainstreamd {} listening on {} ({} worker threads, kernel {}, pid {})", kVersion, config.socket,
@@ -162,13 +164,13 @@ int Serve(const Config& config) {
     registry.ExpireIdle();
     // A reduction waits at most the peer timeout for progress; what waited several times that long
     // belongs to none (a job that never came here, a failed step).
-    if (peer_server) mailbox.Expire(4 * peer_config.timeout);
+    if (peers.server) mailbox.Expire(4 * peers.jobs.timeout);
   }
 
   NotifySystemd("STOPPING=1");
   registry.Shutdown("trainstreamd is shutting down");
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
-  if (peer_server) peer_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  if (peers.server) peers.server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
   std::filesystem::remove(config.socket);
   spdlog::info("stopped");
   return 0;
