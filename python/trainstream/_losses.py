@@ -11,6 +11,8 @@ that chunk is being worked on, and backward recomputes them instead of keeping t
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -123,6 +125,12 @@ def _describe(x) -> str:
     return type(x).__name__
 
 
+def _no_autocast(device_type: str):
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
 def _chunk_logits(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   compute_dtype: torch.dtype, logit_dtype: torch.dtype) -> torch.Tensor:
     """One chunk's logits in `logit_dtype` (weight and bias already in `compute_dtype`)."""
@@ -148,7 +156,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         n = hidden.shape[0]
         # The casts below follow autocast's policy for F.linear; autocast itself is off so that it
         # does not cast again.
-        with torch.autocast(hidden.device.type, enabled=False):
+        with _no_autocast(hidden.device.type):
             w = weight.to(compute_dtype)
             b = None if bias is None else bias.to(compute_dtype)
             counted = targets != ignore_index
@@ -179,7 +187,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         grad_hidden = grad_weight = grad_bias = None
         if not (need_hidden or need_weight or need_bias):
             return (None,) * 9
-        with torch.autocast(device.type, enabled=False):
+        with _no_autocast(device.type):
             w = weight.to(compute_dtype)
             b = None if bias is None else bias.to(compute_dtype)
             counted = targets != ignore_index
