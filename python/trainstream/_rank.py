@@ -1,6 +1,6 @@
-"""This process's rank of a job: the parameters' places in shared memory, the hooks, and the step
-protocol (DESIGN.md, "One step"); _transport.py moves the bytes, and _guards.py keeps the model's
-reads and conversions in line.
+"""This process's rank of a job: the hooks and the step protocol (DESIGN.md, "One step"). The
+parameters' places in shared memory are _regions.py's, _transport.py moves the bytes, and
+_guards.py keeps the model's reads and conversions in line.
 
 Per backward pass (a micro-batch): each parameter's gradient is copied into this rank's slot of its
 bucket as soon as autograd has accumulated it, and `p.grad` is freed; a bucket whose parameters are
@@ -26,6 +26,7 @@ import torch
 from trainstream import _layout
 from trainstream._C import TrainstreamError
 from trainstream._guards import ApplyGuard, StaleReadGuard
+from trainstream._regions import Regions
 from trainstream._transport import describe_device, transport_for, transport_name
 
 
@@ -54,9 +55,13 @@ class Rank:
             int(bucket_mb * (1 << 20)), _layout.MOMENT_DTYPES[moment_dtype], self.kind, accumulation_steps,
             world_size, float(max_grad_norm or 0.0), seed, list(peers or []), node_rank, transport_name(device),
             describe_device(device))
-        self._moment_dtype = torch.float32 if moment_dtype == "float32" else torch.bfloat16
-        self._map_regions()
-        self.transport = transport_for(self, device)
+        moments = torch.float32 if moment_dtype == "float32" else torch.bfloat16
+        self.regions = Regions(self.session, self.params, moments)
+        self.buckets = self.regions.buckets  # the step protocol runs per bucket
+        self.transport = transport_for(self.regions, self.session, device)
+        self._bucket_step = [1] * len(self.buckets)  # the step each bucket is collecting
+        self._ready_step = [0] * len(self.buckets)   # the step whose weights the model must show
+        self.stale: set[int] = set()                 # buckets whose new weights are not yet copied in
         self._lock = threading.RLock()  # hooks may run on autograd threads
         self._refreshing = False        # refresh() runs (its own copies read stale parameters)
         self._micro = 0                 # micro-batches finished in this step
@@ -69,49 +74,6 @@ class Rank:
         self._initialize_weights(rank)
         self._install_hooks()
 
-    # ----- shared memory -----
-
-    def _map_regions(self) -> None:
-        s = self.session
-        self.buckets = s.buckets
-        self.param_layout = s.params
-        self._bucket_of = [b for (b, _, _) in self.param_layout]
-        self._bucket_params = [bucket["params"] for bucket in self.buckets]
-        grads, upload = _bytes(s.grads()), _bytes(s.upload())
-        self._presence = _bytes(s.presence())
-        self._steps = _bytes(s.param_steps()).view(torch.int64)
-        self._master = _bytes(s.master()).view(torch.float32)
-        self._exp_avg = _bytes(s.exp_avg()).view(self._moment_dtype)
-        self._exp_avg_sq = _bytes(s.exp_avg_sq()).view(self._moment_dtype)
-        self.grad_views, self.upload_views, self.elem_ranges = [], [], []
-        for i, p in enumerate(self.params):
-            bucket_index, offset, numel = self.param_layout[i]
-            bucket = self.buckets[bucket_index]
-            first = bucket["elem_offset"] + offset
-            self.elem_ranges.append((first, first + numel))
-            start = bucket["grad_offset"] + offset * p.element_size()
-            self.grad_views.append(grads[start:start + numel * p.element_size()].view(p.dtype).view(p.shape))
-            if p.dtype == torch.float32:  # the new weights are the master weights themselves
-                self.upload_views.append(self.master_view(i))
-            else:
-                start = bucket["upload_offset"] + offset * p.element_size()
-                self.upload_views.append(upload[start:start + numel * p.element_size()].view(p.dtype).view(p.shape))
-        self._bucket_step = [1] * len(self.buckets)  # the step each bucket is collecting
-        self._ready_step = [0] * len(self.buckets)   # the step whose weights the model must show
-        self.stale: set[int] = set()                 # buckets whose new weights are not yet copied in
-
-    def master_view(self, i: int) -> torch.Tensor:
-        first, last = self.elem_ranges[i]
-        return self._master[first:last].view(self.params[i].shape)
-
-    def moment_views(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        first, last = self.elem_ranges[i]
-        shape = self.params[i].shape
-        return self._exp_avg[first:last].view(shape), self._exp_avg_sq[first:last].view(shape)
-
-    def param_step(self, i: int) -> int:
-        return int(self._steps[i])
-
     # ----- weights -----
 
     def _initialize_weights(self, rank: int) -> None:
@@ -121,7 +83,7 @@ class Rank:
         if not s.initialized and rank == 0:
             with torch.no_grad():
                 for i, p in enumerate(self.params):
-                    self.master_view(i).copy_(p.detach())
+                    self.regions.master_view(i).copy_(p.detach())
             s.send_load_state(0)
             self._mark_all_stale(0, weights_on_gpu=True)
         elif s.initialized:
@@ -153,7 +115,7 @@ class Rank:
                         continue
                     self.session.wait_params_ready(b, self._ready_step[b])
                     with torch.no_grad():
-                        for i in self._bucket_params[b]:
+                        for i in self.regions.bucket_params[b]:
                             self.transport.weights_in(i)
                     self.stale.discard(b)
                 self.transport.weights_done()
@@ -166,12 +128,12 @@ class Rank:
         (and in lists and tuples among them, as torch.cat's), unless a refresh is running already."""
         if self._refreshing:
             return
-        buckets = set()
+        buckets, bucket_of = set(), self.regions.bucket_of
         for a in (*args, *kwargs.values()):
             for t in a if isinstance(a, (list, tuple)) else (a,):
                 i = self._index.get(id(t))
-                if i is not None and self._bucket_of[i] in self.stale:
-                    buckets.add(self._bucket_of[i])
+                if i is not None and bucket_of[i] in self.stale:
+                    buckets.add(bucket_of[i])
         if buckets:
             self.refresh(sorted(buckets))
 
@@ -184,7 +146,7 @@ class Rank:
             self._require_idle("load weights")
             with torch.no_grad():
                 for i, p in enumerate(self.params):
-                    self.master_view(i).copy_(p.detach())
+                    self.regions.master_view(i).copy_(p.detach())
             self._publish()
 
     def _publish(self) -> None:
@@ -206,7 +168,7 @@ class Rank:
         self._index = index = {id(p): i for i, p in enumerate(self.params)}
         for module in self.model.modules():
             own = [index[id(p)] for p in module.parameters(recurse=False) if id(p) in index]
-            buckets = tuple(sorted({self._bucket_of[i] for i in own}))
+            buckets = tuple(sorted({self.regions.bucket_of[i] for i in own}))
             if buckets:
                 self._handles.append(module.register_forward_pre_hook(lambda m, args, b=buckets: self.refresh(b)))
         self._handles.append(self.model.register_state_dict_pre_hook(lambda *args, **kwargs: self.synchronize()))
@@ -242,27 +204,27 @@ class Rank:
         """Before the first gradient of bucket b in this micro-batch: its slot must be free."""
         self.transport.open_bucket(b)  # the slot's previous contents must have been sent...
         self.session.wait_slot_free(b)  # ...and consumed
-        for i in self._bucket_params[b]:
-            self._presence[i] = 0
+        for i in self.regions.bucket_params[b]:
+            self.regions.presence[i] = 0
         self._opened.add(b)
 
     def _on_grad(self, i: int, p: torch.nn.Parameter) -> None:
         with self._lock:
             if not self._in_backward:
                 self._begin_backward()
-            b = self._bucket_of[i]
+            b = self.regions.bucket_of[i]
             if b not in self._opened:
                 self._open(b)
-            if self._presence[i]:
+            if self.regions.presence[i]:
                 raise TrainstreamError(f"parameter {i} received two gradients in one backward pass")
             grad = p.grad
             if grad.is_sparse:
                 raise TrainstreamError("sparse gradients are not supported")
             self.transport.grad_out(i, grad)
-            self._presence[i] = 1
+            self.regions.presence[i] = 1
             p.grad = None
             self._arrived[b] += 1
-            if self._arrived[b] == len(self._bucket_params[b]):
+            if self._arrived[b] == len(self.regions.bucket_params[b]):
                 self._send(b)
 
     def _send(self, b: int) -> None:
@@ -322,11 +284,6 @@ class Rank:
                 self.client.drop_job(self.job)
             except TrainstreamError:
                 pass
-
-
-def _bytes(region) -> torch.Tensor:
-    """A shared-memory region as a uint8 tensor (torch.frombuffer refuses empty buffers)."""
-    return torch.frombuffer(region, dtype=torch.uint8) if region.nbytes else torch.empty(0, dtype=torch.uint8)
 
 
 def default_job_name() -> str:
