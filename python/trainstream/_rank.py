@@ -27,7 +27,7 @@ from trainstream import _layout
 from trainstream._C import TrainstreamError
 from trainstream._guards import ApplyGuard, StaleReadGuard
 from trainstream._regions import Regions
-from trainstream._transport import describe_device, transport_for, transport_name
+from trainstream._transport import Transport, describe_device, transport_for, transport_name
 
 
 class Rank:
@@ -58,7 +58,7 @@ class Rank:
         moments = torch.float32 if moment_dtype == "float32" else torch.bfloat16
         self.regions = Regions(self.session, self.params, moments)
         self.buckets = self.regions.buckets  # the step protocol runs per bucket
-        self.transport = transport_for(self.regions, self.session, device)
+        self.transport: Transport = transport_for(self.regions, self.session, device)
         self._bucket_step = [1] * len(self.buckets)  # the step each bucket is collecting
         self._ready_step = [0] * len(self.buckets)   # the step whose weights the model must show
         self.stale: set[int] = set()                 # buckets whose new weights are not yet copied in

@@ -17,8 +17,8 @@ Both keep the invariant of _rank.py: a slot is written only after the daemon rel
 upload region is read (by a copy that may still be queued) only until the daemon's next update of
 that bucket, which cannot start before this rank's next gradients — queued after that copy.
 
-Each is built from no more than the job's `Regions` (_regions.py), the session and the device: no
-transport sees the Rank.
+Each implements `Transport`, the calls the Rank makes, and is built from no more than the job's
+`Regions` (_regions.py), the session and the device: no transport sees the Rank.
 """
 
 from __future__ import annotations
@@ -29,12 +29,46 @@ import threading
 import time
 import uuid as _uuid
 import warnings
+from typing import Callable, Protocol
 
 import torch
 
 from trainstream import _C, _layout
 from trainstream._C import TrainstreamError
 from trainstream._regions import Regions
+
+
+class Transport(Protocol):
+    """What the Rank calls, in the order of a step; `i` is a parameter's index, `b` a bucket's."""
+
+    name: str  # as the daemon logs it and stats() report it
+
+    def open_bucket(self, b: int) -> None:
+        """Before bucket b's first gradient of a micro-batch: returns once its last GRAD_READY has gone
+        out (the Rank then waits for the daemon to free the slot)."""
+
+    def grad_out(self, i: int, grad: torch.Tensor) -> None:
+        """Backward: parameter i's complete gradient, for its slot; the Rank drops p.grad right after."""
+
+    def bucket_done(self, b: int, send: Callable[..., None]) -> None:
+        """Bucket b's gradients are all handed over: once they are in place, `send(slot=0, piece=0)`
+        sends its GRAD_READY (once per staging slot and piece where the bucket goes in pieces)."""
+
+    def step_done(self, step: int, weights_on_gpu: bool = False) -> None:
+        """The weights of `step` are due (optimizer.step(), a load, an attach); `weights_on_gpu`: the
+        parameters hold them already (this rank just loaded them from there)."""
+
+    def weights_in(self, i: int) -> None:
+        """Parameter i takes its new weights (its bucket's PARAMS_READY has come)."""
+
+    def weights_done(self) -> None:
+        """After a refresh's weights_in calls: the model may read what they brought."""
+
+    def flush(self) -> None:
+        """Waits until every bucket handed over has been sent (benchmarks time the backward with it)."""
+
+    def close(self) -> None:
+        """Unwrap: gives back what the transport holds; the parameters stay the model's."""
 
 
 class HostTransport:
@@ -320,7 +354,7 @@ def describe_device(device: torch.device) -> str:
     return f"{device} ({properties.name}, GPU-{properties.uuid})"
 
 
-def transport_for(regions: Regions, session, device: torch.device):
+def transport_for(regions: Regions, session, device: torch.device) -> Transport:
     name = transport_name(device)
     if name == HostTransport.name:
         return HostTransport(regions)
