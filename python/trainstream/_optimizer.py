@@ -57,12 +57,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         rank = self._rank
         rank.synchronize()
+        regions = rank.regions
         state = {}
         for i, p in enumerate(rank.params):
-            steps = rank.param_step(i)
+            steps = regions.param_step(i)
             if steps == 0:
                 continue
-            exp_avg, exp_avg_sq = rank.moment_views(i)
+            exp_avg, exp_avg_sq = regions.moment_views(i)
             state[i] = {
                 "step": torch.tensor(float(steps), dtype=torch.float32),
                 "exp_avg": exp_avg.to(dtype=p.dtype, device=p.device, copy=True),
@@ -89,22 +90,23 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                                        f"the optimizer {len(group['params'])}")
         saved_ids = [pid for g in groups for pid in g["params"]]
         rank._require_idle("load an optimizer state dict")
+        regions = rank.regions
         with torch.no_grad():
             for i, p in enumerate(rank.params):
                 saved = state_dict["state"].get(saved_ids[i], {})
-                exp_avg, exp_avg_sq = rank.moment_views(i)
+                exp_avg, exp_avg_sq = regions.moment_views(i)
                 if saved:
                     for key, view in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
                         if tuple(saved[key].shape) != tuple(p.shape):
                             raise TrainstreamError(f"state of parameter {i}: {key} has shape {tuple(saved[key].shape)},"
                                                    f" the parameter {tuple(p.shape)}")
                         view.copy_(saved[key])
-                    rank._steps[i] = int(float(saved["step"]))
+                    regions.set_param_step(i, int(float(saved["step"])))
                 else:
                     exp_avg.zero_()
                     exp_avg_sq.zero_()
-                    rank._steps[i] = 0
-                rank.master_view(i).copy_(p.detach())
+                    regions.set_param_step(i, 0)
+                regions.master_view(i).copy_(p.detach())
         for saved, group in zip(groups, self.param_groups):
             for key, value in saved.items():
                 if key != "params":

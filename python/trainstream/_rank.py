@@ -1,5 +1,6 @@
-"""This process's rank of a job: the parameters' places in shared memory, the hooks, and the step
-protocol (DESIGN.md, "One step"); _transport.py moves the bytes.
+"""This process's rank of a job: the hooks and the step protocol (DESIGN.md, "One step"). The
+parameters' places in shared memory are _regions.py's, _transport.py moves the bytes, and
+_guards.py keeps the model's reads and conversions in line.
 
 Per backward pass (a micro-batch): each parameter's gradient is copied into this rank's slot of its
 bucket as soon as autograd has accumulated it, and `p.grad` is freed; a bucket whose parameters are
@@ -7,7 +8,7 @@ all in is sent (GRAD_READY) at once, the rest at the end of the backward pass. A
 micro-batch, optimizer.step() only records which step's weights each bucket must show; the forward
 pre-hook of a module waits for its buckets' new weights and copies them in, and a parameter the
 forward reads elsewhere (a parent using a child's weight directly) is refreshed when a torch
-function first gets it (_StaleReadGuard).
+function first gets it (StaleReadGuard).
 
 Invariants: a bucket's slot is written only after the daemon released it (SLOT_FREE / PARAMS_READY);
 a parameter is read by the model only after its bucket's weights of the last step are in place.
@@ -17,17 +18,16 @@ from __future__ import annotations
 
 import os
 import threading
-import types
 import warnings
-import weakref
 from typing import Iterable
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from trainstream import _layout
 from trainstream._C import TrainstreamError
-from trainstream._transport import describe_device, transport_for, transport_name
+from trainstream._guards import ApplyGuard, StaleReadGuard
+from trainstream._regions import Regions
+from trainstream._transport import Transport, describe_device, transport_for, transport_name
 
 
 class Rank:
@@ -55,9 +55,13 @@ class Rank:
             int(bucket_mb * (1 << 20)), _layout.MOMENT_DTYPES[moment_dtype], self.kind, accumulation_steps,
             world_size, float(max_grad_norm or 0.0), seed, list(peers or []), node_rank, transport_name(device),
             describe_device(device))
-        self._moment_dtype = torch.float32 if moment_dtype == "float32" else torch.bfloat16
-        self._map_regions()
-        self.transport = transport_for(self, device)
+        moments = torch.float32 if moment_dtype == "float32" else torch.bfloat16
+        self.regions = Regions(self.session, self.params, moments)
+        self.buckets = self.regions.buckets  # the step protocol runs per bucket
+        self.transport: Transport = transport_for(self.regions, self.session, device)
+        self._bucket_step = [1] * len(self.buckets)  # the step each bucket is collecting
+        self._ready_step = [0] * len(self.buckets)   # the step whose weights the model must show
+        self.stale: set[int] = set()                 # buckets whose new weights are not yet copied in
         self._lock = threading.RLock()  # hooks may run on autograd threads
         self._refreshing = False        # refresh() runs (its own copies read stale parameters)
         self._micro = 0                 # micro-batches finished in this step
@@ -70,49 +74,6 @@ class Rank:
         self._initialize_weights(rank)
         self._install_hooks()
 
-    # ----- shared memory -----
-
-    def _map_regions(self) -> None:
-        s = self.session
-        self.buckets = s.buckets
-        self.param_layout = s.params
-        self._bucket_of = [b for (b, _, _) in self.param_layout]
-        self._bucket_params = [bucket["params"] for bucket in self.buckets]
-        grads, upload = _bytes(s.grads()), _bytes(s.upload())
-        self._presence = _bytes(s.presence())
-        self._steps = _bytes(s.param_steps()).view(torch.int64)
-        self._master = _bytes(s.master()).view(torch.float32)
-        self._exp_avg = _bytes(s.exp_avg()).view(self._moment_dtype)
-        self._exp_avg_sq = _bytes(s.exp_avg_sq()).view(self._moment_dtype)
-        self.grad_views, self.upload_views, self.elem_ranges = [], [], []
-        for i, p in enumerate(self.params):
-            bucket_index, offset, numel = self.param_layout[i]
-            bucket = self.buckets[bucket_index]
-            first = bucket["elem_offset"] + offset
-            self.elem_ranges.append((first, first + numel))
-            start = bucket["grad_offset"] + offset * p.element_size()
-            self.grad_views.append(grads[start:start + numel * p.element_size()].view(p.dtype).view(p.shape))
-            if p.dtype == torch.float32:  # the new weights are the master weights themselves
-                self.upload_views.append(self.master_view(i))
-            else:
-                start = bucket["upload_offset"] + offset * p.element_size()
-                self.upload_views.append(upload[start:start + numel * p.element_size()].view(p.dtype).view(p.shape))
-        self._bucket_step = [1] * len(self.buckets)  # the step each bucket is collecting
-        self._ready_step = [0] * len(self.buckets)   # the step whose weights the model must show
-        self._stale: set[int] = set()                # buckets whose new weights are not yet copied in
-
-    def master_view(self, i: int) -> torch.Tensor:
-        first, last = self.elem_ranges[i]
-        return self._master[first:last].view(self.params[i].shape)
-
-    def moment_views(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        first, last = self.elem_ranges[i]
-        shape = self.params[i].shape
-        return self._exp_avg[first:last].view(shape), self._exp_avg_sq[first:last].view(shape)
-
-    def param_step(self, i: int) -> int:
-        return int(self._steps[i])
-
     # ----- weights -----
 
     def _initialize_weights(self, rank: int) -> None:
@@ -122,14 +83,14 @@ class Rank:
         if not s.initialized and rank == 0:
             with torch.no_grad():
                 for i, p in enumerate(self.params):
-                    self.master_view(i).copy_(p.detach())
+                    self.regions.master_view(i).copy_(p.detach())
             s.send_load_state(0)
             self._mark_all_stale(0, weights_on_gpu=True)
         elif s.initialized:
             for b in range(len(self.buckets)):
                 self._bucket_step[b] = s.applied_step(b) + 1
                 self._ready_step[b] = s.applied_step(b)
-            self._stale = set(range(len(self.buckets)))
+            self.stale = set(range(len(self.buckets)))
             self.transport.step_done(max(self._ready_step, default=0))
         else:
             self._mark_all_stale(0)
@@ -141,7 +102,7 @@ class Rank:
         for b in range(len(self.buckets)):
             self._bucket_step[b] = step + 1
             self._ready_step[b] = step
-        self._stale = set(range(len(self.buckets)))
+        self.stale = set(range(len(self.buckets)))
 
     def refresh(self, buckets: Iterable[int]) -> None:
         """Makes the parameters of `buckets` show their latest weights (waits for the daemon)."""
@@ -150,13 +111,13 @@ class Rank:
             self._refreshing = True
             try:
                 for b in buckets:
-                    if b not in self._stale:
+                    if b not in self.stale:
                         continue
                     self.session.wait_params_ready(b, self._ready_step[b])
                     with torch.no_grad():
-                        for i in self._bucket_params[b]:
+                        for i in self.regions.bucket_params[b]:
                             self.transport.weights_in(i)
-                    self._stale.discard(b)
+                    self.stale.discard(b)
                 self.transport.weights_done()
             finally:
                 self._refreshing = False
@@ -167,17 +128,17 @@ class Rank:
         (and in lists and tuples among them, as torch.cat's), unless a refresh is running already."""
         if self._refreshing:
             return
-        buckets = set()
+        buckets, bucket_of = set(), self.regions.bucket_of
         for a in (*args, *kwargs.values()):
             for t in a if isinstance(a, (list, tuple)) else (a,):
                 i = self._index.get(id(t))
-                if i is not None and self._bucket_of[i] in self._stale:
-                    buckets.add(self._bucket_of[i])
+                if i is not None and bucket_of[i] in self.stale:
+                    buckets.add(bucket_of[i])
         if buckets:
             self.refresh(sorted(buckets))
 
     def synchronize(self) -> None:
-        self.refresh(sorted(self._stale, reverse=True))
+        self.refresh(sorted(self.stale, reverse=True))
 
     def push_weights(self) -> None:
         """Publishes the parameters' current values as the master weights (after model.load_state_dict)."""
@@ -185,7 +146,7 @@ class Rank:
             self._require_idle("load weights")
             with torch.no_grad():
                 for i, p in enumerate(self.params):
-                    self.master_view(i).copy_(p.detach())
+                    self.regions.master_view(i).copy_(p.detach())
             self._publish()
 
     def _publish(self) -> None:
@@ -207,13 +168,13 @@ class Rank:
         self._index = index = {id(p): i for i, p in enumerate(self.params)}
         for module in self.model.modules():
             own = [index[id(p)] for p in module.parameters(recurse=False) if id(p) in index]
-            buckets = tuple(sorted({self._bucket_of[i] for i in own}))
+            buckets = tuple(sorted({self.regions.bucket_of[i] for i in own}))
             if buckets:
                 self._handles.append(module.register_forward_pre_hook(lambda m, args, b=buckets: self.refresh(b)))
         self._handles.append(self.model.register_state_dict_pre_hook(lambda *args, **kwargs: self.synchronize()))
         self._handles.append(self.model.register_load_state_dict_post_hook(lambda module, keys: self.push_weights()))
-        self._handles += [_ApplyGuard(self, module) for module in self.model.modules()]
-        self._handles.append(_StaleReadGuard(self))
+        self._handles += [ApplyGuard(self, module) for module in self.model.modules()]
+        self._handles.append(StaleReadGuard(self))
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
@@ -243,27 +204,27 @@ class Rank:
         """Before the first gradient of bucket b in this micro-batch: its slot must be free."""
         self.transport.open_bucket(b)  # the slot's previous contents must have been sent...
         self.session.wait_slot_free(b)  # ...and consumed
-        for i in self._bucket_params[b]:
-            self._presence[i] = 0
+        for i in self.regions.bucket_params[b]:
+            self.regions.presence[i] = 0
         self._opened.add(b)
 
     def _on_grad(self, i: int, p: torch.nn.Parameter) -> None:
         with self._lock:
             if not self._in_backward:
                 self._begin_backward()
-            b = self._bucket_of[i]
+            b = self.regions.bucket_of[i]
             if b not in self._opened:
                 self._open(b)
-            if self._presence[i]:
+            if self.regions.presence[i]:
                 raise TrainstreamError(f"parameter {i} received two gradients in one backward pass")
             grad = p.grad
             if grad.is_sparse:
                 raise TrainstreamError("sparse gradients are not supported")
             self.transport.grad_out(i, grad)
-            self._presence[i] = 1
+            self.regions.presence[i] = 1
             p.grad = None
             self._arrived[b] += 1
-            if self._arrived[b] == len(self._bucket_params[b]):
+            if self._arrived[b] == len(self.regions.bucket_params[b]):
                 self._send(b)
 
     def _send(self, b: int) -> None:
@@ -304,7 +265,7 @@ class Rank:
             for b in range(len(self.buckets)):
                 self._ready_step[b] = self._bucket_step[b]
                 self._bucket_step[b] += 1
-            self._stale = set(range(len(self.buckets)))
+            self.stale = set(range(len(self.buckets)))
             self._micro = 0
             self._step_pending = False
             self.transport.step_done(max(self._ready_step, default=0))
@@ -323,104 +284,6 @@ class Rank:
                 self.client.drop_job(self.job)
             except TrainstreamError:
                 pass
-
-
-class _StaleReadGuard(TorchFunctionMode):
-    """While the wrapped model's forward runs with some bucket still stale, looks at the arguments of
-    every torch function and refreshes the stale parameters among them first: a forward may read a
-    parameter before any pre-hook of its module ran (`x @ self.proj.weight.t()` in a parent's forward,
-    a weight read before its module is called), and must see the same weights as in plain torch. The
-    mode costs each torch function about 1 us of Python while it is entered, 2 us while something is
-    stale (2-core dev machine); without stale buckets at the forward's start it is not entered."""
-
-    def __init__(self, rank: Rank):
-        super().__init__()
-        self.rank = rank
-        self.depth = 0  # nested forwards of the model; entered at the outermost one
-        self.entered = False
-        # Closures, not bound methods: copy.deepcopy(model) copies bound methods with their object.
-        # First of the pre-hooks (another one may raise) and called however the forward ends.
-        self.handles = [rank.model.register_forward_pre_hook(lambda module, args: self._forward_starts(),
-                                                             prepend=True),
-                        rank.model.register_forward_hook(lambda module, args, output: self._forward_ends(),
-                                                         always_call=True)]
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if self.rank._stale:
-            self.rank.refresh_read(args, kwargs)
-        return func(*args, **kwargs)
-
-    def _forward_starts(self) -> None:
-        self.depth += 1
-        if self.depth == 1 and self.rank._stale:
-            self.__enter__()
-            self.entered = True
-
-    def _forward_ends(self) -> None:
-        self.depth -= 1
-        if self.depth == 0 and self.entered:
-            self.entered = False
-            self.__exit__(None, None, None)
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-
-class _ApplyGuard:
-    """`module.to()`, `.cuda()`, `.half()`, ... (all through `Module._apply`) after wrap: in-flight
-    updates land first, and a conversion that would give the wrapped parameters another dtype, device
-    or storage is refused before anything changes (the daemon's job keeps their layout; unwrap first).
-    Conversions that leave them as they are (`.cuda()` on the GPU they are on) go ahead. The guard is
-    a method bound to the module, so a `copy.deepcopy` of the model (an EMA copy, say) gets one bound
-    to itself, which finds no rank and converts freely."""
-
-    def __init__(self, rank: Rank, module: torch.nn.Module):
-        self.module = module
-        _GUARDED[module] = rank
-        module._apply = types.MethodType(_guarded_apply, module)
-
-    def remove(self) -> None:
-        _GUARDED.pop(self.module, None)
-        self.module.__dict__.pop("_apply", None)
-
-
-_GUARDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> the Rank that wrapped it
-_applying = threading.local()  # .ranks: those whose guarded _apply runs; it checked their submodules too
-
-
-def _guarded_apply(module: torch.nn.Module, fn, *args, **kwargs):
-    rank = _GUARDED.get(module)
-    active = _applying.__dict__.setdefault("ranks", set())
-    if rank is None or rank in active:
-        return type(module)._apply(module, fn, *args, **kwargs)
-    rank.synchronize()
-    wrapped = set(map(id, rank.params))
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if id(p) in wrapped:
-                _refuse_if_changed(name, p, fn(p))
-    active.add(rank)
-    try:
-        return type(module)._apply(module, fn, *args, **kwargs)
-    finally:
-        active.discard(rank)
-
-
-def _refuse_if_changed(name: str, before: torch.Tensor, after: torch.Tensor) -> None:
-    if after is before or (after.dtype == before.dtype and after.device == before.device
-                           and after.data_ptr() == before.data_ptr()):
-        return
-    raise TrainstreamError(
-        f"this would turn parameter '{name}' from {before.dtype} on {before.device} into {after.dtype} on "
-        f"{after.device}, but trainstream keeps its optimizer state in that layout: call "
-        "trainstream.unwrap(model) first, convert, then wrap again")
-
-
-def _bytes(region) -> torch.Tensor:
-    """A shared-memory region as a uint8 tensor (torch.frombuffer refuses empty buffers)."""
-    return torch.frombuffer(region, dtype=torch.uint8) if region.nbytes else torch.empty(0, dtype=torch.uint8)
 
 
 def default_job_name() -> str:

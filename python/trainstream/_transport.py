@@ -16,6 +16,9 @@ CudaCopyTransport — the fallback where the daemon cannot open IPC handles (ano
 Both keep the invariant of _rank.py: a slot is written only after the daemon released it, and the
 upload region is read (by a copy that may still be queued) only until the daemon's next update of
 that bucket, which cannot start before this rank's next gradients — queued after that copy.
+
+Each implements `Transport`, the calls the Rank makes, and is built from no more than the job's
+`Regions` (_regions.py), the session and the device: no transport sees the Rank.
 """
 
 from __future__ import annotations
@@ -26,21 +29,56 @@ import threading
 import time
 import uuid as _uuid
 import warnings
+from typing import Callable, Protocol
 
 import torch
 
 from trainstream import _C, _layout
 from trainstream._C import TrainstreamError
+from trainstream._regions import Regions
+
+
+class Transport(Protocol):
+    """What the Rank calls, in the order of a step; `i` is a parameter's index, `b` a bucket's."""
+
+    name: str  # as the daemon logs it and stats() report it
+
+    def open_bucket(self, b: int) -> None:
+        """Before bucket b's first gradient of a micro-batch: returns once its last GRAD_READY has gone
+        out (the Rank then waits for the daemon to free the slot)."""
+
+    def grad_out(self, i: int, grad: torch.Tensor) -> None:
+        """Backward: parameter i's complete gradient, for its slot; the Rank drops p.grad right after."""
+
+    def bucket_done(self, b: int, send: Callable[..., None]) -> None:
+        """Bucket b's gradients are all handed over: once they are in place, `send(slot=0, piece=0)`
+        sends its GRAD_READY (once per staging slot and piece where the bucket goes in pieces)."""
+
+    def step_done(self, step: int, weights_on_gpu: bool = False) -> None:
+        """The weights of `step` are due (optimizer.step(), a load, an attach); `weights_on_gpu`: the
+        parameters hold them already (this rank just loaded them from there)."""
+
+    def weights_in(self, i: int) -> None:
+        """Parameter i takes its new weights (its bucket's PARAMS_READY has come)."""
+
+    def weights_done(self) -> None:
+        """After a refresh's weights_in calls: the model may read what they brought."""
+
+    def flush(self) -> None:
+        """Waits until every bucket handed over has been sent (benchmarks time the backward with it)."""
+
+    def close(self) -> None:
+        """Unwrap: gives back what the transport holds; the parameters stay the model's."""
 
 
 class HostTransport:
     name = "host"
 
-    def __init__(self, rank):
-        self.rank = rank
+    def __init__(self, regions: Regions):
+        self.regions = regions
 
     def grad_out(self, i: int, grad: torch.Tensor) -> None:
-        self.rank.grad_views[i].copy_(grad)
+        self.regions.grad_views[i].copy_(grad)
 
     def bucket_done(self, b: int, send) -> None:
         send()
@@ -49,7 +87,7 @@ class HostTransport:
         pass
 
     def weights_in(self, i: int) -> None:
-        self.rank.params[i].copy_(self.rank.upload_views[i])
+        self.regions.params[i].copy_(self.regions.upload_views[i])
 
     def weights_done(self) -> None:
         pass
@@ -67,11 +105,11 @@ class HostTransport:
 class CudaCopyTransport:
     name = "cuda-client-copy"
 
-    def __init__(self, rank, device: torch.device):
-        self.rank = rank
+    def __init__(self, regions: Regions, session, device: torch.device):
+        self.regions = regions
         self.device = device
         self._registered = []
-        for address, nbytes in _ranges_to_pin(rank):
+        for address, nbytes in _ranges_to_pin(regions, session):
             self._register(address, nbytes)
         # Copies run on a stream of their own, ordered against the compute stream by events, so the
         # transfers overlap with the forward and backward kernels instead of queueing behind them.
@@ -92,7 +130,7 @@ class CudaCopyTransport:
     def grad_out(self, i: int, grad: torch.Tensor) -> None:
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # the gradient is complete
         with torch.cuda.stream(self.copy_stream):
-            self.rank.grad_views[i].copy_(grad, non_blocking=True)
+            self.regions.grad_views[i].copy_(grad, non_blocking=True)
         grad.record_stream(self.copy_stream)  # not reused by the allocator before the copy has run
 
     def bucket_done(self, b: int, send) -> None:
@@ -119,7 +157,7 @@ class CudaCopyTransport:
         if self._compute_done is not None:
             self.copy_stream.wait_event(self._compute_done)
         with torch.cuda.stream(self.copy_stream):
-            self.rank.params[i].copy_(self.rank.upload_views[i], non_blocking=True)
+            self.regions.params[i].copy_(self.regions.upload_views[i], non_blocking=True)
 
     def weights_done(self) -> None:
         """The compute stream waits (on the GPU) for the weights copied in so far."""
@@ -162,14 +200,14 @@ class CudaCopyTransport:
 _PAGE = 4096
 
 
-def _ranges_to_pin(rank) -> list[tuple[int, int]]:
+def _ranges_to_pin(regions: Regions, session) -> list[tuple[int, int]]:
     """What DMA touches, as page-aligned, disjoint (address, bytes) ranges: this rank's gradient
     region, the upload region, and the master weights of fp32 buckets (read in place); not the rest of
     the master weights or the moments, which never cross PCIe."""
-    s = rank.session
+    s = session
     ranges = [(s.grads().address, s.grads().nbytes), (s.upload().address, s.upload().nbytes)]
     master = s.master().address
-    ranges += [(master + 4 * b["elem_offset"], 4 * b["numel"]) for b in rank.buckets if b["dtype"] == 0]
+    ranges += [(master + 4 * b["elem_offset"], 4 * b["numel"]) for b in regions.buckets if b["dtype"] == 0]
     pages = sorted((a // _PAGE * _PAGE, -(-(a + n) // _PAGE) * _PAGE) for a, n in ranges if n)
     merged: list[list[int]] = []
     for start, end in pages:
@@ -185,11 +223,11 @@ class CudaIpcTransport:
     _WANT_EVENTS = 2  # weights-wanted events, used in turn
     _SLOT_CAP = 32 << 20  # a bucket larger than a slot (a large embedding) is staged piece by piece
 
-    def __init__(self, rank, device: torch.device):
-        self.rank = rank
+    def __init__(self, regions: Regions, session, device: torch.device):
+        self.regions = regions
         self.device = device
-        self.session = rank.session
-        self._bucket_bytes = [b["numel"] * _layout.torch_dtype(b["dtype"]).itemsize for b in rank.buckets]
+        self.session = session
+        self._bucket_bytes = [b["numel"] * _layout.torch_dtype(b["dtype"]).itemsize for b in regions.buckets]
         self.slot_bytes = _round_up(min(max(self._bucket_bytes, default=1), self._SLOT_CAP), 256)
         slots = int(os.environ.get("TRAINSTREAM_STAGING_SLOTS", 4))
         with torch.cuda.device(device):
@@ -215,19 +253,19 @@ class CudaIpcTransport:
     def _rehome_parameters(self, flat: torch.Tensor) -> None:
         """Every parameter becomes a view of the flat buffer at its bucket's offset, keeping its values."""
         with torch.no_grad():
-            for i, p in enumerate(self.rank.params):
-                start = self._byte_offset(i) + self.rank.buckets[self.rank.param_layout[i][0]]["grad_offset"]
+            for i, p in enumerate(self.regions.params):
+                start = self._byte_offset(i) + self.regions.buckets[self.regions.param_layout[i][0]]["grad_offset"]
                 view = flat[start:start + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
                 view.copy_(p.detach())
                 p.data = view
 
     def _byte_offset(self, i: int) -> int:
         """Where parameter i starts inside its bucket, in bytes."""
-        return self.rank.param_layout[i][1] * self.rank.params[i].element_size()
+        return self.regions.param_layout[i][1] * self.regions.params[i].element_size()
 
     def grad_out(self, i: int, grad: torch.Tensor) -> None:
         """Kept until the bucket is complete: slots hold whole buckets, so none waits for a half one."""
-        self._pending.setdefault(self.rank.param_layout[i][0], []).append((i, grad))
+        self._pending.setdefault(self.regions.param_layout[i][0], []).append((i, grad))
 
     def bucket_done(self, b: int, send) -> None:
         """The bucket's gradient bytes go out in slot-sized pieces, each in the next free slot."""
@@ -283,7 +321,7 @@ class CudaIpcTransport:
         """The parameters move back into torch's memory: the flat buffer goes with this transport."""
         torch.cuda.synchronize(self.device)
         with torch.no_grad():
-            for p in self.rank.params:
+            for p in self.regions.params:
                 p.data = p.data.clone()
         self._pending.clear()
 
@@ -316,14 +354,14 @@ def describe_device(device: torch.device) -> str:
     return f"{device} ({properties.name}, GPU-{properties.uuid})"
 
 
-def transport_for(rank, device: torch.device):
+def transport_for(regions: Regions, session, device: torch.device) -> Transport:
     name = transport_name(device)
     if name == HostTransport.name:
-        return HostTransport(rank)
+        return HostTransport(regions)
     if name == CudaIpcTransport.name:
         try:
-            return CudaIpcTransport(rank, device)
+            return CudaIpcTransport(regions, session, device)
         except CudaIpcRefused as refusal:
             warnings.warn(f"trainstream: the daemon cannot copy this process's GPU data ({refusal}); "
                           "this process copies it instead (cuda-client-copy)", RuntimeWarning, stacklevel=3)
-    return CudaCopyTransport(rank, device)
+    return CudaCopyTransport(regions, session, device)
