@@ -31,6 +31,7 @@ TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 python_packages=("pybind11>=2.12" "scikit-build-core>=0.10" pytest ninja numpy "ruff>=0.5"
   "transformers>=5" accelerate  # tests/python/test_hf_trainer.py
   mkdocs==1.6.1 mkdocs-material==9.8.1 "mkdocstrings[python]==1.0.8" mkdocstrings-python==2.0.11  # scripts/docs.sh
+  matplotlib==3.11.2  # benchmarks/plot.py
 )
 "$PYTHON" -m pip install -q "${python_packages[@]}"
 echo "setup: done"
