@@ -32,6 +32,7 @@ python_packages=("pybind11>=2.12" "scikit-build-core>=0.10" pytest ninja numpy "
   "transformers>=5" accelerate  # tests/python/test_hf_trainer.py
   mkdocs==1.6.1 mkdocs-material==9.8.1 "mkdocstrings[python]==1.0.8" mkdocstrings-python==2.0.11  # scripts/docs.sh
   matplotlib==3.11.2  # benchmarks/plot.py
+  tqdm==4.70.1  # the examples' progress bars
 )
 "$PYTHON" -m pip install -q "${python_packages[@]}"
 echo "setup: done"
