@@ -77,7 +77,13 @@ def wrap_parameters(root: str) -> list[str]:
     raise PluginError(f"docs check: {_WRAP_SOURCE} defines no function wrap")
 
 
-def _check_wrap_options(markdown: str, root: str) -> None:
+def expand_includes(markdown: str, root: str, page: str) -> str:
+    """`markdown` with its include comments replaced (see the module docstring)."""
+    done: set[str] = set()
+    return _INCLUDE.sub(lambda m: _include(m, root, page, done), markdown)
+
+
+def check_wrap_options(markdown: str, root: str) -> None:
     documented = set(re.findall(r"^\|\s*`([A-Za-z_][A-Za-z0-9_]*)`", markdown, re.MULTILINE))
     missing = [p for p in wrap_parameters(root) if p not in documented]
     if missing:
@@ -87,8 +93,7 @@ def _check_wrap_options(markdown: str, root: str) -> None:
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
     root = _root(config)
-    done: set[str] = set()
-    markdown = _INCLUDE.sub(lambda m: _include(m, root, page.file.src_uri, done), markdown)
+    markdown = expand_includes(markdown, root, page.file.src_uri)
     if page.file.src_uri == "usage.md":
-        _check_wrap_options(markdown, root)
+        check_wrap_options(markdown, root)
     return markdown
