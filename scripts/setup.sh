@@ -17,10 +17,22 @@ if ((${#missing[@]})); then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
+# Headless screenshots of the documentation site (TRAINSTREAM_DOCS_SHOTS=1 scripts/docs.sh); optional,
+# since Ubuntu ships chromium as a snap only.
+if ! dpkg -s chromium >/dev/null 2>&1; then
+  { $SUDO apt-get update -qq &&
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends chromium >/dev/null; } \
+    || echo "setup: chromium not installed (only the docs screenshots need it)" >&2
+fi
 
 PYTHON=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 "$PYTHON" -c "import torch" 2>/dev/null || "$PYTHON" -m pip install -q "$TORCH_SPEC"
-"$PYTHON" -m pip install -q "pybind11>=2.12" "scikit-build-core>=0.10" pytest ninja numpy "ruff>=0.5" \
+python_packages=("pybind11>=2.12" "scikit-build-core>=0.10" pytest ninja numpy "ruff>=0.5"
   "transformers>=5" accelerate  # tests/python/test_hf_trainer.py
+  mkdocs==1.6.1 mkdocs-material==9.8.1 "mkdocstrings[python]==1.0.8" mkdocstrings-python==2.0.11  # scripts/docs.sh
+  matplotlib==3.11.2  # benchmarks/plot.py
+  tqdm==4.70.1  # the examples' progress bars
+)
+"$PYTHON" -m pip install -q "${python_packages[@]}"
 echo "setup: done"
