@@ -12,6 +12,7 @@
 namespace py = pybind11;
 using trainstream::Client;
 using trainstream::GpuBuffer;
+using trainstream::PinnedHostRange;
 using trainstream::RankSession;
 
 namespace {
@@ -196,6 +197,14 @@ PYBIND11_MODULE(_C, m) {
         interface["version"] = 2;
         return interface;
       });
+
+  // Page-locked host memory (weight paging's host copies): the constructor releases the GIL, so that
+  // several threads can register ranges at once.
+  py::class_<PinnedHostRange, std::shared_ptr<PinnedHostRange>>(m, "PinnedHostRange")
+      .def(py::init<int, uint64_t, size_t>(), py::arg("device"), py::arg("address"), py::arg("nbytes"),
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("address", &PinnedHostRange::address)
+      .def_property_readonly("nbytes", &PinnedHostRange::bytes);
 
   py::class_<RankSession, std::shared_ptr<RankSession>>(m, "RankSession")
       .def_property_readonly("rank", &RankSession::rank)
