@@ -106,18 +106,25 @@ CudaIpcExport CudaIpcFromProto(const v1::CudaIpcRegistration& proto) {
 
 }  // namespace
 
-shm::LayoutSpec LayoutFromProto(const v1::LayoutSpec& proto) {
-  shm::LayoutSpec spec;
-  spec.params.reserve(proto.params_size());
-  for (int i = 0; i < proto.params_size(); ++i) {
-    const v1::ParamSpec& p = proto.params(i);
-    spec.params.push_back(shm::ParamSpec{
+std::vector<shm::ParamSpec> ParamsFromProto(const google::protobuf::RepeatedPtrField<v1::ParamSpec>& proto) {
+  std::vector<shm::ParamSpec> params;
+  params.reserve(proto.size());
+  for (const v1::ParamSpec& p : proto) {
+    params.push_back(shm::ParamSpec{
         .name = p.name(),
         .shape = {p.shape().begin(), p.shape().end()},
         .dtype = DTypeFromProto(p.dtype(), "parameter dtype"),
         .group = p.group(),
+        .partition = p.partition(),
     });
   }
+  return params;
+}
+
+shm::LayoutSpec LayoutFromProto(const v1::LayoutSpec& proto) {
+  shm::LayoutSpec spec;
+  spec.params = ParamsFromProto(proto.params());
+  spec.frozen = ParamsFromProto(proto.frozen());
   spec.num_groups = proto.num_groups();
   spec.bucket_bytes = proto.bucket_bytes();
   spec.moment_dtype = DTypeFromProto(proto.moment_dtype(), "moment dtype");

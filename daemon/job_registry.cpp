@@ -2,6 +2,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -11,20 +12,28 @@ namespace trainstream::daemon {
 
 namespace {
 
-// Names what differs between two layouts, for the error a mismatching rank gets.
-std::string DescribeMismatch(const shm::LayoutSpec& have, const shm::LayoutSpec& want) {
-  if (have.params.size() != want.params.size()) {
-    return fmt::format("the job has {} parameters, this rank {}", have.params.size(), want.params.size());
-  }
-  for (size_t i = 0; i < have.params.size(); ++i) {
-    const auto& a = have.params[i];
-    const auto& b = want.params[i];
-    if (a.name != b.name || a.shape != b.shape || a.dtype != b.dtype || a.group != b.group) {
-      return fmt::format("parameter {} differs: job has '{}' {} {} group {}, this rank '{}' {} {} group {}", i, a.name,
-                         fmt::join(a.shape, "x"), NameOf(a.dtype), a.group, b.name, fmt::join(b.shape, "x"),
-                         NameOf(b.dtype), b.group);
+// The first parameter that differs between two lists, if any ("parameter" or "frozen parameter").
+std::optional<std::string> DescribeParamMismatch(const char* what, const std::vector<shm::ParamSpec>& have,
+                                                 const std::vector<shm::ParamSpec>& want) {
+  if (have.size() != want.size()) return fmt::format("the job has {} {}s, this rank {}", have.size(), what, want.size());
+  for (size_t i = 0; i < have.size(); ++i) {
+    const auto& a = have[i];
+    const auto& b = want[i];
+    if (a.name != b.name || a.shape != b.shape || a.dtype != b.dtype || a.group != b.group ||
+        a.partition != b.partition) {
+      return fmt::format("{} {} differs: job has '{}' {} {} group {} partition {}, this rank '{}' {} {} group {} "
+                         "partition {}",
+                         what, i, a.name, fmt::join(a.shape, "x"), NameOf(a.dtype), a.group, a.partition, b.name,
+                         fmt::join(b.shape, "x"), NameOf(b.dtype), b.group, b.partition);
     }
   }
+  return std::nullopt;
+}
+
+// Names what differs between two layouts, for the error a mismatching rank gets.
+std::string DescribeMismatch(const shm::LayoutSpec& have, const shm::LayoutSpec& want) {
+  if (auto params = DescribeParamMismatch("parameter", have.params, want.params)) return *params;
+  if (auto frozen = DescribeParamMismatch("frozen parameter", have.frozen, want.frozen)) return *frozen;
   std::vector<std::string> differ;
   auto compare = [&differ](const char* option, const auto& job, const auto& rank) {
     if (job != rank) differ.push_back(fmt::format("{}: job {}, this rank {}", option, job, rank));

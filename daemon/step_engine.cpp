@@ -575,7 +575,11 @@ void StepEngine::StartUpdate(uint32_t b, float clip_coefficient) {
             .exp_avg_sq = static_cast<std::byte*>(at.state.exp_avg_sq) + element * moment_size,
             .dtype = at.moment_dtype,
             .sr_seed = sr_seed,
-            .element_base = element};
+            // Keyed by (parameter, element of it), not by where the bucket layout put it: the same
+            // training rounds alike whichever buckets hold the parameter (weight paging's partitions
+            // regroup them). A chunk never crosses a 2^32-element boundary of its parameter, as the
+            // kernels require of the high index bits.
+            .element_base = (uint64_t{piece.param} << 40) + piece.begin};
         optimizer::AdamWUpdate(grads, (*scalars)[piece.param], at.state.master + element, moments, at.Upload(piece),
                                piece.count);
         if (optimizer::AnyNonFinite(at.state.master + element, piece.count)) nonfinite->store(true);

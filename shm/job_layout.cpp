@@ -42,17 +42,23 @@ class Hasher {  // FNV-1a: stable across processes and builds
   uint64_t hash_ = 14695981039346656037ull;
 };
 
-uint64_t HashSpec(const LayoutSpec& spec) {
-  Hasher h;
-  h.Add(kSegmentVersion);
-  h.Add(spec.params.size());
-  for (const ParamSpec& p : spec.params) {
+void HashParams(Hasher& h, const std::vector<ParamSpec>& params) {
+  h.Add(params.size());
+  for (const ParamSpec& p : params) {
     h.Add(p.name);
     h.Add(p.shape.size());
     for (int64_t d : p.shape) h.Add(d);
     h.Add(p.dtype);
     h.Add(p.group);
+    h.Add(p.partition);
   }
+}
+
+uint64_t HashSpec(const LayoutSpec& spec) {
+  Hasher h;
+  h.Add(kSegmentVersion);
+  HashParams(h, spec.params);
+  HashParams(h, spec.frozen);
   h.Add(spec.num_groups);
   h.Add(spec.bucket_bytes);
   h.Add(spec.moment_dtype);
@@ -64,6 +70,29 @@ uint64_t HashSpec(const LayoutSpec& spec) {
   for (const std::string& peer : spec.peers) h.Add(peer);
   h.Add(spec.node_rank);
   return h.value();
+}
+
+constexpr uint64_t kMaxElements = uint64_t{1} << 40;
+
+// A parameter's dtype and dimensions; adds its elements to *total (which must stay below 2^40).
+void ValidateParam(const ParamSpec& p, const char* what, size_t i, uint64_t* total) {
+  TS_CHECK(IsValidDType(static_cast<uint32_t>(p.dtype)), Code::kInvalidArgument, "{} {} ({}) has an unknown dtype",
+           what, i, p.name);
+  TS_CHECK(p.shape.size() <= 16, Code::kInvalidArgument, "{} {} ({}) has {} dimensions", what, i, p.name,
+           p.shape.size());
+  // numel() wraps silently (2^32 x 2^32 is 0, 512 x (2^55 - 1) is -512): here overflow is caught.
+  uint64_t numel = 1;
+  bool overflow = false, empty = false;
+  for (int64_t d : p.shape) {
+    TS_CHECK(d >= 0 && static_cast<uint64_t>(d) < kMaxElements, Code::kInvalidArgument, "{} {} ({}) has dimension {}",
+             what, i, p.name, d);
+    overflow |= __builtin_mul_overflow(numel, static_cast<uint64_t>(d), &numel);
+    empty |= d == 0;
+  }
+  TS_CHECK(empty || (!overflow && numel < kMaxElements), Code::kInvalidArgument, "{} {} ({}) has over 2^40 elements",
+           what, i, p.name);
+  *total += numel;  // 0 when a dimension is 0, however the product wrapped before it
+  TS_CHECK(*total < kMaxElements, Code::kInvalidArgument, "layout has over 2^40 elements");
 }
 
 void Validate(const LayoutSpec& spec) {
@@ -86,30 +115,17 @@ void Validate(const LayoutSpec& spec) {
   TS_CHECK(spec.peers.size() <= 256, Code::kInvalidArgument, "{} peers (limit 256)", spec.peers.size());
   TS_CHECK(spec.node_rank < spec.nodes(), Code::kInvalidArgument, "node_rank {} out of range for {} node(s)",
            spec.node_rank, spec.nodes());
-  constexpr uint64_t kMaxElements = uint64_t{1} << 40;
+  TS_CHECK(spec.frozen.size() < (1u << 24), Code::kInvalidArgument, "layout has {} frozen parameters (limit 16M)",
+           spec.frozen.size());
   uint64_t total = 0;
   for (size_t i = 0; i < spec.params.size(); ++i) {
     const ParamSpec& p = spec.params[i];
-    TS_CHECK(IsValidDType(static_cast<uint32_t>(p.dtype)), Code::kInvalidArgument,
-             "parameter {} ({}) has an unknown dtype", i, p.name);
+    ValidateParam(p, "parameter", i, &total);
     TS_CHECK(p.group < spec.num_groups, Code::kInvalidArgument, "parameter {} ({}) is in group {} of {}", i, p.name,
              p.group, spec.num_groups);
-    TS_CHECK(p.shape.size() <= 16, Code::kInvalidArgument, "parameter {} ({}) has {} dimensions", i, p.name,
-             p.shape.size());
-    // numel() wraps silently (2^32 x 2^32 is 0, 512 x (2^55 - 1) is -512): here overflow is caught.
-    uint64_t numel = 1;
-    bool overflow = false, empty = false;
-    for (int64_t d : p.shape) {
-      TS_CHECK(d >= 0 && static_cast<uint64_t>(d) < kMaxElements, Code::kInvalidArgument,
-               "parameter {} ({}) has dimension {}", i, p.name, d);
-      overflow |= __builtin_mul_overflow(numel, static_cast<uint64_t>(d), &numel);
-      empty |= d == 0;
-    }
-    TS_CHECK(empty || (!overflow && numel < kMaxElements), Code::kInvalidArgument,
-             "parameter {} ({}) has over 2^40 elements", i, p.name);
-    total += numel;  // 0 when a dimension is 0, however the product wrapped before it
-    TS_CHECK(total < kMaxElements, Code::kInvalidArgument, "layout has over 2^40 elements");
   }
+  uint64_t frozen = 0;
+  for (size_t i = 0; i < spec.frozen.size(); ++i) ValidateParam(spec.frozen[i], "frozen parameter", i, &frozen);
 }
 
 }  // namespace
@@ -119,7 +135,7 @@ JobLayout ComputeLayout(const LayoutSpec& spec) {
   JobLayout layout;
   layout.params.resize(spec.params.size());
 
-  // Reverse registration order, one open bucket per dtype.
+  // Reverse registration order, one open bucket per dtype; a new partition closes it.
   int open[3] = {-1, -1, -1};
   for (size_t i = spec.params.size(); i-- > 0;) {
     const ParamSpec& p = spec.params[i];
@@ -128,11 +144,16 @@ JobLayout ComputeLayout(const LayoutSpec& spec) {
     int& b = open[static_cast<int>(p.dtype)];
     if (b >= 0) {
       const BucketLayout& bucket = layout.buckets[b];
-      if ((AlignUp(bucket.numel, elem_align) + numel) * SizeOf(p.dtype) > spec.bucket_bytes) b = -1;
+      if ((AlignUp(bucket.numel, elem_align) + numel) * SizeOf(p.dtype) > spec.bucket_bytes ||
+          bucket.partition != p.partition) {
+        b = -1;
+      }
     }
     if (b < 0) {
       b = static_cast<int>(layout.buckets.size());
-      layout.buckets.emplace_back().dtype = p.dtype;
+      BucketLayout& bucket = layout.buckets.emplace_back();
+      bucket.dtype = p.dtype;
+      bucket.partition = p.partition;
     }
     BucketLayout& bucket = layout.buckets[b];
     bucket.numel = AlignUp(bucket.numel, elem_align);
@@ -153,6 +174,10 @@ JobLayout ComputeLayout(const LayoutSpec& spec) {
       layout.upload_bytes = AlignUp(layout.upload_bytes + bucket.bytes(), kAlign);
     }
   }
+  for (const ParamSpec& p : spec.frozen) {
+    layout.frozen_offsets.push_back(layout.frozen_bytes);
+    layout.frozen_bytes = AlignUp(layout.frozen_bytes + p.numel() * SizeOf(p.dtype), kAlign);
+  }
   layout.hash = HashSpec(spec);
 
   const size_t moment_bytes = layout.total_elems * SizeOf(spec.moment_dtype);
@@ -169,6 +194,7 @@ JobLayout ComputeLayout(const LayoutSpec& spec) {
   layout.exp_avg_sq_offset = take(moment_bytes);
   layout.accum_offset = spec.uses_accumulator() ? take(layout.total_elems * sizeof(float)) : 0;
   layout.upload_offset = take(layout.upload_bytes);
+  layout.frozen_offset = take(layout.frozen_bytes);
   layout.state_bytes = at;
 
   at = AlignUp(sizeof(RankHeader), kAlign);
@@ -192,6 +218,7 @@ StateView ViewState(void* base, const JobLayout& layout, const LayoutSpec& spec)
       .exp_avg_sq = bytes + layout.exp_avg_sq_offset,
       .accum = spec.uses_accumulator() ? reinterpret_cast<float*>(bytes + layout.accum_offset) : nullptr,
       .upload = bytes + layout.upload_offset,
+      .frozen = bytes + layout.frozen_offset,
   };
 }
 

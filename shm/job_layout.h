@@ -5,13 +5,18 @@
 //
 // State segment ("state", one per job, owned by the daemon):
 //   StateHeader | ParamState[P] | BucketState[B] | master f32 | exp_avg | exp_avg_sq | accum f32? | upload
+//   | frozen
 // The upload region holds the new weights of 16-bit buckets in their dtype; an fp32 bucket's new
-// weights are its master weights, read in place (no second copy to write, store or pin).
+// weights are its master weights, read in place (no second copy to write, store or pin). The frozen
+// region holds parameters outside the optimizer that the trainer pages (a LoRA base's weights), in
+// their own dtype, one after another: the daemon keeps them for the ranks and never touches them.
 // Rank segment ("rank<r>", one per attached rank):
 //   RankHeader | request ring | completion ring | HParams[2][G] | presence u8[P] | grads
 //
-// Buckets follow DESIGN.md: parameters in reverse registration order (≈ backward order), one dtype per
-// bucket, about `bucket_bytes` each; a parameter is never split, a larger one gets its own bucket.
+// Buckets follow the design document: parameters in reverse registration order (≈ backward order), one
+// dtype and one partition per bucket, about `bucket_bytes` each; a parameter is never split, a larger
+// one gets its own bucket. Partitions keep apart what must not share a bucket: each paged block's
+// parameters (partition 1 + its index) from the resident ones (0) and from the other blocks'.
 // Every parameter starts on a 64-byte boundary inside its bucket, and every region on a 64-byte
 // boundary in its segment, so kernels see aligned data and GPU views are aligned alike.
 #pragma once
@@ -27,7 +32,7 @@
 
 namespace trainstream::shm {
 
-constexpr uint32_t kSegmentVersion = 5;
+constexpr uint32_t kSegmentVersion = 6;
 constexpr size_t kMaxJobName = 256;
 constexpr uint32_t kRingCapacity = 1024;
 constexpr size_t kAlign = 64;
@@ -38,13 +43,15 @@ struct ParamSpec {
   std::string name;
   std::vector<int64_t> shape;
   DType dtype = DType::kFloat32;
-  uint32_t group = 0;
+  uint32_t group = 0;      // the optimizer's param group (frozen parameters: unused)
+  uint32_t partition = 0;  // parameters of different partitions never share a bucket
   [[nodiscard]] uint64_t numel() const;
 };
 
 // Everything that fixes the job's memory layout and semantics. Ranks of one job must agree on all of it.
 struct LayoutSpec {
   std::vector<ParamSpec> params;  // in the optimizer's order (the state_dict's parameter indices)
+  std::vector<ParamSpec> frozen;  // paged parameters outside the optimizer, in the frozen region's order
   uint32_t num_groups = 1;
   uint64_t bucket_bytes = 32ull << 20;
   DType moment_dtype = DType::kFloat32;
@@ -63,6 +70,7 @@ struct LayoutSpec {
 
 struct BucketLayout {
   DType dtype = DType::kFloat32;
+  uint32_t partition = 0;
   std::vector<uint32_t> params;  // parameter indices, in bucket order
   uint64_t numel = 0;            // elements including alignment padding
   uint64_t elem_offset = 0;      // into master / moments / accum (elements)
@@ -130,11 +138,13 @@ struct JobLayout {
   uint64_t total_elems = 0;  // master / moments elements, padding included
   uint64_t upload_bytes = 0;
   uint64_t grad_bytes = 0;
+  std::vector<uint64_t> frozen_offsets;  // bytes into the frozen region, per frozen parameter
+  uint64_t frozen_bytes = 0;
   uint64_t hash = 0;
 
   // state segment
   size_t param_state_offset = 0, bucket_state_offset = 0, master_offset = 0, exp_avg_offset = 0, exp_avg_sq_offset = 0,
-         accum_offset = 0, upload_offset = 0, state_bytes = 0;
+         accum_offset = 0, upload_offset = 0, frozen_offset = 0, state_bytes = 0;
   // rank segment
   size_t request_ring_offset = 0, completion_ring_offset = 0, hparams_offset = 0, presence_offset = 0, grads_offset = 0,
          rank_bytes = 0;
@@ -153,6 +163,7 @@ struct StateView {
   void* exp_avg_sq;
   float* accum;  // nullptr unless spec.uses_accumulator()
   std::byte* upload;
+  std::byte* frozen;
 };
 struct RankView {
   RankHeader* header;

@@ -20,15 +20,18 @@ bool IsOurDaemon(int64_t pid) {
   return std::getline(comm, name) && name == "trainstreamd";
 }
 
+void ToProto(const shm::ParamSpec& p, v1::ParamSpec* param) {
+  param->set_name(p.name);
+  for (int64_t d : p.shape) param->add_shape(d);
+  param->set_dtype(static_cast<v1::DType>(p.dtype));
+  param->set_group(p.group);
+  param->set_partition(p.partition);
+}
+
 v1::LayoutSpec ToProto(const shm::LayoutSpec& spec) {
   v1::LayoutSpec proto;
-  for (const shm::ParamSpec& p : spec.params) {
-    v1::ParamSpec* param = proto.add_params();
-    param->set_name(p.name);
-    for (int64_t d : p.shape) param->add_shape(d);
-    param->set_dtype(static_cast<v1::DType>(p.dtype));
-    param->set_group(p.group);
-  }
+  for (const shm::ParamSpec& p : spec.params) ToProto(p, proto.add_params());
+  for (const shm::ParamSpec& p : spec.frozen) ToProto(p, proto.add_frozen());
   proto.set_num_groups(spec.num_groups);
   proto.set_bucket_bytes(spec.bucket_bytes);
   proto.set_moment_dtype(static_cast<v1::DType>(spec.moment_dtype));

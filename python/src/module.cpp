@@ -12,6 +12,7 @@
 namespace py = pybind11;
 using trainstream::Client;
 using trainstream::GpuBuffer;
+using trainstream::PinnedHostRange;
 using trainstream::RankSession;
 
 namespace {
@@ -66,22 +67,32 @@ py::dict ToDict(const trainstream::StatsReport& report) {
   return d;
 }
 
-trainstream::shm::LayoutSpec MakeSpec(const py::list& params, uint32_t num_groups, uint64_t bucket_bytes,
-                                      int moment_dtype, int optimizer, uint32_t accumulation_steps, uint32_t world_size,
-                                      double max_grad_norm, std::vector<std::string> peers, uint32_t node_rank) {
-  trainstream::shm::LayoutSpec spec;
-  for (const py::handle item : params) {
+// (name, shape, dtype, group[, partition]) tuples.
+std::vector<trainstream::shm::ParamSpec> MakeParams(const py::list& entries) {
+  std::vector<trainstream::shm::ParamSpec> params;
+  for (const py::handle item : entries) {
     const auto tuple = item.cast<py::tuple>();
-    TS_CHECK(tuple.size() == 4, trainstream::Code::kInvalidArgument,
-             "parameter entries are (name, shape, dtype, group)");
+    TS_CHECK(tuple.size() == 4 || tuple.size() == 5, trainstream::Code::kInvalidArgument,
+             "parameter entries are (name, shape, dtype, group[, partition])");
     const int dtype = tuple[2].cast<int>();
     TS_CHECK(trainstream::IsValidDType(static_cast<uint32_t>(dtype)), trainstream::Code::kInvalidArgument,
              "unknown dtype code {}", dtype);
-    spec.params.push_back(trainstream::shm::ParamSpec{.name = tuple[0].cast<std::string>(),
-                                                      .shape = tuple[1].cast<std::vector<int64_t>>(),
-                                                      .dtype = static_cast<trainstream::DType>(dtype),
-                                                      .group = tuple[3].cast<uint32_t>()});
+    params.push_back(trainstream::shm::ParamSpec{.name = tuple[0].cast<std::string>(),
+                                                 .shape = tuple[1].cast<std::vector<int64_t>>(),
+                                                 .dtype = static_cast<trainstream::DType>(dtype),
+                                                 .group = tuple[3].cast<uint32_t>(),
+                                                 .partition = tuple.size() == 5 ? tuple[4].cast<uint32_t>() : 0});
   }
+  return params;
+}
+
+trainstream::shm::LayoutSpec MakeSpec(const py::list& params, const py::list& frozen, uint32_t num_groups,
+                                      uint64_t bucket_bytes, int moment_dtype, int optimizer,
+                                      uint32_t accumulation_steps, uint32_t world_size, double max_grad_norm,
+                                      std::vector<std::string> peers, uint32_t node_rank) {
+  trainstream::shm::LayoutSpec spec;
+  spec.params = MakeParams(params);
+  spec.frozen = MakeParams(frozen);
   spec.num_groups = num_groups;
   spec.bucket_bytes = bucket_bytes;
   spec.moment_dtype = static_cast<trainstream::DType>(moment_dtype);
@@ -99,6 +110,7 @@ py::list Buckets(const RankSession& session) {
   for (const auto& bucket : session.layout().buckets) {
     py::dict d;
     d["dtype"] = static_cast<int>(bucket.dtype);
+    d["partition"] = bucket.partition;
     d["params"] = bucket.params;
     d["numel"] = bucket.numel;
     d["elem_offset"] = bucket.elem_offset;
@@ -157,9 +169,9 @@ PYBIND11_MODULE(_C, m) {
           [](Client& c, const std::string& job, uint32_t rank, const py::list& params, uint32_t num_groups,
              uint64_t bucket_bytes, int moment_dtype, int optimizer, uint32_t accumulation_steps, uint32_t world_size,
              double max_grad_norm, uint64_t seed, std::vector<std::string> peers, uint32_t node_rank,
-             const std::string& transport, const std::string& device) {
-            auto spec = MakeSpec(params, num_groups, bucket_bytes, moment_dtype, optimizer, accumulation_steps,
-                                 world_size, max_grad_norm, std::move(peers), node_rank);
+             const std::string& transport, const std::string& device, const py::list& frozen) {
+            auto spec = MakeSpec(params, frozen, num_groups, bucket_bytes, moment_dtype, optimizer,
+                                 accumulation_steps, world_size, max_grad_norm, std::move(peers), node_rank);
             py::gil_scoped_release release;
             return std::shared_ptr<RankSession>(
                 c.Attach(job, rank, spec, seed, trainstream::RankTransport{transport, device}));
@@ -167,7 +179,8 @@ PYBIND11_MODULE(_C, m) {
           py::arg("job"), py::arg("rank"), py::arg("params"), py::arg("num_groups"), py::arg("bucket_bytes"),
           py::arg("moment_dtype"), py::arg("optimizer"), py::arg("accumulation_steps"), py::arg("world_size"),
           py::arg("max_grad_norm"), py::arg("seed"), py::arg("peers") = std::vector<std::string>(),
-          py::arg("node_rank") = 0, py::arg("transport") = "host", py::arg("device") = "cpu");
+          py::arg("node_rank") = 0, py::arg("transport") = "host", py::arg("device") = "cpu",
+          py::arg("frozen") = py::list());
 
   // Device memory for the cuda-ipc transport; torch.as_tensor(buffer, device=...) views it through
   // __cuda_array_interface__, and the tensor keeps the buffer alive.
@@ -184,6 +197,14 @@ PYBIND11_MODULE(_C, m) {
         interface["version"] = 2;
         return interface;
       });
+
+  // Page-locked host memory (weight paging's host copies): the constructor releases the GIL, so that
+  // several threads can register ranges at once.
+  py::class_<PinnedHostRange, std::shared_ptr<PinnedHostRange>>(m, "PinnedHostRange")
+      .def(py::init<int, uint64_t, size_t>(), py::arg("device"), py::arg("address"), py::arg("nbytes"),
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("address", &PinnedHostRange::address)
+      .def_property_readonly("nbytes", &PinnedHostRange::bytes);
 
   py::class_<RankSession, std::shared_ptr<RankSession>>(m, "RankSession")
       .def_property_readonly("rank", &RankSession::rank)
@@ -213,6 +234,11 @@ PYBIND11_MODULE(_C, m) {
            [](const std::shared_ptr<RankSession>& s) {
              return MakeRegion(s, s->state().upload, s->layout().upload_bytes);
            })
+      .def("frozen",
+           [](const std::shared_ptr<RankSession>& s) {
+             return MakeRegion(s, s->state().frozen, s->layout().frozen_bytes);
+           })
+      .def_property_readonly("frozen_offsets", [](const RankSession& s) { return s.layout().frozen_offsets; })
       .def("grads",
            [](const std::shared_ptr<RankSession>& s) { return MakeRegion(s, s->view().grads, s->layout().grad_bytes); })
       .def("presence",

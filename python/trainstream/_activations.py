@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from trainstream import _paging
+
 
 class activation_paging(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (used as a context manager)
     def __init__(self, min_bytes: int = 1 << 20, max_bytes: int | None = None):
@@ -40,6 +42,9 @@ class activation_paging(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801
         return self._streams[device]
 
     def _pack(self, tensor: torch.Tensor):
+        paged = _paging.reference(tensor)  # a paged weight: re-fetched by its pager, never copied out
+        if paged is not None:
+            return _PagedWeight(*paged)
         nbytes = tensor.numel() * tensor.element_size()
         if not tensor.is_cuda or nbytes < self.min_bytes or is_parameter(tensor):
             return tensor
@@ -58,6 +63,8 @@ class activation_paging(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801
 
     @staticmethod
     def _unpack(packed):
+        if isinstance(packed, _PagedWeight):
+            return packed.pager.unpack(packed.ref)
         if not isinstance(packed, _Paged):
             return packed
         torch.cuda.current_stream(packed.device).wait_event(packed.copied)
@@ -68,6 +75,13 @@ def is_parameter(tensor: torch.Tensor) -> bool:
     """A parameter or a view of one: a leaf that requires grad, at the bottom of the view chain."""
     base = tensor if tensor._base is None else tensor._base
     return base.is_leaf and base.requires_grad
+
+
+class _PagedWeight:
+    __slots__ = ("pager", "ref")
+
+    def __init__(self, pager, ref):
+        self.pager, self.ref = pager, ref
 
 
 class _Paged:

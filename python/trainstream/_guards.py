@@ -6,9 +6,10 @@ StaleReadGuard — a forward that reads a parameter outside its module's pre-hoo
 ApplyGuard — `module.to()`, `.cuda()`, `.half()`, ... after wrap cannot give the wrapped parameters
     another dtype, device or storage: the daemon's job keeps their layout.
 
-Both take the Rank (_rank.py) and use only its `model`, `params`, `stale`, `refresh_read()` and
-`synchronize()`. Invariants: a torch function of the model's forward never reads a stale wrapped
-parameter; a conversion is refused before anything changes.
+Both take the Rank (_rank.py) and use only its `model`, `params`, `needs_read_guard()`, `refresh_read()`
+and `synchronize()`. Invariants: a torch function of the model's forward never reads a stale wrapped
+parameter, nor a paged one whose block is not in its slot; a conversion is refused before anything
+changes.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ class StaleReadGuard(TorchFunctionMode):
     parameter before any pre-hook of its module ran (`x @ self.proj.weight.t()` in a parent's forward,
     a weight read before its module is called), and must see the same weights as in plain torch. The
     mode costs each torch function about 1 us of Python while it is entered, 2 us while something is
-    stale (2-core dev machine); without stale buckets at the forward's start it is not entered."""
+    stale (2-core dev machine); without stale buckets at the forward's start it is not entered. With
+    weight paging it is always entered: a paged weight read outside its block's forward loads the block."""
 
     def __init__(self, rank):
         super().__init__()
@@ -45,13 +47,13 @@ class StaleReadGuard(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.rank.stale:
+        if self.rank.needs_read_guard():
             self.rank.refresh_read(args, kwargs)
         return func(*args, **kwargs)
 
     def _forward_starts(self) -> None:
         self.depth += 1
-        if self.depth == 1 and self.rank.stale:
+        if self.depth == 1 and self.rank.needs_read_guard():
             self.__enter__()
             self.entered = True
 

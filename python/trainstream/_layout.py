@@ -34,9 +34,10 @@ def optimizer_kind(optimizer: torch.optim.Optimizer) -> int:
     return kind
 
 
-def parameters_of(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
-    """The optimizer's parameters in state_dict order, checked for what trainstream can offload."""
-    params, seen = [], set()
+def parameters_of(optimizer: torch.optim.Optimizer, paged: set[int] = frozenset()) -> list[torch.nn.Parameter]:
+    """The optimizer's parameters in state_dict order, checked for what trainstream can offload.
+    `paged`: ids of parameters that weight paging keeps in host memory (they may be elsewhere now)."""
+    params, seen, device = [], set(), None
     for gi, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
             if id(p) in seen:
@@ -48,19 +49,32 @@ def parameters_of(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
                 raise TrainstreamError(f"parameter dtype {p.dtype} unsupported (float32, bfloat16, float16)")
             if p.is_sparse:
                 raise TrainstreamError("sparse parameters are not supported")
-            if params and p.device != params[0].device:
-                raise TrainstreamError(f"parameters on {params[0].device} and {p.device}: "
-                                       "all parameters of a wrapped optimizer must be on one device")
+            if id(p) not in paged:
+                if device is not None and p.device != device:
+                    raise TrainstreamError(f"parameters on {device} and {p.device}: all parameters of a wrapped "
+                                           "optimizer must be on one device (pass device= to move them)")
+                device = p.device
             params.append(p)
     if not params:
         raise TrainstreamError("the optimizer has no parameters")
     return params
 
 
-def layout_entries(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                   params: list[torch.nn.Parameter]) -> list[tuple]:
-    """(name, shape, dtype code, group) for each parameter, as _C.Client.attach takes them."""
+def layout_entries(model: torch.nn.Module, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
+                   partition: dict[int, int] | None = None) -> list[tuple]:
+    """(name, shape, dtype code, group, partition) for each parameter, as _C.Client.attach takes them;
+    `partition` maps the ids of paged parameters to their block's partition (others: 0)."""
     names = {id(p): name for name, p in model.named_parameters()}
     group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
-    return [(names.get(id(p), f"param{i}"), list(p.shape), DTYPE_CODES[p.dtype], group_of[id(p)])
-            for i, p in enumerate(params)]
+    partition = partition or {}
+    return [(names.get(id(p), f"param{i}"), list(p.shape), DTYPE_CODES[p.dtype], group_of[id(p)],
+             partition.get(id(p), 0)) for i, p in enumerate(params)]
+
+
+def frozen_entries(frozen: list[tuple[str, torch.nn.Parameter]]) -> list[tuple]:
+    """(name, shape, dtype code, 0) for each paged parameter outside the optimizer."""
+    for name, p in frozen:
+        if p.dtype not in DTYPE_CODES:
+            raise TrainstreamError(f"frozen parameter '{name}' has dtype {p.dtype}: paging supports float32, "
+                                   "bfloat16 and float16")
+    return [(name, list(p.shape), DTYPE_CODES[p.dtype], 0) for name, p in frozen]

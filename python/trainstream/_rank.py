@@ -10,8 +10,14 @@ pre-hook of a module waits for its buckets' new weights and copies them in, and 
 forward reads elsewhere (a parent using a child's weight directly) is refreshed when a torch
 function first gets it (StaleReadGuard).
 
+With weight paging (`paging`, a _blocks.PagingPlan), the paged blocks' weights stay in the job's host
+memory and a BlockPager (_paging.py) brings them to the GPU block by block: for their buckets the Rank
+only waits for PARAMS_READY, and the pager copies.
+
 Invariants: a bucket's slot is written only after the daemon released it (SLOT_FREE / PARAMS_READY);
-a parameter is read by the model only after its bucket's weights of the last step are in place.
+a parameter is read by the model only after its bucket's weights of the last step are in place; a
+paged bucket's host copy is not read while the daemon may be updating it (after its last gradients
+of a step went out, before optimizer.step()).
 """
 
 from __future__ import annotations
@@ -23,9 +29,10 @@ from typing import Iterable
 
 import torch
 
-from trainstream import _layout
+from trainstream import _layout, _paging
 from trainstream._C import TrainstreamError
 from trainstream._guards import ApplyGuard, StaleReadGuard
+from trainstream._pinning import HostPins
 from trainstream._regions import Regions
 from trainstream._transport import Transport, describe_device, transport_for, transport_name
 
@@ -33,7 +40,9 @@ from trainstream._transport import Transport, describe_device, transport_for, tr
 class Rank:
     def __init__(self, client, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, job: str, rank: int,
                  world_size: int, max_grad_norm: float | None, accumulation_steps: int, bucket_mb: float,
-                 moment_dtype: str, seed: int, peers: list[str] | None = None, node_rank: int = 0):
+                 moment_dtype: str, seed: int, peers: list[str] | None = None, node_rank: int = 0,
+                 paging=None, device: torch.device | None = None, page_prefetch: int = 2,
+                 page_pool_mb: float | None = None):
         if accumulation_steps < 1:
             raise TrainstreamError(f"accumulation_steps must be >= 1, not {accumulation_steps}")
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -45,18 +54,23 @@ class Rank:
         self.client = client
         self.model = model
         self.kind = _layout.optimizer_kind(optimizer)
-        self.params = _layout.parameters_of(optimizer)
-        device = self.params[0].device
+        self.paging = paging
+        paged = paging.paged_ids if paging else set()
+        self.params = _layout.parameters_of(optimizer, paged)
+        resident = [p for p in self.params if id(p) not in paged]
+        device = device or (resident[0].device if resident else self.params[0].device)
+        self.device = device
         self.groups = optimizer.param_groups
         self.accumulation_steps = accumulation_steps
         self.job = job
+        frozen = paging.frozen if paging else []
         self.session = client._native.attach(
-            job, rank, _layout.layout_entries(model, optimizer, self.params), len(optimizer.param_groups),
-            int(bucket_mb * (1 << 20)), _layout.MOMENT_DTYPES[moment_dtype], self.kind, accumulation_steps,
-            world_size, float(max_grad_norm or 0.0), seed, list(peers or []), node_rank, transport_name(device),
-            describe_device(device))
+            job, rank, _layout.layout_entries(model, optimizer, self.params, paging.partition if paging else None),
+            len(optimizer.param_groups), int(bucket_mb * (1 << 20)), _layout.MOMENT_DTYPES[moment_dtype], self.kind,
+            accumulation_steps, world_size, float(max_grad_norm or 0.0), seed, list(peers or []), node_rank,
+            transport_name(device), describe_device(device), frozen=_layout.frozen_entries(frozen))
         moments = torch.float32 if moment_dtype == "float32" else torch.bfloat16
-        self.regions = Regions(self.session, self.params, moments)
+        self.regions = Regions(self.session, self.params, moments, [p for _, p in frozen])
         self.buckets = self.regions.buckets  # the step protocol runs per bucket
         self.transport: Transport = transport_for(self.regions, self.session, device)
         self._bucket_step = [1] * len(self.buckets)  # the step each bucket is collecting
@@ -70,20 +84,29 @@ class Rank:
         self._opened: set[int] = set()  # buckets whose slot this micro-batch writes
         self._arrived = [0] * len(self.buckets)
         self._sent = [False] * len(self.buckets)
+        self._final_sent: set[int] = set()  # buckets whose gradients of the step's last micro-batch went out
+        self._loads = 0                     # state loads published (they change the weights at the same step)
         self._handles = []
-        self._initialize_weights(rank)
+        self.pager: _paging.BlockPager | None = None
+        self._seed_weights(rank)
+        if paging:
+            self.pager = self._make_pager(page_prefetch, page_pool_mb)
+        self.synchronize()
         self._install_hooks()
 
     # ----- weights -----
 
-    def _initialize_weights(self, rank: int) -> None:
-        """Rank 0 of a new job seeds the master weights from its parameters; every rank then takes the
-        job's weights (those of rank 0, or the state a restarted process resumes from)."""
+    def _seed_weights(self, rank: int) -> None:
+        """Rank 0 of a new job seeds the master weights (and paged frozen weights) from its parameters;
+        every rank then takes the job's weights (those of rank 0, or the state a restarted process
+        resumes from), once synchronize() has waited for them."""
         s = self.session
         if not s.initialized and rank == 0:
             with torch.no_grad():
                 for i, p in enumerate(self.params):
                     self.regions.master_view(i).copy_(p.detach())
+                for view, (_, p) in zip(self.regions.frozen_views, self.paging.frozen if self.paging else []):
+                    view.copy_(p.detach())
             s.send_load_state(0)
             self._mark_all_stale(0, weights_on_gpu=True)
         elif s.initialized:
@@ -94,7 +117,47 @@ class Rank:
             self.transport.step_done(max(self._ready_step, default=0))
         else:
             self._mark_all_stale(0)
-        self.synchronize()
+
+    def _make_pager(self, prefetch: int, pool_mb: float | None) -> _paging.BlockPager:
+        """The paged parameters become placeholders (their memory is released), their host copies are
+        page-locked in the background (GPU), and the pager's hooks go onto the blocks."""
+        copies = _paging.block_copies(self.paging, self.regions)
+        pins = None
+        if self.device.type == "cuda":
+            # cuda-client-copy page-locks the upload region and fp32 master weights itself.
+            frozen_only = self.transport.name == "cuda-client-copy"
+            groups = [[(r.source().data_ptr(), r.nbytes) for r in c.ranges if r.frozen or not frozen_only]
+                      for c in copies]
+            pins = HostPins(self.device.index or 0, groups)
+        pager = _paging.BlockPager(copies, self.device, _WeightGate(self), prefetch,
+                                   None if pool_mb is None else int(pool_mb * (1 << 20)), pins)
+        self._paging_hooks = _paging.PagingHooks(pager, self.model)
+        self._paged_block = {id(t.param): c.index for c in copies for t in c.tensors}
+        paged = set(self._paged_block)
+        self._paged_names = [(name, p) for name, p in self.model.named_parameters(remove_duplicate=False)
+                             if id(p) in paged]
+        return pager
+
+    def _paged_host_views(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """Each paged parameter with the job's host copy of its current weights."""
+        index = {id(p): i for i, p in enumerate(self.params)}
+        views = [(p, self.regions.upload_views[index[id(p)]]) for b in self.paging.blocks for p in b.trainable]
+        return views + [(p, v) for (_, p), v in zip(self.paging.frozen, self.regions.frozen_views)]
+
+    def _paged_state_dict(self, state_dict: dict, prefix: str) -> None:
+        """model.state_dict(): a paged parameter's entry is a copy of its host weights (on the CPU)."""
+        host = {id(p): v for p, v in self._paged_host_views()}
+        for name, p in self._paged_names:
+            if prefix + name in state_dict:
+                state_dict[prefix + name] = host[id(p)].clone()
+
+    def _page_to_host(self) -> None:
+        """model.load_state_dict(): the paged parameters become their host copies while torch writes
+        into them; push_weights() publishes them and puts the placeholders back."""
+        self._require_idle("load weights")
+        self.pager.evict_all()
+        for p, view in self._paged_host_views():
+            p.data = view
 
     def _mark_all_stale(self, step: int, weights_on_gpu: bool = False) -> None:
         """`weights_on_gpu`: this rank just loaded the master weights from its parameters."""
@@ -103,6 +166,7 @@ class Rank:
             self._bucket_step[b] = step + 1
             self._ready_step[b] = step
         self.stale = set(range(len(self.buckets)))
+        self._loads += 1
 
     def refresh(self, buckets: Iterable[int]) -> None:
         """Makes the parameters of `buckets` show their latest weights (waits for the daemon)."""
@@ -114,9 +178,10 @@ class Rank:
                     if b not in self.stale:
                         continue
                     self.session.wait_params_ready(b, self._ready_step[b])
-                    with torch.no_grad():
-                        for i in self.regions.bucket_params[b]:
-                            self.transport.weights_in(i)
+                    if b not in self.regions.paged_buckets:  # the pager copies paged ones when it loads them
+                        with torch.no_grad():
+                            for i in self.regions.bucket_params[b]:
+                                self.transport.weights_in(i)
                     self.stale.discard(b)
                 self.transport.weights_done()
             finally:
@@ -128,17 +193,30 @@ class Rank:
         (and in lists and tuples among them, as torch.cat's), unless a refresh is running already."""
         if self._refreshing:
             return
-        buckets, bucket_of = set(), self.regions.bucket_of
+        buckets, blocks, bucket_of = set(), set(), self.regions.bucket_of
+        paged = self._paged_block if self.pager is not None else {}
         for a in (*args, *kwargs.values()):
             for t in a if isinstance(a, (list, tuple)) else (a,):
+                k = paged.get(id(t))
+                if k is not None:
+                    blocks.add(k)
+                    continue
                 i = self._index.get(id(t))
                 if i is not None and bucket_of[i] in self.stale:
                     buckets.add(bucket_of[i])
         if buckets:
             self.refresh(sorted(buckets))
+        for k in sorted(blocks):  # a paged weight read outside its block's forward
+            self.pager.use(k)
+
+    def needs_read_guard(self) -> bool:
+        """Whether a forward may read a weight that is not in place: a stale bucket, or any paged block."""
+        return bool(self.stale) or self.pager is not None
 
     def synchronize(self) -> None:
         self.refresh(sorted(self.stale, reverse=True))
+        if self.pager is not None:
+            self.pager.refresh_loaded()
 
     def push_weights(self) -> None:
         """Publishes the parameters' current values as the master weights (after model.load_state_dict)."""
@@ -147,6 +225,8 @@ class Rank:
             with torch.no_grad():
                 for i, p in enumerate(self.params):
                     self.regions.master_view(i).copy_(p.detach())
+            if self.pager is not None:
+                self.pager.release_all()
             self._publish()
 
     def _publish(self) -> None:
@@ -172,6 +252,10 @@ class Rank:
             if buckets:
                 self._handles.append(module.register_forward_pre_hook(lambda m, args, b=buckets: self.refresh(b)))
         self._handles.append(self.model.register_state_dict_pre_hook(lambda *args, **kwargs: self.synchronize()))
+        if self.pager is not None:
+            self._handles.append(self.model.register_state_dict_post_hook(
+                lambda module, state_dict, prefix, metadata: self._paged_state_dict(state_dict, prefix)))
+            self._handles.append(self.model.register_load_state_dict_pre_hook(lambda *args: self._page_to_host()))
         self._handles.append(self.model.register_load_state_dict_post_hook(lambda module, keys: self.push_weights()))
         self._handles += [ApplyGuard(self, module) for module in self.model.modules()]
         self._handles.append(StaleReadGuard(self))
@@ -233,6 +317,8 @@ class Rank:
         self.transport.bucket_done(
             b, lambda slot=0, piece=0: self.session.send_grad_ready(b, step, micro, final, slot, piece))
         self._sent[b] = True
+        if final:
+            self._final_sent.add(b)
 
     def _end_backward(self) -> None:
         with self._lock:
@@ -268,6 +354,7 @@ class Rank:
             self.stale = set(range(len(self.buckets)))
             self._micro = 0
             self._step_pending = False
+            self._final_sent.clear()
             self.transport.step_done(max(self._ready_step, default=0))
         self._report_warnings()
 
@@ -275,8 +362,16 @@ class Rank:
         for message in self.session.take_warnings():
             warnings.warn(f"trainstreamd: {message}", RuntimeWarning, stacklevel=3)
 
-    def close(self, drop: bool = False) -> None:
+    def close(self, drop: bool = False, device: torch.device | None = None) -> None:
+        """Detaches. Paged parameters get their current weights from the job's host copy: on the CPU,
+        or on `device`."""
         self.remove_hooks()
+        if self.pager is not None:
+            self._paging_hooks.remove()
+            self.pager.close()
+            with torch.no_grad():
+                for p, host in self._paged_host_views():
+                    p.data = host.to(device or "cpu", copy=True)
         self.transport.close()
         self.session.close()
         if drop:
@@ -284,6 +379,34 @@ class Rank:
                 self.client.drop_job(self.job)
             except TrainstreamError:
                 pass
+
+
+class _WeightGate(_paging.WeightGate):
+    """The pager's view of the step protocol: a paged block's host copy may be read once its buckets'
+    weights of the step the model must show are published, and not while the daemon may be updating
+    them."""
+
+    def __init__(self, rank: Rank):
+        self.rank = rank
+
+    def wait(self, buckets: tuple[int, ...]) -> None:
+        rank = self.rank
+        updating = sorted(set(buckets) & rank._final_sent)
+        if updating:
+            raise TrainstreamError(
+                f"a forward reads the weights of paged bucket(s) {updating} after their last gradients of the step "
+                "went out and before optimizer.step(): the daemon may be updating their host copy; call "
+                "optimizer.step() first")
+        rank.refresh(buckets)
+
+    def ready(self, buckets: tuple[int, ...]) -> bool:
+        rank = self.rank
+        return all(b not in rank.stale or rank.session.params_ready(b, rank._ready_step[b]) for b in buckets) \
+            and not set(buckets) & rank._final_sent
+
+    def generation(self, buckets: tuple[int, ...]) -> int:
+        rank = self.rank
+        return hash((rank._loads, *(rank._ready_step[b] for b in buckets)))
 
 
 def default_job_name() -> str:

@@ -230,8 +230,14 @@ class CudaIpcTransport:
         self._bucket_bytes = [b["numel"] * _layout.torch_dtype(b["dtype"]).itemsize for b in regions.buckets]
         self.slot_bytes = _round_up(min(max(self._bucket_bytes, default=1), self._SLOT_CAP), 256)
         slots = int(os.environ.get("TRAINSTREAM_STAGING_SLOTS", 4))
+        if regions.paged_buckets:
+            raise CudaIpcRefused("this daemon's cuda-ipc pushes every bucket to the GPU, and weight paging keeps "
+                                 "the paged blocks' buckets off it")
+        # Where each bucket lies in the flat parameter buffer: at its offset in the gradient region.
+        self._param_offsets = [b["grad_offset"] for b in regions.buckets]
+        params_bytes = self.session.grad_bytes
         with torch.cuda.device(device):
-            self._params_buffer = _C.GpuBuffer(device.index, max(self.session.grad_bytes, 1))
+            self._params_buffer = _C.GpuBuffer(device.index, max(params_bytes, 1))
             self._staging_buffer = _C.GpuBuffer(device.index, slots * self.slot_bytes)
             self._grad_ready = [torch.cuda.Event(interprocess=True) for _ in range(slots)]
             self._wanted = [torch.cuda.Event(interprocess=True) for _ in range(self._WANT_EVENTS)]
@@ -251,10 +257,14 @@ class CudaIpcTransport:
         self.slot_wait_s = 0.0  # time backward spent waiting for a free staging slot (benchmarks read it)
 
     def _rehome_parameters(self, flat: torch.Tensor) -> None:
-        """Every parameter becomes a view of the flat buffer at its bucket's offset, keeping its values."""
+        """Every resident parameter becomes a view of the flat buffer at its bucket's offset, keeping its
+        values."""
         with torch.no_grad():
             for i, p in enumerate(self.regions.params):
-                start = self._byte_offset(i) + self.regions.buckets[self.regions.param_layout[i][0]]["grad_offset"]
+                offset = self._param_offsets[self.regions.param_layout[i][0]]
+                if offset is None:
+                    continue
+                start = offset + self._byte_offset(i)
                 view = flat[start:start + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
                 view.copy_(p.detach())
                 p.data = view
@@ -321,8 +331,9 @@ class CudaIpcTransport:
         """The parameters move back into torch's memory: the flat buffer goes with this transport."""
         torch.cuda.synchronize(self.device)
         with torch.no_grad():
-            for p in self.regions.params:
-                p.data = p.data.clone()
+            for i, p in enumerate(self.regions.params):
+                if self._param_offsets[self.regions.param_layout[i][0]] is not None:
+                    p.data = p.data.clone()
         self._pending.clear()
 
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import random
 import weakref
 
 import torch
 
-from trainstream import _peers
+from trainstream import _blocks, _peers
 from trainstream._C import TrainstreamError
 from trainstream._connect import Client, connect
 from trainstream._optimizer import OffloadedOptimizer
@@ -47,7 +48,9 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
          max_grad_norm: float | None = None,
          accumulation_steps: int = 1, bucket_mb: float = 32, moment_dtype: str = "float32",
          seed: int | None = None, peers: list[str] | None = None,
-         node_rank: int | None = None) -> tuple[torch.nn.Module, OffloadedOptimizer]:
+         node_rank: int | None = None, device: str | torch.device | None = None, param_offload=False,
+         blocks=None, page_prefetch: int = 2,
+         page_pool_mb: float | None = None) -> tuple[torch.nn.Module, OffloadedOptimizer]:
     """Offloads `optimizer` (torch.optim.AdamW or Adam) of `model` to trainstreamd.
 
     Returns the same model, with hooks that stream gradients out during backward and bring new weights
@@ -65,6 +68,17 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
     between them. Without `peers` and $TRAINSTREAM_PEERS, a torchrun job spanning several nodes
     (WORLD_SIZE > LOCAL_WORLD_SIZE) exchanges the daemons' advertised addresses through its
     torch.distributed store (the initialized process group's, else torchrun's agent store).
+
+    Models whose weights do not fit on the GPU: `param_offload` pages the weights of the repeated
+    block stack from the daemon's host memory to the GPU block by block (True: every block; a fraction
+    in (0, 1]: that share of the blocks, the first ones; a list of block indices). `blocks` names the
+    block modules (default: the longest nn.ModuleList of modules of one class, such as model.blocks or
+    model.model.layers); parameters outside them stay on the GPU. `device` moves the model's other
+    parameters and buffers there (build the model on the CPU: the paged blocks never need the GPU
+    whole). The GPU holds `page_prefetch` + 1 blocks (or `page_pool_mb` MiB of them): the block computing
+    now and the next ones, copied while it computes. Each paged weight crosses PCIe twice per step
+    (forward and backward). Frozen parameters (requires_grad=False) of paged blocks, a LoRA base, are
+    kept once in host memory in their dtype, with no optimizer state.
     """
     if model in _ranks:
         raise TrainstreamError("this model is already wrapped; call trainstream.unwrap(model) first")
@@ -73,6 +87,17 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
     rank, world_size, job = _local_ranks(rank, world_size, job)
     if (world_size > 1 or len(peers) > 1 or from_store) and job is None:
         raise TrainstreamError("ranks of a job with world_size > 1 or several nodes must pass the same job name")
+    paging = _blocks.plan_paging(model, [p for g in optimizer.param_groups for p in g["params"]], param_offload,
+                                 blocks)
+    if device is not None:
+        device = _place(model, torch.device(device), paging.paged_ids if paging else set())
+    elif paging is not None:
+        resident = {p.device for p in model.parameters() if id(p) not in paging.paged_ids}
+        if len(resident) != 1 or next(iter(resident)).type == "cpu":
+            raise TrainstreamError(f"param_offload with the model's parameters on {sorted(map(str, resident))}: pass "
+                                   "device= (where the blocks compute, e.g. device='cuda'); the paged weights are "
+                                   "copied there block by block")
+        device = next(iter(resident))
     client = client or connect()
     if from_store:
         peers = _peers.from_store(client, job, node_rank, rank)
@@ -81,7 +106,8 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
     r = Rank(client, model, optimizer, job=job or default_job_name(), rank=rank, world_size=world_size,
              max_grad_norm=max_grad_norm, accumulation_steps=accumulation_steps, bucket_mb=bucket_mb,
              moment_dtype=moment_dtype, seed=random.getrandbits(63) if seed is None else seed, peers=peers,
-             node_rank=node_rank)
+             node_rank=node_rank, paging=paging, device=device, page_prefetch=page_prefetch,
+             page_pool_mb=page_pool_mb)
     _ranks[model] = r
     if auto_named:
         _auto_named.append(r)  # nobody can resume it: dropped when the process exits
@@ -89,6 +115,23 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
     if state is not None:
         wrapped.load_state_dict(state)  # an optimizer that already stepped keeps its moments
     return model, wrapped
+
+
+def _place(model: torch.nn.Module, device: torch.device, paged: set[int]) -> torch.device:
+    """Moves every parameter and buffer of `model` but the paged parameters to `device` (in place: the
+    optimizer's parameters stay the same objects); paged parameters stay where they are until the job
+    holds their weights."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    with torch.no_grad():
+        for module in model.modules():
+            for p in module._parameters.values():
+                if p is not None and id(p) not in paged and p.device != device:
+                    p.data = p.data.to(device)
+            for name, buffer in module._buffers.items():
+                if buffer is not None and buffer.device != device:
+                    module._buffers[name] = buffer.to(device)
+    return device
 
 
 def _rank_of(model: torch.nn.Module) -> Rank:
@@ -105,13 +148,19 @@ def synchronize(model: torch.nn.Module | None = None) -> None:
         r.synchronize()
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+def unwrap(model: torch.nn.Module, device: str | torch.device | None = None) -> torch.nn.Module:
     """Removes trainstream from `model` and returns it with its current weights. The job's state stays
     in the daemon (dropped if the job was auto-named). With the cuda-ipc transport the parameters move
-    back into torch's allocator, which then needs room for them before their old buffer is freed."""
+    back into torch's allocator, which then needs room for them before their old buffer is freed.
+    Paged weights (param_offload) come back on the CPU, or on `device` if given."""
     r = _rank_of(model)
     r.synchronize()
-    r.close(drop=r in _auto_named)
+    if r.pager is not None:
+        where = torch.device(device) if device is not None else torch.device("cpu")
+        logging.getLogger("trainstream").info(
+            "unwrap: the paged weights of %d block(s) come back on %s%s", len(r.paging.blocks), where,
+            "" if device is not None else " (pass device= to bring them to the GPU)")
+    r.close(drop=r in _auto_named, device=torch.device(device) if device is not None else None)
     if r in _auto_named:
         _auto_named.remove(r)
     del _ranks[model]

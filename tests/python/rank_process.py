@@ -35,6 +35,7 @@ def main() -> None:
                         help="ranks and nodes from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, ...), peers "
                              "from the torch.distributed store; --world-size, --peers and --node-rank are ignored")
     parser.add_argument("--dist-init", default=None, help="init_method of a gloo process group over all ranks")
+    parser.add_argument("--param-offload", action="store_true", help="page both Linear layers' weights (CPU)")
     args = parser.parse_args()
 
     if args.dist_init:
@@ -45,6 +46,8 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
     common = dict(client=trainstream.connect(args.socket), job=args.job, accumulation_steps=args.accumulation_steps,
                   max_grad_norm=args.max_grad_norm)
+    if args.param_offload:
+        common.update(device="cpu", param_offload=True, blocks=[model[0], model[2]])
     if args.from_env:
         model, opt = trainstream.wrap(model, opt, **common)
         # this rank's place among every rank of every node
@@ -64,7 +67,8 @@ def main() -> None:
         opt.step()
         print(f"step {step}", flush=True)
     trainstream.synchronize()
-    torch.save([p.detach().clone() for p in model.parameters()], args.out)
+    weights = model.state_dict()  # paged weights are not all in GPU slots: the state dict has them all
+    torch.save([weights[name].clone() for name, _ in model.named_parameters()], args.out)
 
 
 if __name__ == "__main__":

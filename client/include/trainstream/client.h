@@ -20,7 +20,7 @@
 namespace trainstream {
 
 namespace cuda {
-class PrimaryContext;  // shm/cuda_driver.h; only GpuBuffer's implementation sees it
+class PrimaryContext;  // shm/cuda_driver.h; only GpuBuffer's and PinnedHostRange's implementations see it
 }  // namespace cuda
 
 struct DaemonInfo {
@@ -74,6 +74,24 @@ class GpuBuffer {
   size_t bytes_;
   std::unique_ptr<cuda::PrimaryContext> context_;  // retained while the buffer lives
   uint64_t address_ = 0;
+};
+
+// Host memory of this process page-locked for the GPUs (cuMemHostRegister, portable), so that copies
+// between it and device memory run at PCIe speed, until this is destroyed. The range must not be
+// registered already, by this or another PinnedHostRange.
+class PinnedHostRange {
+ public:
+  PinnedHostRange(int device_ordinal, uint64_t address, size_t bytes);  // in the device's primary context
+  ~PinnedHostRange();
+  PinnedHostRange(const PinnedHostRange&) = delete;
+  PinnedHostRange& operator=(const PinnedHostRange&) = delete;
+  [[nodiscard]] uint64_t address() const { return address_; }
+  [[nodiscard]] size_t bytes() const { return bytes_; }
+
+ private:
+  uint64_t address_;
+  size_t bytes_;
+  std::unique_ptr<cuda::PrimaryContext> context_;  // retained while the range is registered
 };
 
 struct StatsReport {

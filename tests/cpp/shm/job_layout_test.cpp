@@ -184,6 +184,43 @@ TEST(ComputeLayout, EveryRegionIsAlignedDisjointAndInside) {
   }
 }
 
+// Paged blocks: parameters of different partitions never share a bucket, even when they would fit.
+TEST(ComputeLayout, PartitionsNeverShareABucket) {
+  LayoutSpec spec = UniformSpec(6, 10, 1 << 20);  // all six would fit one bucket
+  for (uint32_t i = 0; i < 6; ++i) spec.params[i].partition = i < 2 ? 0 : 1 + (i - 2) / 2;  // 0 0 1 1 2 2
+  const JobLayout layout = ComputeLayout(spec);
+  ASSERT_EQ(layout.buckets.size(), 3u);
+  EXPECT_EQ(layout.buckets[0].params, (std::vector<uint32_t>{5, 4}));
+  EXPECT_EQ(layout.buckets[0].partition, 2u);
+  EXPECT_EQ(layout.buckets[1].params, (std::vector<uint32_t>{3, 2}));
+  EXPECT_EQ(layout.buckets[2].params, (std::vector<uint32_t>{1, 0}));
+  EXPECT_EQ(layout.buckets[2].partition, 0u);
+  ExpectConsistent(spec, layout);
+}
+
+// Frozen parameters (a LoRA base) take no bucket and no optimizer state: only their own bytes, one
+// after another in the frozen region at the end of the state segment.
+TEST(ComputeLayout, FrozenParametersGetTheirOwnRegionOnly) {
+  LayoutSpec spec = UniformSpec(2, 100, 4096);
+  const JobLayout without = ComputeLayout(spec);
+  spec.frozen = {Param("base.a", {3, 7}, DType::kBFloat16), Param("base.b", {1000}, DType::kBFloat16),
+                 Param("base.c", {5}, DType::kFloat32)};
+  const JobLayout with = ComputeLayout(spec);
+  EXPECT_EQ(with.buckets.size(), without.buckets.size());
+  EXPECT_EQ(with.total_elems, without.total_elems);
+  EXPECT_EQ(with.grad_bytes, without.grad_bytes);
+  EXPECT_EQ(with.rank_bytes, without.rank_bytes);
+  ASSERT_EQ(with.frozen_offsets.size(), 3u);
+  EXPECT_EQ(with.frozen_offsets[0], 0u);
+  EXPECT_EQ(with.frozen_offsets[1], 64u);    // 42 bytes, padded to 64
+  EXPECT_EQ(with.frozen_offsets[2], 2112u);  // 64 + 2000 bytes, padded
+  EXPECT_EQ(with.frozen_bytes, 2112u + 64u);
+  EXPECT_EQ(with.frozen_offset % kAlign, 0u);
+  EXPECT_GE(with.frozen_offset, with.upload_offset + with.upload_bytes);
+  EXPECT_EQ(with.state_bytes, with.frozen_offset + with.frozen_bytes);
+  EXPECT_EQ(with.state_bytes - without.state_bytes, with.frozen_bytes);
+}
+
 TEST(ComputeLayout, AccumulatorOnlyWithAccumulation) {
   LayoutSpec spec = UniformSpec(2, 100, 4096);
   const JobLayout without = ComputeLayout(spec);
@@ -217,6 +254,8 @@ TEST(ComputeLayout, HashChangesWithEveryField) {
       {"bucket_bytes", [](LayoutSpec& s) { s.bucket_bytes = 8192; }},
       {"moment dtype", [](LayoutSpec& s) { s.moment_dtype = DType::kFloat32; }},
       {"optimizer", [](LayoutSpec& s) { s.optimizer = OptimizerKind::kAdam; }},
+      {"partition", [](LayoutSpec& s) { s.params[1].partition = 3; }},
+      {"a frozen parameter", [](LayoutSpec& s) { s.frozen.push_back(Param("base", {8}, DType::kBFloat16)); }},
   };
   const uint64_t base = ComputeLayout(MixedSpec()).hash;
   for (const auto& [what, change] : changes) {
@@ -262,6 +301,13 @@ TEST(ComputeLayout, InvalidSpecsAreRejectedNamingTheProblem) {
       {"num_groups 0", [](LayoutSpec& s) { s.num_groups = 0; }, "num_groups"},
       {"tiny buckets", [](LayoutSpec& s) { s.bucket_bytes = 100; }, "bucket_bytes"},
       {"unknown dtype", [](LayoutSpec& s) { s.params[0].dtype = static_cast<DType>(9); }, "dtype"},
+      {"frozen negative dim",
+       [](LayoutSpec& s) {
+         s.frozen = {Param("base", {4, -3})};
+       },
+       "frozen parameter 0 (base) has dimension -3"},
+      {"frozen unknown dtype", [](LayoutSpec& s) { s.frozen = {Param("base", {4}, static_cast<DType>(7))}; },
+       "frozen parameter 0 (base) has an unknown dtype"},
   };
   for (const auto& [what, change, needle] : cases) {
     SCOPED_TRACE(what);

@@ -1,0 +1,30 @@
+// PinnedHostRange: host memory page-locked for the GPUs through the driver (shm/cuda_driver.h), in the
+// primary context that the CUDA runtime, and so torch, uses. Registering costs about 2 GiB/s on the
+// GPU machine (measured: 32 GiB in 18.6 s), so callers register only what copies touch, and may do it
+// on several threads: the constructor holds no lock of ours.
+#include "shm/cuda_driver.h"
+#include "trainstream/client.h"
+
+namespace trainstream {
+
+PinnedHostRange::PinnedHostRange(int device_ordinal, uint64_t address, size_t bytes)
+    : address_(address), bytes_(bytes) {
+  const cuda::CudaDriver& driver = cuda::CudaDriver::Get();
+  cuda::CUdevice device = 0;
+  driver.Check(driver.cuDeviceGet(&device, device_ordinal), "cuDeviceGet");
+  context_ = std::make_unique<cuda::PrimaryContext>(driver, device);
+  cuda::ScopedContext scope(driver, context_->get());
+  // NOLINTNEXTLINE(performance-no-int-to-ptr): the address comes from Python as an integer
+  void* host = reinterpret_cast<void*>(address_);
+  driver.Check(driver.cuMemHostRegister(host, bytes_, cuda::kMemHostRegisterPortable),
+               fmt::format("page-locking {} bytes of host memory (cuMemHostRegister)", bytes_).c_str());
+}
+
+PinnedHostRange::~PinnedHostRange() {
+  const cuda::CudaDriver& driver = cuda::CudaDriver::Get();
+  // NOLINTNEXTLINE(performance-no-int-to-ptr)
+  void* host = reinterpret_cast<void*>(address_);
+  cuda::ReleaseInContext(driver, context_->get(), [&] { driver.cuMemHostUnregister(host); });
+}
+
+}  // namespace trainstream

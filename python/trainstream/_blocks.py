@@ -1,0 +1,174 @@
+"""Which weights page: the block stack of a model, the share of it that `param_offload` selects, and
+the parameters that leave the GPU with those blocks (the design document, "Weight paging").
+
+Planning only: nothing here moves memory. Every refusal is raised at wrap time, naming the argument.
+
+Invariants of a plan:
+- a paged parameter belongs to exactly one paged block: every module that holds it lies inside that
+  block (a weight shared by two blocks, or tied to one outside the blocks, stays resident);
+- trainable paged parameters are the optimizer's; frozen ones (requires_grad=False) are not, and get
+  no optimizer state;
+- blocks keep their order (forward runs them in it), and each paged block's trainable parameters form
+  buckets of their own (their layout partition is 1 + the block's index), so that a block's weights
+  are published, and copied to the GPU, bucket by bucket.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from trainstream._C import TrainstreamError
+
+
+def find_blocks(model: nn.Module) -> tuple[str, list[nn.Module]]:
+    """The longest nn.ModuleList whose modules are all of one class (model.blocks, model.model.layers),
+    with its name; the first one found where two are as long."""
+    best_name, best = "", []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > len(best) and len(module) > 0 \
+                and len({type(m) for m in module}) == 1:
+            best_name, best = name, list(module)
+    if not best:
+        raise TrainstreamError("param_offload: found no block stack in the model (an nn.ModuleList of modules of one "
+                               "class, such as model.blocks or model.model.layers); pass blocks=[...] to name them")
+    return best_name, best
+
+
+def resolve_blocks(model: nn.Module, blocks) -> tuple[list[str], list[nn.Module]]:
+    """`blocks=` checked (modules of the model, each once, none inside another), or found; with names."""
+    names = {id(m): name for name, m in model.named_modules()}
+    if blocks is None:
+        stack, found = find_blocks(model)
+        return [f"{stack}.{i}" if stack else str(i) for i in range(len(found))], found
+    blocks = list(blocks)
+    if not blocks:
+        raise TrainstreamError("blocks= is empty: name the model's repeated block modules, or leave it out")
+    seen = set()
+    for i, block in enumerate(blocks):
+        if not isinstance(block, nn.Module):
+            raise TrainstreamError(f"blocks[{i}] is a {type(block).__name__}, not an nn.Module of the model")
+        if id(block) not in names or block is model:
+            raise TrainstreamError(f"blocks[{i}] ({type(block).__name__}) is not a submodule of the model")
+        if id(block) in seen:
+            raise TrainstreamError(f"blocks[{i}] ({names[id(block)]}) appears twice in blocks=")
+        seen.add(id(block))
+    for i, block in enumerate(blocks):
+        for inner in block.modules():
+            if inner is not block and id(inner) in seen:
+                raise TrainstreamError(f"blocks= names {names[id(inner)]} inside {names[id(block)]}: blocks must not "
+                                       "nest")
+    return [names[id(b)] for b in blocks], blocks
+
+
+def select_blocks(param_offload, count: int) -> list[int]:
+    """The block indices `param_offload` pages: True every block, a fraction in (0, 1] that share of
+    the blocks (the first ones, rounded up), a list of indices those blocks; False or None none."""
+    if param_offload is None or param_offload is False:
+        return []
+    if param_offload is True:
+        return list(range(count))
+    if isinstance(param_offload, (int, float)) and not isinstance(param_offload, bool):
+        share = float(param_offload)
+        if not 0 < share <= 1 or math.isnan(share):
+            raise TrainstreamError(f"param_offload={param_offload!r}: a fraction must lie in (0, 1]; or pass True, "
+                                   "False, 'auto' or a list of block indices")
+        return list(range(max(1, math.ceil(share * count - 1e-9))))
+    if isinstance(param_offload, (list, tuple, range)):
+        indices = list(param_offload)
+        for i in indices:
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < count:
+                raise TrainstreamError(f"param_offload: block index {i!r} out of range: the model has {count} blocks "
+                                       f"(0..{count - 1})")
+        if len(set(indices)) != len(indices):
+            raise TrainstreamError(f"param_offload: block indices {indices} name a block twice")
+        return sorted(indices)
+    raise TrainstreamError(f"param_offload={param_offload!r}: use False, True, 'auto', a fraction in (0, 1] or a list "
+                           "of block indices")
+
+
+@dataclass
+class PagedBlock:
+    index: int                      # in the block stack
+    name: str                       # the module's name in the model
+    module: nn.Module
+    trainable: list[nn.Parameter] = field(default_factory=list)  # in the optimizer; updated by the daemon
+    frozen: list[nn.Parameter] = field(default_factory=list)     # requires_grad=False; never change
+
+
+@dataclass
+class PagingPlan:
+    blocks: list[PagedBlock]
+    partition: dict[int, int]       # id(trainable paged parameter) -> its layout partition
+    frozen: list[tuple[str, nn.Parameter]]  # every paged frozen parameter, block by block, with its name
+    resident_shared: list[str]      # parameters of paged blocks kept resident because they are shared
+
+    @property
+    def paged_ids(self) -> set[int]:
+        return {id(p) for b in self.blocks for p in (*b.trainable, *b.frozen)}
+
+
+def plan_paging(model: nn.Module, trainable: list[nn.Parameter], param_offload, blocks=None) -> PagingPlan | None:
+    """What pages for `param_offload` (see select_blocks), None when nothing does. `trainable` is the
+    optimizer's parameters."""
+    if param_offload is None or param_offload is False:
+        if blocks is not None:
+            raise TrainstreamError("blocks= is given but param_offload is off: pass param_offload=True (or a share)")
+        return None
+    names, modules = resolve_blocks(model, blocks)
+    selected = select_blocks(param_offload, len(modules))
+    owner = _block_of_each_module(model, modules)
+    holders = _holders(model)
+    in_optimizer = {id(p) for p in trainable}
+    param_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=True)}
+    plan = PagingPlan(blocks=[], partition={}, frozen=[], resident_shared=[])
+    for k in selected:
+        block = PagedBlock(index=k, name=names[k], module=modules[k])
+        for p in modules[k].parameters():
+            if {owner.get(id(m)) for m in holders[id(p)]} != {k}:
+                plan.resident_shared.append(param_names.get(id(p), "?"))
+                continue
+            if id(p) in in_optimizer:
+                block.trainable.append(p)
+                plan.partition[id(p)] = k + 1
+            elif p.requires_grad:
+                raise TrainstreamError(f"parameter '{param_names.get(id(p), '?')}' requires grad but is not in the "
+                                       "optimizer: add it to the optimizer, or set requires_grad=False to freeze it")
+            else:
+                block.frozen.append(p)
+                plan.frozen.append((param_names.get(id(p), "?"), p))
+        plan.blocks.append(block)
+    return plan
+
+
+def _block_of_each_module(model: nn.Module, blocks: list[nn.Module]) -> dict[int, int]:
+    """id(module) -> index of the block it lies in, for every module inside a block."""
+    owner = {}
+    for k, block in enumerate(blocks):
+        for m in block.modules():
+            owner[id(m)] = k
+    return owner
+
+
+def _holders(model: nn.Module) -> dict[int, list[nn.Module]]:
+    """id(parameter) -> every module that holds it directly (tied weights have several)."""
+    holders: dict[int, list[nn.Module]] = {}
+    for m in model.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                holders.setdefault(id(p), []).append(m)
+    return holders
+
+
+def host_bytes_per_parameter(dtype: torch.dtype, moment_dtype: torch.dtype, trainable: bool, ranks: int = 1) -> int:
+    """Host memory one element takes in the daemon: trainable, fp32 master weights, two moments, the
+    upload copy of a 16-bit weight and each rank's gradient slot; frozen, one copy in its dtype."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    if not trainable:
+        return size
+    moments = torch.empty(0, dtype=moment_dtype).element_size()
+    upload = size if dtype != torch.float32 else 0
+    return 4 + 2 * moments + upload + ranks * size
