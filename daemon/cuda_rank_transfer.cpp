@@ -127,6 +127,10 @@ void CudaRankTransfer::PushWeights(uint64_t offset, const void* host, size_t byt
       std::move(done), GateOn(nullptr));
 }
 
+void CudaRankTransfer::ReleaseHost(const void* base, size_t bytes) {
+  PinnedHost::Instance().Release(base, bytes);
+}
+
 CopyQueue::Gate CudaRankTransfer::GateOn(cuda::CUevent event) {
   return [self = shared_from_this(), event] {
     TS_CHECK(!self->abandoned_, Code::kUnavailable, "the rank detached before its GPU work was ready");

@@ -44,6 +44,7 @@ class CudaRankTransfer final : public RankTransfer, public std::enable_shared_fr
   void AwaitWeightsWanted(uint32_t event, Done done) override;
   void PushWeights(uint64_t offset, const void* host, size_t bytes, Done done) override;
   void Abandon() override { abandoned_ = true; }
+  void ReleaseHost(const void* base, size_t bytes) override;
 
  private:
   CudaRankTransfer(std::shared_ptr<GpuDevice> gpu, const CudaIpcExport& exported);

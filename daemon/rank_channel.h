@@ -9,7 +9,6 @@
 #include <deque>
 #include <memory>
 
-#include "daemon/pinned_host.h"
 #include "daemon/rank_transfer.h"
 #include "daemon/session_sink.h"
 #include "shm/job_layout.h"
@@ -30,7 +29,9 @@ struct RankChannel {
         pushing(layout.buckets.size(), 0),
         pushed(layout.buckets.size(), -1) {}
   // No copy can touch the segment any more (copies hold a reference): it may stop being page-locked.
-  ~RankChannel() { PinnedHost::Instance().Release(segment.data(), segment.size()); }
+  ~RankChannel() {
+    if (transfer) transfer->ReleaseHost(segment.data(), segment.size());
+  }
   RankChannel(const RankChannel&) = delete;
   RankChannel& operator=(const RankChannel&) = delete;
 

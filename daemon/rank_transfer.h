@@ -31,6 +31,9 @@ class RankTransfer {
   virtual void PushWeights(uint64_t offset, const void* host, size_t bytes, Done done) = 0;
   // The rank is gone: work not yet started fails instead of waiting for events that may never come.
   virtual void Abandon() = 0;
+  // The rank's host memory [base, base + bytes) is about to be unmapped, and no copy uses it any more:
+  // undo what the copies did to it (the CUDA transfer page-locks the host memory it copies on first use).
+  virtual void ReleaseHost(const void* base, size_t bytes) = 0;
 };
 
 }  // namespace trainstream::daemon

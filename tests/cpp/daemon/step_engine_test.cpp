@@ -609,6 +609,7 @@ class FakeGpu final : public RankTransfer {
     Run([=, this] { std::memcpy(params.data() + offset, host, bytes); }, std::move(done), false);
   }
   void Abandon() override { Set(queue_->abandoned, true); }
+  void ReleaseHost(const void*, size_t) override {}  // nothing is page-locked
   void ReachEvents(bool reached) { Set(queue_->events_reached, reached); }
   // The rank's view of parameter p: its place in the flat parameter buffer, or in staging slot `slot`.
   std::span<float> Param(const shm::JobLayout& layout, uint32_t p) {
