@@ -26,10 +26,10 @@
 #include <emmintrin.h>
 #endif
 
+#include "daemon/engine/worker_pool.h"
 #include "daemon/optimizer/adamw_kernels.h"
 #include "daemon/optimizer/float_convert.h"
 #include "daemon/optimizer/kernel_table.h"
-#include "daemon/worker_pool.h"
 #include "shm/error.h"
 
 namespace ts = trainstream;

@@ -1,4 +1,4 @@
-// ts_bench_allreduce: the daemons' ring all-reduce (daemon/peer_allreduce.h) between M peer planes
+// ts_bench_allreduce: the daemons' ring all-reduce (daemon/peer/peer_allreduce.h) between M peer planes
 // on loopback. Prints seconds per all-reduce and the bus bandwidth 2(M-1)/M * bytes / time, the
 // figure NCCL and gloo benchmarks report. run.py starts the nodes and adds gloo.
 //
@@ -29,8 +29,8 @@
 #include <thread>
 #include <vector>
 
-#include "daemon/peer_allreduce.h"
-#include "daemon/peer_service.h"
+#include "daemon/peer/peer_allreduce.h"
+#include "daemon/peer/peer_service.h"
 
 using namespace trainstream::daemon;  // NOLINT(google-build-using-namespace): a benchmark's main
 
@@ -154,7 +154,7 @@ int main(int argc, char** argv) {
   if (nodes < 2 || floats < 1) Die("--nodes must be at least 2, --floats at least 1");
   if (node >= static_cast<int>(nodes)) Die("--node must be below --nodes");
   if (node >= 0 && ports_dir.empty()) Die("--node needs --ports-dir");
-  // As trainstreamd does (daemon/peer_service.h, daemon/main.cpp).
+  // As trainstreamd does (daemon/peer/peer_service.h, daemon/main.cpp).
   KeepPeerBuffersMapped();
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
 

@@ -1,0 +1,264 @@
+#include "daemon/peer/peer_allreduce.h"
+
+#include <grpcpp/grpcpp.h>
+#include <spdlog/spdlog.h>
+#include <algorithm>
+
+#include "daemon/peer/peer_wire.h"
+#include "shm/error.h"
+
+namespace trainstream::daemon {
+
+namespace {
+constexpr uint32_t kReduceScatter = 0, kAllGather = 1;
+// A chunk travels in pieces, so that sending, receiving and adding overlap: a quarter of the chunk,
+// at least 128 KiB and at most 4 MiB (the last one shorter), over PeerConfig::connections to the
+// right-hand peer (4 unless --peer-connections says otherwise) with 2 pieces in flight on each.
+// Measured on loopback, one process per node, against gloo's bus bandwidth
+// (benchmarks/results/allreduce_h200-16core-*.jsonl): on a 16-core machine one connection with
+// pieces of at least 512 KiB was the limit below 128 MiB (1-32 MiB: 0.42-0.93x gloo); 4 connections
+// with 128 KiB pieces: 8-128 MiB at 0.92-1.66x, 1 MiB at 0.58-0.96x. Pieces of 64 KiB, 2 or 8
+// connections, 1 piece in flight per connection, a 1 MiB HTTP/2 frame, and direct sends between all
+// pairs instead of the ring (2 hops instead of 2(M-1), branch exp/conns) were no better overall.
+// Every piece is one call, and a call costs much CPU time in gRPC (2 cores, 128 MiB over 3 nodes:
+// 48 ms of user time per node with 512 KiB pieces, 35 ms with 2 MiB, 29 ms with 8 MiB), so large
+// chunks use large pieces: 128 MiB over 3 nodes took 180 ms with 4 MiB pieces against 261 ms with
+// 512 KiB; beyond 4 MiB it gained nothing. On 2 cores, where the CPU is the limit, 4 connections
+// with 128 KiB pieces were within run-to-run noise of one with 512 KiB, except 1 MiB over 3 nodes
+// (0.66-0.75x gloo against 0.91-0.96x): more calls for the same bytes.
+constexpr size_t kMinPieces = 4;
+constexpr size_t kMinPieceFloats = (size_t{128} << 10) / sizeof(float);
+constexpr size_t kMaxPieceFloats = kMaxPieceBytes / sizeof(float);
+constexpr size_t kInFlightPerConnection = 2;
+constexpr std::chrono::milliseconds kPoll{50};  // how often a wait looks for failed sends and Stop
+
+// How every node splits a bucket of n floats: M chunks [n*c/M, n*(c+1)/M), each in pieces of
+// `piece` floats (the last one shorter). Both ends of a piece compute the same ranges.
+struct Split {
+  size_t n;
+  uint32_t chunks;
+  size_t piece = std::clamp(n / (size_t{chunks} * kMinPieces), kMinPieceFloats, kMaxPieceFloats);
+
+  std::pair<size_t, size_t> Chunk(int64_t c) const {
+    const auto index = static_cast<size_t>(((c % chunks) + chunks) % chunks);
+    return {n * index / chunks, n * (index + 1) / chunks};
+  }
+  uint32_t Pieces(std::pair<size_t, size_t> chunk) const {
+    return static_cast<uint32_t>((chunk.second - chunk.first + piece - 1) / piece);
+  }
+  // Piece p of `chunk`: its first element and its length.
+  std::pair<size_t, size_t> Piece(std::pair<size_t, size_t> chunk, uint32_t p) const {
+    const size_t begin = chunk.first + p * piece;
+    return {begin, std::min(piece, chunk.second - begin)};
+  }
+};
+}  // namespace
+
+PeerAllReduce::PeerAllReduce(std::string job, std::vector<std::string> peers, uint32_t node_rank, uint32_t buckets,
+                             const PeerConfig& config)
+    : job_(std::move(job)), peers_(std::move(peers)), node_rank_(node_rank), buckets_(buckets), config_(config) {
+  TS_CHECK(peers_.size() >= 2 && node_rank_ < peers_.size(), Code::kInvalidArgument,
+           "a ring needs at least 2 nodes and this node among them ({} peers, node rank {})", peers_.size(),
+           node_rank_);
+  const uint32_t right = (node_rank_ + 1) % peers_.size();
+  right_ = std::make_unique<PeerSender>(peers_[right], config_.connections,
+                                        fmt::format("peer {} (node {})", peers_[right], right), config_.secret,
+                                        config_.timeout, kInFlightPerConnection * config_.connections);
+  thread_ = std::thread([this] { Run(); });
+}
+
+PeerAllReduce::~PeerAllReduce() {
+  Stop("the job was removed");
+}
+
+void PeerAllReduce::Submit(uint64_t step, uint32_t bucket, float* data, size_t n, Done done) {
+  std::unique_lock lock(mutex_);
+  if (stopped_) {  // the job is going away
+    const std::string reason = *stopped_;
+    lock.unlock();
+    return done(reason);
+  }
+  pending_.emplace(std::make_pair(step, bucket), Request{data, n, std::move(done)});
+  if (!next_) next_ = std::make_pair(step, 0u);
+  lock.unlock();
+  changed_.notify_all();
+}
+
+void PeerAllReduce::FailQueued(const std::string& reason) {
+  std::map<std::pair<uint64_t, uint32_t>, Request> queued;
+  {
+    std::lock_guard lock(mutex_);
+    queued.swap(pending_);
+    next_.reset();
+  }
+  for (auto& [key, request] : queued) request.done(reason);
+}
+
+void PeerAllReduce::Reset(const std::string& reason) {
+  FailQueued(reason);
+}
+
+void PeerAllReduce::Stop(const std::string& reason) {
+  {
+    std::lock_guard lock(mutex_);
+    if (stopped_) return;
+    stopped_ = reason;
+    stopping_ = true;
+  }
+  changed_.notify_all();
+  thread_.join();
+  FailQueued(reason);
+}
+
+void PeerAllReduce::Run() {
+  for (;;) {
+    std::pair<uint64_t, uint32_t> key;
+    Request request{};
+    {
+      std::unique_lock lock(mutex_);
+      changed_.wait(lock, [&] { return stopping_ || (next_ && pending_.contains(*next_)); });
+      if (stopping_) return;
+      key = *next_;
+      request = std::move(pending_.extract(key).mapped());
+      next_ = key.second + 1 < buckets_ ? std::make_pair(key.first, key.second + 1) : std::make_pair(key.first + 1, 0u);
+    }
+    request.done(Reduce(key.first, key.second, request.data, request.n));
+  }
+}
+
+// Ring step s (0 <= s < 2(M-1)) sends chunk me-s to the right and receives chunk me-s-1 from the
+// left: steps below M-1 are the reduce-scatter (the received values are added: after step s this
+// node holds the sum of s+2 nodes' values of chunk me-s-1), the rest the all-gather (complete chunks
+// are copied). What arrives in step s leaves in step s+1, piece by piece: the gRPC thread that
+// received a piece adds it and posts it on (Bucket::Arrived). A region is overwritten only by the
+// all-gather, whose values left this node's sum earlier (the right-hand peer had received them,
+// so they were read out of the bucket), so a posted piece never changes before it was sent.
+// Pieces of different steps that cover the same region arrive in ring order for the same reason.
+struct PeerAllReduce::Bucket final : PeerSink {
+  PeerAllReduce& ring;
+  const uint64_t step;
+  const uint32_t bucket;
+  float* const data;
+  const Split split;
+  const uint32_t rounds = split.chunks - 1, ring_steps = 2 * rounds;
+  std::vector<std::vector<bool>> seen;  // [ring step][piece]
+
+  std::mutex mutex;
+  std::condition_variable changed;
+  size_t left = 0;  // pieces still to arrive
+  std::chrono::steady_clock::time_point progress = std::chrono::steady_clock::now();
+  std::optional<std::string> error;
+
+  Bucket(PeerAllReduce& ring, uint64_t step, uint32_t bucket, float* data, size_t n)
+      : ring(ring), step(step), bucket(bucket), data(data), split{n, static_cast<uint32_t>(ring.peers_.size())} {
+    for (uint32_t s = 0; s < ring_steps; ++s) {
+      seen.emplace_back(split.Pieces(Chunk(s)), false);
+      left += seen.back().size();
+    }
+  }
+  std::pair<size_t, size_t> Chunk(uint32_t ring_step) const {
+    return split.Chunk(static_cast<int64_t>(ring.node_rank_) - ring_step - 1);
+  }
+
+  void Arrived(const ChunkKey& key, PeerPayload payload) override {
+    const uint32_t s = key.phase == kReduceScatter ? key.round : rounds + key.round;
+    const uint32_t from = (ring.node_rank_ + ring.peers_.size() - 1) % ring.peers_.size();
+    if (key.round >= rounds || key.piece >= seen[s].size()) {
+      return Failed(
+          fmt::format("peer {} (node {}) sent piece {} of round {} of a bucket that has no such piece "
+                      "(layouts differ?)",
+                      ring.peers_[from], from, key.piece, key.round));
+    }
+    const auto [begin, count] = split.Piece(Chunk(s), key.piece);
+    if (PayloadBytes(payload) != count * sizeof(float)) {
+      return Failed(fmt::format("peer {} (node {}) sent {} bytes for a piece of {} (layouts differ?)",
+                                ring.peers_[from], from, PayloadBytes(payload), count * sizeof(float)));
+    }
+    {
+      std::lock_guard lock(mutex);
+      if (seen[s][key.piece] || error) return;  // twice (a stale piece), or the reduction failed
+      seen[s][key.piece] = true;
+    }
+    ApplyPayload(payload, data + begin, key.phase == kReduceScatter);
+    if (s + 1 < ring_steps) ring.Post(step, bucket, s + 1, key.piece, data + begin, count);
+    std::lock_guard lock(mutex);
+    progress = std::chrono::steady_clock::now();
+    if (--left == 0) changed.notify_all();
+  }
+  void Failed(std::string message) {
+    std::lock_guard lock(mutex);
+    if (!error) error = std::move(message);
+    changed.notify_all();
+  }
+};
+
+std::optional<std::string> PeerAllReduce::Reduce(uint64_t step, uint32_t bucket, float* data, size_t n) {
+  Bucket reduction(*this, step, bucket, data, n);
+  const auto first = reduction.split.Chunk(node_rank_);
+  for (uint32_t p = 0; p < reduction.split.Pieces(first); ++p) {
+    const auto [begin, count] = reduction.split.Piece(first, p);
+    Post(step, bucket, 0, p, data + begin, count);
+  }
+  for (auto& [key, payload] : config_.mailbox->Register(job_, step, bucket, &reduction)) {
+    reduction.Arrived(key, std::move(payload));
+  }
+  std::optional<std::string> error;
+  {
+    std::unique_lock lock(reduction.mutex);
+    while (reduction.left > 0 && !reduction.error) {
+      if (reduction.changed.wait_for(lock, kPoll, [&] { return reduction.left == 0 || reduction.error; })) break;
+      if (auto send_error = right_->Error()) {
+        error = std::move(*send_error);
+        break;
+      }
+      if (Stopping()) {
+        error = "the job is being removed";
+        break;
+      }
+      if (std::chrono::steady_clock::now() - reduction.progress >= config_.timeout) {
+        const uint32_t left = (node_rank_ + peers_.size() - 1) % peers_.size();
+        error = fmt::format("peer {} (node {}) sent nothing for bucket {} of step {} within {} ms", peers_[left], left,
+                            bucket, step, config_.timeout.count());
+        break;
+      }
+    }
+    if (!error && reduction.error) error = reduction.error;
+    if (error) reduction.error = error;  // later arrivals are ignored
+  }
+  config_.mailbox->Unregister(job_, step, bucket);  // no thread posts any more
+  if (error) return Fail(std::move(*error));
+  // The last pieces may still be on their way to a peer that stopped answering: not past Stop.
+  while (!right_->WaitIdle(kPoll)) {
+    if (Stopping()) return Fail("the job is being removed");
+  }
+  return right_->Finish();
+}
+
+// Stops the sends of a failed reduction; a failed send is the better message (it names the cause).
+std::optional<std::string> PeerAllReduce::Fail(std::string error) {
+  auto send_error = right_->Error();
+  right_->Cancel();
+  right_->Finish();
+  return send_error ? send_error : std::move(error);
+}
+
+void PeerAllReduce::Post(uint64_t step, uint32_t bucket, uint32_t ring_step, uint32_t piece, const float* data,
+                         size_t n) {
+  const uint32_t rounds = static_cast<uint32_t>(peers_.size()) - 1;
+  v1::PeerChunk header;
+  header.set_job(job_);
+  header.set_step(step);
+  header.set_bucket(bucket);
+  header.set_phase(ring_step < rounds ? kReduceScatter : kAllGather);
+  header.set_round(ring_step % rounds);
+  header.set_from_node(node_rank_);
+  header.set_piece(piece);
+  right_->Post(std::move(header), data, n);
+}
+
+bool PeerAllReduce::Stopping() {
+  std::lock_guard lock(mutex_);
+  return stopping_;
+}
+
+}  // namespace trainstream::daemon
