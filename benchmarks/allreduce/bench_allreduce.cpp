@@ -72,8 +72,8 @@ struct Node {
     for (size_t i = 0; i < floats; ++i) data[i] = static_cast<float>((i + rank) % 7);
   }
 
-  std::future<std::optional<std::string>> Submit(uint64_t step) {
-    auto promise = std::make_shared<std::promise<std::optional<std::string>>>();
+  std::future<std::optional<trainstream::Error>> Submit(uint64_t step) {
+    auto promise = std::make_shared<std::promise<std::optional<trainstream::Error>>>();
     auto done = promise->get_future();
     ring->Submit(step, 0, data.data(), data.size(), [promise](auto error) { promise->set_value(error); });
     return done;
@@ -97,8 +97,8 @@ struct Node {
   }
 };
 
-void Await(std::future<std::optional<std::string>>& done) {
-  if (auto error = done.get()) Die("all-reduce failed: " + *error);
+void Await(std::future<std::optional<trainstream::Error>>& done) {
+  if (auto error = done.get()) Die(std::string("all-reduce failed: ") + error->what());
 }
 
 // Waits until every node has written DIR/node-<n>.<suffix> (written whole: renamed into place) and
@@ -174,7 +174,7 @@ int main(int argc, char** argv) {
   for (uint32_t n = first; n < last; ++n) local[n - first]->Join(peers, n, floats, connections);
 
   auto once = [&](uint64_t step) {
-    std::vector<std::future<std::optional<std::string>>> done;
+    std::vector<std::future<std::optional<trainstream::Error>>> done;
     done.reserve(local.size());
     for (auto& n : local) done.push_back(n->Submit(step));
     for (auto& d : done) Await(d);

@@ -9,15 +9,13 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <functional>
-#include <optional>
-#include <string>
+
+#include "shm/error.h"
 
 namespace trainstream::daemon {
 
 class RankTransfer {
  public:
-  using Done = std::function<void(std::optional<std::string> error)>;
   virtual ~RankTransfer() = default;
 
   [[nodiscard]] virtual uint32_t staging_slots() const = 0;

@@ -270,11 +270,12 @@ void StepEngine::PullThenDeliver(const std::shared_ptr<RankChannel>& channel, ui
   channel->transfer->PullGradients(
       slot, channel->view.grads + bucket.grad_offset + offset,
       std::min(channel->transfer->slot_bytes(), bucket.bytes() - offset),
-      [this, channel, b, slot, step, micro](std::optional<std::string> error) {
+      [this, channel, b, slot, step, micro](std::optional<Error> error) {
         Continue([this, channel, b, slot, step, micro, error = std::move(error)] {
           if (!Attached(channel)) return;
           if (error) {
-            return FailRank(*channel, fmt::format("copying bucket {}'s gradients from the GPU failed: {}", b, *error));
+            return FailRank(*channel,
+                            fmt::format("copying bucket {}'s gradients from the GPU failed: {}", b, error->what()));
           }
           const BucketProgress& progress = buckets_[b];
           if (progress.step != step || progress.micro != micro || progress.phase != Phase::kCollecting) return;
@@ -457,11 +458,11 @@ void StepEngine::StartReduce(uint32_t b) {
     const shm::BucketLayout& bucket = layout_.buckets[b];
     ++inflight_;  // the all-reduce works on the accumulator
     peers_->Submit(buckets_[b].step, b, state_.accum + bucket.elem_offset, bucket.numel,
-                   [this, b](std::optional<std::string> error) {
+                   [this, b](std::optional<Error> error) {
                      Continue([this, b, error = std::move(error)] {
                        if (!error) return AfterGradients(b);
                        RestartBucket(b);
-                       const std::string message = fmt::format("all-reduce between daemons failed: {}", *error);
+                       const std::string message = fmt::format("all-reduce between daemons failed: {}", error->what());
                        if (!diverged_)
                          diverged_ = fmt::format("{} (bucket {} of step {})", message, b, buckets_[b].step);
                        FailSessions(message);
@@ -699,10 +700,11 @@ void StepEngine::OnWeightsWanted(const std::shared_ptr<RankChannel>& channel, co
   TS_CHECK(message.step < (uint64_t{1} << 62), Code::kInvalidArgument, "WEIGHTS_WANTED step {} out of range",
            message.step);
   ++inflight_;
-  channel->transfer->AwaitWeightsWanted(message.slot, [this, channel](std::optional<std::string> error) {
+  channel->transfer->AwaitWeightsWanted(message.slot, [this, channel](std::optional<Error> error) {
     Continue([this, channel, error = std::move(error)] {
       if (!Attached(channel)) return;
-      if (error) return FailRank(*channel, fmt::format("waiting for the rank's optimizer.step() failed: {}", *error));
+      if (error)
+        return FailRank(*channel, fmt::format("waiting for the rank's optimizer.step() failed: {}", error->what()));
       channel->view.header->weights_wanted_waits.fetch_add(1);
     });
   });
@@ -739,7 +741,7 @@ void StepEngine::MaybePush(const std::shared_ptr<RankChannel>& channel, uint32_t
   ++inflight_;
   const uint64_t generation = channel->push_generation;
   channel->transfer->PushWeights(bucket.grad_offset, source, bucket.bytes(),
-                                 [this, channel, b, step, generation](std::optional<std::string> error) {
+                                 [this, channel, b, step, generation](std::optional<Error> error) {
                                    Continue([this, channel, b, step, generation, error = std::move(error)] {
                                      OnPushed(channel, b, static_cast<uint64_t>(step), generation, error);
                                    });
@@ -747,14 +749,15 @@ void StepEngine::MaybePush(const std::shared_ptr<RankChannel>& channel, uint32_t
 }
 
 void StepEngine::OnPushed(const std::shared_ptr<RankChannel>& channel, uint32_t b, uint64_t step, uint64_t generation,
-                          const std::optional<std::string>& error) {
+                          const std::optional<Error>& error) {
   channel->pushing[b] = 0;
   BucketProgress& progress = buckets_[b];
   if (--progress.pushes == 0 && progress.update_after_pushes) {
     StartUpdate(b, *std::exchange(progress.update_after_pushes, std::nullopt));
   }
   if (!Attached(channel)) return;
-  if (error) return FailRank(*channel, fmt::format("copying bucket {}'s weights to the GPU failed: {}", b, *error));
+  if (error)
+    return FailRank(*channel, fmt::format("copying bucket {}'s weights to the GPU failed: {}", b, error->what()));
   if (generation == channel->push_generation) {  // not overtaken by a state load
     channel->pushed[b] = static_cast<int64_t>(step);
     PostTo(*channel, shm::Message{.kind = shm::MessageKind::kParamsReady, .bucket = b, .step = step});

@@ -111,7 +111,7 @@ class StepEngine {
   void PublishWeights(uint32_t bucket, uint64_t step);
   void MaybePush(const std::shared_ptr<RankChannel>& channel, uint32_t bucket);
   void OnPushed(const std::shared_ptr<RankChannel>& channel, uint32_t bucket, uint64_t step, uint64_t generation,
-                const std::optional<std::string>& error);
+                const std::optional<Error>& error);
   [[nodiscard]] bool Attached(const std::shared_ptr<RankChannel>& channel) const;
   void PostTo(RankChannel& channel, const shm::Message& message);
   void FailRank(RankChannel& channel, const std::string& message);

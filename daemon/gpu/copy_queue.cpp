@@ -77,7 +77,7 @@ CopyQueue::InFlight CopyQueue::Start(Item item) {
     return InFlight{finished, std::move(item.done), std::nullopt};
   } catch (const Error& e) {
     spdlog::warn("{}: {}", name_, e.what());
-    return InFlight{nullptr, std::move(item.done), std::string(e.what())};
+    return InFlight{nullptr, std::move(item.done), e};
   }
 }
 
@@ -110,7 +110,7 @@ void CopyQueue::CompleteLoop() {
         driver_.Check(driver_.cuEventSynchronize(oldest.finished), "a GPU copy");
       } catch (const Error& e) {
         spdlog::warn("{}: {}", name_, e.what());
-        oldest.error = e.what();
+        oldest.error = e;
       }
       std::lock_guard lock(mutex_);
       idle_events_.push_back(oldest.finished);

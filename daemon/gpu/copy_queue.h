@@ -18,13 +18,13 @@
 #include <vector>
 
 #include "shm/cuda_driver.h"
+#include "shm/error.h"
 
 namespace trainstream::daemon {
 
 class CopyQueue {
  public:
   using Issue = std::function<void(cuda::CUstream)>;  // enqueues work on the stream; may throw Error
-  using Done = std::function<void(std::optional<std::string> error)>;
   // True once the item may be issued; throws Error when it never will (its `done` gets the error).
   using Gate = std::function<bool()>;
 
@@ -44,7 +44,7 @@ class CopyQueue {
   struct InFlight {
     cuda::CUevent finished;  // nullptr: failed to issue, `error` says why
     Done done;
-    std::optional<std::string> error;
+    std::optional<Error> error;
   };
 
   void IssueLoop();

@@ -32,6 +32,12 @@ constexpr size_t kMaxPieceFloats = kMaxPieceBytes / sizeof(float);
 constexpr size_t kInFlightPerConnection = 2;
 constexpr std::chrono::milliseconds kPoll{50};  // how often a wait looks for failed sends and Stop
 
+// A send that the right-hand peer did not take (PeerSender's message), if any.
+std::optional<Error> SendFailure(std::optional<std::string> message) {
+  if (!message) return std::nullopt;
+  return Error(Code::kUnavailable, *message);
+}
+
 // How every node splits a bucket of n floats: M chunks [n*c/M, n*(c+1)/M), each in pieces of
 // `piece` floats (the last one shorter). Both ends of a piece compute the same ranges.
 struct Split {
@@ -76,7 +82,7 @@ void PeerAllReduce::Submit(uint64_t step, uint32_t bucket, float* data, size_t n
   if (stopped_) {  // the job is going away
     const std::string reason = *stopped_;
     lock.unlock();
-    return done(reason);
+    return done(Error(Code::kAborted, reason));
   }
   pending_.emplace(std::make_pair(step, bucket), Request{data, n, std::move(done)});
   if (!next_) next_ = std::make_pair(step, 0u);
@@ -91,7 +97,7 @@ void PeerAllReduce::FailQueued(const std::string& reason) {
     queued.swap(pending_);
     next_.reset();
   }
-  for (auto& [key, request] : queued) request.done(reason);
+  for (auto& [key, request] : queued) request.done(Error(Code::kAborted, reason));
 }
 
 void PeerAllReduce::Reset(const std::string& reason) {
@@ -147,7 +153,7 @@ struct PeerAllReduce::Bucket final : PeerSink {
   std::condition_variable changed;
   size_t left = 0;  // pieces still to arrive
   std::chrono::steady_clock::time_point progress = std::chrono::steady_clock::now();
-  std::optional<std::string> error;
+  std::optional<Error> error;
 
   Bucket(PeerAllReduce& ring, uint64_t step, uint32_t bucket, float* data, size_t n)
       : ring(ring), step(step), bucket(bucket), data(data), split{n, static_cast<uint32_t>(ring.peers_.size())} {
@@ -185,14 +191,14 @@ struct PeerAllReduce::Bucket final : PeerSink {
     progress = std::chrono::steady_clock::now();
     if (--left == 0) changed.notify_all();
   }
-  void Failed(std::string message) {
+  void Failed(std::string message) {  // a peer sent what this node's layout has no place for
     std::lock_guard lock(mutex);
-    if (!error) error = std::move(message);
+    if (!error) error = Error(Code::kInvalidArgument, message);
     changed.notify_all();
   }
 };
 
-std::optional<std::string> PeerAllReduce::Reduce(uint64_t step, uint32_t bucket, float* data, size_t n) {
+std::optional<Error> PeerAllReduce::Reduce(uint64_t step, uint32_t bucket, float* data, size_t n) {
   Bucket reduction(*this, step, bucket, data, n);
   const auto first = reduction.split.Chunk(node_rank_);
   for (uint32_t p = 0; p < reduction.split.Pieces(first); ++p) {
@@ -202,23 +208,24 @@ std::optional<std::string> PeerAllReduce::Reduce(uint64_t step, uint32_t bucket,
   for (auto& [key, payload] : config_.mailbox->Register(job_, step, bucket, &reduction)) {
     reduction.Arrived(key, std::move(payload));
   }
-  std::optional<std::string> error;
+  std::optional<Error> error;
   {
     std::unique_lock lock(reduction.mutex);
     while (reduction.left > 0 && !reduction.error) {
       if (reduction.changed.wait_for(lock, kPoll, [&] { return reduction.left == 0 || reduction.error; })) break;
-      if (auto send_error = right_->Error()) {
-        error = std::move(*send_error);
+      if (auto send_error = SendFailure(right_->Error())) {
+        error = std::move(send_error);
         break;
       }
       if (Stopping()) {
-        error = "the job is being removed";
+        error = Error(Code::kAborted, "the job is being removed");
         break;
       }
       if (std::chrono::steady_clock::now() - reduction.progress >= config_.timeout) {
         const uint32_t left = (node_rank_ + peers_.size() - 1) % peers_.size();
-        error = fmt::format("peer {} (node {}) sent nothing for bucket {} of step {} within {} ms", peers_[left], left,
-                            bucket, step, config_.timeout.count());
+        error = Error(Code::kUnavailable,
+                      fmt::format("peer {} (node {}) sent nothing for bucket {} of step {} within {} ms", peers_[left],
+                                  left, bucket, step, config_.timeout.count()));
         break;
       }
     }
@@ -229,17 +236,17 @@ std::optional<std::string> PeerAllReduce::Reduce(uint64_t step, uint32_t bucket,
   if (error) return Fail(std::move(*error));
   // The last pieces may still be on their way to a peer that stopped answering: not past Stop.
   while (!right_->WaitIdle(kPoll)) {
-    if (Stopping()) return Fail("the job is being removed");
+    if (Stopping()) return Fail(Error(Code::kAborted, "the job is being removed"));
   }
-  return right_->Finish();
+  return SendFailure(right_->Finish());
 }
 
 // Stops the sends of a failed reduction; a failed send is the better message (it names the cause).
-std::optional<std::string> PeerAllReduce::Fail(std::string error) {
-  auto send_error = right_->Error();
+std::optional<Error> PeerAllReduce::Fail(Error error) {
+  std::optional<Error> send_error = SendFailure(right_->Error());
   right_->Cancel();
   right_->Finish();
-  return send_error ? send_error : std::move(error);
+  return send_error ? std::move(send_error) : std::move(error);
 }
 
 void PeerAllReduce::Post(uint64_t step, uint32_t bucket, uint32_t ring_step, uint32_t piece, const float* data,

@@ -28,6 +28,7 @@
 
 #include "daemon/peer/peer_mailbox.h"
 #include "daemon/peer/peer_sender.h"
+#include "shm/error.h"
 
 namespace trainstream::daemon {
 
@@ -40,9 +41,6 @@ struct PeerConfig {
 
 class PeerAllReduce {
  public:
-  // `done` gets nullopt on success or the error.
-  using Done = std::function<void(std::optional<std::string> error)>;
-
   PeerAllReduce(std::string job, std::vector<std::string> peers, uint32_t node_rank, uint32_t buckets,
                 const PeerConfig& config);
   ~PeerAllReduce();
@@ -50,6 +48,8 @@ class PeerAllReduce {
   PeerAllReduce& operator=(const PeerAllReduce&) = delete;
 
   // Sums data[0, n) over the nodes, in place. Bucket b of step s runs after every bucket < b of s.
+  // `done` gets the error that stopped it, if any: kUnavailable when a peer failed it,
+  // kInvalidArgument when a peer's layout differs, kAborted when it was given up (Reset, Stop).
   void Submit(uint64_t step, uint32_t bucket, float* data, size_t n, Done done);
   // Fails what is queued with `reason` and forgets the (step, bucket) order: a step was abandoned
   // (a rank left), so the next submission starts a new order.
@@ -68,8 +68,8 @@ class PeerAllReduce {
   };
   void Run();
   void FailQueued(const std::string& reason);
-  std::optional<std::string> Reduce(uint64_t step, uint32_t bucket, float* data, size_t n);
-  std::optional<std::string> Fail(std::string error);
+  std::optional<Error> Reduce(uint64_t step, uint32_t bucket, float* data, size_t n);
+  std::optional<Error> Fail(Error error);
   void Post(uint64_t step, uint32_t bucket, uint32_t ring_step, uint32_t piece, const float* data, size_t n);
   bool Stopping();
 

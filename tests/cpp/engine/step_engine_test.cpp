@@ -667,7 +667,7 @@ class FakeGpu final : public RankTransfer {
       lock.unlock();
       if (abandoned) {
         ++queue.given_up;
-        work.done("abandoned");
+        work.done(Error(Code::kUnavailable, "abandoned"));
         continue;
       }
       work.copy();

@@ -56,8 +56,10 @@ class Log {
   CopyQueue::Issue Issue(const std::string& name) {
     return [this, name](cuda::CUstream) { Add(name + " issued"); };
   }
-  CopyQueue::Done Done(const std::string& name) {
-    return [this, name](std::optional<std::string> error) { Add(name + (error ? " failed: " + *error : " done")); };
+  trainstream::Done Done(const std::string& name) {
+    return [this, name](std::optional<Error> error) {
+      Add(name + (error ? std::string(" failed: ") + error->what() : " done"));
+    };
   }
   std::vector<std::string> Lines() {
     std::lock_guard lock(mutex_);
