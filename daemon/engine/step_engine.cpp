@@ -39,7 +39,7 @@ void CheckHParams(const shm::HParams& h, uint32_t group) {
 }  // namespace
 
 StepEngine::StepEngine(std::string job_name, const shm::LayoutSpec& spec, const shm::JobLayout& layout,
-                       shm::StateView state, uint64_t seed, WorkerPool& pool, PeerAllReduce* peers)
+                       shm::StateView state, uint64_t seed, WorkerPool& pool, AllReduce* peers)
     : job_name_(std::move(job_name)),
       spec_(spec),
       layout_(layout),

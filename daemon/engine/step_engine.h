@@ -22,16 +22,18 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <thread>
 #include <vector>
 
+#include "daemon/engine/all_reduce.h"
 #include "daemon/engine/rank_channel.h"
 #include "daemon/engine/worker_pool.h"
-#include "daemon/peer/peer_allreduce.h"
 #include "shm/job_layout.h"
 
 namespace trainstream::daemon {
@@ -51,9 +53,9 @@ struct Piece {
 
 class StepEngine {
  public:
-  // `peers` runs the all-reduce between daemons of a multi-node job (nullptr for one node).
+  // `peers` sums the gradients over the daemons of a multi-node job (nullptr for one node).
   StepEngine(std::string job_name, const shm::LayoutSpec& spec, const shm::JobLayout& layout, shm::StateView state,
-             uint64_t seed, WorkerPool& pool, PeerAllReduce* peers = nullptr);
+             uint64_t seed, WorkerPool& pool, AllReduce* peers = nullptr);
   ~StepEngine();  // stops the thread and waits for in-flight work
   StepEngine(const StepEngine&) = delete;
   StepEngine& operator=(const StepEngine&) = delete;
@@ -149,7 +151,7 @@ class StepEngine {
   const shm::StateView state_;
   const uint64_t seed_;
   WorkerPool& pool_;
-  PeerAllReduce* const peers_;
+  AllReduce* const peers_;
 
   std::once_flag placed_;
   std::mutex mutex_;                                 // guards ranks_ and diverged_

@@ -26,6 +26,7 @@
 #include <thread>
 #include <vector>
 
+#include "daemon/engine/all_reduce.h"
 #include "daemon/peer/peer_mailbox.h"
 #include "daemon/peer/peer_sender.h"
 #include "shm/error.h"
@@ -39,21 +40,19 @@ struct PeerConfig {
   uint32_t connections = 4;  // to the right-hand peer (daemon/peer/peer_allreduce.cpp)
 };
 
-class PeerAllReduce {
+class PeerAllReduce final : public AllReduce {
  public:
   PeerAllReduce(std::string job, std::vector<std::string> peers, uint32_t node_rank, uint32_t buckets,
                 const PeerConfig& config);
-  ~PeerAllReduce();
+  ~PeerAllReduce() override;
   PeerAllReduce(const PeerAllReduce&) = delete;
   PeerAllReduce& operator=(const PeerAllReduce&) = delete;
 
-  // Sums data[0, n) over the nodes, in place. Bucket b of step s runs after every bucket < b of s.
-  // `done` gets the error that stopped it, if any: kUnavailable when a peer failed it,
-  // kInvalidArgument when a peer's layout differs, kAborted when it was given up (Reset, Stop).
-  void Submit(uint64_t step, uint32_t bucket, float* data, size_t n, Done done);
-  // Fails what is queued with `reason` and forgets the (step, bucket) order: a step was abandoned
-  // (a rank left), so the next submission starts a new order.
-  void Reset(const std::string& reason);
+  // Bucket b of step s runs after every bucket < b of s. `done` gets the error that stopped it, if
+  // any: kUnavailable when a peer failed it, kInvalidArgument when a peer's layout differs, kAborted
+  // when it was given up (Reset, Stop).
+  void Submit(uint64_t step, uint32_t bucket, float* data, size_t n, Done done) override;
+  void Reset(const std::string& reason) override;
   // Reset, then refuse every later submission (the job is going away). A reduction in progress,
   // also one waiting for its last sends, gives up within kPoll (daemon/peer/peer_allreduce.cpp) and
   // cancels its calls; Stop waits for that.
