@@ -3,9 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
-#include <array>
 #include <cmath>
-#include <cstring>
 #include <latch>
 #include <utility>
 
@@ -19,13 +17,6 @@ namespace {
 constexpr uint64_t kChunkElements = 1 << 16;           // elements of one Piece
 constexpr uint32_t kMaxMessagesPerRankPerRound = 256;  // fairness between ranks
 constexpr auto kIdleWait = std::chrono::milliseconds(100);
-
-// Gathers the gradient slots of the ranks that have `param`, at element `begin` of it.
-struct SlotList {
-  std::array<const void*, 256> pointers{};
-  size_t count = 0;
-  [[nodiscard]] std::span<const void* const> span() const { return {pointers.data(), count}; }
-};
 
 void CheckHParams(const shm::HParams& h, uint32_t group) {
   const bool ok = std::isfinite(h.lr) && h.lr >= 0 && std::isfinite(h.beta1) && h.beta1 >= 0 && h.beta1 < 1 &&
@@ -44,6 +35,7 @@ StepEngine::StepEngine(std::string job_name, const shm::LayoutSpec& spec, const 
       spec_(spec),
       layout_(layout),
       state_(state),
+      passes_(layout_, state_, spec_.moment_dtype),
       seed_(seed),
       pool_(pool),
       peers_(peers),
@@ -316,12 +308,12 @@ const shm::HParams* StepEngine::HParamsFor(uint64_t step) {
   Throw(Code::kFailedPrecondition, "no rank attached to read hyperparameters from");
 }
 
-StepEngine::Sources StepEngine::SnapshotSources() {
+Sources StepEngine::SnapshotSources() {
   return ranks_;
 }
 
 // After a multi-node all-reduce the accumulator holds the whole sum: the slots must not count again.
-StepEngine::Sources StepEngine::GradientSlots() {
+Sources StepEngine::GradientSlots() {
   return spec_.nodes() > 1 ? Sources() : ranks_;
 }
 
@@ -375,67 +367,17 @@ void StepEngine::Schedule(uint32_t bucket, int64_t priority, Include include, Wo
       [this, done = std::move(done)] { Continue(done); }, priority, HomesOf(pieces));
 }
 
-namespace {
-
-// Where one parameter's elements live, for one bucket of one job.
-struct ParamAddress {
-  const shm::JobLayout& layout;
-  const shm::StateView& state;
-  DType moment_dtype;
-
-  [[nodiscard]] uint64_t Element(const Piece& piece) const {
-    const shm::ParamLayout& p = layout.params[piece.param];
-    return layout.buckets[p.bucket].elem_offset + p.offset_in_bucket + piece.begin;
-  }
-  [[nodiscard]] uint64_t ByteInBucket(const Piece& piece) const {
-    const shm::ParamLayout& p = layout.params[piece.param];
-    return (p.offset_in_bucket + piece.begin) * SizeOf(layout.buckets[p.bucket].dtype);
-  }
-  [[nodiscard]] SlotList Slots(const Piece& piece, const std::vector<std::shared_ptr<RankChannel>>& sources) const {
-    const shm::BucketLayout& bucket = layout.buckets[layout.params[piece.param].bucket];
-    SlotList list;
-    for (const auto& channel : sources) {
-      if (channel && channel->view.presence[piece.param] != 0) {
-        list.pointers[list.count++] = channel->view.grads + bucket.grad_offset + ByteInBucket(piece);
-      }
-    }
-    return list;
-  }
-  // Where the new weights go besides the master weights: nowhere for fp32 buckets (the client reads
-  // the master weights), the upload region in the bucket's dtype otherwise.
-  [[nodiscard]] optimizer::Upload Upload(const Piece& piece) const {
-    const shm::BucketLayout& bucket = layout.buckets[layout.params[piece.param].bucket];
-    if (bucket.uploads_from_master()) return {nullptr, bucket.dtype};
-    return {state.upload + bucket.upload_offset + ByteInBucket(piece), bucket.dtype};
-  }
-};
-
-}  // namespace
-
 void StepEngine::PlaceState() {
   std::call_once(placed_, [this] { TouchState(); });
 }
 
 void StepEngine::TouchState() {
   if (pool_.nodes() == 1) return;
-  const ParamAddress at{layout_, state_, spec_.moment_dtype};
-  const size_t moment_size = SizeOf(spec_.moment_dtype);
   std::latch touched(static_cast<std::ptrdiff_t>(layout_.buckets.size()));
   for (uint32_t b = 0; b < layout_.buckets.size(); ++b) {
     auto pieces = PiecesOf(b, [](uint32_t) { return true; });
     pool_.Submit(
-        pieces->size(),
-        [at, moment_size, pieces](size_t i) {
-          const Piece& piece = (*pieces)[i];
-          const uint64_t element = at.Element(piece);
-          std::memset(at.state.master + element, 0, piece.count * sizeof(float));
-          std::memset(static_cast<std::byte*>(at.state.exp_avg) + element * moment_size, 0, piece.count * moment_size);
-          std::memset(static_cast<std::byte*>(at.state.exp_avg_sq) + element * moment_size, 0,
-                      piece.count * moment_size);
-          if (at.state.accum != nullptr) std::memset(at.state.accum + element, 0, piece.count * sizeof(float));
-          const optimizer::Upload upload = at.Upload(piece);
-          if (upload.data != nullptr) std::memset(upload.data, 0, piece.count * SizeOf(upload.dtype));
-        },
+        pieces->size(), [passes = &passes_, pieces](size_t i) { passes->Touch((*pieces)[i]); },
         [&touched] { touched.count_down(); }, /*priority=*/0, HomesOf(pieces));
   }
   touched.wait();
@@ -478,24 +420,16 @@ void StepEngine::AfterGradients(uint32_t b) {
 
 void StepEngine::AccumulateSlots(uint32_t b, std::function<void()> then) {
   const bool overwrite = buckets_[b].micro == 0;
-  const ParamAddress at{layout_, state_, spec_.moment_dtype};
-  const DType dtype = layout_.buckets[b].dtype;
   Schedule(
       b, 0, [](uint32_t) { return true; },
-      [at, dtype, overwrite, sources = SnapshotSources()](size_t, const Piece& piece) {
-        const SlotList slots = at.Slots(piece, sources);
-        if (slots.count == 0 && !overwrite) return;
-        const optimizer::GradSources grads{.slots = slots.span(), .dtype = dtype, .accum = nullptr, .scale = 1.0f};
-        optimizer::Accumulate(grads, at.state.accum + at.Element(piece), overwrite, piece.count);
+      [passes = &passes_, overwrite, sources = SnapshotSources()](size_t, const Piece& piece) {
+        passes->Accumulate(piece, sources, overwrite);
       },
       std::move(then));
 }
 
 void StepEngine::StartNorm(uint32_t b) {
-  const ParamAddress at{layout_, state_, spec_.moment_dtype};
-  const DType dtype = layout_.buckets[b].dtype;
   const float scale = 1.0f / static_cast<float>(spec_.world_size * spec_.nodes());
-  const float* accum = state_.accum;
   auto include = [this](uint32_t p) { return had_grad_[p] != 0; };
   size_t pieces = 0;
   for (uint32_t p : layout_.buckets[b].params) {
@@ -505,14 +439,9 @@ void StepEngine::StartNorm(uint32_t b) {
   auto nonfinite = std::make_shared<std::atomic<bool>>(false);
   Schedule(
       b, 0, include,
-      [at, dtype, scale, accum, partial, nonfinite, sources = GradientSlots()](size_t i, const Piece& piece) {
-        const SlotList slots = at.Slots(piece, sources);
-        const optimizer::GradSources grads{.slots = slots.span(),
-                                           .dtype = dtype,
-                                           .accum = accum != nullptr ? accum + at.Element(piece) : nullptr,
-                                           .scale = scale};
+      [passes = &passes_, scale, partial, nonfinite, sources = GradientSlots()](size_t i, const Piece& piece) {
         bool bad = false;
-        (*partial)[i] = optimizer::SumOfSquares(grads, piece.count, &bad);
+        (*partial)[i] = passes->SumOfSquares(piece, sources, scale, &bad);
         if (bad) nonfinite->store(true);
       },
       [this, b, partial, nonfinite] {
@@ -556,30 +485,13 @@ void StepEngine::StartUpdate(uint32_t b, float clip_coefficient) {
     const uint64_t param_step = ++state_.param_state[p].step;
     (*scalars)[p] = optimizer::AdamWStep::For(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, decoupled, param_step);
   }
-  const ParamAddress at{layout_, state_, spec_.moment_dtype};
-  const DType dtype = layout_.buckets[b].dtype;
   const float scale = clip_coefficient / static_cast<float>(spec_.world_size * spec_.nodes());
   const uint64_t sr_seed = seed_ ^ (step * 0xD1B54A32D192ED03ull);
   auto nonfinite = std::make_shared<std::atomic<bool>>(false);
   Schedule(
       b, static_cast<int64_t>(b), [this](uint32_t p) { return had_grad_[p] != 0; },
-      [at, dtype, scale, sr_seed, scalars, nonfinite, sources = GradientSlots()](size_t, const Piece& piece) {
-        const SlotList slots = at.Slots(piece, sources);
-        const uint64_t element = at.Element(piece);
-        const size_t moment_size = SizeOf(at.moment_dtype);
-        const optimizer::GradSources grads{.slots = slots.span(),
-                                           .dtype = dtype,
-                                           .accum = at.state.accum != nullptr ? at.state.accum + element : nullptr,
-                                           .scale = scale};
-        const optimizer::MomentBuffers moments{
-            .exp_avg = static_cast<std::byte*>(at.state.exp_avg) + element * moment_size,
-            .exp_avg_sq = static_cast<std::byte*>(at.state.exp_avg_sq) + element * moment_size,
-            .dtype = at.moment_dtype,
-            .sr_seed = sr_seed,
-            .element_base = element};
-        optimizer::AdamWUpdate(grads, (*scalars)[piece.param], at.state.master + element, moments, at.Upload(piece),
-                               piece.count);
-        if (optimizer::AnyNonFinite(at.state.master + element, piece.count)) nonfinite->store(true);
+      [passes = &passes_, scale, sr_seed, scalars, nonfinite, sources = GradientSlots()](size_t, const Piece& piece) {
+        if (passes->Update(piece, sources, scale, (*scalars)[piece.param], sr_seed)) nonfinite->store(true);
       },
       [this, b, step, nonfinite] { OnUpdated(b, step, nonfinite->load()); });
 }
@@ -628,16 +540,11 @@ void StepEngine::OnLoadState(RankChannel& channel, const shm::Message& message) 
   const uint32_t loader = channel.rank;
   channel.claims_on_gpu = -1;  // only a claim sent after this load counts for it
   auto remaining = std::make_shared<size_t>(buckets_.size());
-  const ParamAddress at{layout_, state_, spec_.moment_dtype};
   for (uint32_t b = 0; b < buckets_.size(); ++b) {
     buckets_[b].phase = Phase::kBusy;
     Schedule(
         b, 0, [](uint32_t) { return true; },
-        [at](size_t, const Piece& piece) {
-          const optimizer::Upload upload = at.Upload(piece);
-          if (upload.data != nullptr)
-            optimizer::ConvertMaster(at.state.master + at.Element(piece), upload, piece.count);
-        },
+        [passes = &passes_](size_t, const Piece& piece) { passes->UploadMaster(piece); },
         [this, remaining, step, loader] {
           if (--*remaining != 0) return;
           for (uint32_t bucket = 0; bucket < buckets_.size(); ++bucket) {

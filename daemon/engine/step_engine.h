@@ -2,7 +2,8 @@
 //
 // One engine thread per job waits on the job's doorbell, drains every attached rank's request ring,
 // validates each message, and tracks per bucket which ranks have delivered which micro-batch. When all
-// `world_size` ranks have delivered a bucket it schedules worker-pool work:
+// `world_size` ranks have delivered a bucket it schedules the bucket's element passes
+// (daemon/engine/bucket_passes.h) on the worker pool:
 //   micro-batch < k-1   -> accumulate into the fp32 accumulator, then SLOT_FREE to every rank;
 //   last micro-batch    -> (clipping: squared norm first; updates wait for every bucket's norm and then
 //                          run in forward order) fused AdamW update, then PARAMS_READY to every rank.
@@ -32,6 +33,7 @@
 #include <vector>
 
 #include "daemon/engine/all_reduce.h"
+#include "daemon/engine/bucket_passes.h"
 #include "daemon/engine/rank_channel.h"
 #include "daemon/engine/worker_pool.h"
 #include "shm/job_layout.h"
@@ -42,13 +44,6 @@ struct EngineStats {
   uint64_t updates = 0;          // bucket updates completed
   uint64_t nonfinite_steps = 0;  // steps whose gradient norm was inf/NaN
   std::vector<uint32_t> attached_ranks;
-};
-
-// A static chunk of one parameter's elements: the unit of work handed to the pool.
-struct Piece {
-  uint32_t param;
-  uint64_t begin;
-  uint64_t count;
 };
 
 class StepEngine {
@@ -97,7 +92,6 @@ class StepEngine {
     double sum_of_squares = 0;
     bool nonfinite = false;
   };
-  using Sources = std::vector<std::shared_ptr<RankChannel>>;  // indexed by rank
 
   void Loop();
   bool DrainRequests();
@@ -149,6 +143,7 @@ class StepEngine {
   const shm::LayoutSpec spec_;
   const shm::JobLayout layout_;
   const shm::StateView state_;
+  const BucketPasses passes_;  // over layout_ and state_
   const uint64_t seed_;
   WorkerPool& pool_;
   AllReduce* const peers_;
