@@ -92,8 +92,8 @@ std::string DescribeTransport(const v1::AttachRequest& attach) {
   return attach.device().empty() ? name : fmt::format("{} on {}", name, attach.device());
 }
 
-CudaIpcExport CudaIpcFromProto(const v1::CudaIpcRegistration& proto) {
-  return CudaIpcExport{
+shm::CudaIpcExport CudaIpcFromProto(const v1::CudaIpcRegistration& proto) {
+  return shm::CudaIpcExport{
       .device_uuid = proto.device_uuid(),
       .params_handle = proto.params_handle(),
       .params_bytes = proto.params_bytes(),

@@ -111,7 +111,7 @@ void Job::Detach(uint32_t rank) {
   spdlog::info("job '{}': rank {} detached", name_, rank);
 }
 
-std::optional<std::string> Job::RegisterCudaIpc(uint32_t rank, const CudaIpcExport& exported) {
+std::optional<std::string> Job::RegisterCudaIpc(uint32_t rank, const shm::CudaIpcExport& exported) {
   try {
     SetTransfer(rank, CudaRankTransfer::Open(exported, layout_), "cuda-ipc");
     return std::nullopt;

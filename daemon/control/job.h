@@ -56,7 +56,7 @@ class Job {
   void Detach(uint32_t rank);
   // cuda-ipc: opens the rank's exported GPU buffers and events; from then on the daemon copies its data.
   // On failure the rank keeps copying its data itself: the error says why, for the client's log.
-  [[nodiscard]] std::optional<std::string> RegisterCudaIpc(uint32_t rank, const CudaIpcExport& exported);
+  [[nodiscard]] std::optional<std::string> RegisterCudaIpc(uint32_t rank, const shm::CudaIpcExport& exported);
   // The rank's data moves through `transfer` (RegisterCudaIpc's work; tests hand in their own).
   void SetTransfer(uint32_t rank, std::shared_ptr<RankTransfer> transfer, const std::string& transport);
   void FailAll(const std::string& message) { engine_->FailAll(message); }

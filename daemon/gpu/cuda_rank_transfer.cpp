@@ -23,7 +23,7 @@ Handle HandleFrom(const std::string& bytes, const char* what) {
   return handle;
 }
 
-void CheckFits(const CudaIpcExport& exported, const shm::JobLayout& layout) {
+void CheckFits(const shm::CudaIpcExport& exported, const shm::JobLayout& layout) {
   TS_CHECK(exported.params_bytes >= layout.grad_bytes, Code::kInvalidArgument,
            "cuda-ipc: the parameter buffer has {} bytes, the job's buckets need {}", exported.params_bytes,
            layout.grad_bytes);
@@ -40,13 +40,14 @@ void CheckFits(const CudaIpcExport& exported, const shm::JobLayout& layout) {
 
 }  // namespace
 
-std::shared_ptr<CudaRankTransfer> CudaRankTransfer::Open(const CudaIpcExport& exported, const shm::JobLayout& layout) {
+std::shared_ptr<CudaRankTransfer> CudaRankTransfer::Open(const shm::CudaIpcExport& exported,
+                                                         const shm::JobLayout& layout) {
   CheckFits(exported, layout);
   return std::shared_ptr<CudaRankTransfer>(
       new CudaRankTransfer(GpuDevices::Instance().Get(exported.device_uuid), exported));
 }
 
-CudaRankTransfer::CudaRankTransfer(std::shared_ptr<GpuDevice> gpu, const CudaIpcExport& exported)
+CudaRankTransfer::CudaRankTransfer(std::shared_ptr<GpuDevice> gpu, const shm::CudaIpcExport& exported)
     : gpu_(std::move(gpu)), params_bytes_(exported.params_bytes), slot_bytes_(exported.slot_bytes) {
   const cuda::CudaDriver& d = driver();
   cuda::ScopedContext scope(d, gpu_->context.get());

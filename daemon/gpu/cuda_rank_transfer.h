@@ -13,26 +13,16 @@
 
 #include "daemon/engine/rank_transfer.h"
 #include "daemon/gpu/gpu_devices.h"
+#include "shm/cuda_ipc_export.h"
 #include "shm/job_layout.h"
 
 namespace trainstream::daemon {
-
-// What a rank exports once, as the client sent it (see CudaIpcRegistration in control.proto).
-struct CudaIpcExport {
-  std::string device_uuid;
-  std::string params_handle;
-  uint64_t params_bytes = 0;
-  std::string staging_handle;
-  uint64_t slot_bytes = 0;
-  std::vector<std::string> grad_ready_events;
-  std::vector<std::string> weights_wanted_events;
-};
 
 class CudaRankTransfer final : public RankTransfer, public std::enable_shared_from_this<CudaRankTransfer> {
  public:
   // Validates `exported` against the job's layout, then opens its handles. Throws Error saying why it
   // cannot (no driver, GPU not visible, handles from another PID namespace, sizes that do not fit).
-  static std::shared_ptr<CudaRankTransfer> Open(const CudaIpcExport& exported, const shm::JobLayout& layout);
+  static std::shared_ptr<CudaRankTransfer> Open(const shm::CudaIpcExport& exported, const shm::JobLayout& layout);
   ~CudaRankTransfer() override;
 
   [[nodiscard]] uint32_t staging_slots() const override { return static_cast<uint32_t>(grad_ready_.size()); }
@@ -47,7 +37,7 @@ class CudaRankTransfer final : public RankTransfer, public std::enable_shared_fr
   void ReleaseHost(const void* base, size_t bytes) override;
 
  private:
-  CudaRankTransfer(std::shared_ptr<GpuDevice> gpu, const CudaIpcExport& exported);
+  CudaRankTransfer(std::shared_ptr<GpuDevice> gpu, const shm::CudaIpcExport& exported);
   [[nodiscard]] const cuda::CudaDriver& driver() const { return gpu_->driver; }
   // Open once `event` (nullptr: none) has completed; fails once the rank is abandoned.
   CopyQueue::Gate GateOn(cuda::CUevent event);
