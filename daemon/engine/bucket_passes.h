@@ -1,11 +1,11 @@
-// The element passes the step engine runs over a bucket, one piece of a parameter at a time on the
+// The element passes the step engine runs over a bucket, one block of a parameter at a time on the
 // worker pool: sum the ranks' gradient slots into the accumulator, the gradients' sum of squares (for
 // clipping), the fused AdamW update, the upload copy of loaded master weights, and the first touch of
-// a new job's state. The engine decides which pieces run when (daemon/engine/step_engine.h); this
-// file says what one piece does to the job's memory.
+// a new job's state. The engine decides which blocks run when (daemon/engine/step_engine.h); this
+// file says what one block does to the job's memory.
 //
-// Invariants: a pass reads and writes only the elements of its piece, so the pieces of one pass run
-// concurrently on any threads; a rank contributes a piece's gradients only where its presence flag
+// Invariants: a pass reads and writes only the elements of its block, so the blocks of one pass run
+// concurrently on any threads; a rank contributes a block's gradients only where its presence flag
 // for the parameter is set (it had a gradient in this micro-batch).
 #pragma once
 
@@ -19,8 +19,8 @@
 
 namespace trainstream::daemon {
 
-// A static chunk of one parameter's elements: the unit of work handed to the pool.
-struct Piece {
+// Elements [begin, begin + count) of one parameter: the unit of work the engine hands the pool.
+struct Block {
   uint32_t param;
   uint64_t begin;
   uint64_t count;
@@ -39,26 +39,26 @@ class BucketPasses {
 
   // accum = (overwrite ? 0 : accum) + the sum of the sources' slots. Without a slot to add and
   // without `overwrite` the accumulator is left as it is.
-  void Accumulate(const Piece& piece, const Sources& sources, bool overwrite) const;
+  void Accumulate(const Block& block, const Sources& sources, bool overwrite) const;
   // sum(g^2) of g = scale * (accum + the sources' slots); sets *nonfinite if any g is inf or NaN.
-  double SumOfSquares(const Piece& piece, const Sources& sources, float scale, bool* nonfinite) const;
+  double SumOfSquares(const Block& block, const Sources& sources, float scale, bool* nonfinite) const;
   // AdamW (or Adam) on the master weights and moments from g = scale * (accum + the sources' slots),
   // and the new weights of 16-bit buckets into the upload region. Returns whether the new master
   // weights hold inf or NaN.
-  bool Update(const Piece& piece, const Sources& sources, float scale, const optimizer::AdamWStep& step,
+  bool Update(const Block& block, const Sources& sources, float scale, const optimizer::AdamWStep& step,
               uint64_t sr_seed) const;
   // The master weights (just loaded by a client) into the upload region, rounded to the bucket's
   // dtype; nothing for fp32 buckets, whose clients read the master weights in place.
-  void UploadMaster(const Piece& piece) const;
-  // Zeroes every state region of the piece: the first touch, which places its pages on the NUMA node
+  void UploadMaster(const Block& block) const;
+  // Zeroes every state region of the block: the first touch, which places its pages on the NUMA node
   // of the thread that runs it.
-  void Touch(const Piece& piece) const;
+  void Touch(const Block& block) const;
 
  private:
-  [[nodiscard]] const shm::BucketLayout& BucketOf(const Piece& piece) const;
-  [[nodiscard]] uint64_t Element(const Piece& piece) const;  // in master, moments and accumulator
-  [[nodiscard]] uint64_t ByteInBucket(const Piece& piece) const;
-  [[nodiscard]] optimizer::Upload Upload(const Piece& piece) const;
+  [[nodiscard]] const shm::BucketLayout& BucketOf(const Block& block) const;
+  [[nodiscard]] uint64_t Element(const Block& block) const;  // in master, moments and accumulator
+  [[nodiscard]] uint64_t ByteInBucket(const Block& block) const;
+  [[nodiscard]] optimizer::Upload Upload(const Block& block) const;
 
   const shm::JobLayout& layout_;
   const shm::StateView& state_;

@@ -14,7 +14,7 @@ namespace trainstream::daemon {
 
 namespace {
 
-constexpr uint64_t kChunkElements = 1 << 16;           // elements of one Piece
+constexpr uint64_t kBlockElements = 1 << 16;           // elements of one Block (the unit of work on the pool)
 constexpr uint32_t kMaxMessagesPerRankPerRound = 256;  // fairness between ranks
 constexpr auto kIdleWait = std::chrono::milliseconds(100);
 
@@ -332,39 +332,39 @@ void StepEngine::Continue(std::function<void()> continuation) {
 }
 
 template <typename Include>
-std::shared_ptr<std::vector<Piece>> StepEngine::PiecesOf(uint32_t bucket, Include include) const {
-  auto pieces = std::make_shared<std::vector<Piece>>();
+std::shared_ptr<std::vector<Block>> StepEngine::BlocksOf(uint32_t bucket, Include include) const {
+  auto blocks = std::make_shared<std::vector<Block>>();
   for (uint32_t p : layout_.buckets[bucket].params) {
     if (!include(p)) continue;
     const uint64_t numel = layout_.params[p].numel;
-    for (uint64_t begin = 0; begin < numel; begin += kChunkElements) {
-      pieces->push_back(Piece{p, begin, std::min(kChunkElements, numel - begin)});
+    for (uint64_t begin = 0; begin < numel; begin += kBlockElements) {
+      blocks->push_back(Block{p, begin, std::min(kBlockElements, numel - begin)});
     }
   }
-  return pieces;
+  return blocks;
 }
 
-// With several NUMA nodes, each bucket is split into equal element ranges, one per node: a piece's
+// With several NUMA nodes, each bucket is split into equal element ranges, one per node: a block's
 // home depends only on where its elements lie, so every pass (touch, accumulate, norm, update) runs
 // it on the same node, whichever parameters the pass includes.
-WorkerPool::Home StepEngine::HomesOf(std::shared_ptr<std::vector<Piece>> pieces) const {
+WorkerPool::Home StepEngine::HomesOf(std::shared_ptr<std::vector<Block>> blocks) const {
   const uint32_t nodes = pool_.nodes();
   if (nodes == 1) return {};
-  return [this, pieces = std::move(pieces), nodes](size_t i) {
-    const Piece& piece = (*pieces)[i];
-    const shm::ParamLayout& p = layout_.params[piece.param];
+  return [this, blocks = std::move(blocks), nodes](size_t i) {
+    const Block& block = (*blocks)[i];
+    const shm::ParamLayout& p = layout_.params[block.param];
     const uint64_t numel = std::max<uint64_t>(layout_.buckets[p.bucket].numel, 1);
-    return static_cast<uint32_t>((p.offset_in_bucket + piece.begin) * nodes / numel);
+    return static_cast<uint32_t>((p.offset_in_bucket + block.begin) * nodes / numel);
   };
 }
 
 template <typename Work, typename Include>
 void StepEngine::Schedule(uint32_t bucket, int64_t priority, Include include, Work work, std::function<void()> done) {
-  auto pieces = PiecesOf(bucket, include);
+  auto blocks = BlocksOf(bucket, include);
   ++inflight_;
   pool_.Submit(
-      pieces->size(), [pieces, work = std::move(work)](size_t i) { work(i, (*pieces)[i]); },
-      [this, done = std::move(done)] { Continue(done); }, priority, HomesOf(pieces));
+      blocks->size(), [blocks, work = std::move(work)](size_t i) { work(i, (*blocks)[i]); },
+      [this, done = std::move(done)] { Continue(done); }, priority, HomesOf(blocks));
 }
 
 void StepEngine::PlaceState() {
@@ -375,10 +375,10 @@ void StepEngine::TouchState() {
   if (pool_.nodes() == 1) return;
   std::latch touched(static_cast<std::ptrdiff_t>(layout_.buckets.size()));
   for (uint32_t b = 0; b < layout_.buckets.size(); ++b) {
-    auto pieces = PiecesOf(b, [](uint32_t) { return true; });
+    auto blocks = BlocksOf(b, [](uint32_t) { return true; });
     pool_.Submit(
-        pieces->size(), [passes = &passes_, pieces](size_t i) { passes->Touch((*pieces)[i]); },
-        [&touched] { touched.count_down(); }, /*priority=*/0, HomesOf(pieces));
+        blocks->size(), [passes = &passes_, blocks](size_t i) { passes->Touch((*blocks)[i]); },
+        [&touched] { touched.count_down(); }, /*priority=*/0, HomesOf(blocks));
   }
   touched.wait();
 }
@@ -422,8 +422,8 @@ void StepEngine::AccumulateSlots(uint32_t b, std::function<void()> then) {
   const bool overwrite = buckets_[b].micro == 0;
   Schedule(
       b, 0, [](uint32_t) { return true; },
-      [passes = &passes_, overwrite, sources = SnapshotSources()](size_t, const Piece& piece) {
-        passes->Accumulate(piece, sources, overwrite);
+      [passes = &passes_, overwrite, sources = SnapshotSources()](size_t, const Block& block) {
+        passes->Accumulate(block, sources, overwrite);
       },
       std::move(then));
 }
@@ -431,17 +431,17 @@ void StepEngine::AccumulateSlots(uint32_t b, std::function<void()> then) {
 void StepEngine::StartNorm(uint32_t b) {
   const float scale = 1.0f / static_cast<float>(spec_.world_size * spec_.nodes());
   auto include = [this](uint32_t p) { return had_grad_[p] != 0; };
-  size_t pieces = 0;
+  size_t blocks = 0;
   for (uint32_t p : layout_.buckets[b].params) {
-    if (include(p)) pieces += (layout_.params[p].numel + kChunkElements - 1) / kChunkElements;
+    if (include(p)) blocks += (layout_.params[p].numel + kBlockElements - 1) / kBlockElements;
   }
-  auto partial = std::make_shared<std::vector<double>>(pieces, 0.0);
+  auto partial = std::make_shared<std::vector<double>>(blocks, 0.0);
   auto nonfinite = std::make_shared<std::atomic<bool>>(false);
   Schedule(
       b, 0, include,
-      [passes = &passes_, scale, partial, nonfinite, sources = GradientSlots()](size_t i, const Piece& piece) {
+      [passes = &passes_, scale, partial, nonfinite, sources = GradientSlots()](size_t i, const Block& block) {
         bool bad = false;
-        (*partial)[i] = passes->SumOfSquares(piece, sources, scale, &bad);
+        (*partial)[i] = passes->SumOfSquares(block, sources, scale, &bad);
         if (bad) nonfinite->store(true);
       },
       [this, b, partial, nonfinite] {
@@ -490,8 +490,8 @@ void StepEngine::StartUpdate(uint32_t b, float clip_coefficient) {
   auto nonfinite = std::make_shared<std::atomic<bool>>(false);
   Schedule(
       b, static_cast<int64_t>(b), [this](uint32_t p) { return had_grad_[p] != 0; },
-      [passes = &passes_, scale, sr_seed, scalars, nonfinite, sources = GradientSlots()](size_t, const Piece& piece) {
-        if (passes->Update(piece, sources, scale, (*scalars)[piece.param], sr_seed)) nonfinite->store(true);
+      [passes = &passes_, scale, sr_seed, scalars, nonfinite, sources = GradientSlots()](size_t, const Block& block) {
+        if (passes->Update(block, sources, scale, (*scalars)[block.param], sr_seed)) nonfinite->store(true);
       },
       [this, b, step, nonfinite] { OnUpdated(b, step, nonfinite->load()); });
 }
@@ -544,7 +544,7 @@ void StepEngine::OnLoadState(RankChannel& channel, const shm::Message& message) 
     buckets_[b].phase = Phase::kBusy;
     Schedule(
         b, 0, [](uint32_t) { return true; },
-        [passes = &passes_](size_t, const Piece& piece) { passes->UploadMaster(piece); },
+        [passes = &passes_](size_t, const Block& block) { passes->UploadMaster(block); },
         [this, remaining, step, loader] {
           if (--*remaining != 0) return;
           for (uint32_t bucket = 0; bucket < buckets_.size(); ++bucket) {

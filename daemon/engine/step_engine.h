@@ -132,9 +132,9 @@ class StepEngine {
   Sources SnapshotSources();
   void TouchState();
   template <typename Include>
-  std::shared_ptr<std::vector<Piece>> PiecesOf(uint32_t bucket, Include include) const;
-  WorkerPool::Home HomesOf(std::shared_ptr<std::vector<Piece>> pieces) const;
-  // Runs `work` on the pool for every piece of `bucket`'s params selected by `include`; `done` runs on
+  std::shared_ptr<std::vector<Block>> BlocksOf(uint32_t bucket, Include include) const;
+  WorkerPool::Home HomesOf(std::shared_ptr<std::vector<Block>> blocks) const;
+  // Runs `work` on the pool for every block of `bucket`'s params selected by `include`; `done` runs on
   // the engine thread afterwards.
   template <typename Work, typename Include>
   void Schedule(uint32_t bucket, int64_t priority, Include include, Work work, std::function<void()> done);

@@ -11,27 +11,27 @@
 
 namespace trainstream::daemon {
 
-// The pieces of a batch in node order: node k's pieces are order[begin[k]..begin[k+1]), handed out by
-// cursor[k]. With one node, order is empty and cursor[0] counts the pieces themselves.
+// The blocks of a batch in node order: node k's blocks are order[begin[k]..begin[k+1]), handed out by
+// cursor[k]. With one node, order is empty and cursor[0] counts the blocks themselves.
 struct WorkerPool::Batch {
-  size_t pieces;
-  Piece piece;
+  size_t blocks;
+  Work work;
   std::function<void()> on_done;
   std::vector<size_t> order;
   std::vector<size_t> begin;
   std::unique_ptr<std::atomic<size_t>[]> cursor;
-  std::atomic<size_t> handed{0};    // pieces handed out
-  std::atomic<size_t> finished{0};  // pieces done
+  std::atomic<size_t> handed{0};    // blocks handed out
+  std::atomic<size_t> finished{0};  // blocks done
 
-  // The next piece for a thread of `node`: its own node's first, then the others'. False when every
-  // piece has been handed out.
-  bool Claim(uint32_t node, size_t* piece_index) {
+  // The next block for a thread of `node`: its own node's first, then the others'. False when every
+  // block has been handed out.
+  bool Claim(uint32_t node, size_t* block) {
     const size_t nodes = begin.size() - 1;
     for (size_t k = 0; k < nodes; ++k) {
       const size_t n = (node + k) % nodes;
       const size_t at = cursor[n].fetch_add(1);
       if (at < begin[n + 1]) {
-        *piece_index = order.empty() ? at : order[at];
+        *block = order.empty() ? at : order[at];
         handed.fetch_add(1);
         return true;
       }
@@ -99,23 +99,23 @@ WorkerPool::~WorkerPool() {
   for (auto& thread : threads_) thread.join();
 }
 
-void WorkerPool::Submit(size_t pieces, Piece piece, std::function<void()> on_done, int64_t priority, const Home& home) {
-  if (pieces == 0) {
+void WorkerPool::Submit(size_t blocks, Work work, std::function<void()> on_done, int64_t priority, const Home& home) {
+  if (blocks == 0) {
     on_done();
     return;
   }
   auto batch = std::make_shared<Batch>();
-  batch->pieces = pieces;
-  batch->piece = std::move(piece);
+  batch->blocks = blocks;
+  batch->work = std::move(work);
   batch->on_done = std::move(on_done);
   const uint32_t nodes = home ? nodes_ : 1;
   batch->begin.assign(nodes + 1, 0);
   batch->cursor = std::make_unique<std::atomic<size_t>[]>(nodes);
   if (nodes == 1) {
-    batch->begin[1] = pieces;
+    batch->begin[1] = blocks;
   } else {
     std::vector<std::vector<size_t>> by_node(nodes);
-    for (size_t i = 0; i < pieces; ++i) by_node[home(i) % nodes].push_back(i);
+    for (size_t i = 0; i < blocks; ++i) by_node[home(i) % nodes].push_back(i);
     for (uint32_t k = 0; k < nodes; ++k) {
       batch->begin[k + 1] = batch->begin[k] + by_node[k].size();
       batch->cursor[k] = batch->begin[k];
@@ -132,18 +132,18 @@ void WorkerPool::Submit(size_t pieces, Piece piece, std::function<void()> on_don
 void WorkerPool::Run(uint32_t node) {
   for (;;) {
     std::shared_ptr<Batch> batch;
-    size_t piece = 0;
+    size_t block = 0;
     {
       std::unique_lock lock(mutex_);
       wake_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
       if (queue_.empty()) return;  // stopping, and nothing left
       batch = queue_.top().batch;
-      const bool claimed = batch->Claim(node, &piece);
-      if (batch->handed.load() == batch->pieces) queue_.pop();  // all pieces handed out
+      const bool claimed = batch->Claim(node, &block);
+      if (batch->handed.load() == batch->blocks) queue_.pop();  // all blocks handed out
       if (!claimed) continue;
     }
-    batch->piece(piece);
-    if (batch->finished.fetch_add(1) + 1 == batch->pieces) batch->on_done();
+    batch->work(block);
+    if (batch->finished.fetch_add(1) + 1 == batch->blocks) batch->on_done();
   }
 }
 

@@ -1,13 +1,14 @@
 // A fixed pool of CPU threads that run the optimizer's work, one thread per core by default.
 //
-// Work arrives as a batch of independent pieces (static chunks of one bucket) with a priority and a
-// completion callback; the callback runs exactly once, on the thread that finishes the last piece.
+// Work arrives as a batch of independent blocks (the step engine's: up to 64 Ki elements of one
+// parameter, daemon/engine/bucket_passes.h) with a priority and a completion callback; the callback
+// runs exactly once, on the thread that finishes the last block.
 // Higher priority batches are started first (the bucket the next forward needs first); within a
 // priority, batches run in submission order. Threads are pinned to cores when there are enough.
 //
-// NUMA: each thread belongs to the node of its CPU. A batch may give every piece a home node; a
-// thread then takes its own node's pieces first and helps other nodes only when its own are handed
-// out. Touching a job's memory first through the same homes (first-touch placement) makes a piece's
+// NUMA: each thread belongs to the node of its CPU. A batch may give every block a home node; a
+// thread then takes its own node's blocks first and helps other nodes only when its own are handed
+// out. Touching a job's memory first through the same homes (first-touch placement) makes a block's
 // memory local to the threads that update it. With one node this is all a no-op.
 #pragma once
 
@@ -30,8 +31,8 @@ uint32_t NodeOfCpu(int cpu);
 
 class WorkerPool {
  public:
-  using Piece = std::function<void(size_t piece_index)>;
-  using Home = std::function<uint32_t(size_t piece_index)>;  // the NUMA node whose memory a piece touches
+  using Work = std::function<void(size_t block)>;      // does one block of a batch
+  using Home = std::function<uint32_t(size_t block)>;  // the NUMA node whose memory a block touches
 
   // `thread_nodes` overrides the node of each thread (tests); by default, the node of its pinned CPU.
   explicit WorkerPool(size_t threads, bool pin_threads = true, std::vector<uint32_t> thread_nodes = {});
@@ -39,9 +40,9 @@ class WorkerPool {
   WorkerPool(const WorkerPool&) = delete;
   WorkerPool& operator=(const WorkerPool&) = delete;
 
-  // Runs piece(0..pieces-1) on the pool, then on_done(). Never blocks. `home` (optional, used only
-  // with several nodes) names each piece's node.
-  void Submit(size_t pieces, Piece piece, std::function<void()> on_done, int64_t priority = 0, const Home& home = {});
+  // Runs work(0..blocks-1) on the pool, then on_done(). Never blocks. `home` (optional, used only
+  // with several nodes) names each block's node.
+  void Submit(size_t blocks, Work work, std::function<void()> on_done, int64_t priority = 0, const Home& home = {});
   [[nodiscard]] size_t threads() const { return threads_.size(); }
   [[nodiscard]] uint32_t nodes() const { return nodes_; }
 

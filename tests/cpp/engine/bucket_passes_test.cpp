@@ -1,6 +1,6 @@
 // Tests of the step engine's element passes (daemon/engine/bucket_passes.h): the real kernels on a job's
-// memory as the daemon lays it out (a state segment, two ranks' segments), one piece of a parameter at
-// a time. Each pass writes its piece's elements and nothing around them; a rank without the
+// memory as the daemon lays it out (a state segment, two ranks' segments), one block of a parameter at
+// a time. Each pass writes its block's elements and nothing around them; a rank without the
 // parameter's gradient (presence 0) contributes nothing.
 #include "daemon/engine/bucket_passes.h"
 
@@ -27,17 +27,17 @@ using optimizer::LoadAsFloat;
 using optimizer::StoreFromFloat;
 
 constexpr uint32_t kW = 0, kE = 1;           // an fp32 parameter and a bf16 one, in buckets of their own
-constexpr Piece kPieceOfW{kW, 200, 300};     // elements [200, 500) of W's 1000
-constexpr Piece kPieceOfE{kE, 100, 250};     // elements [100, 350) of E's 600
-constexpr float kUntouched = 7.0f;           // what the elements around a piece hold
+constexpr Block kBlockOfW{kW, 200, 300};     // elements [200, 500) of W's 1000
+constexpr Block kBlockOfE{kE, 100, 250};     // elements [100, 350) of E's 600
+constexpr float kUntouched = 7.0f;           // what the elements around a block hold
 constexpr uint16_t kUntouchedBits = 0x5A5A;  // the same, for 16-bit elements
 
 float Value(uint32_t seed, uint64_t i) {
   return static_cast<float>(0.5 * std::cos(0.13 * static_cast<double>(i) + seed));
 }
 
-bool Inside(const Piece& piece, uint64_t i) {
-  return i >= piece.begin && i < piece.begin + piece.count;
+bool Inside(const Block& block, uint64_t i) {
+  return i >= block.begin && i < block.begin + block.count;
 }
 
 class BucketPassesTest : public ::testing::Test {
@@ -112,13 +112,13 @@ TEST_F(BucketPassesTest, AccumulateSumsTheSlotsOfBothRanks) {
   SetGradient(0, kW);
   SetGradient(1, kW);
   FillAccum(kW, kUntouched);
-  passes_.Accumulate(kPieceOfW, sources_, /*overwrite=*/true);  // micro-batch 0
+  passes_.Accumulate(kBlockOfW, sources_, /*overwrite=*/true);  // micro-batch 0
   for (uint64_t i = 0; i < Numel(kW); ++i) {
     const float sum = Gradient(0, kW, i) + Gradient(1, kW, i);
-    EXPECT_EQ(Accum(kW)[i], Inside(kPieceOfW, i) ? sum : kUntouched) << "element " << i;
+    EXPECT_EQ(Accum(kW)[i], Inside(kBlockOfW, i) ? sum : kUntouched) << "element " << i;
   }
-  passes_.Accumulate(kPieceOfW, sources_, /*overwrite=*/false);  // micro-batch 1 adds to it
-  for (uint64_t i = kPieceOfW.begin; i < kPieceOfW.begin + kPieceOfW.count; ++i) {
+  passes_.Accumulate(kBlockOfW, sources_, /*overwrite=*/false);  // micro-batch 1 adds to it
+  for (uint64_t i = kBlockOfW.begin; i < kBlockOfW.begin + kBlockOfW.count; ++i) {
     EXPECT_FLOAT_EQ(Accum(kW)[i], 2 * (Gradient(0, kW, i) + Gradient(1, kW, i))) << "element " << i;
   }
 }
@@ -127,36 +127,36 @@ TEST_F(BucketPassesTest, ARankWithoutTheGradientIsSkipped) {
   SetGradient(0, kW);
   SetGradient(1, kW);
   sources_[1]->view.presence[kW] = 0;  // rank 1 had no gradient for W in this micro-batch
-  passes_.Accumulate(kPieceOfW, sources_, /*overwrite=*/true);
-  for (uint64_t i = kPieceOfW.begin; i < kPieceOfW.begin + kPieceOfW.count; ++i) {
+  passes_.Accumulate(kBlockOfW, sources_, /*overwrite=*/true);
+  for (uint64_t i = kBlockOfW.begin; i < kBlockOfW.begin + kBlockOfW.count; ++i) {
     EXPECT_EQ(Accum(kW)[i], Gradient(0, kW, i)) << "element " << i;
   }
   sources_[0]->view.presence[kW] = 0;  // no rank: a later micro-batch leaves the sum as it is...
-  passes_.Accumulate(kPieceOfW, sources_, /*overwrite=*/false);
-  EXPECT_EQ(Accum(kW)[kPieceOfW.begin], Gradient(0, kW, kPieceOfW.begin));
-  passes_.Accumulate(kPieceOfW, sources_, /*overwrite=*/true);  // ...and the first one starts it at 0
-  EXPECT_EQ(Accum(kW)[kPieceOfW.begin], 0.0f);
+  passes_.Accumulate(kBlockOfW, sources_, /*overwrite=*/false);
+  EXPECT_EQ(Accum(kW)[kBlockOfW.begin], Gradient(0, kW, kBlockOfW.begin));
+  passes_.Accumulate(kBlockOfW, sources_, /*overwrite=*/true);  // ...and the first one starts it at 0
+  EXPECT_EQ(Accum(kW)[kBlockOfW.begin], 0.0f);
 }
 
-TEST_F(BucketPassesTest, SumOfSquaresIsTheSumOverThePieceOfTheScaledGradientsSquared) {
+TEST_F(BucketPassesTest, SumOfSquaresIsTheSumOverTheBlockOfTheScaledGradientsSquared) {
   SetGradient(0, kW);
   SetGradient(1, kW);
-  for (uint64_t i = 0; i < Numel(kW); ++i) Accum(kW)[i] = Inside(kPieceOfW, i) ? Value(9, i) : 1e6f;
+  for (uint64_t i = 0; i < Numel(kW); ++i) Accum(kW)[i] = Inside(kBlockOfW, i) ? Value(9, i) : 1e6f;
   constexpr float kScale = 0.25f;
   double expected = 0;
-  for (uint64_t i = kPieceOfW.begin; i < kPieceOfW.begin + kPieceOfW.count; ++i) {
+  for (uint64_t i = kBlockOfW.begin; i < kBlockOfW.begin + kBlockOfW.count; ++i) {
     const double g = kScale * (static_cast<double>(Accum(kW)[i]) + Gradient(0, kW, i) + Gradient(1, kW, i));
     expected += g * g;
   }
   bool nonfinite = false;
-  EXPECT_NEAR(passes_.SumOfSquares(kPieceOfW, sources_, kScale, &nonfinite), expected, 1e-6 * expected);
+  EXPECT_NEAR(passes_.SumOfSquares(kBlockOfW, sources_, kScale, &nonfinite), expected, 1e-6 * expected);
   EXPECT_FALSE(nonfinite);
-  reinterpret_cast<float*>(Grad(1, kW))[kPieceOfW.begin + 5] = std::numeric_limits<float>::infinity();
-  passes_.SumOfSquares(kPieceOfW, sources_, kScale, &nonfinite);
+  reinterpret_cast<float*>(Grad(1, kW))[kBlockOfW.begin + 5] = std::numeric_limits<float>::infinity();
+  passes_.SumOfSquares(kBlockOfW, sources_, kScale, &nonfinite);
   EXPECT_TRUE(nonfinite);
 }
 
-TEST_F(BucketPassesTest, UpdateIsTheOptimizerKernelOnThePiecesElements) {
+TEST_F(BucketPassesTest, UpdateIsTheOptimizerKernelOnTheBlocksElements) {
   SetGradient(0, kE);
   SetGradient(1, kE);
   for (uint64_t i = 0; i < Numel(kE); ++i) {
@@ -169,8 +169,8 @@ TEST_F(BucketPassesTest, UpdateIsTheOptimizerKernelOnThePiecesElements) {
   constexpr float kScale = 0.5f;
   constexpr uint64_t kSeed = 1234;
 
-  // The kernel itself, on copies of the piece's elements.
-  const size_t moment_size = SizeOf(spec_.moment_dtype), begin = kPieceOfE.begin, count = kPieceOfE.count;
+  // The kernel itself, on copies of the block's elements.
+  const size_t moment_size = SizeOf(spec_.moment_dtype), begin = kBlockOfE.begin, count = kBlockOfE.count;
   std::vector<float> master(Master(kE) + begin, Master(kE) + begin + count);
   std::vector<std::byte> exp_avg = Bytes(Moment(state_.exp_avg, kE) + begin * moment_size, count, moment_size);
   std::vector<std::byte> exp_avg_sq = Bytes(Moment(state_.exp_avg_sq, kE) + begin * moment_size, count, moment_size);
@@ -187,19 +187,19 @@ TEST_F(BucketPassesTest, UpdateIsTheOptimizerKernelOnThePiecesElements) {
                          {.data = upload.data(), .dtype = DTypeOf(kE)}, count);
 
   const float before = Master(kE)[begin - 1];
-  EXPECT_FALSE(passes_.Update(kPieceOfE, sources_, kScale, step, kSeed));
+  EXPECT_FALSE(passes_.Update(kBlockOfE, sources_, kScale, step, kSeed));
   EXPECT_EQ(std::vector<float>(Master(kE) + begin, Master(kE) + begin + count), master);
   EXPECT_EQ(Bytes(Moment(state_.exp_avg, kE) + begin * moment_size, count, moment_size), exp_avg);
   EXPECT_EQ(Bytes(Moment(state_.exp_avg_sq, kE) + begin * moment_size, count, moment_size), exp_avg_sq);
   EXPECT_EQ(Bytes(Upload(kE) + begin * SizeOf(DTypeOf(kE)), count, SizeOf(DTypeOf(kE))), upload);
-  EXPECT_EQ(Master(kE)[begin - 1], before);  // the element before the piece
+  EXPECT_EQ(Master(kE)[begin - 1], before);  // the element before the block
 }
 
 TEST_F(BucketPassesTest, UpdateReportsNonFiniteWeights) {
   SetGradient(0, kW);
-  reinterpret_cast<float*>(Grad(0, kW))[kPieceOfW.begin] = std::numeric_limits<float>::quiet_NaN();
+  reinterpret_cast<float*>(Grad(0, kW))[kBlockOfW.begin] = std::numeric_limits<float>::quiet_NaN();
   const optimizer::AdamWStep step = optimizer::AdamWStep::For(0.01, 0.9, 0.999, 1e-8, 0.0, /*decoupled=*/true, 1);
-  EXPECT_TRUE(passes_.Update(kPieceOfW, sources_, 1.0f, step, /*sr_seed=*/0));
+  EXPECT_TRUE(passes_.Update(kBlockOfW, sources_, 1.0f, step, /*sr_seed=*/0));
 }
 
 TEST_F(BucketPassesTest, UploadMasterRoundsTheLoadedWeightsIntoTheUploadRegion) {
@@ -207,27 +207,27 @@ TEST_F(BucketPassesTest, UploadMasterRoundsTheLoadedWeightsIntoTheUploadRegion) 
     Master(kE)[i] = Value(8, i);
     reinterpret_cast<uint16_t*>(Upload(kE))[i] = kUntouchedBits;
   }
-  passes_.UploadMaster(kPieceOfE);
+  passes_.UploadMaster(kBlockOfE);
   for (uint64_t i = 0; i < Numel(kE); ++i) {
-    const uint16_t expected = Inside(kPieceOfE, i) ? optimizer::FloatToBF16(Master(kE)[i]) : kUntouchedBits;
+    const uint16_t expected = Inside(kBlockOfE, i) ? optimizer::FloatToBF16(Master(kE)[i]) : kUntouchedBits;
     EXPECT_EQ(reinterpret_cast<uint16_t*>(Upload(kE))[i], expected) << "element " << i;
   }
   const std::vector<std::byte> upload = Bytes(state_.upload, layout_.upload_bytes, 1);
-  passes_.UploadMaster(kPieceOfW);  // an fp32 parameter has no upload copy: its master weights are read
+  passes_.UploadMaster(kBlockOfW);  // an fp32 parameter has no upload copy: its master weights are read
   EXPECT_EQ(Bytes(state_.upload, layout_.upload_bytes, 1), upload);
 }
 
-TEST_F(BucketPassesTest, TouchZeroesThePieceInEveryRegion) {
+TEST_F(BucketPassesTest, TouchZeroesTheBlockInEveryRegion) {
   const size_t moment_size = SizeOf(spec_.moment_dtype), upload_size = SizeOf(DTypeOf(kE));
   std::memset(Master(kE), 0x5A, Numel(kE) * sizeof(float));
   std::memset(Accum(kE), 0x5A, Numel(kE) * sizeof(float));
   std::memset(Moment(state_.exp_avg, kE), 0x5A, Numel(kE) * moment_size);
   std::memset(Moment(state_.exp_avg_sq, kE), 0x5A, Numel(kE) * moment_size);
   std::memset(Upload(kE), 0x5A, Numel(kE) * upload_size);
-  passes_.Touch(kPieceOfE);
+  passes_.Touch(kBlockOfE);
   const auto expect_touched = [&](const std::byte* region, size_t size, const char* what) {
     for (uint64_t i = 0; i < Numel(kE); ++i) {
-      const std::byte expected = Inside(kPieceOfE, i) ? std::byte{0} : std::byte{0x5A};
+      const std::byte expected = Inside(kBlockOfE, i) ? std::byte{0} : std::byte{0x5A};
       for (size_t b = 0; b < size; ++b) ASSERT_EQ(region[i * size + b], expected) << what << " element " << i;
     }
   };

@@ -1,5 +1,5 @@
-// Tests of the optimizer worker pool (daemon/engine/worker_pool.h): each piece runs once, the completion
-// callback runs once after every piece, concurrent submitters, priority order, and NUMA homes.
+// Tests of the optimizer worker pool (daemon/engine/worker_pool.h): each block runs once, the completion
+// callback runs once after every block, concurrent submitters, priority order, and NUMA homes.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -46,7 +46,7 @@ class DoneCounter {
   size_t count_ = 0;
 };
 
-// Occupies every thread of a pool with one piece each until Release().
+// Occupies every thread of a pool with one block each until Release().
 class Blocker {
  public:
   Blocker(WorkerPool& pool, size_t threads) : started_(threads) {
@@ -77,12 +77,12 @@ class Blocker {
 
 TEST(WorkerPool, EveryPieceRunsOnceAndOnDoneRunsOnceAfterAll) {
   WorkerPool pool(2, /*pin_threads=*/false);
-  constexpr size_t kPieces = 1000;
-  std::vector<std::atomic<int>> runs(kPieces);
+  constexpr size_t kBlocks = 1000;
+  std::vector<std::atomic<int>> runs(kBlocks);
   std::atomic<int> runs_seen_by_on_done{-1};
   DoneCounter done;
   pool.Submit(
-      kPieces, [&](size_t i) { runs[i].fetch_add(1); },
+      kBlocks, [&](size_t i) { runs[i].fetch_add(1); },
       [&, callback = done.Callback()] {
         int total = 0;
         for (const auto& r : runs) total += r.load();
@@ -90,46 +90,46 @@ TEST(WorkerPool, EveryPieceRunsOnceAndOnDoneRunsOnceAfterAll) {
         callback();
       });
   ASSERT_TRUE(done.WaitFor(1));
-  std::this_thread::sleep_for(20ms);  // a second on_done or a late piece would show here
+  std::this_thread::sleep_for(20ms);  // a second on_done or a late block would show here
   EXPECT_EQ(done.count(), 1u);
-  EXPECT_EQ(runs_seen_by_on_done.load(), static_cast<int>(kPieces));
-  for (size_t i = 0; i < kPieces; ++i) EXPECT_EQ(runs[i].load(), 1) << "piece " << i;
+  EXPECT_EQ(runs_seen_by_on_done.load(), static_cast<int>(kBlocks));
+  for (size_t i = 0; i < kBlocks; ++i) EXPECT_EQ(runs[i].load(), 1) << "block " << i;
 }
 
 TEST(WorkerPool, ZeroPiecesStillCallsOnDone) {
   WorkerPool pool(2, false);
-  std::atomic<int> pieces_run{0};
+  std::atomic<int> blocks_run{0};
   DoneCounter done;
   pool.Submit(
-      0, [&](size_t) { ++pieces_run; }, done.Callback());
+      0, [&](size_t) { ++blocks_run; }, done.Callback());
   ASSERT_TRUE(done.WaitFor(1));
-  EXPECT_EQ(pieces_run.load(), 0);
+  EXPECT_EQ(blocks_run.load(), 0);
   EXPECT_EQ(done.count(), 1u);
 }
 
 TEST(WorkerPool, ManyConcurrentBatchesFromManySubmitters) {
   WorkerPool pool(2, false);
   constexpr size_t kSubmitters = 4, kBatches = 200;
-  std::atomic<size_t> pieces_run{0};
+  std::atomic<size_t> blocks_run{0};
   std::vector<std::unique_ptr<std::atomic<size_t>>> per_batch;
   for (size_t i = 0; i < kSubmitters * kBatches; ++i) per_batch.push_back(std::make_unique<std::atomic<size_t>>(0));
   std::atomic<size_t> bad_on_done{0};
   DoneCounter done;
-  size_t expected_pieces = 0;
-  for (size_t b = 0; b < kSubmitters * kBatches; ++b) expected_pieces += b % 7;
+  size_t expected_blocks = 0;
+  for (size_t b = 0; b < kSubmitters * kBatches; ++b) expected_blocks += b % 7;
   std::vector<std::thread> submitters;
   for (size_t s = 0; s < kSubmitters; ++s) {
     submitters.emplace_back([&, s] {
       for (size_t k = 0; k < kBatches; ++k) {
-        const size_t id = s * kBatches + k, pieces = id % 7;
+        const size_t id = s * kBatches + k, blocks = id % 7;
         pool.Submit(
-            pieces,
+            blocks,
             [&, id](size_t) {
               per_batch[id]->fetch_add(1);
-              pieces_run.fetch_add(1);
+              blocks_run.fetch_add(1);
             },
-            [&, id, pieces, callback = done.Callback()] {
-              if (per_batch[id]->load() != pieces) ++bad_on_done;
+            [&, id, blocks, callback = done.Callback()] {
+              if (per_batch[id]->load() != blocks) ++bad_on_done;
               callback();
             },
             static_cast<int64_t>(k % 3));
@@ -138,11 +138,11 @@ TEST(WorkerPool, ManyConcurrentBatchesFromManySubmitters) {
   }
   for (auto& t : submitters) t.join();
   ASSERT_TRUE(done.WaitFor(kSubmitters * kBatches));
-  EXPECT_EQ(pieces_run.load(), expected_pieces);
-  EXPECT_EQ(bad_on_done.load(), 0u) << "on_done ran before all pieces of its batch";
+  EXPECT_EQ(blocks_run.load(), expected_blocks);
+  EXPECT_EQ(bad_on_done.load(), 0u) << "on_done ran before all blocks of its batch";
 }
 
-// Records the order in which single-piece batches run on a one-thread pool.
+// Records the order in which single-block batches run on a one-thread pool.
 class OrderRecorder {
  public:
   void Submit(WorkerPool& pool, int id, int64_t priority) {
@@ -197,15 +197,15 @@ TEST(WorkerPool, ZeroThreadsMeansOne) {
 }
 
 }  // namespace
-// With a home per piece, every thread starts with its own node's pieces. Each thread's first piece
-// waits until both threads have one, so neither can take the other node's pieces first. The first
-// four pieces are node 0's: a pool that ignored homes would start both threads there.
+// With a home per block, every thread starts with its own node's blocks. Each thread's first block
+// waits until both threads have one, so neither can take the other node's blocks first. The first
+// four blocks are node 0's: a pool that ignored homes would start both threads there.
 TEST(WorkerPoolNumaTest, EachThreadStartsWithItsOwnNodesPieces) {
   WorkerPool pool(2, /*pin_threads=*/false, /*thread_nodes=*/{0, 1});
   ASSERT_EQ(pool.nodes(), 2u);
   std::latch both_started(2);
   std::mutex mutex;
-  std::map<std::thread::id, std::vector<size_t>> ran;  // per thread, the homes of its pieces in order
+  std::map<std::thread::id, std::vector<size_t>> ran;  // per thread, the homes of its blocks in order
   DoneCounter done;
   pool.Submit(
       8,
@@ -232,7 +232,7 @@ TEST(WorkerPoolNumaTest, EachThreadStartsWithItsOwnNodesPieces) {
   EXPECT_EQ(total, 8u);
 }
 
-// Homes only order the work: every piece still runs exactly once, also when one node has all of it.
+// Homes only order the work: every block still runs exactly once, also when one node has all of it.
 TEST(WorkerPoolNumaTest, EveryPieceRunsOnceWhateverTheHomes) {
   WorkerPool pool(4, /*pin_threads=*/false, /*thread_nodes=*/{3, 3, 7, 7});
   ASSERT_EQ(pool.nodes(), 2u);  // numbered densely
