@@ -79,7 +79,7 @@ struct Node {
     return done;
   }
 
-  // Checks about 4096 elements spread over the buffer (so every piece's range for the sizes the
+  // Checks about 4096 elements spread over the buffer (so every fragment's range for the sizes the
   // benchmark uses) and the last one against scale * sum_n (i + n) % 7.
   void Check(uint32_t nodes, uint32_t rank, double scale, bool exact) const {
     auto check = [&](size_t i) {

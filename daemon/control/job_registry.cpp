@@ -134,10 +134,10 @@ void JobRegistry::Drop(const std::string& name, uint32_t uid, bool force) {
     jobs_.erase(it);
   }
   job->FailAll(fmt::format("job '{}' was dropped", name));
-  DropWaitingPieces(name);
+  DropWaitingFragments(name);
 }
 
-void JobRegistry::DropWaitingPieces(const std::string& name) {
+void JobRegistry::DropWaitingFragments(const std::string& name) {
   if (peer_config_.mailbox != nullptr) peer_config_.mailbox->Drop(name);
 }
 
@@ -172,7 +172,7 @@ size_t JobRegistry::ExpireIdle() {
       orphans_.clear();
     }
   }
-  for (const auto& job : expired) DropWaitingPieces(job->name());
+  for (const auto& job : expired) DropWaitingFragments(job->name());
   return expired.size();  // destroyed here, outside the lock
 }
 

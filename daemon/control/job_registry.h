@@ -41,7 +41,7 @@ class JobRegistry {
   std::vector<OrphanedJob> Orphans();  // claimed, not re-adopted yet
 
  private:
-  void DropWaitingPieces(const std::string& name);  // peers' pieces for the job, in the mailbox
+  void DropWaitingFragments(const std::string& name);  // peers' fragments for the job, in the mailbox
 
   const Config& config_;
   WorkerPool& pool_;

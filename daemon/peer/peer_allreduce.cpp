@@ -11,24 +11,24 @@ namespace trainstream::daemon {
 
 namespace {
 constexpr uint32_t kReduceScatter = 0, kAllGather = 1;
-// A chunk travels in pieces, so that sending, receiving and adding overlap: a quarter of the chunk,
+// A chunk travels in fragments, so that sending, receiving and adding overlap: a quarter of the chunk,
 // at least 128 KiB and at most 4 MiB (the last one shorter), over PeerConfig::connections to the
-// right-hand peer (4 unless --peer-connections says otherwise) with 2 pieces in flight on each.
+// right-hand peer (4 unless --peer-connections says otherwise) with 2 fragments in flight on each.
 // Measured on loopback, one process per node, against gloo's bus bandwidth
 // (benchmarks/results/allreduce_h200-16core-*.jsonl): on a 16-core machine one connection with
-// pieces of at least 512 KiB was the limit below 128 MiB (1-32 MiB: 0.42-0.93x gloo); 4 connections
-// with 128 KiB pieces: 8-128 MiB at 0.92-1.66x, 1 MiB at 0.58-0.96x. Pieces of 64 KiB, 2 or 8
-// connections, 1 piece in flight per connection, a 1 MiB HTTP/2 frame, and direct sends between all
+// fragments of at least 512 KiB was the limit below 128 MiB (1-32 MiB: 0.42-0.93x gloo); 4 connections
+// with 128 KiB fragments: 8-128 MiB at 0.92-1.66x, 1 MiB at 0.58-0.96x. Fragments of 64 KiB, 2 or 8
+// connections, 1 fragment in flight per connection, a 1 MiB HTTP/2 frame, and direct sends between all
 // pairs instead of the ring (2 hops instead of 2(M-1), branch exp/conns) were no better overall.
-// Every piece is one call, and a call costs much CPU time in gRPC (2 cores, 128 MiB over 3 nodes:
-// 48 ms of user time per node with 512 KiB pieces, 35 ms with 2 MiB, 29 ms with 8 MiB), so large
-// chunks use large pieces: 128 MiB over 3 nodes took 180 ms with 4 MiB pieces against 261 ms with
+// Every fragment is one call, and a call costs much CPU time in gRPC (2 cores, 128 MiB over 3 nodes:
+// 48 ms of user time per node with 512 KiB fragments, 35 ms with 2 MiB, 29 ms with 8 MiB), so large
+// chunks use large fragments: 128 MiB over 3 nodes took 180 ms with 4 MiB fragments against 261 ms with
 // 512 KiB; beyond 4 MiB it gained nothing. On 2 cores, where the CPU is the limit, 4 connections
-// with 128 KiB pieces were within run-to-run noise of one with 512 KiB, except 1 MiB over 3 nodes
+// with 128 KiB fragments were within run-to-run noise of one with 512 KiB, except 1 MiB over 3 nodes
 // (0.66-0.75x gloo against 0.91-0.96x): more calls for the same bytes.
-constexpr size_t kMinPieces = 4;
-constexpr size_t kMinPieceFloats = (size_t{128} << 10) / sizeof(float);
-constexpr size_t kMaxPieceFloats = kMaxPieceBytes / sizeof(float);
+constexpr size_t kMinFragments = 4;
+constexpr size_t kMinFragmentFloats = (size_t{128} << 10) / sizeof(float);
+constexpr size_t kMaxFragmentFloats = kMaxFragmentBytes / sizeof(float);
 constexpr size_t kInFlightPerConnection = 2;
 constexpr std::chrono::milliseconds kPoll{50};  // how often a wait looks for failed sends and Stop
 
@@ -38,24 +38,24 @@ std::optional<Error> SendFailure(std::optional<std::string> message) {
   return Error(Code::kUnavailable, *message);
 }
 
-// How every node splits a bucket of n floats: M chunks [n*c/M, n*(c+1)/M), each in pieces of
-// `piece` floats (the last one shorter). Both ends of a piece compute the same ranges.
+// How every node splits a bucket of n floats: M chunks [n*c/M, n*(c+1)/M), each in fragments of
+// `fragment` floats (the last one shorter). Both ends of a fragment compute the same ranges.
 struct Split {
   size_t n;
   uint32_t chunks;
-  size_t piece = std::clamp(n / (size_t{chunks} * kMinPieces), kMinPieceFloats, kMaxPieceFloats);
+  size_t fragment = std::clamp(n / (size_t{chunks} * kMinFragments), kMinFragmentFloats, kMaxFragmentFloats);
 
   std::pair<size_t, size_t> Chunk(int64_t c) const {
     const auto index = static_cast<size_t>(((c % chunks) + chunks) % chunks);
     return {n * index / chunks, n * (index + 1) / chunks};
   }
-  uint32_t Pieces(std::pair<size_t, size_t> chunk) const {
-    return static_cast<uint32_t>((chunk.second - chunk.first + piece - 1) / piece);
+  uint32_t Fragments(std::pair<size_t, size_t> chunk) const {
+    return static_cast<uint32_t>((chunk.second - chunk.first + fragment - 1) / fragment);
   }
-  // Piece p of `chunk`: its first element and its length.
-  std::pair<size_t, size_t> Piece(std::pair<size_t, size_t> chunk, uint32_t p) const {
-    const size_t begin = chunk.first + p * piece;
-    return {begin, std::min(piece, chunk.second - begin)};
+  // Fragment p of `chunk`: its first element and its length.
+  std::pair<size_t, size_t> Fragment(std::pair<size_t, size_t> chunk, uint32_t p) const {
+    const size_t begin = chunk.first + p * fragment;
+    return {begin, std::min(fragment, chunk.second - begin)};
   }
 };
 }  // namespace
@@ -135,11 +135,11 @@ void PeerAllReduce::Run() {
 // Ring step s (0 <= s < 2(M-1)) sends chunk me-s to the right and receives chunk me-s-1 from the
 // left: steps below M-1 are the reduce-scatter (the received values are added: after step s this
 // node holds the sum of s+2 nodes' values of chunk me-s-1), the rest the all-gather (complete chunks
-// are copied). What arrives in step s leaves in step s+1, piece by piece: the gRPC thread that
-// received a piece adds it and posts it on (Bucket::Arrived). A region is overwritten only by the
+// are copied). What arrives in step s leaves in step s+1, fragment by fragment: the gRPC thread that
+// received a fragment adds it and posts it on (Bucket::Arrived). A region is overwritten only by the
 // all-gather, whose values left this node's sum earlier (the right-hand peer had received them,
-// so they were read out of the bucket), so a posted piece never changes before it was sent.
-// Pieces of different steps that cover the same region arrive in ring order for the same reason.
+// so they were read out of the bucket), so a posted fragment never changes before it was sent.
+// Fragments of different steps that cover the same region arrive in ring order for the same reason.
 struct PeerAllReduce::Bucket final : PeerSink {
   PeerAllReduce& ring;
   const uint64_t step;
@@ -147,18 +147,18 @@ struct PeerAllReduce::Bucket final : PeerSink {
   float* const data;
   const Split split;
   const uint32_t rounds = split.chunks - 1, ring_steps = 2 * rounds;
-  std::vector<std::vector<bool>> seen;  // [ring step][piece]
+  std::vector<std::vector<bool>> seen;  // [ring step][fragment]
 
   std::mutex mutex;
   std::condition_variable changed;
-  size_t left = 0;  // pieces still to arrive
+  size_t left = 0;  // fragments still to arrive
   std::chrono::steady_clock::time_point progress = std::chrono::steady_clock::now();
   std::optional<Error> error;
 
   Bucket(PeerAllReduce& ring, uint64_t step, uint32_t bucket, float* data, size_t n)
       : ring(ring), step(step), bucket(bucket), data(data), split{n, static_cast<uint32_t>(ring.peers_.size())} {
     for (uint32_t s = 0; s < ring_steps; ++s) {
-      seen.emplace_back(split.Pieces(Chunk(s)), false);
+      seen.emplace_back(split.Fragments(Chunk(s)), false);
       left += seen.back().size();
     }
   }
@@ -166,27 +166,27 @@ struct PeerAllReduce::Bucket final : PeerSink {
     return split.Chunk(static_cast<int64_t>(ring.node_rank_) - ring_step - 1);
   }
 
-  void Arrived(const ChunkKey& key, PeerPayload payload) override {
+  void Arrived(const FragmentKey& key, PeerPayload payload) override {
     const uint32_t s = key.phase == kReduceScatter ? key.round : rounds + key.round;
     const uint32_t from = (ring.node_rank_ + ring.peers_.size() - 1) % ring.peers_.size();
-    if (key.round >= rounds || key.piece >= seen[s].size()) {
+    if (key.round >= rounds || key.fragment >= seen[s].size()) {
       return Failed(
-          fmt::format("peer {} (node {}) sent piece {} of round {} of a bucket that has no such piece "
+          fmt::format("peer {} (node {}) sent fragment {} of round {} of a bucket that has no such fragment "
                       "(layouts differ?)",
-                      ring.peers_[from], from, key.piece, key.round));
+                      ring.peers_[from], from, key.fragment, key.round));
     }
-    const auto [begin, count] = split.Piece(Chunk(s), key.piece);
+    const auto [begin, count] = split.Fragment(Chunk(s), key.fragment);
     if (PayloadBytes(payload) != count * sizeof(float)) {
-      return Failed(fmt::format("peer {} (node {}) sent {} bytes for a piece of {} (layouts differ?)",
+      return Failed(fmt::format("peer {} (node {}) sent {} bytes for a fragment of {} (layouts differ?)",
                                 ring.peers_[from], from, PayloadBytes(payload), count * sizeof(float)));
     }
     {
       std::lock_guard lock(mutex);
-      if (seen[s][key.piece] || error) return;  // twice (a stale piece), or the reduction failed
-      seen[s][key.piece] = true;
+      if (seen[s][key.fragment] || error) return;  // twice (a stale fragment), or the reduction failed
+      seen[s][key.fragment] = true;
     }
     ApplyPayload(payload, data + begin, key.phase == kReduceScatter);
-    if (s + 1 < ring_steps) ring.Post(step, bucket, s + 1, key.piece, data + begin, count);
+    if (s + 1 < ring_steps) ring.Post(step, bucket, s + 1, key.fragment, data + begin, count);
     std::lock_guard lock(mutex);
     progress = std::chrono::steady_clock::now();
     if (--left == 0) changed.notify_all();
@@ -201,8 +201,8 @@ struct PeerAllReduce::Bucket final : PeerSink {
 std::optional<Error> PeerAllReduce::Reduce(uint64_t step, uint32_t bucket, float* data, size_t n) {
   Bucket reduction(*this, step, bucket, data, n);
   const auto first = reduction.split.Chunk(node_rank_);
-  for (uint32_t p = 0; p < reduction.split.Pieces(first); ++p) {
-    const auto [begin, count] = reduction.split.Piece(first, p);
+  for (uint32_t p = 0; p < reduction.split.Fragments(first); ++p) {
+    const auto [begin, count] = reduction.split.Fragment(first, p);
     Post(step, bucket, 0, p, data + begin, count);
   }
   for (auto& [key, payload] : config_.mailbox->Register(job_, step, bucket, &reduction)) {
@@ -234,7 +234,7 @@ std::optional<Error> PeerAllReduce::Reduce(uint64_t step, uint32_t bucket, float
   }
   config_.mailbox->Unregister(job_, step, bucket);  // no thread posts any more
   if (error) return Fail(std::move(*error));
-  // The last pieces may still be on their way to a peer that stopped answering: not past Stop.
+  // The last fragments may still be on their way to a peer that stopped answering: not past Stop.
   while (!right_->WaitIdle(kPoll)) {
     if (Stopping()) return Fail(Error(Code::kAborted, "the job is being removed"));
   }
@@ -249,7 +249,7 @@ std::optional<Error> PeerAllReduce::Fail(Error error) {
   return send_error ? std::move(send_error) : std::move(error);
 }
 
-void PeerAllReduce::Post(uint64_t step, uint32_t bucket, uint32_t ring_step, uint32_t piece, const float* data,
+void PeerAllReduce::Post(uint64_t step, uint32_t bucket, uint32_t ring_step, uint32_t fragment, const float* data,
                          size_t n) {
   const uint32_t rounds = static_cast<uint32_t>(peers_.size()) - 1;
   v1::PeerChunk header;
@@ -259,7 +259,7 @@ void PeerAllReduce::Post(uint64_t step, uint32_t bucket, uint32_t ring_step, uin
   header.set_phase(ring_step < rounds ? kReduceScatter : kAllGather);
   header.set_round(ring_step % rounds);
   header.set_from_node(node_rank_);
-  header.set_piece(piece);
+  header.set_fragment(fragment);
   right_->Post(std::move(header), data, n);
 }
 

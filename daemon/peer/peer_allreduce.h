@@ -5,13 +5,13 @@
 // every chunk is formed once, in ring order, by one node and then copied to the others, so every
 // node ends with bit-identical values. Buckets are reduced one at a time in (step, bucket) order on
 // every node, which keeps the nodes' rings from waiting on each other in a cycle. A peer that does
-// not deliver within the timeout, or refuses a piece, fails the bucket with a message naming it.
+// not deliver within the timeout, or refuses a fragment, fails the bucket with a message naming it.
 //
-// Chunks travel in pieces of a quarter of a chunk, 128 KiB to 4 MiB (daemon/peer/peer_allreduce.cpp),
+// Chunks travel in fragments of a quarter of a chunk, 128 KiB to 4 MiB (daemon/peer/peer_allreduce.cpp),
 // over 4 connections (--peer-connections) with 2 in flight on each (daemon/peer/peer_sender.h), sent straight from the
-// bucket's memory: a piece received in one ring step is summed into the bucket and sent on in the
+// bucket's memory: a fragment received in one ring step is summed into the bucket and sent on in the
 // next step at once, on the gRPC thread that received it (the mailbox hands it over while the
-// bucket is registered), so sending, receiving and adding overlap within a bucket. Pieces cover
+// bucket is registered), so sending, receiving and adding overlap within a bucket. Fragments cover
 // disjoint elements, so the order in which they arrive changes no sum.
 #pragma once
 
@@ -69,7 +69,7 @@ class PeerAllReduce final : public AllReduce {
   void FailQueued(const std::string& reason);
   std::optional<Error> Reduce(uint64_t step, uint32_t bucket, float* data, size_t n);
   std::optional<Error> Fail(Error error);
-  void Post(uint64_t step, uint32_t bucket, uint32_t ring_step, uint32_t piece, const float* data, size_t n);
+  void Post(uint64_t step, uint32_t bucket, uint32_t ring_step, uint32_t fragment, const float* data, size_t n);
   bool Stopping();
 
   const std::string job_;

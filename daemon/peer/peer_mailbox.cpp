@@ -2,7 +2,7 @@
 
 namespace trainstream::daemon {
 
-void PeerMailbox::Put(ChunkKey key, PeerPayload data) {
+void PeerMailbox::Put(FragmentKey key, PeerPayload data) {
   std::unique_lock lock(mutex_);
   const auto registered = sinks_.find(BucketKey{key.job, key.step, key.bucket});
   if (registered != sinks_.end()) {
@@ -17,19 +17,19 @@ void PeerMailbox::Put(ChunkKey key, PeerPayload data) {
     }
     return;
   }
-  chunks_.insert_or_assign(std::move(key), Waiting{std::move(data), std::chrono::steady_clock::now()});
+  fragments_.insert_or_assign(std::move(key), Waiting{std::move(data), std::chrono::steady_clock::now()});
 }
 
-std::vector<std::pair<ChunkKey, PeerPayload>> PeerMailbox::Register(const std::string& job, uint64_t step,
-                                                                    uint32_t bucket, PeerSink* sink) {
-  std::vector<std::pair<ChunkKey, PeerPayload>> waiting;
+std::vector<std::pair<FragmentKey, PeerPayload>> PeerMailbox::Register(const std::string& job, uint64_t step,
+                                                                       uint32_t bucket, PeerSink* sink) {
+  std::vector<std::pair<FragmentKey, PeerPayload>> waiting;
   std::lock_guard lock(mutex_);
   sinks_.insert_or_assign(BucketKey{job, step, bucket}, Registration{sink});
-  const ChunkKey first{job, step, bucket, 0, 0, 0};
-  auto it = chunks_.lower_bound(first);
-  while (it != chunks_.end() && it->first.job == job && it->first.step == step && it->first.bucket == bucket) {
+  const FragmentKey first{job, step, bucket, 0, 0, 0};
+  auto it = fragments_.lower_bound(first);
+  while (it != fragments_.end() && it->first.job == job && it->first.step == step && it->first.bucket == bucket) {
     waiting.emplace_back(it->first, std::move(it->second.data));
-    it = chunks_.erase(it);
+    it = fragments_.erase(it);
   }
   return waiting;
 }
@@ -44,13 +44,13 @@ void PeerMailbox::Unregister(const std::string& job, uint64_t step, uint32_t buc
 
 void PeerMailbox::Drop(const std::string& job) {
   std::lock_guard lock(mutex_);
-  std::erase_if(chunks_, [&](const auto& entry) { return entry.first.job == job; });
+  std::erase_if(fragments_, [&](const auto& entry) { return entry.first.job == job; });
 }
 
 size_t PeerMailbox::Expire(std::chrono::steady_clock::duration age) {
   const auto before = std::chrono::steady_clock::now() - age;
   std::lock_guard lock(mutex_);
-  return std::erase_if(chunks_, [&](const auto& entry) { return entry.second.arrived < before; });
+  return std::erase_if(fragments_, [&](const auto& entry) { return entry.second.arrived < before; });
 }
 
 }  // namespace trainstream::daemon

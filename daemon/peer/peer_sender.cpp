@@ -57,32 +57,32 @@ void PeerSender::Connect() {
 void PeerSender::Post(v1::PeerChunk header, const float* data, size_t n) {
   std::unique_lock lock(mutex_);
   if (error_ || cancelled_) return;  // the reduction fails anyway
-  queued_.push_back(Piece{std::move(header), data, n});
+  queued_.push_back(Fragment{std::move(header), data, n});
   StartQueued(lock);
 }
 
 void PeerSender::StartQueued(std::unique_lock<std::mutex>& lock) {
   while (!queued_.empty() && in_flight_.size() + starting_ < window_) {
-    Piece piece = std::move(queued_.front());
+    Fragment fragment = std::move(queued_.front());
     queued_.pop_front();
     ++starting_;
     lock.unlock();  // the copy into the message happens outside the lock
-    Start(piece);
+    Start(fragment);
     lock.lock();
   }
 }
 
-void PeerSender::Start(const Piece& piece) {
+void PeerSender::Start(const Fragment& fragment) {
   auto call = std::make_shared<Call>();
   {
     std::lock_guard lock(mutex_);
     ++slices_;
   }
   // The bucket's memory itself; Released runs when gRPC (and the call's request) let go of it.
-  call->request = EncodePiece(
-      piece.header, grpc::Slice(const_cast<float*>(piece.data), piece.n * sizeof(float), &PeerSender::Released, this));
-  call->step = piece.header.step();
-  call->bucket = piece.header.bucket();
+  call->request = EncodeFragment(fragment.header, grpc::Slice(const_cast<float*>(fragment.data),
+                                                              fragment.n * sizeof(float), &PeerSender::Released, this));
+  call->step = fragment.header.step();
+  call->bucket = fragment.header.bucket();
   call->context.AddMetadata(kSecretHeader, secret_);
   call->context.set_deadline(std::chrono::system_clock::now() + timeout_);
   // A connection attempt among several opened at once may fail (seen on loopback): the channel

@@ -1,8 +1,8 @@
-// Sends the pieces of one all-reduce to the next daemon of the ring: asynchronous Deliver calls,
+// Sends the fragments of one all-reduce to the next daemon of the ring: asynchronous Deliver calls,
 // spread in turn over several connections (each one's bytes are framed, written, read and parsed
 // by one gRPC thread at a time: on a machine with cores to spare, one connection was the limit;
 // daemon/peer/peer_allreduce.cpp has the numbers), at most `window` in flight, the rest queued in the
-// order they were posted. Pieces are not copied: each call's message holds a slice of the bucket's
+// order they were posted. Fragments are not copied: each call's message holds a slice of the bucket's
 // own memory, which gRPC reads when it writes the message to the socket (measured: the copy was
 // 12% of a node's CPU time). A call waits for its connection to come up, until its deadline.
 //
@@ -55,7 +55,7 @@ class PeerSender {
   bool WaitIdle(std::chrono::milliseconds timeout);
 
  private:
-  struct Piece {
+  struct Fragment {
     v1::PeerChunk header;
     const float* data;
     size_t n;
@@ -65,7 +65,7 @@ class PeerSender {
   void Connect();  // new connections, one per stub (each a channel sharing none: see Finish)
   static void Released(void* sender);
   void StartQueued(std::unique_lock<std::mutex>& lock);
-  void Start(const Piece& piece);
+  void Start(const Fragment& fragment);
   void Done(const std::shared_ptr<Call>& call, const grpc::Status& status);
 
   const std::string address_;
@@ -77,7 +77,7 @@ class PeerSender {
 
   std::mutex mutex_;
   std::condition_variable idle_;
-  std::deque<Piece> queued_;
+  std::deque<Fragment> queued_;
   std::set<std::shared_ptr<Call>> in_flight_;
   size_t starting_ = 0;     // calls counted in the window but not yet in in_flight_
   size_t slices_ = 0;       // slices of posted data that gRPC has not released

@@ -24,7 +24,7 @@ bool SecretsEqual(const std::string& a, const std::string& b) {
 std::unique_ptr<grpc::Server> StartPeerServer(const std::string& address, PeerService& service, int& port) {
   grpc::ServerBuilder builder;
   builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &port);
-  builder.SetMaxReceiveMessageSize(static_cast<int>(kMaxPieceMessageBytes));
+  builder.SetMaxReceiveMessageSize(static_cast<int>(kMaxFragmentMessageBytes));
   builder.RegisterService(&service);
   return builder.BuildAndStart();
 }
@@ -47,13 +47,13 @@ grpc::Status PeerService::Store(grpc::CallbackServerContext& context, const grpc
   }
   try {
     v1::PeerChunk chunk;
-    PeerPayload data = DecodePiece(request, chunk);
+    PeerPayload data = DecodeFragment(request, chunk);
     TS_CHECK(PayloadBytes(data) % sizeof(float) == 0, Code::kInvalidArgument,
              "peer chunk holds {} bytes, not a whole number of floats", PayloadBytes(data));
     TS_CHECK(chunk.phase() <= 1, Code::kInvalidArgument, "peer chunk of phase {} (0 or 1)", chunk.phase());
     TS_CHECK(!chunk.job().empty() && chunk.job().size() <= shm::kMaxJobName, Code::kInvalidArgument,
              "peer chunk's job name has {} characters (1 to {})", chunk.job().size(), shm::kMaxJobName);
-    mailbox_.Put(ChunkKey{chunk.job(), chunk.step(), chunk.bucket(), chunk.phase(), chunk.round(), chunk.piece()},
+    mailbox_.Put(FragmentKey{chunk.job(), chunk.step(), chunk.bucket(), chunk.phase(), chunk.round(), chunk.fragment()},
                  std::move(data));
   } catch (const Error& e) {
     return StatusOf(e);

@@ -126,7 +126,7 @@ size_t PayloadBytes(const PeerPayload& payload) {
   return bytes;
 }
 
-grpc::ByteBuffer EncodePiece(const v1::PeerChunk& header, const grpc::Slice& data) {
+grpc::ByteBuffer EncodeFragment(const v1::PeerChunk& header, const grpc::Slice& data) {
   std::string head = header.SerializeAsString();
   uint8_t field[16];
   uint8_t* end = CodedOutputStream::WriteVarint32ToArray(kDataTag, field);
@@ -136,7 +136,7 @@ grpc::ByteBuffer EncodePiece(const v1::PeerChunk& header, const grpc::Slice& dat
   return {slices, 2};
 }
 
-PeerPayload DecodePiece(const grpc::ByteBuffer& message, v1::PeerChunk& header) {
+PeerPayload DecodeFragment(const grpc::ByteBuffer& message, v1::PeerChunk& header) {
   grpc::ByteBuffer readable(message);  // shares the slices; the readers want a mutable buffer
   const DataField data = FindData(readable);
   TS_CHECK(data.begin + data.bytes == message.Length(), Code::kInvalidArgument,

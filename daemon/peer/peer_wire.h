@@ -1,6 +1,6 @@
-// One piece of the ring all-reduce on the wire, without protobuf copies of its floats.
+// One fragment of the ring all-reduce on the wire, without protobuf copies of its floats.
 //
-// A piece travels as a serialized v1::PeerChunk whose `data` field comes last: the header fields,
+// A fragment travels as a serialized v1::PeerChunk whose `data` field comes last: the header fields,
 // then field 7's tag and length, then the raw float32 bytes. That is a valid PeerChunk for any
 // protobuf reader, but the daemons never build it as one: the sender appends its copy of the floats
 // as a slice of its own after the serialized header, and the receiver keeps the floats as slices of the
@@ -17,22 +17,22 @@
 namespace trainstream::daemon {
 
 inline constexpr char kDeliverMethod[] = "/trainstream.v1.Peer/Deliver";
-// The most float bytes one piece carries (daemon/peer/peer_allreduce.cpp), and the most a whole message
-// may hold: the piece and its header, whose one long field is the job name (256 bytes at most).
-inline constexpr size_t kMaxPieceBytes = size_t{4} << 20;
-inline constexpr size_t kMaxPieceMessageBytes = kMaxPieceBytes + 4096;
+// The most float bytes one fragment carries (daemon/peer/peer_allreduce.cpp), and the most a whole message
+// may hold: the fragment and its header, whose one long field is the job name (256 bytes at most).
+inline constexpr size_t kMaxFragmentBytes = size_t{4} << 20;
+inline constexpr size_t kMaxFragmentMessageBytes = kMaxFragmentBytes + 4096;
 
-// The float32 bytes of one delivered piece: slices of the received message, in order.
+// The float32 bytes of one delivered fragment: slices of the received message, in order.
 using PeerPayload = std::vector<grpc::Slice>;
 
 size_t PayloadBytes(const PeerPayload& payload);
 
 // `header` (its `data` empty) followed by `data` (float32 bytes) as one message.
-grpc::ByteBuffer EncodePiece(const v1::PeerChunk& header, const grpc::Slice& data);
+grpc::ByteBuffer EncodeFragment(const v1::PeerChunk& header, const grpc::Slice& data);
 
-// Splits a message from EncodePiece into its header and its data bytes; throws Error
+// Splits a message from EncodeFragment into its header and its data bytes; throws Error
 // (kInvalidArgument) when the message is not a PeerChunk with `data` last.
-PeerPayload DecodePiece(const grpc::ByteBuffer& message, v1::PeerChunk& header);
+PeerPayload DecodeFragment(const grpc::ByteBuffer& message, v1::PeerChunk& header);
 
 // out[i] += value i of `payload` (add), or out[i] = value i, for every float `payload` holds.
 void ApplyPayload(const PeerPayload& payload, float* out, bool add);

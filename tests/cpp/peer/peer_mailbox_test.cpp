@@ -1,4 +1,4 @@
-// Tests of the peer plane's mailbox (daemon/peer/peer_mailbox.h): pieces wait for their bucket's sink,
+// Tests of the peer plane's mailbox (daemon/peer/peer_mailbox.h): fragments wait for their bucket's sink,
 // go straight to a registered one, and expire once they have waited too long.
 #include "daemon/peer/peer_mailbox.h"
 
@@ -15,20 +15,20 @@ using namespace std::chrono_literals;
 
 class CountingSink final : public PeerSink {
  public:
-  void Arrived(const ChunkKey&, PeerPayload) override { ++arrived; }
+  void Arrived(const FragmentKey&, PeerPayload) override { ++arrived; }
   int arrived = 0;
 };
 
-ChunkKey Piece(uint64_t step, uint32_t piece) {
-  return ChunkKey{.job = "job", .step = step, .bucket = 0, .phase = 0, .round = 0, .piece = piece};
+FragmentKey Fragment(uint64_t step, uint32_t fragment) {
+  return FragmentKey{.job = "job", .step = step, .bucket = 0, .phase = 0, .round = 0, .fragment = fragment};
 }
 
 TEST(PeerMailbox, PiecesWaitForTheirSinkOrGoStraightToIt) {
   PeerMailbox mailbox;
-  mailbox.Put(Piece(1, 0), {});
+  mailbox.Put(Fragment(1, 0), {});
   CountingSink sink;
   EXPECT_EQ(mailbox.Register("job", 1, 0, &sink).size(), 1U);  // waited
-  mailbox.Put(Piece(1, 1), {});
+  mailbox.Put(Fragment(1, 1), {});
   EXPECT_EQ(sink.arrived, 1);  // delivered while registered
   mailbox.Unregister("job", 1, 0);
   EXPECT_TRUE(mailbox.Register("job", 1, 0, &sink).empty());
@@ -37,10 +37,10 @@ TEST(PeerMailbox, PiecesWaitForTheirSinkOrGoStraightToIt) {
 
 TEST(PeerMailbox, OnlyPiecesOlderThanTheAgeExpire) {
   PeerMailbox mailbox;
-  mailbox.Put(Piece(1, 0), {});
-  mailbox.Put(Piece(2, 0), {});
+  mailbox.Put(Fragment(1, 0), {});
+  mailbox.Put(Fragment(2, 0), {});
   std::this_thread::sleep_for(400ms);
-  mailbox.Put(Piece(3, 0), {});
+  mailbox.Put(Fragment(3, 0), {});
   EXPECT_EQ(mailbox.Expire(200ms), 2U);  // margins wide enough for a loaded machine
   EXPECT_EQ(mailbox.Expire(1h), 0U);
   CountingSink sink;

@@ -100,11 +100,11 @@ std::unique_ptr<PeerSender> SenderTo(const std::string& address, size_t connecti
                                       2 * connections);
 }
 
-void PostPieces(PeerSender& sender, const std::vector<float>& data, uint32_t pieces) {
-  for (uint32_t piece = 0; piece < pieces; ++piece) {
+void PostFragments(PeerSender& sender, const std::vector<float>& data, uint32_t fragments) {
+  for (uint32_t fragment = 0; fragment < fragments; ++fragment) {
     v1::PeerChunk header;
     header.set_job("a-job");
-    header.set_piece(piece);
+    header.set_fragment(fragment);
     sender.Post(header, data.data(), data.size());
   }
 }
@@ -114,7 +114,7 @@ TEST(PeerSenderTest, SpreadsItsCallsOverItsConnections) {
   Server server(address);
   auto sender = SenderTo(address, 4, milliseconds(10000));
   const std::vector<float> data(1024, 1.0F);
-  PostPieces(*sender, data, 16);
+  PostFragments(*sender, data, 16);
   EXPECT_EQ(sender->Finish(), std::nullopt);
   EXPECT_EQ(server.recorder.Calls(), 16U);
   EXPECT_EQ(server.recorder.Connections(), 4U);
@@ -124,7 +124,7 @@ TEST(PeerSenderTest, WaitsForAPeerThatStartsListeningWithinTheTimeout) {
   const std::string address = "127.0.0.1:" + std::to_string(FreePort());
   auto sender = SenderTo(address, 2, milliseconds(10000));
   const std::vector<float> data(1024, 1.0F);
-  PostPieces(*sender, data, 4);
+  PostFragments(*sender, data, 4);
   std::this_thread::sleep_for(milliseconds(500));  // the first connection attempts are refused
   Server server(address);
   EXPECT_EQ(sender->Finish(), std::nullopt);
@@ -136,7 +136,7 @@ TEST(PeerSenderTest, NamesAPeerThatNeverAnswersWithinTheTimeout) {
   auto sender = SenderTo(address, 2, milliseconds(500));
   const std::vector<float> data(1024, 1.0F);
   const auto start = std::chrono::steady_clock::now();
-  PostPieces(*sender, data, 4);
+  PostFragments(*sender, data, 4);
   const auto error = sender->Finish();
   ASSERT_TRUE(error.has_value());
   EXPECT_NE(error->find("peer " + address + " (node 1) did not take"), std::string::npos) << *error;

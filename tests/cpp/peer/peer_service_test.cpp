@@ -1,6 +1,6 @@
 // Tests of the Peer server as trainstreamd serves it (daemon/peer/peer_service.h) on loopback: the
-// largest piece the all-reduce sends arrives whole, a wrong secret stores nothing, and a message
-// larger than any piece is refused before the daemon buffers it.
+// largest fragment the all-reduce sends arrives whole, a wrong secret stores nothing, and a message
+// larger than any fragment is refused before the daemon buffers it.
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
@@ -53,8 +53,8 @@ class PeerServiceTest : public ::testing::Test {
     return *status;
   }
 
-  // The pieces the mailbox holds for bucket 0 of step 1 of "job".
-  std::vector<std::pair<ChunkKey, PeerPayload>> Waiting() {
+  // The fragments the mailbox holds for bucket 0 of step 1 of "job".
+  std::vector<std::pair<FragmentKey, PeerPayload>> Waiting() {
     auto waiting = mailbox_.Register("job", 1, 0, nullptr);
     mailbox_.Unregister("job", 1, 0);
     return waiting;
@@ -74,36 +74,36 @@ v1::PeerChunk Header() {
 }
 
 TEST_F(PeerServiceTest, TheLargestPieceArrivesWhole) {
-  const std::vector<float> values(kMaxPieceBytes / sizeof(float), 2.5F);
+  const std::vector<float> values(kMaxFragmentBytes / sizeof(float), 2.5F);
   PeerSender sender(address(), 1, "peer (node 1)", kSecret, std::chrono::milliseconds(10000), 1);
   sender.Post(Header(), values.data(), values.size());
   ASSERT_EQ(sender.Finish(), std::nullopt);
   const auto waiting = Waiting();
   ASSERT_EQ(waiting.size(), 1U);
-  EXPECT_EQ(PayloadBytes(waiting[0].second), kMaxPieceBytes);
+  EXPECT_EQ(PayloadBytes(waiting[0].second), kMaxFragmentBytes);
 }
 
 TEST_F(PeerServiceTest, AWrongSecretStoresNothing) {
   const std::vector<float> values(1024, 1.0F);
-  const grpc::ByteBuffer piece = EncodePiece(Header(), grpc::Slice(values.data(), values.size() * sizeof(float)));
-  EXPECT_EQ(Deliver(piece, "not-the-secret-at-all").error_code(), grpc::StatusCode::UNAUTHENTICATED);
-  EXPECT_EQ(Deliver(piece, "").error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  const grpc::ByteBuffer fragment = EncodeFragment(Header(), grpc::Slice(values.data(), values.size() * sizeof(float)));
+  EXPECT_EQ(Deliver(fragment, "not-the-secret-at-all").error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(Deliver(fragment, "").error_code(), grpc::StatusCode::UNAUTHENTICATED);
   EXPECT_TRUE(Waiting().empty());
 }
 
 TEST_F(PeerServiceTest, MalformedPiecesAreRefusedNamingWhatIsWrong) {
   const std::vector<float> values(16, 1.0F);
-  auto piece = [&](const v1::PeerChunk& header, size_t bytes) {
-    return EncodePiece(header, grpc::Slice(values.data(), bytes));
+  auto fragment = [&](const v1::PeerChunk& header, size_t bytes) {
+    return EncodeFragment(header, grpc::Slice(values.data(), bytes));
   };
   v1::PeerChunk phase2 = Header();
   phase2.set_phase(2);
   v1::PeerChunk long_name = Header();
   long_name.set_job(std::string(257, 'j'));
   const std::vector<std::pair<grpc::ByteBuffer, std::string>> cases = {
-      {piece(Header(), 6), "6 bytes, not a whole number of floats"},
-      {piece(phase2, 16), "phase 2 (0 or 1)"},
-      {piece(long_name, 16), "job name has 257 characters (1 to 256)"},
+      {fragment(Header(), 6), "6 bytes, not a whole number of floats"},
+      {fragment(phase2, 16), "phase 2 (0 or 1)"},
+      {fragment(long_name, 16), "job name has 257 characters (1 to 256)"},
   };
   for (const auto& [message, needle] : cases) {
     const grpc::Status status = Deliver(message, kSecret);
@@ -114,7 +114,7 @@ TEST_F(PeerServiceTest, MalformedPiecesAreRefusedNamingWhatIsWrong) {
 }
 
 TEST_F(PeerServiceTest, AMessageLargerThanAnyPieceIsRefused) {
-  const std::string bytes(kMaxPieceMessageBytes + 1, 'x');
+  const std::string bytes(kMaxFragmentMessageBytes + 1, 'x');
   const grpc::Slice slice(bytes);
   const grpc::ByteBuffer message(&slice, 1);
   const grpc::Status status = Deliver(message, "");

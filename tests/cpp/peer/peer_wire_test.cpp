@@ -1,4 +1,4 @@
-// Tests of the peer plane's wire format (daemon/peer/peer_wire.h): a piece is a valid PeerChunk for any
+// Tests of the peer plane's wire format (daemon/peer/peer_wire.h): a fragment is a valid PeerChunk for any
 // protobuf reader, decodes to its header and data without copies, and its floats add exactly even
 // when the slices split them anywhere.
 #include <gtest/gtest.h>
@@ -22,7 +22,7 @@ v1::PeerChunk Header() {
   header.set_phase(1);
   header.set_round(2);
   header.set_from_node(1);
-  header.set_piece(5);
+  header.set_fragment(5);
   return header;
 }
 
@@ -48,11 +48,11 @@ grpc::ByteBuffer Sliced(const std::string& bytes, const std::vector<size_t>& siz
 
 TEST(PeerWire, EncodedPieceIsAPeerChunkWithItsFloats) {
   const std::vector<float> values = {1.5f, -2.0f, 3.25f};
-  const grpc::ByteBuffer message = EncodePiece(Header(), grpc::Slice(values.data(), values.size() * sizeof(float)));
+  const grpc::ByteBuffer message = EncodeFragment(Header(), grpc::Slice(values.data(), values.size() * sizeof(float)));
   v1::PeerChunk parsed;
   ASSERT_TRUE(parsed.ParseFromString(Flatten(message)));
   EXPECT_EQ(parsed.job(), "a-job");
-  EXPECT_EQ(parsed.piece(), 5u);
+  EXPECT_EQ(parsed.fragment(), 5u);
   ASSERT_EQ(parsed.data().size(), values.size() * sizeof(float));
   EXPECT_EQ(std::memcmp(parsed.data().data(), values.data(), parsed.data().size()), 0);
 }
@@ -60,14 +60,15 @@ TEST(PeerWire, EncodedPieceIsAPeerChunkWithItsFloats) {
 TEST(PeerWire, DecodeSplitsHeaderAndDataAcrossOddSlices) {
   std::vector<float> values(1000);
   for (size_t i = 0; i < values.size(); ++i) values[i] = 0.1f * static_cast<float>(i) - 7.0f;
-  const std::string bytes = Flatten(EncodePiece(Header(), grpc::Slice(values.data(), values.size() * sizeof(float))));
+  const std::string bytes =
+      Flatten(EncodeFragment(Header(), grpc::Slice(values.data(), values.size() * sizeof(float))));
   v1::PeerChunk header;
-  const PeerPayload payload = DecodePiece(Sliced(bytes, {3, 11, 1, 2, 1001, 5, 6}), header);
+  const PeerPayload payload = DecodeFragment(Sliced(bytes, {3, 11, 1, 2, 1001, 5, 6}), header);
   EXPECT_EQ(header.job(), "a-job");
   EXPECT_EQ(header.step(), 7u);
   EXPECT_EQ(header.bucket(), 3u);
   EXPECT_EQ(header.round(), 2u);
-  EXPECT_EQ(header.piece(), 5u);
+  EXPECT_EQ(header.fragment(), 5u);
   EXPECT_TRUE(header.data().empty());
   ASSERT_EQ(PayloadBytes(payload), values.size() * sizeof(float));
 
@@ -81,21 +82,21 @@ TEST(PeerWire, DecodeSplitsHeaderAndDataAcrossOddSlices) {
 }
 
 TEST(PeerWire, RefusesAChunkWhoseDataIsNotLast) {
-  v1::PeerChunk chunk = Header();  // piece (field 8) is written after data (field 7)
+  v1::PeerChunk chunk = Header();  // fragment (field 8) is written after data (field 7)
   chunk.set_data(std::string(8, '\0'));
   const std::string bytes = chunk.SerializeAsString();
   v1::PeerChunk header;
-  EXPECT_THROW(DecodePiece(Sliced(bytes, {}), header), Error);
+  EXPECT_THROW(DecodeFragment(Sliced(bytes, {}), header), Error);
   v1::PeerChunk no_data = Header();
-  EXPECT_THROW(DecodePiece(Sliced(no_data.SerializeAsString(), {}), header), Error);
+  EXPECT_THROW(DecodeFragment(Sliced(no_data.SerializeAsString(), {}), header), Error);
 }
 
 TEST(PeerWire, RefusesADataLengthThatDisagreesWithTheMessage) {
   const std::vector<float> values(4, 1.0f);
-  std::string bytes = Flatten(EncodePiece(Header(), grpc::Slice(values.data(), values.size() * sizeof(float))));
+  std::string bytes = Flatten(EncodeFragment(Header(), grpc::Slice(values.data(), values.size() * sizeof(float))));
   bytes.resize(bytes.size() - 2);  // the data field says 16 bytes; 14 follow
   v1::PeerChunk header;
-  TS_EXPECT_ERROR(DecodePiece(Sliced(bytes, {}), header), Code::kInvalidArgument,
+  TS_EXPECT_ERROR(DecodeFragment(Sliced(bytes, {}), header), Code::kInvalidArgument,
                   "data field says 16 bytes but 14 follow");
 }
 
