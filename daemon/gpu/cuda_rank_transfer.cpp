@@ -98,10 +98,9 @@ void CudaRankTransfer::PullGradients(uint32_t slot, void* host, size_t bytes, Do
       [self = shared_from_this(), slot, host, bytes](cuda::CUstream stream) {
         const cuda::CudaDriver& d = self->driver();
         const cuda::CUdeviceptr source = self->staging_ + slot * self->slot_bytes_;
-        for (const HostRange& piece : PinnedHost::Instance().Ensure(host, bytes)) {
-          const size_t offset = piece.data - static_cast<std::byte*>(host);
-          d.Check(d.cuMemcpyDtoHAsync(piece.data, source + offset, piece.bytes, stream),
-                  "copying gradients to the host");
+        for (const HostRange& part : PinnedHost::Instance().Ensure(host, bytes)) {
+          const size_t offset = part.data - static_cast<std::byte*>(host);
+          d.Check(d.cuMemcpyDtoHAsync(part.data, source + offset, part.bytes, stream), "copying gradients to the host");
         }
       },
       std::move(done), GateOn(grad_ready_[slot]));
@@ -119,9 +118,9 @@ void CudaRankTransfer::PushWeights(uint64_t offset, const void* host, size_t byt
   gpu_->to_device.Submit(
       [self = shared_from_this(), offset, host, bytes](cuda::CUstream stream) {
         const cuda::CudaDriver& d = self->driver();
-        for (const HostRange& piece : PinnedHost::Instance().Ensure(host, bytes)) {
-          const size_t at = piece.data - static_cast<const std::byte*>(host);
-          d.Check(d.cuMemcpyHtoDAsync(self->params_ + offset + at, piece.data, piece.bytes, stream),
+        for (const HostRange& part : PinnedHost::Instance().Ensure(host, bytes)) {
+          const size_t at = part.data - static_cast<const std::byte*>(host);
+          d.Check(d.cuMemcpyHtoDAsync(self->params_ + offset + at, part.data, part.bytes, stream),
                   "copying weights to the GPU");
         }
       },

@@ -36,16 +36,16 @@ std::vector<HostRange> PageRanges::Missing(std::byte* first, size_t bytes) const
 }
 
 std::vector<HostRange> PageRanges::Cut(std::byte* first, size_t bytes) const {
-  std::vector<HostRange> pieces;
+  std::vector<HostRange> parts;
   std::byte* const end = first + bytes;
   for (std::byte* at = first; at < end;) {
     auto next = ranges_.upper_bound(at);
     std::byte* stop = next == ranges_.end() ? end : std::min(end, next->first);
     if (next != ranges_.begin() && std::prev(next)->second > at) stop = std::min(end, std::prev(next)->second);
-    pieces.push_back(HostRange{at, static_cast<size_t>(stop - at)});
+    parts.push_back(HostRange{at, static_cast<size_t>(stop - at)});
     at = stop;
   }
-  return pieces;
+  return parts;
 }
 
 void PageRanges::Add(HostRange range) {

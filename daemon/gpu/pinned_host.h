@@ -16,7 +16,7 @@
 
 namespace trainstream::daemon {
 
-// A piece of host memory.
+// A range of host memory.
 struct HostRange {
   std::byte* data;
   size_t bytes;
@@ -30,7 +30,7 @@ class PageRanges {
   explicit PageRanges(size_t page) : page_(page) {}
   // The page-aligned parts of the pages under [first, first + bytes) that no range covers, in order.
   [[nodiscard]] std::vector<HostRange> Missing(std::byte* first, size_t bytes) const;
-  // [first, first + bytes) cut where ranges begin or end: each piece lies inside one range or
+  // [first, first + bytes) cut where ranges begin or end: each part lies inside one range or
   // outside all of them.
   [[nodiscard]] std::vector<HostRange> Cut(std::byte* first, size_t bytes) const;
   void Add(HostRange range);
@@ -49,7 +49,7 @@ class PinnedHost {
   static PinnedHost& Instance();
 
   // Registers the pages of [data, data + bytes) that are not registered yet, and returns the range in
-  // pieces to copy one by one: the driver refuses a copy that spans two registrations
+  // parts to copy one by one: the driver refuses a copy that spans two registrations
   // (CUDA_ERROR_INVALID_VALUE), and neighbouring buckets share pages. A refused registration is
   // logged once; the copies then go ahead from pageable memory (slower, still correct).
   std::vector<HostRange> Ensure(const void* data, size_t bytes);

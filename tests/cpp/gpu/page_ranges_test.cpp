@@ -1,5 +1,5 @@
 // PageRanges: the range arithmetic behind PinnedHost (which host pages the cuda-ipc copies register,
-// and how a copy is cut so that no piece spans two registrations), on plain memory.
+// and how a copy is cut so that no part spans two registrations), on plain memory.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
