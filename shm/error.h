@@ -1,6 +1,6 @@
 // The one error idiom of trainstream.
 //
-// Inside a component, code throws trainstream::Error (via TS_CHECK / TS_THROW). At every boundary —
+// Inside a component, code throws trainstream::Error (via TS_CHECK / Throw). At every boundary —
 // a gRPC handler, a ring message handler, the pybind11 module, main() — the error is caught once and
 // turned into that boundary's status: a grpc::Status, a session event, a Python TrainstreamError, an
 // exit code. Errors never cross a process boundary as exceptions.

@@ -10,8 +10,9 @@
 // Rank segment ("rank<r>", one per attached rank):
 //   RankHeader | request ring | completion ring | HParams[2][G] | presence u8[P] | grads
 //
-// Buckets follow DESIGN.md: parameters in reverse registration order (≈ backward order), one dtype per
-// bucket, about `bucket_bytes` each; a parameter is never split, a larger one gets its own bucket.
+// Buckets follow the design document: parameters in reverse registration order (≈ backward order),
+// one dtype per bucket, about `bucket_bytes` each; a parameter is never split, a larger one gets its
+// own bucket.
 // Every parameter starts on a 64-byte boundary inside its bucket, and every region on a 64-byte
 // boundary in its segment, so kernels see aligned data and GPU views are aligned alike.
 #pragma once

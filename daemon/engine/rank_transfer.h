@@ -1,6 +1,6 @@
 // How the step engine moves one rank's bytes between its GPU and the job's host memory when the daemon
-// does the copies (the cuda-ipc transport; DESIGN.md "One step", stages 2 and 4). Ranks whose client
-// copies its data itself have none.
+// does the copies (the cuda-ipc transport: docs/architecture.md, "The cuda-ipc transport", steps 2
+// and 4). Ranks whose client copies its data itself have none.
 //
 // Every call returns at once; `done` runs later, on another thread, exactly once, with the error that
 // stopped the work if any. Work of one kind runs in submission order: a push submitted after

@@ -1,4 +1,4 @@
-// The per-job step pipeline (DESIGN.md "One step", CPU transport).
+// The per-job step pipeline (docs/architecture.md, "Step protocol").
 //
 // One engine thread per job waits on the job's doorbell, drains every attached rank's request ring,
 // validates each message, and tracks per bucket which ranks have delivered which micro-batch. When all

@@ -1,9 +1,9 @@
 // Host memory that the GPUs' copy engines read and write, page-locked with the driver the first time a
 // transfer touches it and unlocked before its segment is unmapped.
 //
-// Registration costs about 2 GiB/s (DESIGN.md "Memory"), so nothing is registered when a job starts:
-// a copy thread registers the pages of a bucket just before its first copy, and memory no transfer
-// touches (the moments, the master weights of 16-bit buckets) is never registered.
+// Registration costs about 2 GiB/s (the design document, "Memory"), so nothing is registered when a
+// job starts: a copy thread registers the pages of a bucket just before its first copy, and memory no
+// transfer touches (the moments, the master weights of 16-bit buckets) is never registered.
 // Invariants: registered ranges are page-aligned and disjoint (a page is registered at most once); a
 // process that never uses the cuda-ipc transport never loads the driver here.
 #pragma once

@@ -1,4 +1,4 @@
-// The ring all-reduce of one multi-node job's gradients between its daemons (DESIGN.md, peer plane).
+// The ring all-reduce of one multi-node job's gradients between its daemons (docs/multi-node.md).
 //
 // Each bucket's node-summed gradients (fp32, in the job's accumulator) go through a reduce-scatter
 // and an all-gather around the ring of the job's daemons, in chunks of 1/M of the bucket. The sum of

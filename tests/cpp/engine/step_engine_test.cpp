@@ -1,5 +1,5 @@
 // Tests of the step pipeline (daemon/control/job.h, daemon/engine/step_engine.h) driven in-process through real shared
-// memory: a Job with a WorkerPool, a recording SessionSink, and a client side built from shm:: pieces
+// memory: a Job with a WorkerPool, a recording SessionSink, and a client side built from shm:: parts
 // (the rank and state segments opened by name, the request and completion rings). Checks the AdamW
 // result against a double-precision reference, multi-rank averaging, attach/detach, and that protocol
 // violations fail only the offending session.
@@ -107,7 +107,7 @@ float Gradient(uint32_t param, uint32_t rank, uint64_t step, uint64_t i) {
   return static_cast<float>(std::abs(g) < 1e-3 ? 0.01 : g);
 }
 
-// One rank's client side, made of shm:: pieces only.
+// One rank's client side, made of shm:: parts only.
 class RankClient {
  public:
   RankClient(Job& job, uint32_t rank, std::shared_ptr<RecordingSink> sink = std::make_shared<RecordingSink>())
