@@ -191,7 +191,7 @@ struct PeerAllReduce::Bucket final : PeerSink {
     progress = std::chrono::steady_clock::now();
     if (--left == 0) changed.notify_all();
   }
-  void Failed(std::string message) {  // a peer sent what this node's layout has no place for
+  void Failed(const std::string& message) {  // a peer sent what this node's layout has no place for
     std::lock_guard lock(mutex);
     if (!error) error = Error(Code::kInvalidArgument, message);
     changed.notify_all();

@@ -18,7 +18,6 @@
 
 #include "daemon/engine/all_reduce.h"
 #include "daemon/engine/rank_channel.h"
-#include "daemon/engine/session_sink.h"
 #include "daemon/engine/step_engine.h"
 #include "daemon/engine/worker_pool.h"
 #include "shm/error.h"
@@ -26,6 +25,7 @@
 #include "shm/message.h"
 #include "shm/ring.h"
 #include "shm/segment.h"
+#include "tests/cpp/engine/recording_sink.h"
 #include "tests/cpp/shm/test_support.h"
 
 namespace trainstream::daemon {
@@ -88,27 +88,6 @@ class FakeAllReduce final : public AllReduce {
   std::condition_variable changed_;
   std::deque<Submission> submitted_;
   std::vector<std::string> resets_;
-};
-
-// Records what the engine tells one session.
-class RecordingSink final : public SessionSink {
- public:
-  void Warn(const std::string&) override {}
-  void Fail(const std::string& message) override {
-    std::lock_guard lock(mutex_);
-    failures_.push_back(message);
-    changed_.notify_all();
-  }
-  std::optional<std::string> WaitForFailure() {
-    std::unique_lock lock(mutex_);
-    if (!changed_.wait_for(lock, kTimeout, [&] { return !failures_.empty(); })) return std::nullopt;
-    return failures_.front();
-  }
-
- private:
-  std::mutex mutex_;
-  std::condition_variable changed_;
-  std::vector<std::string> failures_;
 };
 
 float InitialWeight(uint32_t param, uint64_t i) {

@@ -38,6 +38,7 @@
 #include "shm/message.h"
 #include "shm/ring.h"
 #include "shm/segment.h"
+#include "tests/cpp/engine/recording_sink.h"
 #include "tests/cpp/shm/test_support.h"
 
 namespace trainstream::daemon {
@@ -50,39 +51,6 @@ using shm::MessageKind;
 
 constexpr auto kReplyTimeout = 5s;
 constexpr double kTolerance = 1e-6;
-
-// Records what the daemon tells one session.
-class RecordingSink : public SessionSink {
- public:
-  void Warn(const std::string& message) override {
-    std::lock_guard lock(mutex_);
-    warnings_.push_back(message);
-  }
-  void Fail(const std::string& message) override {
-    std::lock_guard lock(mutex_);
-    failures_.push_back(message);
-    changed_.notify_all();
-  }
-  // The first failure, waiting for it up to `timeout`.
-  std::optional<std::string> WaitForFailure(std::chrono::milliseconds timeout = kReplyTimeout) {
-    std::unique_lock lock(mutex_);
-    if (!changed_.wait_for(lock, timeout, [&] { return !failures_.empty(); })) return std::nullopt;
-    return failures_.front();
-  }
-  std::vector<std::string> failures() {
-    std::lock_guard lock(mutex_);
-    return failures_;
-  }
-  std::vector<std::string> warnings() {
-    std::lock_guard lock(mutex_);
-    return warnings_;
-  }
-
- private:
-  std::mutex mutex_;
-  std::condition_variable changed_;
-  std::vector<std::string> warnings_, failures_;
-};
 
 // Two fp32 parameters that land in two buckets (bucket 0 holds "b", bucket 1 holds "w").
 shm::LayoutSpec TwoParamSpec(uint32_t world_size) {
