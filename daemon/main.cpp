@@ -20,10 +20,10 @@
 #include <fstream>
 
 #include "daemon/config.h"
-#include "daemon/control_service.h"
-#include "daemon/job_registry.h"
+#include "daemon/control/control_service.h"
+#include "daemon/control/job_registry.h"
 #include "daemon/optimizer/adamw_kernels.h"
-#include "daemon/peer_service.h"
+#include "daemon/peer/peer_service.h"
 #include "daemon/systemd_notify.h"
 #include "shm/error.h"
 #include "shm/version.h"

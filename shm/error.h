@@ -1,6 +1,6 @@
 // The one error idiom of trainstream.
 //
-// Inside a component, code throws trainstream::Error (via TS_CHECK / TS_THROW). At every boundary —
+// Inside a component, code throws trainstream::Error (via TS_CHECK / Throw). At every boundary —
 // a gRPC handler, a ring message handler, the pybind11 module, main() — the error is caught once and
 // turned into that boundary's status: a grpc::Status, a session event, a Python TrainstreamError, an
 // exit code. Errors never cross a process boundary as exceptions.
@@ -8,6 +8,8 @@
 
 #include <fmt/format.h>
 
+#include <functional>
+#include <optional>
 #include <stdexcept>
 #include <string>
 
@@ -34,6 +36,11 @@ class Error : public std::runtime_error {
  private:
   Code code_;
 };
+
+// How asynchronous work (a GPU copy, an all-reduce between daemons) reports its end, exactly once and
+// on a thread of its own: with nothing when it succeeded, or with the Error that stopped it, whose
+// code the boundary that reports it keeps.
+using Done = std::function<void(std::optional<Error> error)>;
 
 template <typename... Args>
 [[noreturn]] void Throw(Code code, fmt::format_string<Args...> format, Args&&... args) {

@@ -112,7 +112,7 @@ struct alignas(64) StateHeader {
   uint32_t initialized = 0;  // master weights hold real values
   uint64_t layout_hash = 0;
   std::atomic<uint64_t> completed_step{0};
-  // The daemon that owns the job's memory (daemon/orphaned_jobs.h: its pid and start time in one
+  // The daemon that owns the job's memory (daemon/control/orphaned_jobs.h: its pid and start time in one
   // word), so that a daemon started after it died can tell its jobs from a live daemon's.
   std::atomic<uint64_t> owner{0};
   uint64_t daemon_socket = 0;           // hash of the owner's socket path: only its successor adopts

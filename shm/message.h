@@ -1,6 +1,6 @@
 // The data-plane messages carried by the rings: exactly 64 bytes, trivially copyable.
-// Every field is validated by the receiver (see daemon/job_engine.cpp); the wire values are part of
-// the segment format: never renumber.
+// Every field is validated by the receiver (the daemon: daemon/engine/step_engine.cpp); the wire
+// values are part of the segment format: never renumber.
 #pragma once
 
 #include <cstdint>

@@ -1,6 +1,6 @@
 // ts_bench_adamw: the optimizer kernels against the memory-bandwidth roofline of this machine, in one run.
 //
-// Measures, with the daemon's WorkerPool (threads pinned, one static chunk per thread, memory first
+// Measures, with the daemon's WorkerPool (threads pinned, one static block per thread, memory first
 // touched by the thread that later updates it): (a) a STREAM triad a = b + s*c, the roofline; (b) every
 // kernel configuration the daemon uses (1 and 4 ranks; fp32/bf16 gradients; fp32/bf16 moments; with the
 // bf16 upload copy), and the squared-norm pass clipping needs. Bytes are counted honestly: every stream
@@ -26,10 +26,10 @@
 #include <emmintrin.h>
 #endif
 
+#include "daemon/engine/worker_pool.h"
 #include "daemon/optimizer/adamw_kernels.h"
 #include "daemon/optimizer/float_convert.h"
 #include "daemon/optimizer/kernel_table.h"
-#include "daemon/worker_pool.h"
 #include "shm/error.h"
 
 namespace ts = trainstream;
@@ -88,7 +88,7 @@ Options Parse(int argc, char** argv) {
   return o;
 }
 
-// Page-aligned anonymous memory, not yet touched (first touch happens on the pool, chunk by chunk).
+// Page-aligned anonymous memory, not yet touched (first touch happens on the pool, block by block).
 class Region {
  public:
   Region(size_t bytes, bool huge) : bytes_(std::max<size_t>(bytes, 4096)) {
@@ -112,16 +112,16 @@ class Region {
   void* data_;
 };
 
-// One static chunk per thread, boundaries on 64-element multiples (whole cache lines for every dtype).
-struct Chunks {
-  size_t n, pieces;
-  [[nodiscard]] size_t Begin(size_t piece) const { return std::min(n, (n * piece / pieces) & ~size_t{63}); }
-  [[nodiscard]] size_t End(size_t piece) const { return piece + 1 == pieces ? n : Begin(piece + 1); }
+// One static block per thread, boundaries on 64-element multiples (whole cache lines for every dtype).
+struct Blocks {
+  size_t n, count;  // elements, blocks
+  [[nodiscard]] size_t Begin(size_t block) const { return std::min(n, (n * block / count) & ~size_t{63}); }
+  [[nodiscard]] size_t End(size_t block) const { return block + 1 == count ? n : Begin(block + 1); }
 };
 
-void RunOnPool(ts::daemon::WorkerPool& pool, size_t pieces, const std::function<void(size_t)>& fn) {
+void RunOnPool(ts::daemon::WorkerPool& pool, size_t blocks, const std::function<void(size_t)>& fn) {
   std::promise<void> done;
-  pool.Submit(pieces, fn, [&] { done.set_value(); });
+  pool.Submit(blocks, fn, [&] { done.set_value(); });
   done.get_future().wait();
 }
 
@@ -216,25 +216,25 @@ int Run(int argc, char** argv) {
   const opt::KernelTable& kernel = o.kernel.empty() ? opt::ActiveKernels() : opt::KernelByName(o.kernel);
 
   ts::daemon::WorkerPool pool(o.threads, /*pin_threads=*/true);
-  const Chunks chunks{n, o.threads};
+  const Blocks blocks{n, o.threads};
   std::printf("ts_bench_adamw: host %s, %s\n", host, CpuModel().c_str());
   std::printf("  %zu params, %zu threads (pinned), kernel %s (supported:", n, o.threads, kernel.name);
   for (const auto* k : opt::SupportedKernels()) std::printf(" %s", k->name);
   std::printf("), %d reps, best time reported, huge pages %s\n\n", o.reps, o.huge_pages ? "on" : "off");
 
-  // ---- (a) STREAM triad with the same threads and chunks --------------------------------------------
+  // ---- (a) STREAM triad with the same threads and blocks --------------------------------------------
   Result triad;
   {
     Region a(n * 4, o.huge_pages), b(n * 4, o.huge_pages), c(n * 4, o.huge_pages);
     float *pa = a.as<float>(), *pb = b.as<float>(), *pc = c.as<float>();
-    RunOnPool(pool, o.threads, [&](size_t piece) {
-      for (size_t i = chunks.Begin(piece); i < chunks.End(piece); ++i) pa[i] = 0, pb[i] = 1, pc[i] = 2;
+    RunOnPool(pool, o.threads, [&](size_t block) {
+      for (size_t i = blocks.Begin(block); i < blocks.End(block); ++i) pa[i] = 0, pb[i] = 1, pc[i] = 2;
     });
     const float scalar = 3.0f;
     const Timing t = Measure(o.reps + 3, [&] {
-      RunOnPool(pool, o.threads, [&](size_t piece) {
-        const size_t end = chunks.End(piece);
-        for (size_t i = chunks.Begin(piece); i < end; ++i) pa[i] = pb[i] + scalar * pc[i];
+      RunOnPool(pool, o.threads, [&](size_t block) {
+        const size_t end = blocks.End(block);
+        for (size_t i = blocks.Begin(block); i < end; ++i) pa[i] = pb[i] + scalar * pc[i];
       });
     });
     triad = {"triad", "plain", 12.0, t.best, t.median, n, false};  // 3 arrays x 4 bytes, STREAM's convention
@@ -242,8 +242,8 @@ int Run(int argc, char** argv) {
 #if defined(__SSE2__)
     // The same with non-temporal stores (no write-allocate read of a): usually the higher of the two.
     const Timing nt = Measure(o.reps + 3, [&] {
-      RunOnPool(pool, o.threads, [&](size_t piece) {
-        const size_t begin = chunks.Begin(piece), end = chunks.End(piece);  // 64-element aligned begin
+      RunOnPool(pool, o.threads, [&](size_t block) {
+        const size_t begin = blocks.Begin(block), end = blocks.End(block);  // 64-element aligned begin
         const __m128 s = _mm_set1_ps(scalar);
         size_t i = begin;
         for (; i + 4 <= end; i += 4)
@@ -267,8 +267,8 @@ int Run(int argc, char** argv) {
   // Rank r's slot is its own n-element array (as in the daemon's per-rank gradient slots).
   auto f32_slot = [&](size_t r) { return grads_f32.as<float>() + r * n; };
   auto bf16_slot = [&](size_t r) { return grads_bf16.as<uint16_t>() + r * n; };
-  RunOnPool(pool, o.threads, [&](size_t piece) {
-    for (size_t i = chunks.Begin(piece); i < chunks.End(piece); ++i) {
+  RunOnPool(pool, o.threads, [&](size_t block) {
+    for (size_t i = blocks.Begin(block); i < blocks.End(block); ++i) {
       const float x = static_cast<float>(static_cast<int>(i % 2001) - 1000) * 1e-4f;
       for (size_t r = 0; r < max_ranks; ++r) {
         f32_slot(r)[i] = x + static_cast<float>(r) * 1e-5f;
@@ -307,8 +307,8 @@ int Run(int argc, char** argv) {
     const opt::AdamWStep step = opt::AdamWStep::For(1e-3, 0.9, 0.999, 1e-8, 0.01, true, 10);
     const bool bf16_moments = c.moment == ts::DType::kBFloat16;
     const Timing t = Measure(o.reps, [&] {
-      RunOnPool(pool, o.threads, [&](size_t piece) {
-        const size_t begin = chunks.Begin(piece), count = chunks.End(piece) - begin;
+      RunOnPool(pool, o.threads, [&](size_t block) {
+        const size_t begin = blocks.Begin(block), count = blocks.End(block) - begin;
         const void* slots[max_ranks];
         for (size_t r = 0; r < c.ranks; ++r) {
           slots[r] = c.grad == ts::DType::kFloat32 ? static_cast<const void*>(f32_slot(r) + begin)
@@ -351,15 +351,15 @@ int Run(int argc, char** argv) {
   auto run_norm = [&](ts::DType dtype, size_t ranks, const char* name) {
     const Timing t = Measure(o.reps, [&] {
       std::vector<double> partial(o.threads);
-      RunOnPool(pool, o.threads, [&](size_t piece) {
-        const size_t begin = chunks.Begin(piece), count = chunks.End(piece) - begin;
+      RunOnPool(pool, o.threads, [&](size_t block) {
+        const size_t begin = blocks.Begin(block), count = blocks.End(block) - begin;
         const void* slots[max_ranks];
         for (size_t r = 0; r < ranks; ++r) {
           slots[r] = dtype == ts::DType::kFloat32 ? static_cast<const void*>(f32_slot(r) + begin)
                                                   : static_cast<const void*>(bf16_slot(r) + begin);
         }
         bool bad = false;
-        partial[piece] =
+        partial[block] =
             kernel.sum_of_squares({std::span<const void* const>(slots, ranks), dtype, nullptr, 1.0f}, count, &bad);
       });
     });

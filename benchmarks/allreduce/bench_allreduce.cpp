@@ -1,4 +1,4 @@
-// ts_bench_allreduce: the daemons' ring all-reduce (daemon/peer_allreduce.h) between M peer planes
+// ts_bench_allreduce: the daemons' ring all-reduce (daemon/peer/peer_allreduce.h) between M peer planes
 // on loopback. Prints seconds per all-reduce and the bus bandwidth 2(M-1)/M * bytes / time, the
 // figure NCCL and gloo benchmarks report. run.py starts the nodes and adds gloo.
 //
@@ -29,8 +29,8 @@
 #include <thread>
 #include <vector>
 
-#include "daemon/peer_allreduce.h"
-#include "daemon/peer_service.h"
+#include "daemon/peer/peer_allreduce.h"
+#include "daemon/peer/peer_service.h"
 
 using namespace trainstream::daemon;  // NOLINT(google-build-using-namespace): a benchmark's main
 
@@ -72,14 +72,14 @@ struct Node {
     for (size_t i = 0; i < floats; ++i) data[i] = static_cast<float>((i + rank) % 7);
   }
 
-  std::future<std::optional<std::string>> Submit(uint64_t step) {
-    auto promise = std::make_shared<std::promise<std::optional<std::string>>>();
+  std::future<std::optional<trainstream::Error>> Submit(uint64_t step) {
+    auto promise = std::make_shared<std::promise<std::optional<trainstream::Error>>>();
     auto done = promise->get_future();
     ring->Submit(step, 0, data.data(), data.size(), [promise](auto error) { promise->set_value(error); });
     return done;
   }
 
-  // Checks about 4096 elements spread over the buffer (so every piece's range for the sizes the
+  // Checks about 4096 elements spread over the buffer (so every fragment's range for the sizes the
   // benchmark uses) and the last one against scale * sum_n (i + n) % 7.
   void Check(uint32_t nodes, uint32_t rank, double scale, bool exact) const {
     auto check = [&](size_t i) {
@@ -97,8 +97,8 @@ struct Node {
   }
 };
 
-void Await(std::future<std::optional<std::string>>& done) {
-  if (auto error = done.get()) Die("all-reduce failed: " + *error);
+void Await(std::future<std::optional<trainstream::Error>>& done) {
+  if (auto error = done.get()) Die(std::string("all-reduce failed: ") + error->what());
 }
 
 // Waits until every node has written DIR/node-<n>.<suffix> (written whole: renamed into place) and
@@ -154,7 +154,7 @@ int main(int argc, char** argv) {
   if (nodes < 2 || floats < 1) Die("--nodes must be at least 2, --floats at least 1");
   if (node >= static_cast<int>(nodes)) Die("--node must be below --nodes");
   if (node >= 0 && ports_dir.empty()) Die("--node needs --ports-dir");
-  // As trainstreamd does (daemon/peer_service.h, daemon/main.cpp).
+  // As trainstreamd does (daemon/peer/peer_service.h, daemon/main.cpp).
   KeepPeerBuffersMapped();
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
 
@@ -174,7 +174,7 @@ int main(int argc, char** argv) {
   for (uint32_t n = first; n < last; ++n) local[n - first]->Join(peers, n, floats, connections);
 
   auto once = [&](uint64_t step) {
-    std::vector<std::future<std::optional<std::string>>> done;
+    std::vector<std::future<std::optional<trainstream::Error>>> done;
     done.reserve(local.size());
     for (auto& n : local) done.push_back(n->Submit(step));
     for (auto& d : done) Await(d);

@@ -246,16 +246,16 @@ void RankSession::SendGradReady(uint32_t bucket, uint64_t step, uint32_t micro, 
                            .piece = piece});
 }
 
-std::string RankSession::RegisterCudaIpc(const CudaIpcBuffers& buffers) {
+std::string RankSession::RegisterCudaIpc(const shm::CudaIpcExport& exported) {
   v1::SessionRequest request;
   v1::CudaIpcRegistration* r = request.mutable_register_cuda_ipc();
-  r->set_device_uuid(buffers.device_uuid);
-  r->set_params_handle(buffers.params_handle);
-  r->set_params_bytes(buffers.params_bytes);
-  r->set_staging_handle(buffers.staging_handle);
-  r->set_slot_bytes(buffers.slot_bytes);
-  for (const std::string& event : buffers.grad_ready_events) r->add_grad_ready_events(event);
-  for (const std::string& event : buffers.weights_wanted_events) r->add_weights_wanted_events(event);
+  r->set_device_uuid(exported.device_uuid);
+  r->set_params_handle(exported.params_handle);
+  r->set_params_bytes(exported.params_bytes);
+  r->set_staging_handle(exported.staging_handle);
+  r->set_slot_bytes(exported.slot_bytes);
+  for (const std::string& event : exported.grad_ready_events) r->add_grad_ready_events(event);
+  for (const std::string& event : exported.weights_wanted_events) r->add_weights_wanted_events(event);
   impl_->CheckHealthy();
   {
     std::lock_guard lock(impl_->event_mutex);
@@ -276,7 +276,7 @@ std::string RankSession::RegisterCudaIpc(const CudaIpcBuffers& buffers) {
   }
   if (error.empty()) {  // the GPU holds none of the job's weights until the daemon pushes them
     std::lock_guard lock(impl_->mutex);
-    impl_->staging_busy.assign(buffers.grad_ready_events.size(), 0);
+    impl_->staging_busy.assign(exported.grad_ready_events.size(), 0);
     std::fill(impl_->params_ready.begin(), impl_->params_ready.end(), -1);
   }
   return error;

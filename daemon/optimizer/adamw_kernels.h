@@ -71,7 +71,7 @@ double SumOfSquares(const GradSources& grads, size_t n, bool* nonfinite);
 // accum = (overwrite ? 0 : accum) + scale * sum_r grad_r   (accum's own value is not scaled)
 void Accumulate(const GradSources& grads, float* accum, bool overwrite, size_t n);
 
-// Whether any of the n values is inf or NaN. Run over the master weights a piece's update has just
+// Whether any of the n values is inf or NaN. Run over the master weights a block's update has just
 // written (still in cache): a non-finite gradient always leaves a non-finite weight (inf / inf = NaN
 // in the update), so this detects it in the update pass, without reading the gradients again.
 bool AnyNonFinite(const float* values, size_t n);

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "shm/cuda_ipc_export.h"
 #include "shm/error.h"
 #include "shm/job_layout.h"
 #include "shm/message.h"
@@ -47,16 +48,8 @@ struct RankTransport {
   std::string device = "cpu";  // where the parameters live, e.g. "cuda:0 (NVIDIA H200, GPU-...)"
 };
 
-// What a cuda-ipc rank exports to the daemon, once: raw IPC handle bytes (CudaIpcRegistration in
-// control.proto says what each is).
-struct CudaIpcBuffers {
-  std::string device_uuid;  // 16 bytes
-  std::string params_handle;
-  uint64_t params_bytes = 0;
-  std::string staging_handle;
-  uint64_t slot_bytes = 0;
-  std::vector<std::string> grad_ready_events, weights_wanted_events;
-};
+// What a cuda-ipc rank exports to the daemon, under the name python/src/module.cpp knows it by.
+using CudaIpcBuffers = shm::CudaIpcExport;
 
 // Device memory allocated with the driver, outside any framework's allocator, so that it can be
 // exported by a CUDA IPC handle whatever that allocator's settings (expandable segments included).
@@ -153,7 +146,7 @@ class RankSession {
                      uint32_t piece = 0);
   // cuda-ipc: hands the daemon this rank's GPU buffers and events. Returns why the daemon refused
   // (the rank then copies its data itself), or an empty string.
-  std::string RegisterCudaIpc(const CudaIpcBuffers& buffers);
+  std::string RegisterCudaIpc(const shm::CudaIpcExport& exported);
   // cuda-ipc: optimizer.step() for `step` was called; `event` was recorded after the kernels that read
   // the weights. `weights_on_gpu`: the GPU already holds the weights of `step` (this rank just loaded
   // them from its parameters), so the daemon need not push them.

@@ -84,7 +84,7 @@ TEST_P(StochasticRounding, SameSeedAndElementGiveSameBitsWhateverTheRangeStart) 
   }
 }
 
-// The step engine's per-step seed (daemon/step_engine.cpp).
+// The step engine's per-step seed (daemon/engine/step_engine.cpp).
 uint64_t StepSeed(uint64_t seed, uint64_t step) {
   return seed ^ (step * 0xD1B54A32D192ED03ull);
 }

@@ -146,7 +146,7 @@ TEST_P(VariantTest, UpdateMatchesReferenceOnStreamingSizes) {
 }
 
 // The update writes exactly its range: the AVX-512 variants run heads and tails as masked vectors, and a
-// store past either end would corrupt the neighbouring piece in the daemon. Every buffer gets guard elements
+// store past either end would corrupt the neighbouring block in the daemon. Every buffer gets guard elements
 // on both sides of the range; they must keep their bytes (also the upload's, ordinary and streamed).
 TEST_P(VariantTest, UpdateTouchesNothingOutsideItsRange) {
   constexpr size_t kGuard = 40;

@@ -1,0 +1,257 @@
+#include "daemon/control/control_service.h"
+
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <mutex>
+#include <set>
+
+#include "daemon/grpc_status.h"
+#include "daemon/optimizer/adamw_kernels.h"
+#include "shm/error.h"
+#include "shm/version.h"
+
+namespace trainstream::daemon {
+
+namespace {
+
+// Runs a handler body; the one place where errors become statuses.
+template <typename Body>
+grpc::Status Guarded(const char* what, Body body) {
+  try {
+    body();
+    return grpc::Status::OK;
+  } catch (const Error& e) {
+    spdlog::debug("{} refused: {}", what, e.what());
+    return StatusOf(e);
+  } catch (const std::exception& e) {
+    spdlog::error("{} failed: {}", what, e.what());
+    return StatusOf(Code::kInternal, fmt::format("{} failed inside the daemon: {}", what, e.what()));
+  }
+}
+
+uint64_t ResidentBytes() {
+  std::ifstream statm("/proc/self/statm");
+  uint64_t size = 0, resident = 0;
+  statm >> size >> resident;
+  return resident * static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+}
+
+DType DTypeFromProto(int value, const char* what) {
+  TS_CHECK(IsValidDType(static_cast<uint32_t>(value)), Code::kInvalidArgument, "{}: unknown dtype {}", what, value);
+  return static_cast<DType>(value);
+}
+
+// The daemon's side of one Session stream: serializes writes from the engine and gRPC threads.
+class StreamSink final : public SessionSink {
+ public:
+  StreamSink(grpc::ServerContext* context, grpc::ServerReaderWriter<v1::SessionEvent, v1::SessionRequest>* stream)
+      : context_(context), stream_(stream) {}
+
+  void Warn(const std::string& message) override {
+    v1::SessionEvent event;
+    event.set_warning(message);
+    Write(event);
+  }
+  void Fail(const std::string& message) override {
+    std::lock_guard lock(mutex_);  // held through TryCancel: once closed_, the context may be gone
+    if (closed_ || failure_) return;
+    failure_ = message;
+    v1::SessionEvent event;
+    event.set_error(message);
+    stream_->Write(event);
+    context_->TryCancel();  // unblocks the handler's Read
+  }
+  bool Write(const v1::SessionEvent& event) {
+    std::lock_guard lock(mutex_);
+    return !closed_ && stream_->Write(event);
+  }
+  // After Close no more writes reach the stream (its handler is about to return).
+  std::optional<std::string> Close() {
+    std::lock_guard lock(mutex_);
+    closed_ = true;
+    return failure_;
+  }
+
+ private:
+  std::mutex mutex_;
+  grpc::ServerContext* context_;
+  grpc::ServerReaderWriter<v1::SessionEvent, v1::SessionRequest>* stream_;
+  bool closed_ = false;
+  std::optional<std::string> failure_;
+};
+
+// "cuda-client-copy on cuda:0 (...)"; an unknown transport is refused before anything is created. A
+// client that names none predates the field and moves its data itself.
+std::string DescribeTransport(const v1::AttachRequest& attach) {
+  static const std::set<std::string> kKnown = {"host", "cuda-ipc", "cuda-client-copy"};
+  const std::string& name = attach.transport().empty() ? "unnamed" : attach.transport();
+  TS_CHECK(attach.transport().empty() || kKnown.contains(name), Code::kInvalidArgument,
+           "unknown transport '{}' (this daemon knows host, cuda-ipc, cuda-client-copy)", name);
+  return attach.device().empty() ? name : fmt::format("{} on {}", name, attach.device());
+}
+
+shm::CudaIpcExport CudaIpcFromProto(const v1::CudaIpcRegistration& proto) {
+  return shm::CudaIpcExport{
+      .device_uuid = proto.device_uuid(),
+      .params_handle = proto.params_handle(),
+      .params_bytes = proto.params_bytes(),
+      .staging_handle = proto.staging_handle(),
+      .slot_bytes = proto.slot_bytes(),
+      .grad_ready_events = {proto.grad_ready_events().begin(), proto.grad_ready_events().end()},
+      .weights_wanted_events = {proto.weights_wanted_events().begin(), proto.weights_wanted_events().end()},
+  };
+}
+
+}  // namespace
+
+std::vector<shm::ParamSpec> ParamsFromProto(const google::protobuf::RepeatedPtrField<v1::ParamSpec>& proto) {
+  std::vector<shm::ParamSpec> params;
+  params.reserve(proto.size());
+  for (const v1::ParamSpec& p : proto) {
+    params.push_back(shm::ParamSpec{
+        .name = p.name(),
+        .shape = {p.shape().begin(), p.shape().end()},
+        .dtype = DTypeFromProto(p.dtype(), "parameter dtype"),
+        .group = p.group(),
+        .partition = p.partition(),
+    });
+  }
+  return params;
+}
+
+shm::LayoutSpec LayoutFromProto(const v1::LayoutSpec& proto) {
+  shm::LayoutSpec spec;
+  spec.params = ParamsFromProto(proto.params());
+  spec.frozen = ParamsFromProto(proto.frozen());
+  spec.num_groups = proto.num_groups();
+  spec.bucket_bytes = proto.bucket_bytes();
+  spec.moment_dtype = DTypeFromProto(proto.moment_dtype(), "moment dtype");
+  TS_CHECK(proto.optimizer() == v1::ADAMW || proto.optimizer() == v1::ADAM, Code::kInvalidArgument,
+           "unknown optimizer kind {}", static_cast<int>(proto.optimizer()));
+  spec.optimizer = proto.optimizer() == v1::ADAMW ? shm::OptimizerKind::kAdamW : shm::OptimizerKind::kAdam;
+  spec.accumulation_steps = proto.accumulation_steps();
+  spec.world_size = proto.world_size();
+  spec.max_grad_norm = proto.max_grad_norm();
+  spec.peers = {proto.peers().begin(), proto.peers().end()};
+  spec.node_rank = proto.node_rank();
+  return spec;
+}
+
+grpc::Status ControlService::Handshake(grpc::ServerContext*, const v1::HandshakeRequest* request,
+                                       v1::HandshakeReply* reply) {
+  return Guarded("Handshake", [&] {
+    TS_CHECK(request->protocol_version() == kProtocolVersion, Code::kFailedPrecondition,
+             "protocol version mismatch: client speaks {} (trainstream {}), daemon speaks {} (trainstreamd {})",
+             request->protocol_version(), request->client_version(), kProtocolVersion, kVersion);
+    reply->set_protocol_version(kProtocolVersion);
+    reply->set_daemon_version(std::string(kVersion));
+    reply->set_pid(getpid());
+    reply->set_kernel(optimizer::ActiveKernelName());
+    reply->set_peer_address(peer_address_);
+  });
+}
+
+grpc::Status ControlService::Challenge(grpc::ServerContext*, const v1::ChallengeRequest*, v1::ChallengeReply* reply) {
+  return Guarded("Challenge", [&] { reply->set_nonce(identity_.IssueNonce()); });
+}
+
+grpc::Status ControlService::Session(grpc::ServerContext* context,
+                                     grpc::ServerReaderWriter<v1::SessionEvent, v1::SessionRequest>* stream) {
+  v1::SessionRequest first;
+  if (!stream->Read(&first)) return {grpc::StatusCode::CANCELLED, "session closed before attach"};
+  if (!first.has_attach()) {
+    return {grpc::StatusCode::INVALID_ARGUMENT, "the first message of a session must be 'attach'"};
+  }
+  const v1::AttachRequest& attach = first.attach();
+  auto sink = std::make_shared<StreamSink>(context, stream);
+  std::shared_ptr<Job> job;
+  v1::SessionEvent event;
+  grpc::Status attached = Guarded("Attach", [&] {
+    const shm::LayoutSpec spec = LayoutFromProto(attach.layout());
+    const std::string transport = DescribeTransport(attach);
+    auto found = registry_.FindOrCreate(attach.job(), identity_.Verify(attach.nonce()), spec, attach.seed());
+    const Job::Attachment attachment = found.job->Attach(attach.rank(), sink, transport);
+    job = found.job;
+    v1::AttachReply* reply = event.mutable_attached();
+    reply->set_job_key(job->key());
+    reply->set_state_segment(job->state_segment_name());
+    reply->set_rank_segment(attachment.rank_segment);
+    reply->set_layout_hash(job->layout().hash);
+    reply->set_created(found.created);
+    reply->set_initialized(attachment.initialized);
+    reply->set_completed_step(attachment.completed_step);
+  });
+  if (!attached.ok()) return attached;
+  sink->Write(event);
+
+  // The rank stays attached while the client keeps the stream open. The only message it may send
+  // meanwhile is one cuda-ipc registration; anything else is a protocol error.
+  v1::SessionRequest request;
+  std::optional<std::string> protocol_error;
+  bool registered = false;
+  while (stream->Read(&request)) {
+    if (request.has_register_cuda_ipc() && !registered) {
+      registered = true;
+      v1::SessionEvent reply;
+      reply.mutable_cuda_ipc()->set_error(
+          job->RegisterCudaIpc(attach.rank(), CudaIpcFromProto(request.register_cuda_ipc())).value_or(""));
+      sink->Write(reply);
+      continue;
+    }
+    protocol_error = "unexpected message on an attached session";
+    break;
+  }
+  const std::optional<std::string> failure = sink->Close();
+  job->Detach(attach.rank());
+  if (failure) return StatusOf(Code::kAborted, *failure);
+  if (protocol_error) return {grpc::StatusCode::INVALID_ARGUMENT, *protocol_error};
+  return grpc::Status::OK;
+}
+
+grpc::Status ControlService::Stats(grpc::ServerContext*, const v1::StatsRequest*, v1::StatsReply* reply) {
+  return Guarded("Stats", [&] {
+    uint64_t host_bytes = 0;
+    for (const auto& job : registry_.Jobs()) {
+      const JobInfo info = job->Info();
+      v1::JobStats* stats = reply->add_jobs();
+      stats->set_name(info.name);
+      stats->set_job_key(info.key);
+      stats->set_uid(info.uid);
+      stats->set_params(info.params);
+      stats->set_elements(info.elements);
+      stats->set_buckets(info.buckets);
+      stats->set_world_size(info.world_size);
+      for (uint32_t rank : info.engine.attached_ranks) stats->add_attached_ranks(rank);
+      stats->set_completed_step(info.completed_step);
+      stats->set_state_bytes(info.state_bytes);
+      stats->set_rank_bytes(info.rank_bytes);
+      stats->set_updates(info.engine.updates);
+      stats->set_nonfinite_steps(info.engine.nonfinite_steps);
+      stats->mutable_transports()->insert(info.transports.begin(), info.transports.end());
+      host_bytes += info.state_bytes + info.engine.attached_ranks.size() * info.rank_bytes;
+    }
+    for (const OrphanedJob& orphan : registry_.Orphans()) {  // their memory is still in /dev/shm
+      v1::JobStats* stats = reply->add_jobs();
+      stats->set_name(orphan.name);
+      stats->set_job_key(orphan.key);
+      stats->set_uid(orphan.uid);
+      stats->set_completed_step(orphan.completed_step);
+      stats->set_state_bytes(orphan.state_bytes);
+      stats->set_orphaned(true);
+      host_bytes += orphan.state_bytes;
+    }
+    reply->set_host_bytes(host_bytes);
+    reply->set_rss_bytes(ResidentBytes());
+    reply->set_worker_threads(static_cast<uint32_t>(pool_.threads()));
+    reply->set_kernel(optimizer::ActiveKernelName());
+  });
+}
+
+grpc::Status ControlService::DropJob(grpc::ServerContext*, const v1::DropJobRequest* request, v1::DropJobReply*) {
+  return Guarded("DropJob",
+                 [&] { registry_.Drop(request->job(), identity_.Verify(request->nonce()), request->force()); });
+}
+
+}  // namespace trainstream::daemon

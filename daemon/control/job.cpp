@@ -1,0 +1,184 @@
+#include "daemon/control/job.h"
+
+#include <spdlog/spdlog.h>
+
+#include <unistd.h>
+
+#include <random>
+
+#include "daemon/gpu/pinned_host.h"
+#include "shm/error.h"
+
+namespace trainstream::daemon {
+
+namespace {
+std::string RandomKey() {
+  std::random_device device;
+  const uint64_t value = (static_cast<uint64_t>(device()) << 32) ^ device();
+  return fmt::format("{:016x}", value);
+}
+}  // namespace
+
+Job::Job(std::string name, uint32_t uid, shm::LayoutSpec spec, uint64_t seed, WorkerPool& pool,
+         const PeerConfig& peer_config, const OrphanedJob* adopted)
+    : name_(std::move(name)),
+      uid_(uid),
+      spec_(std::move(spec)),
+      layout_(shm::ComputeLayout(spec_)),
+      key_(adopted != nullptr ? adopted->key : RandomKey()),
+      idle_since_(std::chrono::steady_clock::now()) {
+  TS_CHECK(geteuid() == 0 || geteuid() == uid_, Code::kPermissionDenied,
+           "trainstreamd runs as uid {}; a job of uid {} needs a daemon running as root or as that uid", geteuid(),
+           uid_);
+  if (adopted != nullptr) {
+    state_ = shm::Segment::Open(adopted->state_segment);
+    shm::CheckStateSegment(state_.data(), state_.size(), layout_);
+  } else {
+    // With several NUMA nodes the engine's threads first-touch the state on their nodes (PlaceState).
+    state_ = shm::Segment::Create(shm::SegmentName(uid_, key_, "state"), layout_.state_bytes, uid_,
+                                  /*reserve=*/pool.nodes() == 1);
+    shm::InitStateSegment(state_.data(), layout_);
+    auto* header = static_cast<shm::StateHeader*>(state_.data());
+    header->owner = SelfAsOwner();
+    name_.copy(header->job_name, shm::kMaxJobName);
+  }
+  state_.RemoveOnDestroy();
+  if (spec_.nodes() > 1) {
+    TS_CHECK(peer_config.mailbox != nullptr, Code::kFailedPrecondition,
+             "job '{}' spans {} nodes, but this trainstreamd was started without --peer-listen", name_, spec_.nodes());
+    peers_ = std::make_unique<PeerAllReduce>(name_, spec_.peers, spec_.node_rank,
+                                             static_cast<uint32_t>(layout_.buckets.size()), peer_config);
+  }
+  engine_ = std::make_unique<StepEngine>(name_, spec_, layout_, shm::ViewState(state_.data(), layout_, spec_), seed,
+                                         pool, peers_.get());
+  spdlog::info("job '{}' {}: {} parameters in {} buckets, {} state bytes, key {}", name_,
+               adopted != nullptr ? fmt::format("re-adopted at step {}", adopted->completed_step) : "created",
+               spec_.params.size(), layout_.buckets.size(), layout_.state_bytes, key_);
+}
+
+void Job::StampSocket(uint64_t socket_hash) {
+  static_cast<shm::StateHeader*>(state_.data())->daemon_socket = socket_hash;
+}
+
+Job::~Job() {
+  if (peers_) peers_->Stop(fmt::format("job '{}' was removed", name_));  // no all-reduce left to wait for
+  engine_.reset();  // waits for in-flight work (updates, GPU copies) before the segments go away
+  PinnedHost::Instance().Release(state_.data(), state_.size());
+  for (uint32_t rank = 0; rank < spec_.world_size; ++rank) shm::Segment::Remove(RankSegmentName(rank));
+  spdlog::info("job '{}' removed", name_);
+}
+
+std::string Job::RankSegmentName(uint32_t rank) const {
+  return shm::SegmentName(uid_, key_, fmt::format("rank{}", rank));
+}
+
+Job::Attachment Job::Attach(uint32_t rank, std::shared_ptr<SessionSink> session, const std::string& transport) {
+  TS_CHECK(rank < spec_.world_size, Code::kInvalidArgument, "rank {} out of range for job '{}' (world size {})", rank,
+           name_, spec_.world_size);
+  engine_->PlaceState();         // here, not in the constructor: the registry's lock is not held now
+  std::lock_guard lock(mutex_);  // one attach/detach at a time: they share the rank's segment name
+  TS_CHECK(!closed_, Code::kAborted, "job '{}' went away while rank {} attached ({}); attach again", name_, rank,
+           closed_.value_or(""));
+  if (auto diverged = engine_->Diverged()) {
+    Throw(Code::kFailedPrecondition,
+          "job '{}' cannot resume here: {}, so its nodes may hold different weights; drop it on every node "
+          "(drop_job('{}', force=True)) and restart from a checkpoint",
+          name_, *diverged, name_);
+  }
+  TS_CHECK(!engine_->HasRank(rank), Code::kAlreadyExists, "rank {} of job '{}' is already attached by another client",
+           rank, name_);
+  const std::string name = RankSegmentName(rank);
+  shm::Segment::Remove(name);  // left over from a rank that died while its removal raced this attach
+  shm::Segment segment = shm::Segment::Create(name, layout_.rank_bytes, uid_);
+  shm::InitRankSegment(segment.data(), layout_, rank);
+  engine_->AddRank(std::make_shared<RankChannel>(rank, std::move(segment), layout_, std::move(session)));
+  ++attached_;
+  transports_[rank] = transport;
+  const auto* header = static_cast<const shm::StateHeader*>(state_.data());
+  spdlog::info("job '{}': rank {} attached, transport {}", name_, rank, transport);
+  return Attachment{name, header->initialized != 0, header->completed_step.load()};
+}
+
+void Job::Detach(uint32_t rank) {
+  std::lock_guard lock(mutex_);
+  if (!engine_->HasRank(rank)) return;
+  engine_->RemoveRank(rank);
+  // Unlinked now, not when the last in-flight task drops its mapping: by then a re-attached rank may
+  // own a new segment of the same name.
+  shm::Segment::Remove(RankSegmentName(rank));
+  transports_.erase(rank);
+  if (--attached_ == 0) idle_since_ = std::chrono::steady_clock::now();
+  spdlog::info("job '{}': rank {} detached", name_, rank);
+}
+
+std::optional<std::string> Job::RegisterCudaIpc(uint32_t rank, const shm::CudaIpcExport& exported) {
+  try {
+    SetTransfer(rank, CudaRankTransfer::Open(exported, layout_), "cuda-ipc");
+    return std::nullopt;
+  } catch (const Error& e) {
+    spdlog::warn("job '{}': rank {} cannot use cuda-ipc, it copies its data itself: {}", name_, rank, e.what());
+    Rename(rank, "cuda-client-copy (cuda-ipc refused)");
+    return e.what();
+  }
+}
+
+void Job::SetTransfer(uint32_t rank, std::shared_ptr<RankTransfer> transfer, const std::string& transport) {
+  engine_->SetTransfer(rank, std::move(transfer));
+  Rename(rank, transport);
+}
+
+// Keeps the " on <device>" the rank named at attach.
+void Job::Rename(uint32_t rank, const std::string& transport) {
+  std::lock_guard lock(mutex_);
+  auto found = transports_.find(rank);
+  if (found == transports_.end()) return;
+  const size_t on = found->second.find(" on ");
+  found->second = transport + (on == std::string::npos ? "" : found->second.substr(on));
+  spdlog::info("job '{}': rank {} moves its data with {}", name_, rank, found->second);
+}
+
+uint64_t Job::host_bytes() {
+  return layout_.state_bytes + attached_ranks() * layout_.rank_bytes;
+}
+
+size_t Job::attached_ranks() {
+  std::lock_guard lock(mutex_);
+  return attached_;
+}
+
+void Job::Close(const std::string& reason, bool force) {
+  std::lock_guard lock(mutex_);
+  TS_CHECK(attached_ == 0 || force, Code::kFailedPrecondition,
+           "job '{}' has {} attached rank(s); detach them or drop with force", name_, attached_);
+  closed_ = reason;
+}
+
+bool Job::CloseIfIdle(std::chrono::steady_clock::duration ttl, const std::string& reason) {
+  std::lock_guard lock(mutex_);
+  if (attached_ != 0 || std::chrono::steady_clock::now() - idle_since_ < ttl) return false;
+  closed_ = reason;
+  return true;
+}
+
+JobInfo Job::Info() {
+  const auto* header = static_cast<const shm::StateHeader*>(state_.data());
+  JobInfo info{
+      .name = name_,
+      .key = key_,
+      .uid = uid_,
+      .params = spec_.params.size(),
+      .elements = layout_.total_elems,
+      .state_bytes = layout_.state_bytes,
+      .rank_bytes = layout_.rank_bytes,
+      .completed_step = header->completed_step.load(),
+      .buckets = static_cast<uint32_t>(layout_.buckets.size()),
+      .world_size = spec_.world_size,
+      .engine = engine_->Stats(),
+      .transports = {},
+  };
+  std::lock_guard lock(mutex_);
+  info.transports = transports_;
+  return info;
+}
+
+}  // namespace trainstream::daemon

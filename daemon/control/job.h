@@ -1,0 +1,100 @@
+// One training job in the daemon: its layout, its state segment (master weights, moments, upload
+// staging), the rank segments of attached ranks, and the engine that runs its steps.
+//
+// A job outlives its ranks: when every rank has detached (or died) the state stays until the job is
+// dropped or its idle TTL expires, so a restarted training process re-attaches and resumes.
+// Thread-safe: gRPC handler threads attach and detach concurrently.
+#pragma once
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+
+#include "daemon/control/orphaned_jobs.h"
+#include "daemon/engine/session_sink.h"
+#include "daemon/engine/step_engine.h"
+#include "daemon/engine/worker_pool.h"
+#include "daemon/gpu/cuda_rank_transfer.h"
+#include "daemon/peer/peer_allreduce.h"
+#include "shm/job_layout.h"
+#include "shm/segment.h"
+
+namespace trainstream::daemon {
+
+struct JobInfo {
+  std::string name, key;
+  uint32_t uid = 0;
+  uint64_t params = 0, elements = 0, state_bytes = 0, rank_bytes = 0, completed_step = 0;
+  uint32_t buckets = 0, world_size = 0;
+  EngineStats engine;
+  std::map<uint32_t, std::string> transports;  // by attached rank
+};
+
+class Job {
+ public:
+  // Creates the job's state, or with `adopted`, takes over the state an earlier daemon left (its
+  // layout must be `spec`'s).
+  Job(std::string name, uint32_t uid, shm::LayoutSpec spec, uint64_t seed, WorkerPool& pool,
+      const PeerConfig& peer_config = {}, const OrphanedJob* adopted = nullptr);
+  // Names this daemon's socket in the state, so that a daemon restarted on it can re-adopt the job.
+  void StampSocket(uint64_t socket_hash);
+  ~Job();  // stops the engine, then unlinks every segment of the job
+  Job(const Job&) = delete;
+  Job& operator=(const Job&) = delete;
+
+  struct Attachment {
+    std::string rank_segment;
+    bool initialized = false;
+    uint64_t completed_step = 0;
+  };
+  // Maps a fresh rank segment and hands it to the engine. kAlreadyExists if the rank is taken.
+  // `transport` says how the rank moves its data ("cuda-client-copy on cuda:0 (...)"), for logs and Stats.
+  Attachment Attach(uint32_t rank, std::shared_ptr<SessionSink> session, const std::string& transport = "host");
+  void Detach(uint32_t rank);
+  // cuda-ipc: opens the rank's exported GPU buffers and events; from then on the daemon copies its data.
+  // On failure the rank keeps copying its data itself: the error says why, for the client's log.
+  [[nodiscard]] std::optional<std::string> RegisterCudaIpc(uint32_t rank, const shm::CudaIpcExport& exported);
+  // The rank's data moves through `transfer` (RegisterCudaIpc's work; tests hand in their own).
+  void SetTransfer(uint32_t rank, std::shared_ptr<RankTransfer> transfer, const std::string& transport);
+  void FailAll(const std::string& message) { engine_->FailAll(message); }
+  // Closes the job to ranks: an Attach that found the job before the registry forgot it fails
+  // (kAborted, naming `reason`) instead of running on a job nothing else can see. kFailedPrecondition
+  // while ranks are attached, unless `force` (the caller then fails their sessions with FailAll).
+  void Close(const std::string& reason, bool force);
+  // Closes the job if no rank has been attached for `ttl`; returns whether it did.
+  bool CloseIfIdle(std::chrono::steady_clock::duration ttl, const std::string& reason);
+
+  [[nodiscard]] const std::string& name() const { return name_; }
+  [[nodiscard]] const std::string& key() const { return key_; }
+  [[nodiscard]] uint32_t uid() const { return uid_; }
+  [[nodiscard]] const shm::LayoutSpec& spec() const { return spec_; }
+  [[nodiscard]] const shm::JobLayout& layout() const { return layout_; }
+  [[nodiscard]] const std::string& state_segment_name() const { return state_.name(); }
+  [[nodiscard]] uint64_t host_bytes();  // state + attached rank segments
+  [[nodiscard]] size_t attached_ranks();
+  JobInfo Info();
+
+ private:
+  std::string RankSegmentName(uint32_t rank) const;
+  void Rename(uint32_t rank, const std::string& transport);  // in the transports shown by Stats
+
+  const std::string name_;
+  const uint32_t uid_;
+  const shm::LayoutSpec spec_;
+  const shm::JobLayout layout_;
+  const std::string key_;
+  shm::Segment state_;
+  std::unique_ptr<PeerAllReduce> peers_;  // multi-node jobs only; outlives the engine that uses it
+  std::unique_ptr<StepEngine> engine_;
+
+  std::mutex mutex_;  // guards the fields below
+  size_t attached_ = 0;
+  std::map<uint32_t, std::string> transports_;  // by attached rank
+  std::chrono::steady_clock::time_point idle_since_;
+  std::optional<std::string> closed_;  // why, once Close ran
+};
+
+}  // namespace trainstream::daemon

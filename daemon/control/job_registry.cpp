@@ -1,0 +1,200 @@
+#include "daemon/control/job_registry.h"
+
+#include <spdlog/spdlog.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "shm/error.h"
+
+namespace trainstream::daemon {
+
+namespace {
+
+// The first parameter that differs between two lists, if any ("parameter" or "frozen parameter").
+std::optional<std::string> DescribeParamMismatch(const char* what, const std::vector<shm::ParamSpec>& have,
+                                                 const std::vector<shm::ParamSpec>& want) {
+  if (have.size() != want.size()) return fmt::format("the job has {} {}s, this rank {}", have.size(), what, want.size());
+  for (size_t i = 0; i < have.size(); ++i) {
+    const auto& a = have[i];
+    const auto& b = want[i];
+    if (a.name != b.name || a.shape != b.shape || a.dtype != b.dtype || a.group != b.group ||
+        a.partition != b.partition) {
+      return fmt::format("{} {} differs: job has '{}' {} {} group {} partition {}, this rank '{}' {} {} group {} "
+                         "partition {}",
+                         what, i, a.name, fmt::join(a.shape, "x"), NameOf(a.dtype), a.group, a.partition, b.name,
+                         fmt::join(b.shape, "x"), NameOf(b.dtype), b.group, b.partition);
+    }
+  }
+  return std::nullopt;
+}
+
+// Names what differs between two layouts, for the error a mismatching rank gets.
+std::string DescribeMismatch(const shm::LayoutSpec& have, const shm::LayoutSpec& want) {
+  if (auto params = DescribeParamMismatch("parameter", have.params, want.params)) return *params;
+  if (auto frozen = DescribeParamMismatch("frozen parameter", have.frozen, want.frozen)) return *frozen;
+  std::vector<std::string> differ;
+  auto compare = [&differ](const char* option, const auto& job, const auto& rank) {
+    if (job != rank) differ.push_back(fmt::format("{}: job {}, this rank {}", option, job, rank));
+  };
+  compare("world_size", have.world_size, want.world_size);
+  compare("accumulation_steps", have.accumulation_steps, want.accumulation_steps);
+  compare("max_grad_norm", have.max_grad_norm, want.max_grad_norm);
+  compare("bucket_bytes", have.bucket_bytes, want.bucket_bytes);
+  compare("moments", NameOf(have.moment_dtype), NameOf(want.moment_dtype));
+  compare("num_groups", have.num_groups, want.num_groups);
+  compare("optimizer", have.optimizer == shm::OptimizerKind::kAdam ? "Adam" : "AdamW",
+          want.optimizer == shm::OptimizerKind::kAdam ? "Adam" : "AdamW");
+  compare("peers", fmt::format("[{}]", fmt::join(have.peers, ", ")), fmt::format("[{}]", fmt::join(want.peers, ", ")));
+  compare("node_rank", have.node_rank, want.node_rank);
+  return fmt::format("options differ ({})", fmt::join(differ, "; "));
+}
+
+// Only the uid that created a job may attach to it or drop it.
+void CheckOwner(const std::string& name, uint32_t owner, uint32_t uid) {
+  TS_CHECK(owner == uid, Code::kPermissionDenied, "job '{}' belongs to uid {}", name, owner);
+}
+
+}  // namespace
+
+JobRegistry::Found JobRegistry::FindOrCreate(const std::string& name, uint32_t uid, const shm::LayoutSpec& spec,
+                                             uint64_t seed) {
+  TS_CHECK(!name.empty() && name.size() <= shm::kMaxJobName, Code::kInvalidArgument,
+           "job name must have 1 to {} characters", shm::kMaxJobName);
+  const shm::JobLayout layout = shm::ComputeLayout(spec);  // validates the spec
+  std::lock_guard lock(mutex_);
+  if (auto it = jobs_.find(name); it != jobs_.end()) {
+    const std::shared_ptr<Job>& job = it->second;
+    CheckOwner(name, job->uid(), uid);
+    TS_CHECK(job->layout().hash == layout.hash, Code::kInvalidArgument, "layout mismatch for job '{}': {}", name,
+             DescribeMismatch(job->spec(), spec));
+    return {job, false};
+  }
+  TS_CHECK(jobs_.size() < config_.max_jobs, Code::kResourceExhausted, "job limit reached: {} of max_jobs={}",
+           jobs_.size(), config_.max_jobs);
+  if (config_.max_host_bytes != 0) {
+    uint64_t used = 0;
+    for (auto& [_, job] : jobs_) used += job->host_bytes();
+    const uint64_t needed = layout.state_bytes + uint64_t{spec.world_size} * layout.rank_bytes;
+    TS_CHECK(used + needed <= config_.max_host_bytes, Code::kResourceExhausted,
+             "host memory quota exceeded: job '{}' needs {} bytes, {} of max_host_bytes={} in use", name, needed, used,
+             config_.max_host_bytes);
+  }
+  auto orphan = orphans_.find(name);
+  if (orphan != orphans_.end()) {
+    CheckOwner(name, orphan->second.uid, uid);
+    TS_CHECK(orphan->second.layout_hash == layout.hash, Code::kInvalidArgument,
+             "job '{}' was left by a trainstreamd that died, with another layout: drop it (drop_job) to start a new "
+             "job of that name, or attach with its layout to resume it",
+             name);
+    auto job = std::make_shared<Job>(name, uid, spec, seed, pool_, peer_config_, &orphan->second);
+    orphans_.erase(orphan);
+    jobs_.emplace(name, job);
+    return {job, false};
+  }
+  auto job = std::make_shared<Job>(name, uid, spec, seed, pool_, peer_config_);
+  job->StampSocket(SocketHash(config_.socket));
+  jobs_.emplace(name, job);
+  return {job, true};
+}
+
+size_t JobRegistry::ClaimOrphans() {
+  std::lock_guard lock(mutex_);
+  for (OrphanedJob& orphan : ClaimOrphanedJobs(SocketHash(config_.socket))) {
+    if (jobs_.contains(orphan.name) || orphans_.contains(orphan.name)) {
+      spdlog::warn("removing job '{}' (uid {}, step {}) left by a dead trainstreamd: another job has its name",
+                   orphan.name, orphan.uid, orphan.completed_step);
+      RemoveJobSegments(orphan.uid, orphan.key);
+      continue;
+    }
+    spdlog::info(
+        "job '{}' (uid {}, step {}) was left by a dead trainstreamd: kept for a rank that attaches with its "
+        "name and layout, for up to {} s",
+        orphan.name, orphan.uid, orphan.completed_step, config_.job_ttl_seconds);
+    orphans_.emplace(orphan.name, std::move(orphan));
+  }
+  orphans_claimed_ = std::chrono::steady_clock::now();
+  return orphans_.size();
+}
+
+std::vector<OrphanedJob> JobRegistry::Orphans() {
+  std::lock_guard lock(mutex_);
+  std::vector<OrphanedJob> orphans;
+  for (const auto& [name, orphan] : orphans_) orphans.push_back(orphan);
+  return orphans;
+}
+
+void JobRegistry::Drop(const std::string& name, uint32_t uid, bool force) {
+  std::shared_ptr<Job> job;
+  {
+    std::lock_guard lock(mutex_);
+    if (auto orphan = orphans_.find(name); orphan != orphans_.end()) {
+      CheckOwner(name, orphan->second.uid, uid);
+      RemoveJobSegments(orphan->second.uid, orphan->second.key);
+      orphans_.erase(orphan);
+      return;
+    }
+    auto it = jobs_.find(name);
+    TS_CHECK(it != jobs_.end(), Code::kNotFound, "no job named '{}'", name);
+    CheckOwner(name, it->second->uid(), uid);
+    it->second->Close("it was dropped", force);
+    job = std::move(it->second);
+    jobs_.erase(it);
+  }
+  job->FailAll(fmt::format("job '{}' was dropped", name));
+  DropWaitingFragments(name);
+}
+
+void JobRegistry::DropWaitingFragments(const std::string& name) {
+  if (peer_config_.mailbox != nullptr) peer_config_.mailbox->Drop(name);
+}
+
+std::vector<std::shared_ptr<Job>> JobRegistry::Jobs() {
+  std::lock_guard lock(mutex_);
+  std::vector<std::shared_ptr<Job>> jobs;
+  for (auto& [_, job] : jobs_) jobs.push_back(job);
+  return jobs;
+}
+
+size_t JobRegistry::ExpireIdle() {
+  const auto now = std::chrono::steady_clock::now();
+  const auto ttl = std::chrono::seconds(config_.job_ttl_seconds);
+  std::vector<std::shared_ptr<Job>> expired;
+  {
+    std::lock_guard lock(mutex_);
+    for (auto it = jobs_.begin(); it != jobs_.end();) {
+      if (it->second->CloseIfIdle(ttl, "it was idle for the TTL")) {
+        spdlog::info("job '{}' idle for over {} s: dropping it", it->first, config_.job_ttl_seconds);
+        expired.push_back(std::move(it->second));
+        it = jobs_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    if (!orphans_.empty() && now - orphans_claimed_ >= ttl) {
+      for (const auto& [name, orphan] : orphans_) {
+        spdlog::info("job '{}' left by a dead trainstreamd was not re-adopted within {} s: dropping it", name,
+                     config_.job_ttl_seconds);
+        RemoveJobSegments(orphan.uid, orphan.key);
+      }
+      orphans_.clear();
+    }
+  }
+  for (const auto& job : expired) DropWaitingFragments(job->name());
+  return expired.size();  // destroyed here, outside the lock
+}
+
+void JobRegistry::Shutdown(const std::string& reason) {
+  std::map<std::string, std::shared_ptr<Job>> jobs;
+  {
+    std::lock_guard lock(mutex_);
+    jobs.swap(jobs_);
+  }
+  for (auto& [_, job] : jobs) {
+    job->Close(reason, true);
+    job->FailAll(reason);
+  }
+}
+
+}  // namespace trainstream::daemon

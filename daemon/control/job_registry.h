@@ -1,0 +1,55 @@
+// All jobs of the daemon, by name: create-or-attach, quotas, idle expiry, shutdown, and the jobs a
+// dead daemon left behind (orphans: re-adopted by the first attach with their name and layout,
+// dropped like idle jobs after the TTL).
+#pragma once
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "daemon/config.h"
+#include "daemon/control/job.h"
+#include "daemon/engine/worker_pool.h"
+
+namespace trainstream::daemon {
+
+class JobRegistry {
+ public:
+  JobRegistry(const Config& config, WorkerPool& pool, PeerConfig peer_config = {})
+      : config_(config), pool_(pool), peer_config_(std::move(peer_config)) {}
+
+  struct Found {
+    std::shared_ptr<Job> job;
+    bool created = false;
+  };
+  // The job called `name`, created from `spec` if it does not exist (or re-adopted, if an orphan has
+  // the name). An existing job must have been created by the same uid and with an identical layout
+  // (kInvalidArgument naming the difference).
+  Found FindOrCreate(const std::string& name, uint32_t uid, const shm::LayoutSpec& spec, uint64_t seed);
+  // Removes the job; kFailedPrecondition if ranks are attached and not `force` (their sessions fail).
+  void Drop(const std::string& name, uint32_t uid, bool force);
+  std::vector<std::shared_ptr<Job>> Jobs();
+  // Drops jobs idle for longer than the TTL. Returns how many.
+  size_t ExpireIdle();
+  // Fails every session and drops every job.
+  void Shutdown(const std::string& reason);
+  // Claims the jobs of daemons that died (daemon/control/orphaned_jobs.h). Returns how many.
+  size_t ClaimOrphans();
+  std::vector<OrphanedJob> Orphans();  // claimed, not re-adopted yet
+
+ private:
+  void DropWaitingFragments(const std::string& name);  // peers' fragments for the job, in the mailbox
+
+  const Config& config_;
+  WorkerPool& pool_;
+  const PeerConfig peer_config_;
+  std::mutex mutex_;
+  std::map<std::string, std::shared_ptr<Job>> jobs_;
+  std::map<std::string, OrphanedJob> orphans_;
+  std::chrono::steady_clock::time_point orphans_claimed_;
+};
+
+}  // namespace trainstream::daemon

@@ -1,0 +1,39 @@
+// Jobs whose daemon died. Their segments stay in /dev/shm (the state holds weights, moments and
+// per-bucket steps); a daemon started later on the same socket claims them and re-adopts a job when
+// a rank attaches with its name and layout (daemon/control/job_registry.h). Other sockets' orphans (a test's
+// daemon, a user's private daemon) are not its to take.
+//
+// Invariants: a job's state header names its owning daemon by one word (pid and start time), so a
+// daemon never takes a live daemon's job (several daemons may share /dev/shm: a service and users'
+// private ones), and two daemons started together cannot both claim one orphan (compare-and-swap
+// on that word). Segments of another format or unreadable to this daemon's uid are left alone.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace trainstream::daemon {
+
+// This process as a state header's owner word.
+uint64_t SelfAsOwner();
+// A state header's daemon_socket for a daemon listening on `socket_path`.
+uint64_t SocketHash(const std::string& socket_path);
+
+struct OrphanedJob {
+  std::string name;
+  uint32_t uid = 0;           // the state segment's owner: the job's user
+  std::string key;            // as in its segment names, "trainstream.<uid>.<key>.<part>"
+  std::string state_segment;  // its name
+  uint64_t completed_step = 0;
+  uint64_t layout_hash = 0;
+  uint64_t state_bytes = 0;
+};
+
+// Claims every job in /dev/shm whose owning daemon, which listened on `socket_hash`'s socket, is gone.
+std::vector<OrphanedJob> ClaimOrphanedJobs(uint64_t socket_hash);
+
+// Unlinks every segment of the job (state and ranks).
+void RemoveJobSegments(uint32_t uid, const std::string& key);
+
+}  // namespace trainstream::daemon

@@ -1,0 +1,150 @@
+#include "daemon/engine/worker_pool.h"
+
+#include <pthread.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cctype>
+#include <filesystem>
+#include <string>
+
+namespace trainstream::daemon {
+
+// The blocks of a batch in node order: node k's blocks are order[begin[k]..begin[k+1]), handed out by
+// cursor[k]. With one node, order is empty and cursor[0] counts the blocks themselves.
+struct WorkerPool::Batch {
+  size_t blocks;
+  Work work;
+  std::function<void()> on_done;
+  std::vector<size_t> order;
+  std::vector<size_t> begin;
+  std::unique_ptr<std::atomic<size_t>[]> cursor;
+  std::atomic<size_t> handed{0};    // blocks handed out
+  std::atomic<size_t> finished{0};  // blocks done
+
+  // The next block for a thread of `node`: its own node's first, then the others'. False when every
+  // block has been handed out.
+  bool Claim(uint32_t node, size_t* block) {
+    const size_t nodes = begin.size() - 1;
+    for (size_t k = 0; k < nodes; ++k) {
+      const size_t n = (node + k) % nodes;
+      const size_t at = cursor[n].fetch_add(1);
+      if (at < begin[n + 1]) {
+        *block = order.empty() ? at : order[at];
+        handed.fetch_add(1);
+        return true;
+      }
+    }
+    return false;
+  }
+};
+
+std::vector<int> AllowedCpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  std::vector<int> cpus;
+  if (sched_getaffinity(0, sizeof(set), &set) != 0) return cpus;
+  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+    if (CPU_ISSET(cpu, &set)) cpus.push_back(cpu);
+  }
+  return cpus;
+}
+
+uint32_t NodeOfCpu(int cpu) {
+  const std::filesystem::path dir = "/sys/devices/system/cpu/cpu" + std::to_string(cpu);
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, error)) {
+    const std::string name = entry.path().filename().string();
+    if (name.starts_with("node") && name.size() > 4 && std::isdigit(static_cast<unsigned char>(name[4])) != 0) {
+      return static_cast<uint32_t>(std::stoul(name.substr(4)));
+    }
+  }
+  return 0;
+}
+
+WorkerPool::WorkerPool(size_t threads, bool pin_threads, std::vector<uint32_t> thread_nodes) {
+  if (threads == 0) threads = 1;
+  const std::vector<int> cpus = AllowedCpus();
+  // Pinned only when every thread gets a CPU of its own: sharing would only add migrations.
+  const bool pin = pin_threads && threads <= cpus.size();
+  if (thread_nodes.size() != threads) {
+    thread_nodes.assign(threads, 0);
+    for (size_t i = 0; pin && i < threads; ++i) thread_nodes[i] = NodeOfCpu(cpus[i]);
+  }
+  // Nodes are numbered densely so that a batch needs one cursor per node that has threads.
+  std::vector<uint32_t> dense = thread_nodes;
+  std::sort(dense.begin(), dense.end());
+  dense.erase(std::unique(dense.begin(), dense.end()), dense.end());
+  nodes_ = static_cast<uint32_t>(dense.size());
+  for (size_t i = 0; i < threads; ++i) {
+    const auto node =
+        static_cast<uint32_t>(std::lower_bound(dense.begin(), dense.end(), thread_nodes[i]) - dense.begin());
+    threads_.emplace_back([this, node] { Run(node); });
+    if (pin) {
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      CPU_SET(cpus[i], &set);
+      pthread_setaffinity_np(threads_.back().native_handle(), sizeof(set), &set);
+    }
+  }
+}
+
+WorkerPool::~WorkerPool() {
+  {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+  }
+  wake_.notify_all();
+  for (auto& thread : threads_) thread.join();
+}
+
+void WorkerPool::Submit(size_t blocks, Work work, std::function<void()> on_done, int64_t priority, const Home& home) {
+  if (blocks == 0) {
+    on_done();
+    return;
+  }
+  auto batch = std::make_shared<Batch>();
+  batch->blocks = blocks;
+  batch->work = std::move(work);
+  batch->on_done = std::move(on_done);
+  const uint32_t nodes = home ? nodes_ : 1;
+  batch->begin.assign(nodes + 1, 0);
+  batch->cursor = std::make_unique<std::atomic<size_t>[]>(nodes);
+  if (nodes == 1) {
+    batch->begin[1] = blocks;
+  } else {
+    std::vector<std::vector<size_t>> by_node(nodes);
+    for (size_t i = 0; i < blocks; ++i) by_node[home(i) % nodes].push_back(i);
+    for (uint32_t k = 0; k < nodes; ++k) {
+      batch->begin[k + 1] = batch->begin[k] + by_node[k].size();
+      batch->cursor[k] = batch->begin[k];
+      batch->order.insert(batch->order.end(), by_node[k].begin(), by_node[k].end());
+    }
+  }
+  {
+    std::lock_guard lock(mutex_);
+    queue_.push(Entry{priority, next_sequence_++, std::move(batch)});
+  }
+  wake_.notify_all();
+}
+
+void WorkerPool::Run(uint32_t node) {
+  for (;;) {
+    std::shared_ptr<Batch> batch;
+    size_t block = 0;
+    {
+      std::unique_lock lock(mutex_);
+      wake_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, and nothing left
+      batch = queue_.top().batch;
+      const bool claimed = batch->Claim(node, &block);
+      if (batch->handed.load() == batch->blocks) queue_.pop();  // all blocks handed out
+      if (!claimed) continue;
+    }
+    batch->work(block);
+    if (batch->finished.fetch_add(1) + 1 == batch->blocks) batch->on_done();
+  }
+}
+
+}  // namespace trainstream::daemon

@@ -1,0 +1,69 @@
+// Host memory that the GPUs' copy engines read and write, page-locked with the driver the first time a
+// transfer touches it and unlocked before its segment is unmapped.
+//
+// Registration costs about 2 GiB/s (the design document, "Memory"), so nothing is registered when a
+// job starts: a copy thread registers the pages of a bucket just before its first copy, and memory no
+// transfer touches (the moments, the master weights of 16-bit buckets) is never registered.
+// Invariants: registered ranges are page-aligned and disjoint (a page is registered at most once); a
+// process that never uses the cuda-ipc transport never loads the driver here.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <vector>
+
+namespace trainstream::daemon {
+
+// A range of host memory.
+struct HostRange {
+  std::byte* data;
+  size_t bytes;
+  bool operator==(const HostRange&) const = default;
+};
+
+// Disjoint page-aligned ranges and the arithmetic PinnedHost does on them; no driver calls, so it is
+// tested alone.
+class PageRanges {
+ public:
+  explicit PageRanges(size_t page) : page_(page) {}
+  // The page-aligned parts of the pages under [first, first + bytes) that no range covers, in order.
+  [[nodiscard]] std::vector<HostRange> Missing(std::byte* first, size_t bytes) const;
+  // [first, first + bytes) cut where ranges begin or end: each part lies inside one range or
+  // outside all of them.
+  [[nodiscard]] std::vector<HostRange> Cut(std::byte* first, size_t bytes) const;
+  void Add(HostRange range);
+  // Removes and returns the ranges that start inside [first, first + bytes).
+  std::vector<HostRange> RemoveInside(const std::byte* first, size_t bytes);
+  [[nodiscard]] uint64_t bytes() const { return bytes_; }
+
+ private:
+  size_t page_;
+  std::map<std::byte*, std::byte*, std::less<>> ranges_;  // start -> end
+  uint64_t bytes_ = 0;
+};
+
+class PinnedHost {
+ public:
+  static PinnedHost& Instance();
+
+  // Registers the pages of [data, data + bytes) that are not registered yet, and returns the range in
+  // parts to copy one by one: the driver refuses a copy that spans two registrations
+  // (CUDA_ERROR_INVALID_VALUE), and neighbouring buckets share pages. A refused registration is
+  // logged once; the copies then go ahead from pageable memory (slower, still correct).
+  std::vector<HostRange> Ensure(const void* data, size_t bytes);
+  // Unregisters every range inside [base, base + bytes). Call before unmapping that memory, once no
+  // copy can touch it.
+  void Release(const void* base, size_t bytes);
+  [[nodiscard]] uint64_t pinned_bytes();
+
+ private:
+  PinnedHost();
+
+  std::mutex mutex_;
+  PageRanges registered_;  // guarded by mutex_
+  bool warned_ = false;
+};
+
+}  // namespace trainstream::daemon

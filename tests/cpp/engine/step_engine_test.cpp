@@ -1,0 +1,930 @@
+// Tests of the step pipeline (daemon/control/job.h, daemon/engine/step_engine.h) driven in-process through real shared
+// memory: a Job with a WorkerPool, a recording SessionSink, and a client side built from shm:: parts
+// (the rank and state segments opened by name, the request and completion rings). Checks the AdamW
+// result against a double-precision reference, multi-rank averaging, attach/detach, and that protocol
+// violations fail only the offending session.
+#include <gtest/gtest.h>
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <future>
+#include <latch>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <stop_token>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "daemon/config.h"
+#include "daemon/control/job.h"
+#include "daemon/control/job_registry.h"
+#include "daemon/engine/rank_transfer.h"
+#include "daemon/engine/session_sink.h"
+#include "daemon/engine/worker_pool.h"
+#include "shm/error.h"
+#include "shm/job_layout.h"
+#include "shm/message.h"
+#include "shm/ring.h"
+#include "shm/segment.h"
+#include "tests/cpp/engine/recording_sink.h"
+#include "tests/cpp/shm/test_support.h"
+
+namespace trainstream::daemon {
+namespace {
+
+using namespace std::chrono_literals;
+using shm::HParams;
+using shm::Message;
+using shm::MessageKind;
+
+constexpr auto kReplyTimeout = 5s;
+constexpr double kTolerance = 1e-6;
+
+// Two fp32 parameters that land in two buckets (bucket 0 holds "b", bucket 1 holds "w").
+shm::LayoutSpec TwoParamSpec(uint32_t world_size) {
+  shm::LayoutSpec spec;
+  spec.params = {shm::ParamSpec{.name = "w", .shape = {40, 25}, .dtype = DType::kFloat32, .group = 0},
+                 shm::ParamSpec{.name = "b", .shape = {300}, .dtype = DType::kFloat32, .group = 0}};
+  spec.bucket_bytes = 4096;
+  spec.world_size = world_size;
+  return spec;
+}
+
+HParams TestHParams(double lr = 0.1) {
+  return HParams{.lr = lr, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01};
+}
+
+float InitialWeight(uint32_t param, uint64_t i) {
+  return static_cast<float>(0.9 * std::sin(0.37 * i + param));
+}
+
+float Gradient(uint32_t param, uint32_t rank, uint64_t step, uint64_t i) {
+  const double g = 0.5 * std::cos(0.11 * i + 1.7 * rank + 0.9 * step + param);
+  return static_cast<float>(std::abs(g) < 1e-3 ? 0.01 : g);
+}
+
+// One rank's client side, made of shm:: parts only.
+class RankClient {
+ public:
+  RankClient(Job& job, uint32_t rank, std::shared_ptr<RecordingSink> sink = std::make_shared<RecordingSink>())
+      : job_(job), rank_(rank), sink_(std::move(sink)) {
+    Attach();
+  }
+
+  // Attaches (again) with a fresh session and maps the segments the daemon names.
+  void Attach() {
+    attachment_ = job_.Attach(rank_, sink_);
+    state_segment_ = shm::Segment::Open(job_.state_segment_name());
+    rank_segment_ = shm::Segment::Open(attachment_.rank_segment);
+    shm::CheckStateSegment(state_segment_.data(), state_segment_.size(), layout());
+    shm::CheckRankSegment(rank_segment_.data(), rank_segment_.size(), layout(), rank_);
+    state_ = shm::ViewState(state_segment_.data(), layout(), job_.spec());
+    view_ = shm::ViewRank(rank_segment_.data(), layout());
+    requests_ = shm::RingProducer(view_.request_ring, &state_.header->doorbell);
+    completions_ = shm::RingConsumer(view_.completion_ring);
+  }
+  void Reattach(std::shared_ptr<RecordingSink> sink = std::make_shared<RecordingSink>()) {
+    job_.Detach(rank_);
+    sink_ = std::move(sink);
+    Attach();
+  }
+
+  [[nodiscard]] const shm::JobLayout& layout() const { return job_.layout(); }
+  [[nodiscard]] uint32_t rank() const { return rank_; }
+  [[nodiscard]] uint32_t buckets() const { return static_cast<uint32_t>(layout().buckets.size()); }
+  [[nodiscard]] const Job::Attachment& attachment() const { return attachment_; }
+  [[nodiscard]] RecordingSink& sink() const { return *sink_; }
+  [[nodiscard]] const shm::StateView& state() const { return state_; }
+  [[nodiscard]] const shm::RankView& view() const { return view_; }
+
+  // Parameter p's elements in the master weights, the upload staging, and this rank's gradient slot.
+  [[nodiscard]] std::span<float> Master(uint32_t p) const { return {state_.master + Element(p), Numel(p)}; }
+  [[nodiscard]] std::span<float> Upload(uint32_t p) const {
+    if (layout().buckets[layout().params[p].bucket].uploads_from_master()) return Master(p);  // fp32: in place
+    return {reinterpret_cast<float*>(state_.upload + Byte(p, /*upload=*/true)), Numel(p)};
+  }
+  [[nodiscard]] std::span<float> Grad(uint32_t p) const {
+    return {reinterpret_cast<float*>(view_.grads + Byte(p, /*upload=*/false)), Numel(p)};
+  }
+
+  void SetHParams(uint64_t step, const HParams& h) {
+    for (uint32_t g = 0; g < job_.spec().num_groups; ++g) view_.hparams[(step % 2) * job_.spec().num_groups + g] = h;
+  }
+  // Writes this rank's gradients of `step` for every parameter and marks them present.
+  void SetGradients(uint64_t step) {
+    for (uint32_t p = 0; p < layout().params.size(); ++p) {
+      std::span<float> grad = Grad(p);
+      for (uint64_t i = 0; i < grad.size(); ++i) grad[i] = Gradient(p, rank_, step, i);
+      view_.presence[p] = 1;
+    }
+  }
+
+  void Send(const Message& message) { ASSERT_TRUE(requests_.TryPush(message)) << "request ring full"; }
+  void SendGradReady(uint32_t bucket, uint64_t step) {
+    Send(Message{.kind = MessageKind::kGradReady, .flags = shm::kFinalMicro, .bucket = bucket, .step = step});
+  }
+  // Hyperparameters, gradients and GRAD_READY of every bucket for `step`, as a training step does.
+  void DeliverStep(uint64_t step, const HParams& h) {
+    SetHParams(step, h);
+    SetGradients(step);
+    for (uint32_t b = 0; b < buckets(); ++b) SendGradReady(b, step);
+  }
+
+  // The next completion if there is one, without waiting.
+  std::optional<Message> Poll() {
+    Message message;
+    if (completions_.TryPop(&message)) return message;
+    return std::nullopt;
+  }
+  // The next completion, waiting on the completion doorbell.
+  std::optional<Message> Receive(std::chrono::milliseconds timeout = kReplyTimeout) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    shm::Doorbell& doorbell = view_.header->completion_doorbell;
+    for (;;) {
+      const uint32_t seen = doorbell.Seq();
+      if (std::optional<Message> message = Poll()) return message;
+      const auto now = std::chrono::steady_clock::now();
+      if (now >= deadline) return std::nullopt;
+      doorbell.Wait(seen, std::min<std::chrono::microseconds>(
+                              std::chrono::duration_cast<std::chrono::microseconds>(deadline - now), 10ms));
+    }
+  }
+  // Expects PARAMS_READY{b, step} for every bucket b (in any order) and nothing else.
+  void ExpectParamsReady(uint64_t step) {
+    std::vector<int> seen(buckets(), 0);
+    for (uint32_t n = 0; n < buckets(); ++n) {
+      const std::optional<Message> message = Receive();
+      ASSERT_TRUE(message.has_value()) << "rank " << rank_ << ": no PARAMS_READY for step " << step;
+      ASSERT_EQ(message->kind, MessageKind::kParamsReady);
+      ASSERT_EQ(message->step, step);
+      ASSERT_LT(message->bucket, buckets());
+      ++seen[message->bucket];
+    }
+    for (uint32_t b = 0; b < buckets(); ++b) EXPECT_EQ(seen[b], 1) << "bucket " << b;
+  }
+  void ExpectNoCompletion(std::chrono::milliseconds wait) {
+    const std::optional<Message> message = Receive(wait);
+    EXPECT_FALSE(message.has_value()) << "unexpected completion kind " << static_cast<int>(message->kind) << " bucket "
+                                      << message->bucket << " step " << message->step;
+  }
+  // Rank 0's start: write the initial master weights and publish them as step 0.
+  void LoadInitialState() {
+    for (uint32_t p = 0; p < layout().params.size(); ++p) {
+      std::span<float> master = Master(p);
+      for (uint64_t i = 0; i < master.size(); ++i) master[i] = InitialWeight(p, i);
+    }
+    Send(Message{.kind = MessageKind::kLoadState, .step = 0});
+  }
+
+ private:
+  [[nodiscard]] size_t Numel(uint32_t p) const { return layout().params[p].numel; }
+  [[nodiscard]] uint64_t Element(uint32_t p) const {
+    const shm::ParamLayout& param = layout().params[p];
+    return layout().buckets[param.bucket].elem_offset + param.offset_in_bucket;
+  }
+  [[nodiscard]] uint64_t Byte(uint32_t p, bool upload) const {
+    const shm::ParamLayout& param = layout().params[p];
+    const shm::BucketLayout& bucket = layout().buckets[param.bucket];
+    return (upload ? bucket.upload_offset : bucket.grad_offset) + param.offset_in_bucket * SizeOf(bucket.dtype);
+  }
+
+  Job& job_;
+  const uint32_t rank_;
+  std::shared_ptr<RecordingSink> sink_;
+  Job::Attachment attachment_;
+  shm::Segment state_segment_, rank_segment_;
+  shm::StateView state_{};
+  shm::RankView view_{};
+  shm::RingProducer requests_;
+  shm::RingConsumer completions_;
+};
+
+// torch.optim.AdamW, element by element in double, for every parameter of TwoParamSpec.
+class AdamWReference {
+ public:
+  explicit AdamWReference(const shm::LayoutSpec& spec) : world_size_(spec.world_size) {
+    for (uint32_t p = 0; p < spec.params.size(); ++p) {
+      State& s = params_.emplace_back();
+      const uint64_t numel = spec.params[p].numel();
+      for (uint64_t i = 0; i < numel; ++i) s.p.push_back(InitialWeight(p, i));
+      s.m.assign(numel, 0);
+      s.v.assign(numel, 0);
+    }
+  }
+  // One step with the ranks' gradients of `step` averaged; `updated[p]` false skips parameter p.
+  void Step(uint64_t step, const HParams& h, const std::vector<bool>& updated = {}) {
+    for (uint32_t p = 0; p < params_.size(); ++p) {
+      if (!updated.empty() && !updated[p]) continue;
+      State& s = params_[p];
+      const uint64_t t = ++s.t;
+      const double bc1 = 1 - std::pow(h.beta1, static_cast<double>(t));
+      const double bc2 = 1 - std::pow(h.beta2, static_cast<double>(t));
+      for (uint64_t i = 0; i < s.p.size(); ++i) {
+        double g = 0;
+        for (uint32_t r = 0; r < world_size_; ++r) g += Gradient(p, r, step, i);
+        g /= world_size_;
+        s.p[i] *= 1 - h.lr * h.weight_decay;
+        s.m[i] = h.beta1 * s.m[i] + (1 - h.beta1) * g;
+        s.v[i] = h.beta2 * s.v[i] + (1 - h.beta2) * g * g;
+        s.p[i] -= h.lr / bc1 * s.m[i] / (std::sqrt(s.v[i]) / std::sqrt(bc2) + h.eps);
+      }
+    }
+  }
+  // The daemon's master weights and upload staging both hold the reference weights.
+  void ExpectMatches(const RankClient& client) const {
+    for (uint32_t p = 0; p < params_.size(); ++p) {
+      const std::span<float> master = client.Master(p), upload = client.Upload(p);
+      size_t off = 0, upload_off = 0;
+      double worst = 0;
+      for (uint64_t i = 0; i < master.size(); ++i) {
+        const double error = std::abs(master[i] - params_[p].p[i]);
+        worst = std::max(worst, error);
+        off += error > kTolerance;
+        upload_off += upload[i] != master[i];
+      }
+      EXPECT_EQ(off, 0u) << "param " << p << ": " << off << " master weights off, worst by " << worst;
+      EXPECT_EQ(upload_off, 0u) << "param " << p << ": upload differs from master";
+    }
+  }
+
+ private:
+  struct State {
+    std::vector<double> p, m, v;
+    uint64_t t = 0;
+  };
+  uint32_t world_size_;
+  std::vector<State> params_;
+};
+
+class StepEngineTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() { spdlog::set_level(spdlog::level::err); }
+
+  std::unique_ptr<Job> MakeJob(uint32_t world_size = 1, const std::string& name = "job") {
+    return std::make_unique<Job>(name, static_cast<uint32_t>(getuid()), TwoParamSpec(world_size), /*seed=*/7, pool_);
+  }
+  // Attaches every rank of `job` and loads the initial state through rank 0.
+  static std::vector<std::unique_ptr<RankClient>> StartJob(Job& job) {
+    std::vector<std::unique_ptr<RankClient>> clients;
+    for (uint32_t r = 0; r < job.spec().world_size; ++r) clients.push_back(std::make_unique<RankClient>(job, r));
+    clients[0]->LoadInitialState();
+    for (auto& client : clients) client->ExpectParamsReady(0);
+    return clients;
+  }
+  // Every rank delivers `step`; every rank gets PARAMS_READY for every bucket.
+  static void RunStep(const std::vector<std::unique_ptr<RankClient>>& clients, uint64_t step, const HParams& h) {
+    for (auto& client : clients) client->DeliverStep(step, h);
+    for (auto& client : clients) client->ExpectParamsReady(step);
+  }
+
+  WorkerPool pool_{2, /*pin_threads=*/false};
+};
+
+TEST_F(StepEngineTest, LoadStatePublishesEveryBucket) {
+  auto job = MakeJob();
+  RankClient client(*job, 0);
+  EXPECT_FALSE(client.attachment().initialized);
+  EXPECT_EQ(client.buckets(), 2u);
+  client.LoadInitialState();
+  client.ExpectParamsReady(0);
+  AdamWReference(job->spec()).ExpectMatches(client);  // nothing updated: upload == master == initial
+  EXPECT_EQ(client.state().header->initialized, 1u);
+  EXPECT_EQ(client.state().header->completed_step.load(), 0u);
+}
+
+TEST_F(StepEngineTest, StepsMatchAdamW) {
+  auto job = MakeJob();
+  auto clients = StartJob(*job);
+  AdamWReference reference(job->spec());
+  RunStep(clients, 1, TestHParams(0.1));
+  reference.Step(1, TestHParams(0.1));
+  reference.ExpectMatches(*clients[0]);
+  // Step 2 reads the other half of the double-buffered hyperparameters.
+  RunStep(clients, 2, TestHParams(0.05));
+  reference.Step(2, TestHParams(0.05));
+  reference.ExpectMatches(*clients[0]);
+  for (uint32_t b = 0; b < clients[0]->buckets(); ++b) {
+    EXPECT_EQ(clients[0]->state().bucket_state[b].applied_step.load(), 2u);
+  }
+  EXPECT_EQ(job->Info().engine.updates, 4u);
+  EXPECT_TRUE(clients[0]->sink().warnings().empty());
+  EXPECT_EQ(job->Info().engine.nonfinite_steps, 0u);
+}
+
+// Delivers step 1 with an inf and a NaN gradient (one in each bucket).
+void DeliverNonFiniteStep(RankClient& client) {
+  client.SetHParams(1, TestHParams());
+  client.SetGradients(1);
+  client.Grad(0)[7] = std::numeric_limits<float>::quiet_NaN();
+  client.Grad(1)[3] = std::numeric_limits<float>::infinity();
+  for (uint32_t b = 0; b < client.buckets(); ++b) client.SendGradReady(b, 1);
+  client.ExpectParamsReady(1);
+}
+
+// Without clipping nothing reads the gradients before the update: the update notices (once per step).
+TEST_F(StepEngineTest, NonFiniteGradientsAreReportedByTheUpdate) {
+  auto job = MakeJob();
+  auto clients = StartJob(*job);
+  DeliverNonFiniteStep(*clients[0]);
+  const std::vector<std::string> warnings = clients[0]->sink().warnings();
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_NE(warnings[0].find("step 1: the update of bucket"), std::string::npos) << warnings[0];
+  EXPECT_EQ(job->Info().engine.nonfinite_steps, 1u);
+}
+
+// With clipping the norm pass notices first; the update that follows does not report the step again.
+TEST_F(StepEngineTest, NonFiniteGradientsAreReportedOnceWithClipping) {
+  shm::LayoutSpec spec = TwoParamSpec(1);
+  spec.max_grad_norm = 1.0;
+  Job job("clipped", static_cast<uint32_t>(getuid()), spec, 7, pool_);
+  auto clients = StartJob(job);
+  DeliverNonFiniteStep(*clients[0]);
+  const std::vector<std::string> warnings = clients[0]->sink().warnings();
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_NE(warnings[0].find("step 1: gradients contain inf or NaN"), std::string::npos) << warnings[0];
+  EXPECT_EQ(job.Info().engine.nonfinite_steps, 1u);
+}
+
+// The control plane finds a job, then attaches to it, outside the registry's lock. A job the
+// registry forgot in between (dropped, expired) must refuse the attach: a rank on it would train on
+// a job that Stats, DropJob and the quotas no longer see, and the next rank would make another.
+TEST_F(StepEngineTest, AJobDroppedBetweenFindAndAttachRefusesTheAttach) {
+  const Config config;
+  JobRegistry registry(config, pool_);
+  const auto uid = static_cast<uint32_t>(getuid());
+  const JobRegistry::Found found = registry.FindOrCreate("raced", uid, TwoParamSpec(1), 7);
+  registry.Drop("raced", uid, /*force=*/false);
+  TS_EXPECT_ERROR(found.job->Attach(0, std::make_shared<RecordingSink>()), Code::kAborted,
+                  "job 'raced' went away while rank 0 attached (it was dropped)");
+  EXPECT_TRUE(registry.Jobs().empty());
+}
+
+TEST_F(StepEngineTest, ALayoutMismatchNamesTheOptionsThatDiffer) {
+  const Config config;
+  JobRegistry registry(config, pool_);
+  const auto uid = static_cast<uint32_t>(getuid());
+  registry.FindOrCreate("job", uid, TwoParamSpec(1), 7);
+  shm::LayoutSpec other = TwoParamSpec(1);
+  other.num_groups = 2;
+  other.optimizer = shm::OptimizerKind::kAdam;
+  TS_EXPECT_ERROR(registry.FindOrCreate("job", uid, other, 7), Code::kInvalidArgument,
+                  "options differ (num_groups: job 1, this rank 2; optimizer: job AdamW, this rank Adam)");
+}
+
+TEST_F(StepEngineTest, DropRefusesAJobWithRanksUnlessForcedAndThenFailsThem) {
+  const Config config;
+  JobRegistry registry(config, pool_);
+  const auto uid = static_cast<uint32_t>(getuid());
+  const JobRegistry::Found found = registry.FindOrCreate("busy", uid, TwoParamSpec(1), 7);
+  RankClient client(*found.job, 0);
+  TS_EXPECT_ERROR(registry.Drop("busy", uid, false), Code::kFailedPrecondition, "1 attached rank(s)");
+  EXPECT_EQ(registry.Jobs().size(), 1u);
+  client.Reattach();  // refusing the drop left the job open
+  registry.Drop("busy", uid, true);
+  EXPECT_TRUE(registry.Jobs().empty());
+  const std::optional<std::string> failure = client.sink().WaitForFailure();
+  ASSERT_TRUE(failure.has_value());
+  EXPECT_NE(failure->find("job 'busy' was dropped"), std::string::npos) << *failure;
+}
+
+TEST_F(StepEngineTest, IdleExpiryTakesOnlyJobsWithoutRanksAndTheyRefuseLateAttaches) {
+  Config config;
+  config.job_ttl_seconds = 0;
+  JobRegistry registry(config, pool_);
+  const auto uid = static_cast<uint32_t>(getuid());
+  const JobRegistry::Found busy = registry.FindOrCreate("busy", uid, TwoParamSpec(1), 7);
+  const RankClient client(*busy.job, 0);
+  const JobRegistry::Found idle = registry.FindOrCreate("idle", uid, TwoParamSpec(1), 7);
+  EXPECT_EQ(registry.ExpireIdle(), 1u);
+  ASSERT_EQ(registry.Jobs().size(), 1u);
+  EXPECT_EQ(registry.Jobs()[0]->name(), "busy");
+  TS_EXPECT_ERROR(idle.job->Attach(0, std::make_shared<RecordingSink>()), Code::kAborted, "idle");
+}
+
+TEST_F(StepEngineTest, ParameterWithoutGradientIsLeftAlone) {
+  auto job = MakeJob();
+  auto clients = StartJob(*job);
+  RankClient& client = *clients[0];
+  AdamWReference reference(job->spec());
+  client.SetHParams(1, TestHParams());
+  client.SetGradients(1);
+  client.view().presence[1] = 0;  // "b" got no gradient this step: no decay, no step count
+  for (uint32_t b = 0; b < client.buckets(); ++b) client.SendGradReady(b, 1);
+  client.ExpectParamsReady(1);
+  reference.Step(1, TestHParams(), {true, false});
+  reference.ExpectMatches(client);
+  EXPECT_EQ(client.state().param_state[0].step, 1u);
+  EXPECT_EQ(client.state().param_state[1].step, 0u);
+}
+
+// A client that has PARAMS_READY of every bucket of step t reads completed_step == t (the state segment is
+// the client's record of progress). Many short steps with a client that busy-polls its completion ring
+// while another thread sleeps on its doorbell (so every push is followed by a futex wake-up): a store
+// that comes after the last PARAMS_READY is then seen late in most steps.
+TEST_F(StepEngineTest, CompletedStepIsPublishedWithTheLastParamsReady) {
+  auto job = MakeJob();
+  auto clients = StartJob(*job);
+  RankClient& client = *clients[0];
+  std::jthread sleeper([&](const std::stop_token& stop) {
+    shm::Doorbell& doorbell = client.view().header->completion_doorbell;
+    while (!stop.stop_requested()) doorbell.Wait(doorbell.Seq(), 1ms);
+  });
+  int stale = 0;
+  for (uint64_t step = 1; step <= 200; ++step) {
+    client.DeliverStep(step, TestHParams(1e-3));
+    uint32_t ready = 0;
+    const auto deadline = std::chrono::steady_clock::now() + kReplyTimeout;
+    while (ready < client.buckets() && std::chrono::steady_clock::now() < deadline) {
+      if (std::optional<Message> message = client.Poll()) ready += message->kind == MessageKind::kParamsReady;
+    }
+    ASSERT_EQ(ready, client.buckets()) << "step " << step;
+    if (client.state().header->completed_step.load() != step) ++stale;
+  }
+  EXPECT_EQ(stale, 0) << "completed_step lagged behind the last PARAMS_READY in " << stale << " of 200 steps";
+}
+
+TEST_F(StepEngineTest, AttachingATakenRankFailsWithAlreadyExists) {
+  auto job = MakeJob();
+  RankClient client(*job, 0);
+  TS_EXPECT_ERROR(job->Attach(0, std::make_shared<RecordingSink>()), Code::kAlreadyExists, "rank 0");
+  TS_EXPECT_ERROR(job->Attach(1, std::make_shared<RecordingSink>()), Code::kInvalidArgument, "rank 1");
+  EXPECT_EQ(job->attached_ranks(), 1u);
+}
+
+TEST_F(StepEngineTest, DetachThenReattachResumesFromTheKeptState) {
+  auto job = MakeJob();
+  auto clients = StartJob(*job);
+  AdamWReference reference(job->spec());
+  RunStep(clients, 1, TestHParams());
+  reference.Step(1, TestHParams());
+
+  clients[0]->Reattach();
+  EXPECT_TRUE(clients[0]->attachment().initialized);
+  EXPECT_EQ(clients[0]->attachment().completed_step, 1u);
+  EXPECT_EQ(job->attached_ranks(), 1u);
+  RunStep(clients, 2, TestHParams());
+  reference.Step(2, TestHParams());  // moments and step counts survived the detach
+  reference.ExpectMatches(*clients[0]);
+}
+
+TEST_F(StepEngineTest, TwoRanksWaitForBothAndAverageTheirGradients) {
+  auto job = MakeJob(/*world_size=*/2);
+  auto clients = StartJob(*job);
+  AdamWReference reference(job->spec());
+  clients[0]->DeliverStep(1, TestHParams());
+  clients[0]->ExpectNoCompletion(200ms);
+  clients[1]->ExpectNoCompletion(0ms);
+  AdamWReference(job->spec()).ExpectMatches(*clients[0]);  // still the initial weights
+  clients[1]->DeliverStep(1, TestHParams());
+  clients[0]->ExpectParamsReady(1);
+  clients[1]->ExpectParamsReady(1);
+  reference.Step(1, TestHParams());
+  reference.ExpectMatches(*clients[0]);
+  reference.ExpectMatches(*clients[1]);
+}
+
+// Two NUMA nodes (given to the pool, this machine may have one): the state is first touched and every
+// pass is split by node, and the updates are the same.
+TEST_F(StepEngineTest, TwoNumaNodesGiveTheSameUpdates) {
+  WorkerPool numa(4, /*pin_threads=*/false, /*thread_nodes=*/{0, 0, 1, 1});
+  ASSERT_EQ(numa.nodes(), 2u);
+  Job job("job", static_cast<uint32_t>(getuid()), TwoParamSpec(2), 7, numa);
+  auto clients = StartJob(job);
+  AdamWReference reference(job.spec());
+  for (uint64_t step = 1; step <= 3; ++step) {
+    RunStep(clients, step, TestHParams());
+    reference.Step(step, TestHParams());
+  }
+  reference.ExpectMatches(*clients[0]);
+  reference.ExpectMatches(*clients[1]);
+}
+
+// A rank that detaches and re-attaches while an update that read its old gradients is still queued: the
+// old rank segment is released when that update finishes, and must not take the new segment's name along.
+TEST_F(StepEngineTest, ReattachDuringAnInFlightUpdateKeepsTheNewRankSegment) {
+  WorkerPool single(1, false);
+  Job job("job", static_cast<uint32_t>(getuid()), TwoParamSpec(1), 7, single);
+  std::vector<std::unique_ptr<RankClient>> clients;
+  clients.push_back(std::make_unique<RankClient>(job, 0));
+  clients[0]->LoadInitialState();
+  clients[0]->ExpectParamsReady(0);
+
+  std::latch started(1);
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  single.Submit(
+      1,
+      [&](size_t) {
+        started.count_down();
+        released.wait();
+      },
+      [] {}, 1000);
+  started.wait();  // the only worker is busy: the update below stays queued
+  clients[0]->DeliverStep(1, TestHParams());
+  const shm::RingHeader* requests = clients[0]->view().request_ring;
+  ASSERT_TRUE(trainstream::testing::PollUntil([&] { return requests->tail.load() == requests->head.load(); }));
+
+  clients[0]->Reattach();
+  const std::string name = clients[0]->attachment().rank_segment;
+  release.set_value();
+  clients[0]->ExpectParamsReady(1);
+  std::this_thread::sleep_for(100ms);
+  EXPECT_TRUE(shm::Segment::Exists(name)) << "the re-attached rank's segment " << name << " was unlinked";
+  EXPECT_NO_THROW(shm::Segment::Open(name));
+}
+
+// A RankTransfer whose "GPU" is host memory: copies are memcpy on a thread of its own, in submission
+// order, so the engine's cuda-ipc stages (pull before delivery, push after the update and after
+// WEIGHTS_WANTED) run on machines without a GPU. ReachEvents(false) models a trainer's GPU that has
+// not reached its events (or never will: its process died): work that waits for them waits.
+class FakeGpu final : public RankTransfer {
+ public:
+  FakeGpu(size_t params_bytes, uint32_t slots, size_t slot_bytes)
+      : params(params_bytes), staging(slots * slot_bytes), slots_(slots), slot_bytes_(slot_bytes) {}
+  ~FakeGpu() override {
+    Set(queue_->stopping, true);
+    // The engine's callbacks hold the rank (and so this) too: when the last of them lets go on the
+    // queue's own thread, that thread must not join itself. It ends alone; its state outlives this.
+    if (thread_.get_id() == std::this_thread::get_id()) {
+      thread_.detach();
+    } else {
+      thread_.join();
+    }
+  }
+  [[nodiscard]] uint32_t staging_slots() const override { return slots_; }
+  [[nodiscard]] uint64_t slot_bytes() const override { return slot_bytes_; }
+  [[nodiscard]] uint32_t weights_wanted_events() const override { return 2; }
+  void PullGradients(uint32_t slot, void* host, size_t bytes, Done done) override {
+    Run([=, this] { std::memcpy(host, staging.data() + slot * slot_bytes_, bytes); }, std::move(done), true);
+  }
+  void AwaitWeightsWanted(uint32_t, Done done) override {
+    Run([] {}, std::move(done), true);
+  }
+  void PushWeights(uint64_t offset, const void* host, size_t bytes, Done done) override {
+    ++pushes;
+    Run([=, this] { std::memcpy(params.data() + offset, host, bytes); }, std::move(done), false);
+  }
+  void Abandon() override { Set(queue_->abandoned, true); }
+  void ReleaseHost(const void*, size_t) override {}  // nothing is page-locked
+  void ReachEvents(bool reached) { Set(queue_->events_reached, reached); }
+  // The rank's view of parameter p: its place in the flat parameter buffer, or in staging slot `slot`.
+  std::span<float> Param(const shm::JobLayout& layout, uint32_t p) {
+    return {reinterpret_cast<float*>(params.data() + layout.buckets[layout.params[p].bucket].grad_offset) +
+                layout.params[p].offset_in_bucket,
+            layout.params[p].numel};
+  }
+  std::byte* Slot(uint32_t slot) { return staging.data() + slot * slot_bytes_; }
+  [[nodiscard]] int given_up() const { return queue_->given_up; }  // work failed: the rank was abandoned
+
+  std::vector<std::byte> params, staging;
+  std::atomic<int> pushes{0};
+
+ private:
+  struct Work {
+    std::function<void()> copy;
+    Done done;
+    bool waits_for_event;
+  };
+  // What the copying thread uses, shared with it so that it may outlive this object (see ~FakeGpu).
+  struct Queue {
+    std::mutex mutex;
+    std::condition_variable wake;
+    std::deque<Work> work;
+    bool stopping = false;
+    bool abandoned = false;
+    bool events_reached = true;
+    std::atomic<int> given_up{0};
+  };
+  void Set(bool& flag, bool value) {
+    {
+      std::lock_guard lock(queue_->mutex);
+      flag = value;
+    }
+    queue_->wake.notify_all();
+  }
+  void Run(std::function<void()> copy, Done done, bool waits_for_event) {
+    {
+      std::lock_guard lock(queue_->mutex);
+      queue_->work.push_back(Work{std::move(copy), std::move(done), waits_for_event});
+    }
+    queue_->wake.notify_all();
+  }
+  static void Loop(Queue& queue) {
+    for (;;) {
+      std::unique_lock lock(queue.mutex);
+      queue.wake.wait(lock, [&] {
+        return queue.stopping || (!queue.work.empty() &&
+                                  (queue.abandoned || queue.events_reached || !queue.work.front().waits_for_event));
+      });
+      if (queue.work.empty()) return;  // stopping
+      Work work = std::move(queue.work.front());
+      queue.work.pop_front();
+      const bool abandoned = queue.abandoned;
+      lock.unlock();
+      if (abandoned) {
+        ++queue.given_up;
+        work.done(Error(Code::kUnavailable, "abandoned"));
+        continue;
+      }
+      work.copy();
+      work.done(std::nullopt);
+    }
+  }
+
+  const uint32_t slots_;
+  const size_t slot_bytes_;
+  std::shared_ptr<Queue> queue_ = std::make_shared<Queue>();
+  std::thread thread_{[queue = queue_] { Loop(*queue); }};
+};
+
+class CudaIpcStagesTest : public StepEngineTest {
+ protected:
+  void SetUp() override {
+    job_ = MakeJob();
+    client_ = std::make_unique<RankClient>(*job_, 0);
+    size_t largest = 0;
+    for (const shm::BucketLayout& bucket : layout().buckets) largest = std::max<size_t>(largest, bucket.bytes());
+    gpu_ = std::make_shared<FakeGpu>(layout().grad_bytes, kSlots, SlotBytes(largest));
+    job_->SetTransfer(0, gpu_, "fake-gpu");
+  }
+  [[nodiscard]] virtual size_t SlotBytes(size_t largest_bucket) const { return largest_bucket; }
+  [[nodiscard]] const shm::JobLayout& layout() const { return job_->layout(); }
+  void WantWeights(uint64_t step, uint16_t flags = 0) {
+    client_->Send(Message{.kind = MessageKind::kWeightsWanted, .flags = flags, .step = step, .slot = wants_++ % 2});
+  }
+  // Gradients of `step`, bucket by bucket and slot-sized piece by piece, through the staging slots in
+  // turn, each announced by GRAD_READY; a slot is reused once its STAGING_FREE has arrived. The frees of
+  // the last pieces are left for ReceiveFrees().
+  void StageStep(uint64_t step) {
+    client_->SetHParams(step, TestHParams());
+    for (uint32_t b = 0; b < client_->buckets(); ++b) {
+      const shm::BucketLayout& bucket = layout().buckets[b];
+      std::vector<float> gradients(bucket.bytes() / sizeof(float));
+      for (uint32_t p : bucket.params) {
+        const shm::ParamLayout& param = layout().params[p];
+        for (uint64_t i = 0; i < param.numel; ++i) gradients[param.offset_in_bucket + i] = Gradient(p, 0, step, i);
+        client_->view().presence[p] = 1;
+      }
+      const auto* bytes = reinterpret_cast<const std::byte*>(gradients.data());
+      for (uint32_t piece = 0; piece * gpu_->slot_bytes() < bucket.bytes(); ++piece) {
+        if (unfreed_ == kSlots) ReceiveFrees(1);
+        const uint32_t slot = next_slot_++ % kSlots;
+        const uint64_t offset = piece * gpu_->slot_bytes();
+        std::memcpy(gpu_->Slot(slot), bytes + offset, std::min(gpu_->slot_bytes(), bucket.bytes() - offset));
+        client_->Send(Message{.kind = MessageKind::kGradReady,
+                              .flags = shm::kFinalMicro,
+                              .bucket = b,
+                              .step = step,
+                              .slot = slot,
+                              .piece = piece});
+        ++unfreed_;
+      }
+    }
+  }
+  // STAGING_FREE for `count` pieces still in the slots (default: all of them).
+  std::vector<Message> ReceiveFrees(std::optional<uint32_t> count = std::nullopt) {
+    const uint32_t n = count.value_or(unfreed_);
+    unfreed_ -= n;
+    return ReceiveAll(MessageKind::kStagingFree, n);
+  }
+  // Every completion of one kind, `count` of them, in any order (others fail the test).
+  std::vector<Message> ReceiveAll(MessageKind kind, uint32_t count) {
+    std::vector<Message> received;
+    while (received.size() < count) {
+      const std::optional<Message> message = client_->Receive();
+      if (!message) break;
+      EXPECT_EQ(message->kind, kind) << "bucket " << message->bucket << " step " << message->step;
+      received.push_back(*message);
+    }
+    EXPECT_EQ(received.size(), count);
+    return received;
+  }
+  // The initial load, then three steps through the GPU buffers, checked against AdamW.
+  void ExpectStepsMatchAdamW() {
+    client_->LoadInitialState();
+    WantWeights(0);
+    client_->ExpectParamsReady(0);
+    AdamWReference reference(job_->spec());
+    for (uint64_t step = 1; step <= 3; ++step) {
+      StageStep(step);
+      WantWeights(step);  // optimizer.step() right after backward: the usual order
+      ReceiveFrees();
+      client_->ExpectParamsReady(step);
+      reference.Step(step, TestHParams());
+    }
+    reference.ExpectMatches(*client_);
+    ExpectGpuHoldsMaster();
+    EXPECT_TRUE(client_->sink().failures().empty());
+  }
+  void ExpectGpuHoldsMaster() {
+    for (uint32_t p = 0; p < layout().params.size(); ++p) {
+      const std::span<float> master = client_->Master(p), gpu = gpu_->Param(layout(), p);
+      EXPECT_TRUE(std::equal(master.begin(), master.end(), gpu.begin())) << "param " << p;
+    }
+  }
+
+  std::unique_ptr<Job> job_;
+  std::unique_ptr<RankClient> client_;
+  std::shared_ptr<FakeGpu> gpu_;
+  uint32_t wants_ = 0;
+  uint32_t next_slot_ = 0;
+  uint32_t unfreed_ = 0;  // pieces announced whose STAGING_FREE the test has not received
+  static constexpr uint32_t kSlots = 2;
+};
+
+TEST_F(CudaIpcStagesTest, WeightsReachTheGpuOnlyOnceWanted) {
+  client_->LoadInitialState();
+  client_->ExpectNoCompletion(100ms);  // loaded, but the rank has not asked for weights yet
+  WantWeights(0);
+  client_->ExpectParamsReady(0);
+  ExpectGpuHoldsMaster();
+  EXPECT_TRUE(trainstream::testing::PollUntil([&] { return client_->view().header->weights_wanted_waits == 1; }));
+
+  StageStep(1);
+  std::vector<Message> freed = ReceiveFrees();  // both slots copied out
+  std::vector<uint32_t> slots;
+  slots.reserve(freed.size());
+  for (const Message& m : freed) slots.push_back(m.slot);
+  std::sort(slots.begin(), slots.end());
+  EXPECT_EQ(slots, (std::vector<uint32_t>{0, 1}));
+  client_->ExpectNoCompletion(100ms);  // updated, but optimizer.step() has not been called
+  AdamWReference reference(job_->spec());
+  reference.Step(1, TestHParams());
+  reference.ExpectMatches(*client_);
+  WantWeights(1);
+  client_->ExpectParamsReady(1);
+  ExpectGpuHoldsMaster();
+}
+
+TEST_F(CudaIpcStagesTest, StepsMatchAdamWThroughTheGpuBuffers) {
+  ExpectStepsMatchAdamW();
+}
+
+TEST_F(CudaIpcStagesTest, ADetachedRanksUnreachedEventsHoldNothing) {
+  client_->LoadInitialState();
+  WantWeights(0);
+  client_->ExpectParamsReady(0);
+  gpu_->ReachEvents(false);  // the trainer died before its GPU computed these gradients
+  StageStep(1);
+  client_->ExpectNoCompletion(100ms);
+  job_->Detach(0);
+  EXPECT_TRUE(trainstream::testing::PollUntil([&] { return gpu_->given_up() == 2; }));  // both pulls
+  gpu_->ReachEvents(true);  // had they not been given up, the engine could still end
+}
+
+TEST_F(CudaIpcStagesTest, TheLoadersOwnWeightsAreNotPushedBack) {
+  client_->LoadInitialState();
+  WantWeights(0, shm::kWeightsOnGpu);  // rank 0 wrote the master weights from its GPU's parameters
+  client_->ExpectParamsReady(0);
+  EXPECT_EQ(gpu_->pushes.load(), 0);
+  StageStep(1);
+  WantWeights(1);
+  ReceiveFrees();
+  client_->ExpectParamsReady(1);  // the step's new weights are pushed as usual
+  EXPECT_EQ(gpu_->pushes.load(), static_cast<int>(client_->buckets()));
+  ExpectGpuHoldsMaster();
+}
+
+TEST_F(CudaIpcStagesTest, AClaimArrivingAfterTheLoadCompletedCountsToo) {
+  client_->LoadInitialState();
+  ASSERT_TRUE(trainstream::testing::PollUntil([&] { return client_->state().header->initialized == 1; }));
+  WantWeights(0, shm::kWeightsOnGpu);
+  client_->ExpectParamsReady(0);
+  EXPECT_EQ(gpu_->pushes.load(), 0);
+}
+
+TEST_F(CudaIpcStagesTest, AStagingSlotOutOfRangeFailsTheSession) {
+  client_->LoadInitialState();
+  WantWeights(0);
+  client_->ExpectParamsReady(0);
+  client_->SetHParams(1, TestHParams());
+  client_->Send(Message{.kind = MessageKind::kGradReady, .flags = shm::kFinalMicro, .bucket = 0, .step = 1, .slot = 7});
+  const std::optional<std::string> failure = client_->sink().WaitForFailure();
+  ASSERT_TRUE(failure.has_value());
+  EXPECT_NE(failure->find("staging slot 7"), std::string::npos) << *failure;
+}
+
+// Staging slots a third of the largest bucket's size: that bucket reaches the daemon in three pieces.
+class CudaIpcPiecesTest : public CudaIpcStagesTest {
+ protected:
+  [[nodiscard]] size_t SlotBytes(size_t largest_bucket) const override {
+    return (largest_bucket / 3 + 255) / 256 * 256;
+  }
+  [[nodiscard]] uint32_t LargestBucket() const {
+    const auto& buckets = layout().buckets;
+    return static_cast<uint32_t>(std::max_element(buckets.begin(), buckets.end(),
+                                                  [](const auto& a, const auto& b) { return a.bytes() < b.bytes(); }) -
+                                 buckets.begin());
+  }
+};
+
+TEST_F(CudaIpcPiecesTest, BucketsLargerThanASlotMatchAdamW) {
+  ASSERT_GT(layout().buckets[LargestBucket()].bytes(), 2 * gpu_->slot_bytes());
+  ExpectStepsMatchAdamW();
+}
+
+TEST_F(CudaIpcPiecesTest, APieceOutOfOrderFailsTheSession) {
+  client_->LoadInitialState();
+  WantWeights(0);
+  client_->ExpectParamsReady(0);
+  client_->SetHParams(1, TestHParams());
+  const uint32_t b = LargestBucket();
+  client_->Send(Message{
+      .kind = MessageKind::kGradReady, .flags = shm::kFinalMicro, .bucket = b, .step = 1, .slot = 0, .piece = 1});
+  const std::optional<std::string> failure = client_->sink().WaitForFailure();
+  ASSERT_TRUE(failure.has_value());
+  EXPECT_NE(failure->find(fmt::format("piece 1 of bucket {} (3 pieces), but piece 0 is the next one", b)),
+            std::string::npos)
+      << *failure;
+}
+
+// One protocol violation: what rank 0 does wrong, and what the failure message must mention.
+struct Violation {
+  std::string label;
+  uint32_t world_size;
+  std::function<void(RankClient&)> act;
+  std::string needle;
+};
+
+void PrintTo(const Violation& violation, std::ostream* os) {
+  *os << violation.label;
+}
+
+class ProtocolViolation : public StepEngineTest, public ::testing::WithParamInterface<Violation> {};
+
+TEST_P(ProtocolViolation, FailsOnlyTheOffendingSession) {
+  const Violation& violation = GetParam();
+  auto bystander_job = MakeJob(1, "bystander");
+  auto bystanders = StartJob(*bystander_job);
+  auto job = MakeJob(violation.world_size, "offended");
+  auto clients = StartJob(*job);
+
+  violation.act(*clients[0]);
+  const std::optional<std::string> failure = clients[0]->sink().WaitForFailure();
+  ASSERT_TRUE(failure.has_value()) << "no Fail() for " << violation.label;
+  EXPECT_NE(failure->find(violation.needle), std::string::npos)
+      << "failure '" << *failure << "' does not mention '" << violation.needle << "'";
+  for (size_t r = 1; r < clients.size(); ++r) EXPECT_TRUE(clients[r]->sink().failures().empty());
+
+  // Another job on the same pool keeps working.
+  AdamWReference bystander_reference(bystander_job->spec());
+  RunStep(bystanders, 1, TestHParams());
+  bystander_reference.Step(1, TestHParams());
+  bystander_reference.ExpectMatches(*bystanders[0]);
+  EXPECT_TRUE(bystanders[0]->sink().failures().empty());
+
+  // The offended job serves the rank again once it re-attaches, from the state before the violation.
+  clients[0]->Reattach();
+  AdamWReference reference(job->spec());
+  RunStep(clients, 1, TestHParams());
+  reference.Step(1, TestHParams());
+  reference.ExpectMatches(*clients[0]);
+  EXPECT_TRUE(clients[0]->sink().failures().empty());
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    StepEngine, ProtocolViolation,
+    ::testing::Values(Violation{"BucketOutOfRange", 1, [](RankClient& c) { c.SendGradReady(99, 1); }, "bucket 99"},
+                      Violation{"WrongStep", 1, [](RankClient& c) { c.SendGradReady(0, 5); }, "step 5"},
+                      Violation{"DuplicateDelivery", 2,
+                                [](RankClient& c) {
+                                  c.SetHParams(1, TestHParams());
+                                  c.SendGradReady(0, 1);
+                                  c.SendGradReady(0, 1);
+                                },
+                                "twice"},
+                      Violation{"FinalFlagMissing", 1,
+                                [](RankClient& c) {
+                                  c.Send(Message{
+                                      .kind = MessageKind::kGradReady, .flags = 0, .bucket = 0, .step = 1, .micro = 0});
+                                },
+                                "final"},
+                      Violation{"WeightsWantedWithoutCudaIpc", 1,
+                                [](RankClient& c) { c.Send(Message{.kind = MessageKind::kWeightsWanted, .step = 1}); },
+                                "no cuda-ipc"},
+                      Violation{"UnknownKind", 1,
+                                [](RankClient& c) { c.Send(Message{.kind = static_cast<MessageKind>(99)}); },
+                                "kind 99"},
+                      Violation{"NegativeLearningRate", 1,
+                                [](RankClient& c) {
+                                  c.SetHParams(1, TestHParams(-1));
+                                  c.SetGradients(1);
+                                  c.SendGradReady(0, 1);
+                                },
+                                "lr=-1"}),
+    [](const ::testing::TestParamInfo<Violation>& info) { return info.param.label; });
+
+}  // namespace
+}  // namespace trainstream::daemon

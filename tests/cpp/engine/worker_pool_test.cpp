@@ -1,0 +1,250 @@
+// Tests of the optimizer worker pool (daemon/engine/worker_pool.h): each block runs once, the completion
+// callback runs once after every block, concurrent submitters, priority order, and NUMA homes.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <future>
+#include <latch>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <thread>
+#include <vector>
+
+#include "daemon/engine/worker_pool.h"
+
+namespace trainstream::daemon {
+namespace {
+
+using namespace std::chrono_literals;
+
+// Counts on_done calls and lets the test wait for a number of them.
+class DoneCounter {
+ public:
+  std::function<void()> Callback() {
+    return [this] {
+      std::lock_guard lock(mutex_);
+      ++count_;
+      changed_.notify_all();
+    };
+  }
+  bool WaitFor(size_t count, std::chrono::milliseconds timeout = 10s) {
+    std::unique_lock lock(mutex_);
+    return changed_.wait_for(lock, timeout, [&] { return count_ >= count; });
+  }
+  size_t count() {
+    std::lock_guard lock(mutex_);
+    return count_;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  size_t count_ = 0;
+};
+
+// Occupies every thread of a pool with one block each until Release().
+class Blocker {
+ public:
+  Blocker(WorkerPool& pool, size_t threads) : started_(threads) {
+    pool.Submit(
+        threads,
+        [this](size_t) {
+          started_.count_down();
+          release_.wait();
+        },
+        done_.Callback(), /*priority=*/1000);
+    started_.wait();
+  }
+  ~Blocker() {
+    Release();
+    done_.WaitFor(1);  // the pool must not call back into a destroyed Blocker
+  }
+  void Release() {
+    if (!released_.exchange(true)) promise_.set_value();
+  }
+
+ private:
+  std::latch started_;
+  std::promise<void> promise_;
+  std::shared_future<void> release_ = promise_.get_future().share();
+  std::atomic<bool> released_{false};
+  DoneCounter done_;
+};
+
+TEST(WorkerPool, EveryPieceRunsOnceAndOnDoneRunsOnceAfterAll) {
+  WorkerPool pool(2, /*pin_threads=*/false);
+  constexpr size_t kBlocks = 1000;
+  std::vector<std::atomic<int>> runs(kBlocks);
+  std::atomic<int> runs_seen_by_on_done{-1};
+  DoneCounter done;
+  pool.Submit(
+      kBlocks, [&](size_t i) { runs[i].fetch_add(1); },
+      [&, callback = done.Callback()] {
+        int total = 0;
+        for (const auto& r : runs) total += r.load();
+        runs_seen_by_on_done = total;
+        callback();
+      });
+  ASSERT_TRUE(done.WaitFor(1));
+  std::this_thread::sleep_for(20ms);  // a second on_done or a late block would show here
+  EXPECT_EQ(done.count(), 1u);
+  EXPECT_EQ(runs_seen_by_on_done.load(), static_cast<int>(kBlocks));
+  for (size_t i = 0; i < kBlocks; ++i) EXPECT_EQ(runs[i].load(), 1) << "block " << i;
+}
+
+TEST(WorkerPool, ZeroPiecesStillCallsOnDone) {
+  WorkerPool pool(2, false);
+  std::atomic<int> blocks_run{0};
+  DoneCounter done;
+  pool.Submit(
+      0, [&](size_t) { ++blocks_run; }, done.Callback());
+  ASSERT_TRUE(done.WaitFor(1));
+  EXPECT_EQ(blocks_run.load(), 0);
+  EXPECT_EQ(done.count(), 1u);
+}
+
+TEST(WorkerPool, ManyConcurrentBatchesFromManySubmitters) {
+  WorkerPool pool(2, false);
+  constexpr size_t kSubmitters = 4, kBatches = 200;
+  std::atomic<size_t> blocks_run{0};
+  std::vector<std::unique_ptr<std::atomic<size_t>>> per_batch;
+  for (size_t i = 0; i < kSubmitters * kBatches; ++i) per_batch.push_back(std::make_unique<std::atomic<size_t>>(0));
+  std::atomic<size_t> bad_on_done{0};
+  DoneCounter done;
+  size_t expected_blocks = 0;
+  for (size_t b = 0; b < kSubmitters * kBatches; ++b) expected_blocks += b % 7;
+  std::vector<std::thread> submitters;
+  for (size_t s = 0; s < kSubmitters; ++s) {
+    submitters.emplace_back([&, s] {
+      for (size_t k = 0; k < kBatches; ++k) {
+        const size_t id = s * kBatches + k, blocks = id % 7;
+        pool.Submit(
+            blocks,
+            [&, id](size_t) {
+              per_batch[id]->fetch_add(1);
+              blocks_run.fetch_add(1);
+            },
+            [&, id, blocks, callback = done.Callback()] {
+              if (per_batch[id]->load() != blocks) ++bad_on_done;
+              callback();
+            },
+            static_cast<int64_t>(k % 3));
+      }
+    });
+  }
+  for (auto& t : submitters) t.join();
+  ASSERT_TRUE(done.WaitFor(kSubmitters * kBatches));
+  EXPECT_EQ(blocks_run.load(), expected_blocks);
+  EXPECT_EQ(bad_on_done.load(), 0u) << "on_done ran before all blocks of its batch";
+}
+
+// Records the order in which single-block batches run on a one-thread pool.
+class OrderRecorder {
+ public:
+  void Submit(WorkerPool& pool, int id, int64_t priority) {
+    pool.Submit(
+        1,
+        [this, id](size_t) {
+          std::lock_guard lock(mutex_);
+          order_.push_back(id);
+        },
+        done_.Callback(), priority);
+  }
+  std::vector<int> WaitForOrder(size_t count) {
+    EXPECT_TRUE(done_.WaitFor(count));
+    std::lock_guard lock(mutex_);
+    return order_;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<int> order_;
+  DoneCounter done_;
+};
+
+TEST(WorkerPool, HigherPriorityBatchSubmittedLaterRunsFirst) {
+  WorkerPool pool(1, false);
+  OrderRecorder recorder;
+  Blocker blocker(pool, 1);
+  recorder.Submit(pool, /*id=*/1, /*priority=*/0);
+  recorder.Submit(pool, 2, 5);
+  recorder.Submit(pool, 3, -2);
+  recorder.Submit(pool, 4, 7);
+  blocker.Release();
+  EXPECT_EQ(recorder.WaitForOrder(4), (std::vector<int>{4, 2, 1, 3}));
+}
+
+TEST(WorkerPool, EqualPriorityRunsInSubmissionOrder) {
+  WorkerPool pool(1, false);
+  OrderRecorder recorder;
+  Blocker blocker(pool, 1);
+  for (int id = 0; id < 5; ++id) recorder.Submit(pool, id, 3);
+  blocker.Release();
+  EXPECT_EQ(recorder.WaitForOrder(5), (std::vector<int>{0, 1, 2, 3, 4}));
+}
+
+TEST(WorkerPool, ZeroThreadsMeansOne) {
+  WorkerPool pool(0, false);
+  EXPECT_EQ(pool.threads(), 1u);
+  DoneCounter done;
+  pool.Submit(
+      3, [](size_t) {}, done.Callback());
+  EXPECT_TRUE(done.WaitFor(1));
+}
+
+}  // namespace
+// With a home per block, every thread starts with its own node's blocks. Each thread's first block
+// waits until both threads have one, so neither can take the other node's blocks first. The first
+// four blocks are node 0's: a pool that ignored homes would start both threads there.
+TEST(WorkerPoolNumaTest, EachThreadStartsWithItsOwnNodesPieces) {
+  WorkerPool pool(2, /*pin_threads=*/false, /*thread_nodes=*/{0, 1});
+  ASSERT_EQ(pool.nodes(), 2u);
+  std::latch both_started(2);
+  std::mutex mutex;
+  std::map<std::thread::id, std::vector<size_t>> ran;  // per thread, the homes of its blocks in order
+  DoneCounter done;
+  pool.Submit(
+      8,
+      [&](size_t i) {
+        bool first = false;
+        {
+          std::lock_guard lock(mutex);
+          auto& homes = ran[std::this_thread::get_id()];
+          first = homes.empty();
+          homes.push_back(i < 4 ? 0 : 1);
+        }
+        if (first) both_started.arrive_and_wait();
+      },
+      done.Callback(), /*priority=*/0, [](size_t i) { return i < 4 ? 0u : 1u; });
+  ASSERT_TRUE(done.WaitFor(1));
+  ASSERT_EQ(ran.size(), 2u);
+  std::set<size_t> first_homes;
+  size_t total = 0;
+  for (const auto& [thread, homes] : ran) {
+    first_homes.insert(homes.front());
+    total += homes.size();
+  }
+  EXPECT_EQ(first_homes, (std::set<size_t>{0, 1}));
+  EXPECT_EQ(total, 8u);
+}
+
+// Homes only order the work: every block still runs exactly once, also when one node has all of it.
+TEST(WorkerPoolNumaTest, EveryPieceRunsOnceWhateverTheHomes) {
+  WorkerPool pool(4, /*pin_threads=*/false, /*thread_nodes=*/{3, 3, 7, 7});
+  ASSERT_EQ(pool.nodes(), 2u);  // numbered densely
+  for (const auto& home : std::vector<WorkerPool::Home>{[](size_t i) { return static_cast<uint32_t>(i % 2); },
+                                                        [](size_t) { return 1u; }}) {
+    std::vector<std::atomic<int>> runs(1000);
+    DoneCounter done;
+    pool.Submit(
+        runs.size(), [&](size_t i) { runs[i].fetch_add(1); }, done.Callback(), 0, home);
+    ASSERT_TRUE(done.WaitFor(1));
+    for (const auto& r : runs) EXPECT_EQ(r.load(), 1);
+  }
+}
+
+}  // namespace trainstream::daemon
