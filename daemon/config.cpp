@@ -58,6 +58,14 @@ void CheckPeerSettings(const Config& config) {
            "peer_advertise '{}' must name a host and a non-zero port the other nodes can dial", config.peer_advertise);
 }
 
+// Zero would refuse every session.
+void CheckSessionLimits(const Config& config) {
+  TS_CHECK(config.max_unattached_sessions >= 1, Code::kInvalidArgument,
+           "max_unattached_sessions is 0; expected at least 1");
+  TS_CHECK(config.max_unattached_sessions_per_uid >= 1, Code::kInvalidArgument,
+           "max_unattached_sessions_per_uid is 0; expected at least 1");
+}
+
 }  // namespace
 
 std::string PeerAdvertiseAddress(const Config& config, const std::string& hostname, int bound_port) {
@@ -83,6 +91,8 @@ void LoadConfigFile(const std::string& path, Config& config) {
                                                   "job_ttl_seconds",
                                                   "max_jobs",
                                                   "max_host_bytes",
+                                                  "max_unattached_sessions",
+                                                  "max_unattached_sessions_per_uid",
                                                   "peer_listen",
                                                   "peer_advertise",
                                                   "peer_secret_file",
@@ -102,6 +112,8 @@ void LoadConfigFile(const std::string& path, Config& config) {
   ReadKey(table, "job_ttl_seconds", config.job_ttl_seconds);
   ReadKey(table, "max_jobs", config.max_jobs);
   ReadKey(table, "max_host_bytes", config.max_host_bytes);
+  ReadKey(table, "max_unattached_sessions", config.max_unattached_sessions);
+  ReadKey(table, "max_unattached_sessions_per_uid", config.max_unattached_sessions_per_uid);
   ReadKey(table, "peer_listen", config.peer_listen);
   ReadKey(table, "peer_advertise", config.peer_advertise);
   ReadKey(table, "peer_secret_file", config.peer_secret_file);
@@ -117,7 +129,7 @@ std::optional<Config> ParseConfig(int argc, char** argv) {
   app.add_option("--config", config_file, "TOML file with the same keys as these flags");
   // Flags are parsed into optionals so that a flag overrides the file only when given.
   std::optional<std::string> socket, log_level;
-  std::optional<uint32_t> threads, max_jobs;
+  std::optional<uint32_t> threads, max_jobs, max_unattached, max_unattached_per_uid;
   std::optional<uint64_t> ttl, max_host_bytes;
   std::optional<int64_t> parent_pid;
   app.add_option("--socket", socket, "Unix socket to listen on (default " + defaults.socket + ")");
@@ -126,6 +138,10 @@ std::optional<Config> ParseConfig(int argc, char** argv) {
   app.add_option("--job-ttl", ttl, "seconds a job with no attached rank is kept (default 3600)");
   app.add_option("--max-jobs", max_jobs, "maximum number of jobs (default 64)");
   app.add_option("--max-host-bytes", max_host_bytes, "maximum bytes of shared memory over all jobs (0: no limit)");
+  app.add_option("--max-unattached-sessions", max_unattached,
+                 "Session streams not attached yet, over all users (default 256)");
+  app.add_option("--max-unattached-sessions-per-uid", max_unattached_per_uid,
+                 "Session streams not attached yet, of one user (default 32)");
   app.add_option("--parent-pid", parent_pid, "exit when this process exits (private daemons)");
   std::optional<std::string> peer_listen, peer_secret_file;
   std::optional<uint64_t> peer_timeout;
@@ -158,6 +174,8 @@ std::optional<Config> ParseConfig(int argc, char** argv) {
   if (ttl) config.job_ttl_seconds = *ttl;
   if (max_jobs) config.max_jobs = *max_jobs;
   if (max_host_bytes) config.max_host_bytes = *max_host_bytes;
+  if (max_unattached) config.max_unattached_sessions = *max_unattached;
+  if (max_unattached_per_uid) config.max_unattached_sessions_per_uid = *max_unattached_per_uid;
   if (parent_pid) config.parent_pid = *parent_pid;
   if (peer_listen) config.peer_listen = *peer_listen;
   if (peer_advertise) config.peer_advertise = *peer_advertise;
@@ -165,6 +183,7 @@ std::optional<Config> ParseConfig(int argc, char** argv) {
   if (peer_timeout) config.peer_timeout_seconds = *peer_timeout;
   if (peer_connections) config.peer_connections = *peer_connections;
   CheckPeerSettings(config);
+  CheckSessionLimits(config);
   return config;
 }
 

@@ -16,13 +16,15 @@ struct Config {
   uint32_t socket_mode = 0660;
   uint64_t job_ttl_seconds = 3600;  // a job with no rank attached is dropped after this
   uint32_t max_jobs = 64;
-  uint64_t max_host_bytes = 0;         // 0: unlimited
-  int64_t parent_pid = 0;              // private daemon: exit when this process dies
-  std::string peer_listen;             // "host:port" for the Peer service of multi-node jobs; empty: off
-  std::string peer_advertise;          // "host:port" the other nodes dial; empty: derived from peer_listen
-  std::string peer_secret_file;        // the peers' shared secret (required with peer_listen)
-  uint64_t peer_timeout_seconds = 30;  // a peer silent for this long fails the job
-  uint32_t peer_connections = 4;       // to the next daemon of a job's ring (docs/multi-node.md), 1-16
+  uint64_t max_host_bytes = 0;                    // 0: unlimited
+  uint32_t max_unattached_sessions = 256;         // Session streams not attached yet, over all uids
+  uint32_t max_unattached_sessions_per_uid = 32;  // ... of one uid
+  int64_t parent_pid = 0;                         // private daemon: exit when this process dies
+  std::string peer_listen;                        // "host:port" for the Peer service of multi-node jobs; empty: off
+  std::string peer_advertise;                     // "host:port" the other nodes dial; empty: derived from peer_listen
+  std::string peer_secret_file;                   // the peers' shared secret (required with peer_listen)
+  uint64_t peer_timeout_seconds = 30;             // a peer silent for this long fails the job
+  uint32_t peer_connections = 4;                  // to the next daemon of a job's ring (docs/multi-node.md), 1-16
   std::string config_file;
 };
 

@@ -21,6 +21,7 @@
 
 #include "daemon/config.h"
 #include "daemon/control/control_service.h"
+#include "daemon/control/control_socket.h"
 #include "daemon/control/job_registry.h"
 #include "daemon/optimizer/adamw_kernels.h"
 #include "daemon/peer/peer_service.h"
@@ -108,19 +109,14 @@ void RaiseOpenFileLimit() {
   if (setrlimit(RLIMIT_NOFILE, &limit) != 0) spdlog::warn("cannot raise the open-file limit: {}", strerror(errno));
 }
 
-// The control socket is created with socket_mode by bind() itself. A chmod after BuildAndStart left a
-// window in which the daemon accepted connections but refused other uids (a test's client saw
-// "Permission denied"), or, under a lax umask, admitted uids that socket_mode excludes. The umask is
-// process-wide; nothing else creates files while the daemon starts (segments set their own mode).
-std::unique_ptr<grpc::Server> StartControlPlane(const Config& config, ControlService& service) {
+// The gRPC server has no listening port of its own: ControlSocket accepts the connections (knowing
+// each caller's uid) and hands them over.
+std::unique_ptr<grpc::Server> StartControlServer(ControlService& service) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
-  builder.AddListeningPort("unix:" + config.socket, grpc::InsecureServerCredentials());
   builder.RegisterService(&service);
-  const mode_t previous_umask = umask(~config.socket_mode & 0777);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  umask(previous_umask);
-  TS_CHECK(server != nullptr, Code::kUnavailable, "cannot listen on {}", config.socket);
+  TS_CHECK(server != nullptr, Code::kUnavailable, "cannot start the gRPC server");
   return server;
 }
 
@@ -147,9 +143,18 @@ int Serve(const Config& config) {
   PeerPlane peers = StartPeerPlane(config, mailbox);
   JobRegistry registry(config, pool, peers.jobs);
   if (config.parent_pid == 0) registry.ClaimOrphans();  // a private daemon's socket is new every time
-  ControlService service(registry, pool, peers.advertise);
+  std::unique_ptr<ControlSocket> socket;                // reset only once the server has stopped calling handlers
+  ControlService service(
+      registry, pool, peers.advertise,
+      [&socket](const grpc::ServerContext& context) -> std::optional<uint32_t> {
+        const std::optional<PeerCredentials> caller = socket->CallerOf(context);
+        if (!caller) return std::nullopt;
+        return caller->uid;
+      },
+      config);
 
-  std::unique_ptr<grpc::Server> server = StartControlPlane(config, service);
+  std::unique_ptr<grpc::Server> server = StartControlServer(service);
+  socket = std::make_unique<ControlSocket>(config.socket, config.socket_mode, *server);
   spdlog::info("trainstreamd {} listening on {} ({} worker threads, kernel {}, pid {})", kVersion, config.socket,
                threads, optimizer::ActiveKernelName(), getpid());
   NotifySystemd("READY=1");
@@ -168,10 +173,11 @@ int Serve(const Config& config) {
   }
 
   NotifySystemd("STOPPING=1");
+  socket->StopAccepting();
   registry.Shutdown("trainstreamd is shutting down");
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   if (peers.server) peers.server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
-  std::filesystem::remove(config.socket);
+  socket.reset();
   spdlog::info("stopped");
   return 0;
 }

@@ -6,7 +6,6 @@
 
 #include "client/src/grpc_status.h"
 #include "client/src/rank_session_impl.h"
-#include "shm/identity_proof.h"
 #include "shm/version.h"
 #include "trainstream/v1/control.grpc.pb.h"
 
@@ -44,26 +43,6 @@ DaemonInfo Handshake(v1::Control::Stub& stub, std::chrono::milliseconds timeout,
                     reply.peer_address()};
 }
 
-// Proves this process's uid for the next uid-bound request (shm/identity_proof.h); the returned
-// guard removes the proof file if the daemon did not consume it.
-class IdentityProof {
- public:
-  explicit IdentityProof(v1::Control::Stub& stub) {
-    grpc::ClientContext context;
-    SetDeadline(context, kRpcTimeout);
-    v1::ChallengeReply reply;
-    ThrowIfFailed(stub.Challenge(&context, v1::ChallengeRequest(), &reply), "identity challenge");
-    nonce_ = reply.nonce();
-    shm::CreateProof(nonce_);
-  }
-  ~IdentityProof() { unlink(shm::ProofPath(nonce_).c_str()); }
-  IdentityProof(const IdentityProof&) = delete;
-  IdentityProof& operator=(const IdentityProof&) = delete;
-  [[nodiscard]] const std::string& nonce() const { return nonce_; }
-
- private:
-  std::string nonce_;
-};
 }  // namespace
 
 std::shared_ptr<Client> Client::Connect(const std::string& socket_path, std::chrono::milliseconds timeout) {
@@ -111,23 +90,21 @@ StatsReport Client::Stats() {
   return report;
 }
 
-void Client::DropJob(const std::string& job, bool force) {
+void Client::DropJob(const std::string& job, bool force, std::optional<uint32_t> owner_uid) {
   grpc::ClientContext context;
   SetDeadline(context, kRpcTimeout);
-  const IdentityProof proof(*impl_->stub);
   v1::DropJobRequest request;
   request.set_job(job);
   request.set_force(force);
-  request.set_nonce(proof.nonce());
+  if (owner_uid) request.set_owner_uid(*owner_uid);
   v1::DropJobReply reply;
   ThrowIfFailed(impl_->stub->DropJob(&context, request, &reply), fmt::format("drop job '{}'", job));
 }
 
 std::unique_ptr<RankSession> Client::Attach(const std::string& job, uint32_t rank, const shm::LayoutSpec& spec,
                                             uint64_t seed, const RankTransport& transport) {
-  const IdentityProof proof(*impl_->stub);
   return std::make_unique<RankSession>(
-      RankSession::Impl::Open(*impl_->stub, job, rank, spec, seed, transport, proof.nonce(), info_.pid));
+      RankSession::Impl::Open(*impl_->stub, job, rank, spec, seed, transport, info_.pid));
 }
 
 }  // namespace trainstream

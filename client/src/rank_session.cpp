@@ -47,8 +47,7 @@ v1::LayoutSpec ToProto(const shm::LayoutSpec& spec) {
 
 std::unique_ptr<RankSession::Impl> RankSession::Impl::Open(v1::Control::Stub& stub, const std::string& job,
                                                            uint32_t rank, const shm::LayoutSpec& spec, uint64_t seed,
-                                                           const RankTransport& transport, const std::string& nonce,
-                                                           int64_t daemon_pid) {
+                                                           const RankTransport& transport, int64_t daemon_pid) {
   auto impl = std::make_unique<Impl>();
   impl->spec = spec;
   impl->layout = shm::ComputeLayout(spec);  // validates locally first: clearer errors, no round trip
@@ -62,7 +61,6 @@ std::unique_ptr<RankSession::Impl> RankSession::Impl::Open(v1::Control::Stub& st
   attach->set_rank(rank);
   *attach->mutable_layout() = ToProto(spec);
   attach->set_seed(seed);
-  attach->set_nonce(nonce);
   attach->set_transport(transport.name);
   attach->set_device(transport.device);
   v1::SessionEvent event;

@@ -19,7 +19,7 @@ namespace trainstream {
 struct RankSession::Impl {
   static std::unique_ptr<Impl> Open(v1::Control::Stub& stub, const std::string& job, uint32_t rank,
                                     const shm::LayoutSpec& spec, uint64_t seed, const RankTransport& transport,
-                                    const std::string& nonce, int64_t daemon_pid);
+                                    int64_t daemon_pid);
   ~Impl();
 
   void ReadEvents();  // the reader thread

@@ -153,12 +153,28 @@ grpc::Status ControlService::Handshake(grpc::ServerContext*, const v1::Handshake
   });
 }
 
-grpc::Status ControlService::Challenge(grpc::ServerContext*, const v1::ChallengeRequest*, v1::ChallengeReply* reply) {
-  return Guarded("Challenge", [&] { reply->set_nonce(identity_.IssueNonce()); });
+uint32_t ControlService::Caller(const grpc::ServerContext& context) const {
+  const std::optional<uint32_t> uid = caller_uid_(context);
+  TS_CHECK(uid.has_value(), Code::kPermissionDenied,
+           "the caller's uid is unknown: connect through trainstreamd's Unix socket");
+  return *uid;
 }
 
 grpc::Status ControlService::Session(grpc::ServerContext* context,
                                      grpc::ServerReaderWriter<v1::SessionEvent, v1::SessionRequest>* stream) {
+  uint32_t uid = 0;
+  std::optional<UnattachedSessions::Entry> unattached;
+  grpc::Status admitted = Guarded("Session", [&] {
+    uid = Caller(*context);
+    unattached.emplace(unattached_, uid);
+  });
+  if (!admitted.ok()) return admitted;
+  return RunSession(context, stream, uid, *unattached);
+}
+
+grpc::Status ControlService::RunSession(grpc::ServerContext* context,
+                                        grpc::ServerReaderWriter<v1::SessionEvent, v1::SessionRequest>* stream,
+                                        uint32_t uid, UnattachedSessions::Entry& unattached) {
   v1::SessionRequest first;
   if (!stream->Read(&first)) return {grpc::StatusCode::CANCELLED, "session closed before attach"};
   if (!first.has_attach()) {
@@ -171,7 +187,7 @@ grpc::Status ControlService::Session(grpc::ServerContext* context,
   grpc::Status attached = Guarded("Attach", [&] {
     const shm::LayoutSpec spec = LayoutFromProto(attach.layout());
     const std::string transport = DescribeTransport(attach);
-    auto found = registry_.FindOrCreate(attach.job(), identity_.Verify(attach.nonce()), spec, attach.seed());
+    auto found = registry_.FindOrCreate(attach.job(), uid, spec, attach.seed());
     const Job::Attachment attachment = found.job->Attach(attach.rank(), sink, transport);
     job = found.job;
     v1::AttachReply* reply = event.mutable_attached();
@@ -185,6 +201,7 @@ grpc::Status ControlService::Session(grpc::ServerContext* context,
   });
   if (!attached.ok()) return attached;
   sink->Write(event);
+  unattached.Leave();
 
   // The rank stays attached while the client keeps the stream open. The only message it may send
   // meanwhile is one cuda-ipc registration; anything else is a protocol error.
@@ -210,11 +227,17 @@ grpc::Status ControlService::Session(grpc::ServerContext* context,
   return grpc::Status::OK;
 }
 
-grpc::Status ControlService::Stats(grpc::ServerContext*, const v1::StatsRequest*, v1::StatsReply* reply) {
+// host_bytes counts every job (max_host_bytes caps them together); the jobs listed are the caller's,
+// or all of them for root.
+grpc::Status ControlService::Stats(grpc::ServerContext* context, const v1::StatsRequest*, v1::StatsReply* reply) {
   return Guarded("Stats", [&] {
+    const uint32_t caller = Caller(*context);
+    auto visible = [caller](uint32_t owner) { return caller == 0 || owner == caller; };
     uint64_t host_bytes = 0;
     for (const auto& job : registry_.Jobs()) {
       const JobInfo info = job->Info();
+      host_bytes += info.state_bytes + info.engine.attached_ranks.size() * info.rank_bytes;
+      if (!visible(info.uid)) continue;
       v1::JobStats* stats = reply->add_jobs();
       stats->set_name(info.name);
       stats->set_job_key(info.key);
@@ -230,9 +253,10 @@ grpc::Status ControlService::Stats(grpc::ServerContext*, const v1::StatsRequest*
       stats->set_updates(info.engine.updates);
       stats->set_nonfinite_steps(info.engine.nonfinite_steps);
       stats->mutable_transports()->insert(info.transports.begin(), info.transports.end());
-      host_bytes += info.state_bytes + info.engine.attached_ranks.size() * info.rank_bytes;
     }
     for (const OrphanedJob& orphan : registry_.Orphans()) {  // their memory is still in /dev/shm
+      host_bytes += orphan.state_bytes;
+      if (!visible(orphan.uid)) continue;
       v1::JobStats* stats = reply->add_jobs();
       stats->set_name(orphan.name);
       stats->set_job_key(orphan.key);
@@ -240,7 +264,6 @@ grpc::Status ControlService::Stats(grpc::ServerContext*, const v1::StatsRequest*
       stats->set_completed_step(orphan.completed_step);
       stats->set_state_bytes(orphan.state_bytes);
       stats->set_orphaned(true);
-      host_bytes += orphan.state_bytes;
     }
     reply->set_host_bytes(host_bytes);
     reply->set_rss_bytes(ResidentBytes());
@@ -249,9 +272,15 @@ grpc::Status ControlService::Stats(grpc::ServerContext*, const v1::StatsRequest*
   });
 }
 
-grpc::Status ControlService::DropJob(grpc::ServerContext*, const v1::DropJobRequest* request, v1::DropJobReply*) {
-  return Guarded("DropJob",
-                 [&] { registry_.Drop(request->job(), identity_.Verify(request->nonce()), request->force()); });
+grpc::Status ControlService::DropJob(grpc::ServerContext* context, const v1::DropJobRequest* request,
+                                     v1::DropJobReply*) {
+  return Guarded("DropJob", [&] {
+    const uint32_t caller = Caller(*context);
+    const uint32_t owner = request->has_owner_uid() ? request->owner_uid() : caller;
+    TS_CHECK(caller == 0 || owner == caller, Code::kPermissionDenied,
+             "uid {} may drop only its own jobs, not uid {}'s (only root may name another owner_uid)", caller, owner);
+    registry_.Drop(request->job(), owner, request->force());
+  });
 }
 
 }  // namespace trainstream::daemon

@@ -15,16 +15,18 @@ namespace {
 // The first parameter that differs between two lists, if any ("parameter" or "frozen parameter").
 std::optional<std::string> DescribeParamMismatch(const char* what, const std::vector<shm::ParamSpec>& have,
                                                  const std::vector<shm::ParamSpec>& want) {
-  if (have.size() != want.size()) return fmt::format("the job has {} {}s, this rank {}", have.size(), what, want.size());
+  if (have.size() != want.size())
+    return fmt::format("the job has {} {}s, this rank {}", have.size(), what, want.size());
   for (size_t i = 0; i < have.size(); ++i) {
     const auto& a = have[i];
     const auto& b = want[i];
     if (a.name != b.name || a.shape != b.shape || a.dtype != b.dtype || a.group != b.group ||
         a.partition != b.partition) {
-      return fmt::format("{} {} differs: job has '{}' {} {} group {} partition {}, this rank '{}' {} {} group {} "
-                         "partition {}",
-                         what, i, a.name, fmt::join(a.shape, "x"), NameOf(a.dtype), a.group, a.partition, b.name,
-                         fmt::join(b.shape, "x"), NameOf(b.dtype), b.group, b.partition);
+      return fmt::format(
+          "{} {} differs: job has '{}' {} {} group {} partition {}, this rank '{}' {} {} group {} "
+          "partition {}",
+          what, i, a.name, fmt::join(a.shape, "x"), NameOf(a.dtype), a.group, a.partition, b.name,
+          fmt::join(b.shape, "x"), NameOf(b.dtype), b.group, b.partition);
     }
   }
   return std::nullopt;
@@ -51,11 +53,6 @@ std::string DescribeMismatch(const shm::LayoutSpec& have, const shm::LayoutSpec&
   return fmt::format("options differ ({})", fmt::join(differ, "; "));
 }
 
-// Only the uid that created a job may attach to it or drop it.
-void CheckOwner(const std::string& name, uint32_t owner, uint32_t uid) {
-  TS_CHECK(owner == uid, Code::kPermissionDenied, "job '{}' belongs to uid {}", name, owner);
-}
-
 }  // namespace
 
 JobRegistry::Found JobRegistry::FindOrCreate(const std::string& name, uint32_t uid, const shm::LayoutSpec& spec,
@@ -63,10 +60,10 @@ JobRegistry::Found JobRegistry::FindOrCreate(const std::string& name, uint32_t u
   TS_CHECK(!name.empty() && name.size() <= shm::kMaxJobName, Code::kInvalidArgument,
            "job name must have 1 to {} characters", shm::kMaxJobName);
   const shm::JobLayout layout = shm::ComputeLayout(spec);  // validates the spec
+  const JobId id{uid, name};
   std::lock_guard lock(mutex_);
-  if (auto it = jobs_.find(name); it != jobs_.end()) {
+  if (auto it = jobs_.find(id); it != jobs_.end()) {
     const std::shared_ptr<Job>& job = it->second;
-    CheckOwner(name, job->uid(), uid);
     TS_CHECK(job->layout().hash == layout.hash, Code::kInvalidArgument, "layout mismatch for job '{}': {}", name,
              DescribeMismatch(job->spec(), spec));
     return {job, false};
@@ -81,28 +78,36 @@ JobRegistry::Found JobRegistry::FindOrCreate(const std::string& name, uint32_t u
              "host memory quota exceeded: job '{}' needs {} bytes, {} of max_host_bytes={} in use", name, needed, used,
              config_.max_host_bytes);
   }
-  auto orphan = orphans_.find(name);
+  if (spec.nodes() > 1) {
+    for (const auto& [other, job] : jobs_) {
+      TS_CHECK(other.second != name || job->spec().nodes() == 1, Code::kAlreadyExists,
+               "job name '{}' is taken by a multi-node job of uid {}: the daemons of a multi-node job address it by "
+               "name alone, so its name must be unique on this daemon; choose another name",
+               name, other.first);
+    }
+  }
+  auto orphan = orphans_.find(id);
   if (orphan != orphans_.end()) {
-    CheckOwner(name, orphan->second.uid, uid);
     TS_CHECK(orphan->second.layout_hash == layout.hash, Code::kInvalidArgument,
              "job '{}' was left by a trainstreamd that died, with another layout: drop it (drop_job) to start a new "
              "job of that name, or attach with its layout to resume it",
              name);
     auto job = std::make_shared<Job>(name, uid, spec, seed, pool_, peer_config_, &orphan->second);
     orphans_.erase(orphan);
-    jobs_.emplace(name, job);
+    jobs_.emplace(id, job);
     return {job, false};
   }
   auto job = std::make_shared<Job>(name, uid, spec, seed, pool_, peer_config_);
   job->StampSocket(SocketHash(config_.socket));
-  jobs_.emplace(name, job);
+  jobs_.emplace(id, job);
   return {job, true};
 }
 
 size_t JobRegistry::ClaimOrphans() {
   std::lock_guard lock(mutex_);
   for (OrphanedJob& orphan : ClaimOrphanedJobs(SocketHash(config_.socket))) {
-    if (jobs_.contains(orphan.name) || orphans_.contains(orphan.name)) {
+    JobId id{orphan.uid, orphan.name};
+    if (jobs_.contains(id) || orphans_.contains(id)) {
       spdlog::warn("removing job '{}' (uid {}, step {}) left by a dead trainstreamd: another job has its name",
                    orphan.name, orphan.uid, orphan.completed_step);
       RemoveJobSegments(orphan.uid, orphan.key);
@@ -112,7 +117,7 @@ size_t JobRegistry::ClaimOrphans() {
         "job '{}' (uid {}, step {}) was left by a dead trainstreamd: kept for a rank that attaches with its "
         "name and layout, for up to {} s",
         orphan.name, orphan.uid, orphan.completed_step, config_.job_ttl_seconds);
-    orphans_.emplace(orphan.name, std::move(orphan));
+    orphans_.emplace(std::move(id), std::move(orphan));
   }
   orphans_claimed_ = std::chrono::steady_clock::now();
   return orphans_.size();
@@ -121,33 +126,32 @@ size_t JobRegistry::ClaimOrphans() {
 std::vector<OrphanedJob> JobRegistry::Orphans() {
   std::lock_guard lock(mutex_);
   std::vector<OrphanedJob> orphans;
-  for (const auto& [name, orphan] : orphans_) orphans.push_back(orphan);
+  for (const auto& [id, orphan] : orphans_) orphans.push_back(orphan);
   return orphans;
 }
 
 void JobRegistry::Drop(const std::string& name, uint32_t uid, bool force) {
+  const JobId id{uid, name};
   std::shared_ptr<Job> job;
   {
     std::lock_guard lock(mutex_);
-    if (auto orphan = orphans_.find(name); orphan != orphans_.end()) {
-      CheckOwner(name, orphan->second.uid, uid);
+    if (auto orphan = orphans_.find(id); orphan != orphans_.end()) {
       RemoveJobSegments(orphan->second.uid, orphan->second.key);
       orphans_.erase(orphan);
       return;
     }
-    auto it = jobs_.find(name);
-    TS_CHECK(it != jobs_.end(), Code::kNotFound, "no job named '{}'", name);
-    CheckOwner(name, it->second->uid(), uid);
+    auto it = jobs_.find(id);
+    TS_CHECK(it != jobs_.end(), Code::kNotFound, "uid {} has no job named '{}'", uid, name);
     it->second->Close("it was dropped", force);
     job = std::move(it->second);
     jobs_.erase(it);
   }
   job->FailAll(fmt::format("job '{}' was dropped", name));
-  DropWaitingFragments(name);
+  DropWaitingFragments(*job);
 }
 
-void JobRegistry::DropWaitingFragments(const std::string& name) {
-  if (peer_config_.mailbox != nullptr) peer_config_.mailbox->Drop(name);
+void JobRegistry::DropWaitingFragments(const Job& job) {
+  if (peer_config_.mailbox != nullptr && job.spec().nodes() > 1) peer_config_.mailbox->Drop(job.name());
 }
 
 std::vector<std::shared_ptr<Job>> JobRegistry::Jobs() {
@@ -165,7 +169,8 @@ size_t JobRegistry::ExpireIdle() {
     std::lock_guard lock(mutex_);
     for (auto it = jobs_.begin(); it != jobs_.end();) {
       if (it->second->CloseIfIdle(ttl, "it was idle for the TTL")) {
-        spdlog::info("job '{}' idle for over {} s: dropping it", it->first, config_.job_ttl_seconds);
+        spdlog::info("job '{}' idle for over {} s: dropping it (uid {})", it->first.second, config_.job_ttl_seconds,
+                     it->first.first);
         expired.push_back(std::move(it->second));
         it = jobs_.erase(it);
       } else {
@@ -173,20 +178,20 @@ size_t JobRegistry::ExpireIdle() {
       }
     }
     if (!orphans_.empty() && now - orphans_claimed_ >= ttl) {
-      for (const auto& [name, orphan] : orphans_) {
-        spdlog::info("job '{}' left by a dead trainstreamd was not re-adopted within {} s: dropping it", name,
-                     config_.job_ttl_seconds);
+      for (const auto& [id, orphan] : orphans_) {
+        spdlog::info("job '{}' left by a dead trainstreamd was not re-adopted within {} s: dropping it (uid {})",
+                     id.second, config_.job_ttl_seconds, id.first);
         RemoveJobSegments(orphan.uid, orphan.key);
       }
       orphans_.clear();
     }
   }
-  for (const auto& job : expired) DropWaitingFragments(job->name());
+  for (const auto& job : expired) DropWaitingFragments(*job);
   return expired.size();  // destroyed here, outside the lock
 }
 
 void JobRegistry::Shutdown(const std::string& reason) {
-  std::map<std::string, std::shared_ptr<Job>> jobs;
+  std::map<JobId, std::shared_ptr<Job>> jobs;
   {
     std::lock_guard lock(mutex_);
     jobs.swap(jobs_);

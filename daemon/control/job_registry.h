@@ -1,6 +1,10 @@
-// All jobs of the daemon, by name: create-or-attach, quotas, idle expiry, shutdown, and the jobs a
-// dead daemon left behind (orphans: re-adopted by the first attach with their name and layout,
+// All jobs of the daemon, by owner and name: create-or-attach, quotas, idle expiry, shutdown, and the
+// jobs a dead daemon left behind (orphans: re-adopted by the first attach with their name and layout,
 // dropped like idle jobs after the TTL).
+//
+// Job names are per uid: two users may each have a job "run1", and neither can reach the other's.
+// Multi-node jobs are the exception: the daemons of a job address it by name alone on the peer plane,
+// so a multi-node job's name is unique among the multi-node jobs of the daemon.
 #pragma once
 
 #include <chrono>
@@ -25,11 +29,12 @@ class JobRegistry {
     std::shared_ptr<Job> job;
     bool created = false;
   };
-  // The job called `name`, created from `spec` if it does not exist (or re-adopted, if an orphan has
-  // the name). An existing job must have been created by the same uid and with an identical layout
-  // (kInvalidArgument naming the difference).
+  // `uid`'s job called `name`, created from `spec` if it does not exist (or re-adopted, if an orphan
+  // of that uid has the name). An existing job must have an identical layout (kInvalidArgument naming
+  // the difference).
   Found FindOrCreate(const std::string& name, uint32_t uid, const shm::LayoutSpec& spec, uint64_t seed);
-  // Removes the job; kFailedPrecondition if ranks are attached and not `force` (their sessions fail).
+  // Removes `uid`'s job `name`; kFailedPrecondition if ranks are attached and not `force` (their
+  // sessions fail).
   void Drop(const std::string& name, uint32_t uid, bool force);
   std::vector<std::shared_ptr<Job>> Jobs();
   // Drops jobs idle for longer than the TTL. Returns how many.
@@ -41,14 +46,15 @@ class JobRegistry {
   std::vector<OrphanedJob> Orphans();  // claimed, not re-adopted yet
 
  private:
-  void DropWaitingFragments(const std::string& name);  // peers' fragments for the job, in the mailbox
+  using JobId = std::pair<uint32_t, std::string>;  // owner uid, name
+  void DropWaitingFragments(const Job& job);       // peers' fragments for a multi-node job, in the mailbox
 
   const Config& config_;
   WorkerPool& pool_;
   const PeerConfig peer_config_;
   std::mutex mutex_;
-  std::map<std::string, std::shared_ptr<Job>> jobs_;
-  std::map<std::string, OrphanedJob> orphans_;
+  std::map<JobId, std::shared_ptr<Job>> jobs_;
+  std::map<JobId, OrphanedJob> orphans_;
   std::chrono::steady_clock::time_point orphans_claimed_;
 };
 

@@ -126,9 +126,9 @@ class Client:
         """Jobs and memory figures of the daemon."""
         return self._native.stats()
 
-    def drop_job(self, job: str, force: bool = False) -> None:
-        """Removes a job and its state from the daemon."""
-        self._native.drop_job(job, force)
+    def drop_job(self, job: str, force: bool = False, uid: int | None = None) -> None:
+        """Removes a job of this user and its state from the daemon (root: of the user `uid`)."""
+        self._native.drop_job(job, force, uid)
 
     def __repr__(self) -> str:
         kind = "private" if self.private_daemon else "shared"

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -108,7 +109,8 @@ class Client {
   [[nodiscard]] const std::string& socket_path() const { return socket_path_; }
   DaemonInfo Ping();
   StatsReport Stats();
-  void DropJob(const std::string& job, bool force);
+  // Drops this uid's job `job`; root may name another owner.
+  void DropJob(const std::string& job, bool force, std::optional<uint32_t> owner_uid = std::nullopt);
   // Creates the job if needed and attaches `rank`; the rank stays attached until the session closes.
   std::unique_ptr<RankSession> Attach(const std::string& job, uint32_t rank, const shm::LayoutSpec& spec, uint64_t seed,
                                       const RankTransport& transport = {});

@@ -1,19 +1,17 @@
-// Job ownership by uid, against a real trainstreamd: clients prove their uid (shm/identity_proof.h),
-// a root daemon gives each job's segments to its user, and another uid can neither attach to nor
-// drop that job. Clients run in forked children that drop to unprivileged uids; the test runs as
-// root (as here and in CI) and skips otherwise.
+// Job ownership by uid, against a real trainstreamd: the daemon takes each caller's uid from the
+// kernel (SO_PEERCRED of its connection, daemon/control/control_socket.h), a root daemon gives each
+// job's segments to its user, names are per uid, and another uid can neither reach nor see a job, nor
+// act as root by replaying what it sees in /dev/shm. Clients run in forked children that drop to
+// unprivileged uids; the test runs as root (as here and in CI) and skips otherwise.
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
-#include <sys/socket.h>
+#include <poll.h>
+#include <sys/inotify.h>
 #include <sys/stat.h>
-#include <sys/un.h>
-#include <unistd.h>
 
-#include <filesystem>
-#include <fstream>
+#include <algorithm>
 
-#include "shm/identity_proof.h"
-#include "tests/cpp/shm/test_support.h"
+#include "tests/cpp/control/daemon_process.h"
 #include "trainstream/client.h"
 #include "trainstream/v1/control.grpc.pb.h"
 
@@ -29,57 +27,6 @@ shm::LayoutSpec TinySpec() {
   return spec;
 }
 
-// A trainstreamd on a temporary socket that every uid may connect to.
-bool Accepts(const std::string& socket_path) {
-  sockaddr_un address{};
-  address.sun_family = AF_UNIX;
-  socket_path.copy(address.sun_path, sizeof(address.sun_path) - 1);
-  const int fd = socket(AF_UNIX, SOCK_STREAM, 0);
-  const bool connected = connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof(address)) == 0;
-  close(fd);
-  return connected;
-}
-
-class DaemonProcess {
- public:
-  DaemonProcess() {
-    dir_ = std::filesystem::temp_directory_path() / ("ts-identity-" + std::to_string(getpid()));
-    std::filesystem::create_directories(dir_);
-    std::filesystem::permissions(dir_, std::filesystem::perms::all);
-    socket_ = (dir_ / "d.sock").string();
-    std::ofstream(dir_ / "d.toml") << "socket_mode = 438\n";  // 0666
-    const std::string config = (dir_ / "d.toml").string();
-    pid_ = fork();
-    if (pid_ == 0) {
-      execl(TRAINSTREAMD_PATH, "trainstreamd", "--socket", socket_.c_str(), "--config", config.c_str(), "--threads",
-            "1", "--log-level", "warn", nullptr);
-      _exit(127);
-    }
-    // The socket file appears at bind(), before listen(): wait until a connection is accepted. (Not
-    // through gRPC: these tests fork clients, and gRPC must not have started in the parent then.)
-    EXPECT_TRUE(PollUntil([&] { return Accepts(socket_); }, std::chrono::seconds(20)));
-  }
-  ~DaemonProcess() {
-    kill(pid_, SIGTERM);
-    WaitChild(pid_);
-    std::filesystem::remove_all(dir_);
-  }
-  [[nodiscard]] const std::string& socket() const { return socket_; }
-
- private:
-  std::filesystem::path dir_;
-  std::string socket_;
-  pid_t pid_ = -1;
-};
-
-// Runs `body` in a child process as `uid`.
-int RunAs(uint32_t uid, const std::function<int()>& body) {
-  return WaitChild(ForkChild([&] {
-    if (setgid(uid) != 0 || setuid(uid) != 0) return 98;
-    return body();
-  }));
-}
-
 class IdentityTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -87,91 +34,160 @@ class IdentityTest : public ::testing::Test {
   }
 };
 
-TEST_F(IdentityTest, JobSegmentsBelongToTheirUserAndOthersAreRefused) {
+// A pipe for "ready"/"release" handshakes between forked processes; a wait gives up after 30 s (the
+// other side died).
+struct Signal {
+  Signal() { EXPECT_EQ(pipe(fds), 0); }
+  ~Signal() {
+    close(fds[0]);
+    close(fds[1]);
+  }
+  void Send() const {
+    const char byte = 1;
+    EXPECT_EQ(write(fds[1], &byte, 1), 1);
+  }
+  [[nodiscard]] bool Wait() const {
+    pollfd readable{fds[0], POLLIN, 0};
+    char byte = 0;
+    return poll(&readable, 1, 30000) == 1 && read(fds[0], &byte, 1) == 1;
+  }
+  int fds[2]{};
+};
+
+std::vector<std::string> JobNames(const StatsReport& stats) {
+  std::vector<std::string> names;
+  for (const JobReport& job : stats.jobs) names.push_back(job.name + "@" + std::to_string(job.uid));
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+TEST_F(IdentityTest, JobSegmentsBelongToTheirUserAndNamesArePerUid) {
   DaemonProcess daemon;
-  int ready[2], release[2];
-  ASSERT_EQ(pipe(ready), 0);
-  ASSERT_EQ(pipe(release), 0);
+  Signal ready, release;
   // Alice attaches, checks who owns her segments, and stays attached until released.
   const pid_t alice = ForkChild([&] {
-    close(ready[0]);
-    close(release[1]);
     if (setgid(kAlice) != 0 || setuid(kAlice) != 0) return 98;
     auto client = Client::Connect(daemon.socket());
-    auto session = client->Attach("alice", 0, TinySpec(), 1);
+    auto session = client->Attach("run", 0, TinySpec(), 1);
     struct stat info {};
     const std::string state = "/dev/shm/" + shm::SegmentName(kAlice, client->Stats().jobs.at(0).job_key, "state");
     if (stat(state.c_str(), &info) != 0 || info.st_uid != kAlice || (info.st_mode & 0777) != 0600) return 2;
-    char byte = 1;
-    if (write(ready[1], &byte, 1) != 1 || read(release[0], &byte, 1) != 1) return 3;
-    return 0;
+    ready.Send();
+    if (!release.Wait()) return 3;
+    session->CheckHealthy();  // nobody dropped or took her job meanwhile
+    return JobNames(client->Stats()) == std::vector<std::string>{"run@65534"} ? 0 : 4;
   });
-  // Each side keeps only its own ends, so a read sees end-of-file when the other side dies.
-  close(ready[1]);
-  close(release[0]);
-  char byte = 0;
-  if (read(ready[0], &byte, 1) != 1) {
-    ADD_FAILURE() << "alice did not attach";
-    WaitChild(alice);
-    return;
-  }
+  ASSERT_TRUE(ready.Wait()) << "alice did not attach";
 
   EXPECT_TRUE(ExitedWith(RunAs(kMallory,
                                [&] {
                                  auto client = Client::Connect(daemon.socket());
+                                 // Her own job of the same name: Alice's is out of her reach.
+                                 auto session = client->Attach("run", 0, TinySpec(), 1);
+                                 if (!session->created()) return 1;
+                                 if (JobNames(client->Stats()) != std::vector<std::string>{"run@65533"}) return 2;
                                  try {
-                                   client->Attach("alice", 0, TinySpec(), 1);
-                                   return 1;
+                                   client->DropJob("run", true, kAlice);
+                                   return 3;
                                  } catch (const Error& e) {
-                                   if (e.code() != Code::kPermissionDenied) return 2;
-                                   if (std::string(e.what()).find("belongs to uid 65534") == std::string::npos)
-                                     return 3;
+                                   if (e.code() != Code::kPermissionDenied) return 4;
                                  }
+                                 session->Close();
+                                 client->DropJob("run", false);  // hers
                                  try {
-                                   client->DropJob("alice", true);
-                                   return 4;
+                                   client->DropJob("run", true);
+                                   return 5;
                                  } catch (const Error& e) {
-                                   return e.code() == Code::kPermissionDenied ? 0 : 5;
+                                   return e.code() == Code::kNotFound ? 0 : 6;
                                  }
                                }),
                          0));
-  ASSERT_EQ(write(release[1], &byte, 1), 1);
+  // Root sees every job and may drop anyone's.
+  EXPECT_TRUE(ExitedWith(WaitChild(ForkChild([&] {
+                           auto client = Client::Connect(daemon.socket());
+                           auto session = client->Attach("run", 0, TinySpec(), 1);
+                           const auto names = JobNames(client->Stats());
+                           return names == std::vector<std::string>{"run@0", "run@65534"} ? 0 : 1;
+                         })),
+                         0));
+  release.Send();
   EXPECT_TRUE(ExitedWith(WaitChild(alice), 0));
 }
 
-TEST_F(IdentityTest, ForgedOrReusedNoncesAreRefused) {
+// The attack of issue 21: a uid watching /dev/shm (inotify) replayed root's identity nonce, the name
+// of a proof file there, and force-dropped root's job. Now nothing in /dev/shm proves anything: the
+// attacker replays every name that appears there, in the old nonce fields too, while root churns jobs.
+TEST_F(IdentityTest, ReplayingWhatAppearsInDevShmDoesNotMakeAnotherUidRoot) {
   DaemonProcess daemon;
-  auto stub = v1::Control::NewStub(grpc::CreateChannel("unix:" + daemon.socket(), grpc::InsecureChannelCredentials()));
-  auto drop = [&](const std::string& nonce) {
-    grpc::ClientContext context;
-    v1::DropJobRequest request;
-    request.set_job("anything");
-    request.set_nonce(nonce);
-    v1::DropJobReply reply;
-    return stub->DropJob(&context, request, &reply);
-  };
-  auto challenge = [&] {
-    grpc::ClientContext context;
-    v1::ChallengeReply reply;
-    EXPECT_TRUE(stub->Challenge(&context, v1::ChallengeRequest(), &reply).ok());
-    return reply.nonce();
-  };
+  Signal victim_ready, release_victim, attacker_ready, stop_attacker;
+  const pid_t victim = ForkChild([&] {
+    auto client = Client::Connect(daemon.socket());
+    auto session = client->Attach("victim", 0, TinySpec(), 1);
+    victim_ready.Send();
+    if (!release_victim.Wait()) return 2;
+    session->CheckHealthy();
+    for (const JobReport& job : client->Stats().jobs) {
+      if (job.name == "victim" && job.uid == 0) return 0;
+    }
+    return 3;  // dropped
+  });
+  ASSERT_TRUE(victim_ready.Wait());
 
-  grpc::Status status = drop("0123456789abcdef");  // never issued
-  EXPECT_EQ(status.error_code(), grpc::StatusCode::PERMISSION_DENIED);
-  EXPECT_NE(status.error_message().find("unknown, used or expired nonce"), std::string::npos);
+  const pid_t attacker = ForkChild([&] {
+    if (setgid(kMallory) != 0 || setuid(kMallory) != 0) return 98;
+    const int watch = inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
+    if (watch < 0 || inotify_add_watch(watch, "/dev/shm", IN_CREATE) < 0) return 97;
+    auto stub =
+        v1::Control::NewStub(grpc::CreateChannel("unix:" + daemon.socket(), grpc::InsecureChannelCredentials()));
+    int attempts = 0, wins = 0;
+    auto drop = [&](const std::string& seen, bool as_root) {
+      grpc::ClientContext context;
+      v1::DropJobRequest request;
+      request.set_job("victim");
+      request.set_force(true);
+      if (as_root) request.set_owner_uid(0);
+      request.GetReflection()->MutableUnknownFields(&request)->AddLengthDelimited(3, seen);  // protocol 3's nonce
+      v1::DropJobReply reply;
+      const grpc::Status status = stub->DropJob(&context, request, &reply);
+      ++attempts;
+      const auto expected = as_root ? grpc::StatusCode::PERMISSION_DENIED : grpc::StatusCode::NOT_FOUND;
+      if (status.ok() || status.error_code() != expected) ++wins;
+    };
+    attacker_ready.Send();
+    alignas(inotify_event) char buffer[4096];
+    pollfd fds[2] = {{watch, POLLIN, 0}, {stop_attacker.fds[0], POLLIN, 0}};
+    while (poll(fds, 2, 5000) > 0 && (fds[1].revents & POLLIN) == 0) {
+      const ssize_t n = read(watch, buffer, sizeof(buffer));
+      for (ssize_t at = 0; at < n;) {
+        const auto* event = reinterpret_cast<const inotify_event*>(buffer + at);
+        const std::string name = event->len > 0 ? event->name : "";
+        for (const std::string& seen : {name, name.substr(name.rfind('-') + 1)}) {
+          drop(seen, false);
+          drop(seen, true);
+        }
+        at += static_cast<ssize_t>(sizeof(inotify_event) + event->len);
+      }
+    }
+    fprintf(stderr, "attacker: %d replays, %d not refused\n", attempts, wins);
+    return attempts > 0 && wins == 0 ? 0 : 1;
+  });
+  ASSERT_TRUE(attacker_ready.Wait());
 
-  const std::string unproven = challenge();  // issued, but no proof file
-  status = drop(unproven);
-  EXPECT_EQ(status.error_code(), grpc::StatusCode::PERMISSION_DENIED);
-  EXPECT_NE(status.error_message().find("does not exist"), std::string::npos);
-
-  const std::string proven = challenge();
-  shm::CreateProof(proven);
-  EXPECT_EQ(drop(proven).error_code(), grpc::StatusCode::NOT_FOUND);  // identity accepted: no such job
-  EXPECT_FALSE(std::filesystem::exists(shm::ProofPath(proven)));      // the daemon consumed the proof
-  status = drop(proven);                                              // a nonce is good once
-  EXPECT_EQ(status.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  // Root's own activity fills /dev/shm with names for the attacker to replay.
+  EXPECT_TRUE(ExitedWith(WaitChild(ForkChild([&] {
+                           auto client = Client::Connect(daemon.socket());
+                           for (int i = 0; i < 20; ++i) {
+                             const std::string job = "churn" + std::to_string(i);
+                             client->Attach(job, 0, TinySpec(), 1)->Close();
+                             client->DropJob(job, true);
+                           }
+                           return 0;
+                         })),
+                         0));
+  stop_attacker.Send();
+  EXPECT_TRUE(ExitedWith(WaitChild(attacker), 0));
+  release_victim.Send();
+  EXPECT_TRUE(ExitedWith(WaitChild(victim), 0));
 }
 
 }  // namespace

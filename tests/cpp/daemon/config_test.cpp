@@ -86,6 +86,20 @@ TEST(ParseConfig, EveryFlag) {
   EXPECT_EQ(ParseOk({"--max-jobs", "5"}).max_jobs, 5u);
   EXPECT_EQ(ParseOk({"--max-host-bytes", "123456789012"}).max_host_bytes, 123456789012u);
   EXPECT_EQ(ParseOk({"--parent-pid", "4242"}).parent_pid, 4242);
+  EXPECT_EQ(ParseOk({"--max-unattached-sessions", "7"}).max_unattached_sessions, 7u);
+  EXPECT_EQ(ParseOk({"--max-unattached-sessions-per-uid", "3"}).max_unattached_sessions_per_uid, 3u);
+}
+
+TEST(ParseConfig, SessionLimitsHaveDefaultsAndRefuseZero) {
+  const Config config = ParseOk({});
+  EXPECT_EQ(config.max_unattached_sessions, 256u);
+  EXPECT_EQ(config.max_unattached_sessions_per_uid, 32u);
+  TempToml file("max_unattached_sessions = 9\nmax_unattached_sessions_per_uid = 2\n");
+  const Config from_file = ParseOk({"--config", file.path()});
+  EXPECT_EQ(from_file.max_unattached_sessions, 9u);
+  EXPECT_EQ(from_file.max_unattached_sessions_per_uid, 2u);
+  ExpectRejected({"--max-unattached-sessions", "0"}, "max_unattached_sessions is 0");
+  ExpectRejected({"--max-unattached-sessions-per-uid", "0"}, "max_unattached_sessions_per_uid is 0");
 }
 
 TEST(ParseConfig, FlagsCombine) {
