@@ -18,6 +18,7 @@ namespace trainstream {
 // Mirrors the gRPC status codes we use, so boundaries can map 1:1 without shm/ depending on gRPC.
 enum class Code : int {
   kInvalidArgument = 3,
+  kDeadlineExceeded = 4,  // a wait gave up (the client's wait timeout)
   kNotFound = 5,
   kAlreadyExists = 6,
   kPermissionDenied = 7,

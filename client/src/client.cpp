@@ -4,6 +4,7 @@
 #include <grpcpp/grpcpp.h>
 #include <unistd.h>
 
+#include "client/src/bounded_wait.h"
 #include "client/src/grpc_status.h"
 #include "client/src/rank_session_impl.h"
 #include "shm/version.h"
@@ -24,45 +25,60 @@ struct Client::Impl {
   std::unique_ptr<v1::Control::Stub> stub;
 };
 
-Client::Client(std::string socket_path, std::unique_ptr<Impl> impl)
-    : socket_path_(std::move(socket_path)), impl_(std::move(impl)) {}
+Client::Client(std::string socket_path, std::unique_ptr<Impl> impl, WaitPolicy waits)
+    : socket_path_(std::move(socket_path)), waits_(std::move(waits)), impl_(std::move(impl)) {}
 
 Client::~Client() = default;
 
 namespace {
-// The version handshake, which is also the ping.
-DaemonInfo Handshake(v1::Control::Stub& stub, std::chrono::milliseconds timeout, const std::string& what) {
+using CallDone = std::function<void(grpc::Status)>;
+
+// A unary call of the Control service, which `start(context, done)` begins: interruptible, bounded by
+// `timeout`.
+template <typename Start>
+void Call(std::chrono::milliseconds timeout, const WaitPolicy& waits, const std::string& what, Start start) {
   grpc::ClientContext context;
   SetDeadline(context, timeout);
+  ThrowIfFailed(WaitForCall(context, waits.interrupt, [&](CallDone done) { start(&context, std::move(done)); }), what);
+}
+
+// The version handshake, which is also the ping.
+DaemonInfo Handshake(v1::Control::Stub& stub, std::chrono::milliseconds timeout, const WaitPolicy& waits,
+                     const std::string& what) {
   v1::HandshakeRequest request;
   request.set_protocol_version(kProtocolVersion);
   request.set_client_version(std::string(kVersion));
   v1::HandshakeReply reply;
-  ThrowIfFailed(stub.Handshake(&context, request, &reply), what);
+  Call(timeout, waits, what, [&](grpc::ClientContext* context, CallDone done) {
+    stub.async()->Handshake(context, &request, &reply, std::move(done));
+  });
   return DaemonInfo{reply.daemon_version(), reply.protocol_version(), reply.pid(), reply.kernel(),
                     reply.peer_address()};
 }
 
 }  // namespace
 
-std::shared_ptr<Client> Client::Connect(const std::string& socket_path, std::chrono::milliseconds timeout) {
+std::shared_ptr<Client> Client::Connect(const std::string& socket_path, std::chrono::milliseconds timeout,
+                                        WaitPolicy waits) {
   auto impl = std::make_unique<Impl>();
   impl->channel = grpc::CreateChannel("unix:" + socket_path, grpc::InsecureChannelCredentials());
   impl->stub = v1::Control::NewStub(impl->channel);
-  std::shared_ptr<Client> client(new Client(socket_path, std::move(impl)));
-  client->info_ = Handshake(*client->impl_->stub, timeout, fmt::format("cannot reach trainstreamd at {}", socket_path));
+  std::shared_ptr<Client> client(new Client(socket_path, std::move(impl), std::move(waits)));
+  client->info_ = Handshake(*client->impl_->stub, timeout, client->waits_,
+                            fmt::format("cannot reach trainstreamd at {}", socket_path));
   return client;
 }
 
 DaemonInfo Client::Ping() {
-  return Handshake(*impl_->stub, std::chrono::seconds(5), "ping");
+  return Handshake(*impl_->stub, std::chrono::seconds(5), waits_, "ping");
 }
 
 StatsReport Client::Stats() {
-  grpc::ClientContext context;
-  SetDeadline(context, kRpcTimeout);
   v1::StatsReply reply;
-  ThrowIfFailed(impl_->stub->Stats(&context, v1::StatsRequest(), &reply), "stats");
+  const v1::StatsRequest request;
+  Call(kRpcTimeout, waits_, "stats", [&](grpc::ClientContext* context, CallDone done) {
+    impl_->stub->async()->Stats(context, &request, &reply, std::move(done));
+  });
   StatsReport report{.jobs = {},
                      .host_bytes = reply.host_bytes(),
                      .rss_bytes = reply.rss_bytes(),
@@ -91,20 +107,23 @@ StatsReport Client::Stats() {
 }
 
 void Client::DropJob(const std::string& job, bool force, std::optional<uint32_t> owner_uid) {
-  grpc::ClientContext context;
-  SetDeadline(context, kRpcTimeout);
   v1::DropJobRequest request;
   request.set_job(job);
   request.set_force(force);
   if (owner_uid) request.set_owner_uid(*owner_uid);
   v1::DropJobReply reply;
-  ThrowIfFailed(impl_->stub->DropJob(&context, request, &reply), fmt::format("drop job '{}'", job));
+  Call(kRpcTimeout, waits_, fmt::format("drop job '{}'", job), [&](grpc::ClientContext* context, CallDone done) {
+    impl_->stub->async()->DropJob(context, &request, &reply, std::move(done));
+  });
 }
 
 std::unique_ptr<RankSession> Client::Attach(const std::string& job, uint32_t rank, const shm::LayoutSpec& spec,
-                                            uint64_t seed, const RankTransport& transport) {
+                                            uint64_t seed, const RankTransport& transport,
+                                            std::optional<std::chrono::milliseconds> wait_timeout) {
+  WaitPolicy waits = waits_;
+  if (wait_timeout) waits.timeout = *wait_timeout;
   return std::make_unique<RankSession>(
-      RankSession::Impl::Open(*impl_->stub, job, rank, spec, seed, transport, info_.pid));
+      RankSession::Impl::Open(impl_->channel, job, rank, spec, seed, transport, info_.pid, std::move(waits)));
 }
 
 }  // namespace trainstream

@@ -1,17 +1,21 @@
 // RankSession: one attached rank's data plane. Waits never block forever: they wake at least every
-// 100 ms to check that the session is alive (the Session stream, and the daemon's pid).
+// kWaitSlice to check that the session is alive (the Session stream, and the daemon's pid) and run
+// the wait policy (interrupts, progress, the timeout: client/src/bounded_wait.h).
 #include <signal.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <fstream>
 
+#include "client/src/bounded_wait.h"
 #include "client/src/grpc_status.h"
 #include "client/src/rank_session_impl.h"
 
 namespace trainstream {
 
 namespace {
-constexpr auto kWakeInterval = std::chrono::milliseconds(100);
+constexpr auto kStatsTimeout = std::chrono::seconds(2);  // a daemon slower than this counts as not answering
+const v1::StatsRequest request_stats;
 
 // The daemon's pid is a liveness signal only if it names the daemon in our pid namespace.
 bool IsOurDaemon(int64_t pid) {
@@ -45,16 +49,21 @@ v1::LayoutSpec ToProto(const shm::LayoutSpec& spec) {
 }
 }  // namespace
 
-std::unique_ptr<RankSession::Impl> RankSession::Impl::Open(v1::Control::Stub& stub, const std::string& job,
-                                                           uint32_t rank, const shm::LayoutSpec& spec, uint64_t seed,
-                                                           const RankTransport& transport, int64_t daemon_pid) {
+std::unique_ptr<RankSession::Impl> RankSession::Impl::Open(const std::shared_ptr<grpc::Channel>& channel,
+                                                           const std::string& job, uint32_t rank,
+                                                           const shm::LayoutSpec& spec, uint64_t seed,
+                                                           const RankTransport& transport, int64_t daemon_pid,
+                                                           WaitPolicy waits) {
   auto impl = std::make_unique<Impl>();
+  impl->job = job;
+  impl->waits = std::move(waits);
+  impl->stub = v1::Control::NewStub(channel);
   impl->spec = spec;
   impl->layout = shm::ComputeLayout(spec);  // validates locally first: clearer errors, no round trip
   impl->rank = rank;
   impl->daemon_pid = IsOurDaemon(daemon_pid) ? daemon_pid : 0;
 
-  impl->stream = stub.Session(&impl->context);
+  impl->stream = impl->stub->Session(&impl->context);
   v1::SessionRequest request;
   v1::AttachRequest* attach = request.mutable_attach();
   attach->set_job(job);
@@ -63,40 +72,99 @@ std::unique_ptr<RankSession::Impl> RankSession::Impl::Open(v1::Control::Stub& st
   attach->set_seed(seed);
   attach->set_transport(transport.name);
   attach->set_device(transport.device);
-  v1::SessionEvent event;
-  if (!impl->stream->Write(request) || !impl->stream->Read(&event)) {
-    ThrowIfFailed(impl->stream->Finish(), fmt::format("attach rank {} of job '{}'", rank, job));
-    Throw(Code::kUnavailable, "attach rank {} of job '{}': trainstreamd closed the session", rank, job);
+  const bool sent = impl->stream->Write(request);
+  impl->reader = std::thread([raw = impl.get()] { raw->ReadEvents(); });
+  const std::string what = fmt::format("attach rank {} of job '{}'", rank, job);
+  // The answer may take long (a large job's segments are backed page by page): wait in slices.
+  BoundedWait wait(
+      impl->waits, [&] { return fmt::format("trainstreamd's answer to the {}", what); },
+      [raw = impl.get()] { return raw->DescribeMissing(); });
+  std::unique_lock lock(impl->event_mutex);
+  while (!impl->attach_answered.wait_for(lock, kWaitSlice, [&] { return impl->attached || impl->ended; })) {
+    lock.unlock();
+    wait.Between();  // on an exception ~Impl cancels the stream and joins the reader
+    lock.lock();
   }
-  TS_CHECK(event.has_attached(), Code::kInternal, "attach rank {} of job '{}': unexpected first session event", rank,
-           job);
-  const v1::AttachReply& reply = event.attached();
-  TS_CHECK(reply.layout_hash() == impl->layout.hash, Code::kInternal,
+  if (!impl->attached) {
+    const grpc::Status status = *impl->ended;
+    lock.unlock();
+    ThrowIfFailed(status, what);
+    Throw(Code::kUnavailable, "{}: trainstreamd closed the session{}", what, sent ? "" : " before the request");
+  }
+  const v1::AttachReply reply = *impl->attached;
+  lock.unlock();
+  impl->Map(reply);
+  return impl;
+}
+
+void RankSession::Impl::Map(const v1::AttachReply& reply) {
+  TS_CHECK(reply.layout_hash() == layout.hash, Code::kInternal,
            "attach: the daemon computed layout hash {:#x}, this client {:#x} (version skew?)", reply.layout_hash(),
-           impl->layout.hash);
-  impl->created = reply.created();
-  impl->initialized = reply.initialized();
-  impl->completed_step = reply.completed_step();
+           layout.hash);
+  job_key = reply.job_key();
+  created = reply.created();
+  initialized = reply.initialized();
+  completed_step = reply.completed_step();
 
-  impl->state_segment = shm::Segment::Open(reply.state_segment());
-  impl->rank_segment = shm::Segment::Open(reply.rank_segment());
-  shm::CheckStateSegment(impl->state_segment.data(), impl->state_segment.size(), impl->layout);
-  shm::CheckRankSegment(impl->rank_segment.data(), impl->rank_segment.size(), impl->layout, rank);
-  impl->state = shm::ViewState(impl->state_segment.data(), impl->layout, spec);
-  impl->view = shm::ViewRank(impl->rank_segment.data(), impl->layout);
-  impl->requests = shm::RingProducer(impl->view.request_ring, &impl->state.header->doorbell);
-  impl->completions = shm::RingConsumer(impl->view.completion_ring);
+  state_segment = shm::Segment::Open(reply.state_segment());
+  rank_segment = shm::Segment::Open(reply.rank_segment());
+  shm::CheckStateSegment(state_segment.data(), state_segment.size(), layout);
+  shm::CheckRankSegment(rank_segment.data(), rank_segment.size(), layout, rank);
+  state = shm::ViewState(state_segment.data(), layout, spec);
+  view = shm::ViewRank(rank_segment.data(), layout);
+  requests = shm::RingProducer(view.request_ring, &state.header->doorbell);
+  completions = shm::RingConsumer(view.completion_ring);
 
-  const size_t buckets = impl->layout.buckets.size();
-  impl->outstanding.assign(buckets, 0);
-  impl->params_ready.assign(buckets, -1);
-  if (impl->initialized) {
+  const size_t buckets = layout.buckets.size();
+  outstanding.assign(buckets, 0);
+  params_ready.assign(buckets, -1);
+  if (initialized) {
     for (size_t b = 0; b < buckets; ++b) {
-      impl->params_ready[b] = static_cast<int64_t>(impl->state.bucket_state[b].applied_step.load());
+      params_ready[b] = static_cast<int64_t>(state.bucket_state[b].applied_step.load());
     }
   }
-  impl->reader = std::thread([raw = impl.get()] { raw->ReadEvents(); });
-  return impl;
+  completion_doorbell = &view.header->completion_doorbell;
+  if (failed) completion_doorbell.load()->Ring();  // a failure that came before the mapping
+}
+
+std::string RankSession::Impl::DescribeMissing() {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + kStatsTimeout);
+  v1::StatsReply reply;
+  const grpc::Status status = WaitForCall(context, waits.interrupt, [&](std::function<void(grpc::Status)> done) {
+    stub->async()->Stats(&context, &request_stats, &reply, std::move(done));
+  });
+  const std::string daemon = daemon_pid > 0 ? fmt::format("trainstreamd (pid {})", daemon_pid) : "trainstreamd";
+  if (!status.ok()) {
+    return fmt::format(
+        "{} does not answer ({}: {}): is it stopped (SIGSTOP) or hung?", daemon,
+        status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED ? "a Stats call timed out" : "Stats failed",
+        status.error_message());
+  }
+  for (const v1::JobStats& stats : reply.jobs()) {
+    if (stats.job_key() != job_key || job_key.empty()) continue;
+    std::vector<uint32_t> missing;
+    for (uint32_t r = 0; r < stats.world_size(); ++r) {
+      if (std::find(stats.attached_ranks().begin(), stats.attached_ranks().end(), r) == stats.attached_ranks().end()) {
+        missing.push_back(r);
+      }
+    }
+    const std::string nodes =
+        spec.nodes() > 1
+            ? fmt::format(" (the job spans {} nodes: ranks of the other nodes are not shown here)", spec.nodes())
+            : "";
+    if (missing.empty()) {
+      return fmt::format(
+          "all {} ranks of job '{}' are attached to {}; one of them has not delivered what this "
+          "step needs (is it stuck, or doing something else?){}",
+          stats.world_size(), job, daemon, nodes);
+    }
+    return fmt::format("rank{} {} of job '{}' (world_size {}) {} not attached to {}{}", missing.size() > 1 ? "s" : "",
+                       fmt::join(missing, ", "), job, stats.world_size(), missing.size() > 1 ? "are" : "is", daemon,
+                       nodes);
+  }
+  return fmt::format("{} answers, but does not list job '{}'{}", daemon, job,
+                     job_key.empty() ? " yet (its attach is not answered)" : "");
 }
 
 RankSession::Impl::~Impl() {
@@ -109,6 +177,10 @@ void RankSession::Impl::ReadEvents() {
   v1::SessionEvent event;
   while (stream->Read(&event)) {
     std::lock_guard lock(event_mutex);
+    if (event.has_attached() && !attached) {
+      attached = event.attached();
+      attach_answered.notify_all();
+    }
     if (event.has_warning()) warnings.push_back(event.warning());
     if (event.has_error() && !failure) failure = "trainstreamd: " + event.error();
     if (event.has_shutdown() && !failure) failure = "trainstreamd: " + event.shutdown();
@@ -118,6 +190,11 @@ void RankSession::Impl::ReadEvents() {
     }
   }
   const grpc::Status status = stream->Finish();
+  {
+    std::lock_guard lock(event_mutex);
+    ended = status;
+    attach_answered.notify_all();
+  }
   Fail(closing ? std::string("the session was closed")
                : fmt::format("lost the session with trainstreamd: {}", status.error_message()));
 }
@@ -129,7 +206,7 @@ void RankSession::Impl::Fail(const std::string& message) {
   }
   failed = true;
   cuda_ipc_answered.notify_all();
-  view.header->completion_doorbell.Ring();  // wake our own waiters
+  if (shm::Doorbell* doorbell = completion_doorbell.load()) doorbell->Ring();  // wake our own waiters
 }
 
 void RankSession::Impl::CheckHealthy() {
@@ -160,9 +237,10 @@ void RankSession::Impl::Drain() {
   }
 }
 
-template <typename Ready>
-void RankSession::Impl::WaitUntil(Ready ready) {
+template <typename Ready, typename What>
+void RankSession::Impl::WaitUntil(Ready ready, What what) {
   shm::Doorbell& doorbell = view.header->completion_doorbell;
+  std::optional<BoundedWait> wait;  // made only once the condition was false: most waits end at once
   for (;;) {
     const uint32_t seen = doorbell.Seq();
     {
@@ -171,16 +249,29 @@ void RankSession::Impl::WaitUntil(Ready ready) {
       if (ready()) return;
     }
     CheckHealthy();
-    doorbell.Wait(seen, kWakeInterval);
+    if (wait) {
+      wait->Between();
+    } else {
+      wait.emplace(waits, what, [this] { return DescribeMissing(); });
+    }
+    doorbell.Wait(seen, kWaitSlice);
   }
 }
 
 void RankSession::Impl::Push(const shm::Message& message) {
+  std::optional<BoundedWait> wait;
   for (;;) {
     CheckHealthy();
     {
       std::lock_guard lock(mutex);
       if (requests.TryPush(message)) return;
+    }
+    if (wait) {
+      wait->Between();
+    } else {
+      wait.emplace(
+          waits, [] { return std::string("room in the request ring (trainstreamd reads it)"); },
+          [this] { return DescribeMissing(); });
     }
     std::this_thread::sleep_for(std::chrono::microseconds(50));  // ring full: the daemon is behind
   }
@@ -262,15 +353,19 @@ std::string RankSession::RegisterCudaIpc(const shm::CudaIpcExport& exported) {
   TS_CHECK(impl_->stream->Write(request), Code::kUnavailable,
            "registering the GPU buffers: the session with trainstreamd is gone");
   std::string error;
+  BoundedWait wait(
+      impl_->waits, [] { return std::string("trainstreamd's answer to the cuda-ipc registration"); },
+      [this] { return impl_->DescribeMissing(); });
   for (;;) {
     {
       std::unique_lock lock(impl_->event_mutex);
-      if (impl_->cuda_ipc_answered.wait_for(lock, kWakeInterval, [&] { return impl_->cuda_ipc_reply.has_value(); })) {
+      if (impl_->cuda_ipc_answered.wait_for(lock, kWaitSlice, [&] { return impl_->cuda_ipc_reply.has_value(); })) {
         error = *impl_->cuda_ipc_reply;
         break;
       }
     }
     impl_->CheckHealthy();
+    wait.Between();
   }
   if (error.empty()) {  // the GPU holds none of the job's weights until the daemon pushes them
     std::lock_guard lock(impl_->mutex);
@@ -292,11 +387,13 @@ void RankSession::WaitStagingFree(uint32_t slot) {
     std::lock_guard lock(impl_->mutex);
     TS_CHECK(slot < impl_->staging_busy.size(), Code::kInvalidArgument, "staging slot {} out of range", slot);
   }
-  impl_->WaitUntil([&] { return impl_->staging_busy[slot] == 0; });
+  impl_->WaitUntil([&] { return impl_->staging_busy[slot] == 0; },
+                   [&] { return fmt::format("GPU staging slot {} to be copied out by trainstreamd", slot); });
 }
 
 void RankSession::WaitWeightsWantedWaits(uint64_t count) {
-  impl_->WaitUntil([&] { return impl_->view.header->weights_wanted_waits.load() >= count; });
+  impl_->WaitUntil([&] { return impl_->view.header->weights_wanted_waits.load() >= count; },
+                   [&] { return fmt::format("trainstreamd to pass weights-wanted event {}", count); });
 }
 
 void RankSession::SendLoadState(uint64_t step) {
@@ -313,12 +410,14 @@ void RankSession::SendRaw(const shm::Message& message) {
 
 void RankSession::WaitParamsReady(uint32_t bucket, uint64_t step) {
   TS_CHECK(bucket < impl_->layout.buckets.size(), Code::kInvalidArgument, "bucket {} out of range", bucket);
-  impl_->WaitUntil([&] { return impl_->params_ready[bucket] >= static_cast<int64_t>(step); });
+  impl_->WaitUntil([&] { return impl_->params_ready[bucket] >= static_cast<int64_t>(step); },
+                   [&] { return fmt::format("bucket {}'s weights of step {}", bucket, step); });
 }
 
 void RankSession::WaitSlotFree(uint32_t bucket) {
   TS_CHECK(bucket < impl_->layout.buckets.size(), Code::kInvalidArgument, "bucket {} out of range", bucket);
-  impl_->WaitUntil([&] { return impl_->outstanding[bucket] == 0; });
+  impl_->WaitUntil([&] { return impl_->outstanding[bucket] == 0; },
+                   [&] { return fmt::format("bucket {}'s gradient slot to be released", bucket); });
 }
 
 bool RankSession::ParamsReady(uint32_t bucket, uint64_t step) {

@@ -17,9 +17,9 @@
 namespace trainstream {
 
 struct RankSession::Impl {
-  static std::unique_ptr<Impl> Open(v1::Control::Stub& stub, const std::string& job, uint32_t rank,
-                                    const shm::LayoutSpec& spec, uint64_t seed, const RankTransport& transport,
-                                    int64_t daemon_pid);
+  static std::unique_ptr<Impl> Open(const std::shared_ptr<grpc::Channel>& channel, const std::string& job,
+                                    uint32_t rank, const shm::LayoutSpec& spec, uint64_t seed,
+                                    const RankTransport& transport, int64_t daemon_pid, WaitPolicy waits);
   ~Impl();
 
   void ReadEvents();  // the reader thread
@@ -27,9 +27,19 @@ struct RankSession::Impl {
   void Fail(const std::string& message);
   void CheckHealthy();
   void Push(const shm::Message& message);
-  template <typename Ready>
-  void WaitUntil(Ready ready);
+  // Waits until `ready()` (called under `mutex`, after draining the completions); `what()` names what
+  // is awaited, for the progress and timeout messages.
+  template <typename Ready, typename What>
+  void WaitUntil(Ready ready, What what);
+  // Who is missing, as the daemon sees the job: its ranks not attached, or a daemon that does not answer.
+  std::string DescribeMissing();
+  // The attach: maps the segments the daemon named.
+  void Map(const v1::AttachReply& reply);
 
+  std::string job;
+  std::string job_key;
+  WaitPolicy waits;
+  std::unique_ptr<v1::Control::Stub> stub;
   shm::LayoutSpec spec;
   shm::JobLayout layout;
   uint32_t rank = 0;
@@ -40,6 +50,7 @@ struct RankSession::Impl {
   shm::Segment state_segment, rank_segment;
   shm::StateView state{};
   shm::RankView view{};
+  std::atomic<shm::Doorbell*> completion_doorbell{nullptr};  // once mapped: the reader thread rings it
 
   std::mutex mutex;  // guards the rings and the per-bucket bookkeeping
   shm::RingProducer requests;
@@ -53,7 +64,10 @@ struct RankSession::Impl {
   std::thread reader;
   std::atomic<bool> failed{false};
   std::atomic<bool> closing{false};
-  std::mutex event_mutex;  // guards failure and warnings
+  std::mutex event_mutex;                   // guards the fields below
+  std::optional<v1::AttachReply> attached;  // the daemon's answer to attach
+  std::optional<grpc::Status> ended;        // the session's final status, once the stream ended
+  std::condition_variable attach_answered;
   std::optional<std::string> failure;
   std::vector<std::string> warnings;
   std::optional<std::string> cuda_ipc_reply;  // the daemon's answer to RegisterCudaIpc

@@ -27,6 +27,40 @@ Region MakeRegion(const std::shared_ptr<RankSession>& session, void* data, size_
   return Region{session, data, bytes};
 }
 
+// The native waits' interrupt check: with the GIL for a moment, run Python's signal handlers; a
+// KeyboardInterrupt (or any exception they raise) leaves the wait as error_already_set, which pybind11
+// turns back into that exception. Python runs signal handlers on its main thread only, so elsewhere
+// this is a no-op; nor is the GIL taken while the interpreter shuts down.
+void CheckPythonSignals() {
+#if PY_VERSION_HEX >= 0x030D0000
+  if (Py_IsFinalizing()) return;
+#else
+  if (_Py_IsFinalizing()) return;
+#endif
+  py::gil_scoped_acquire gil;
+  if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+}
+
+// A wait's progress message goes to the "trainstream" logger (warning: shown by default).
+void LogProgress(const std::string& message) {
+#if PY_VERSION_HEX >= 0x030D0000
+  if (Py_IsFinalizing()) return;
+#else
+  if (_Py_IsFinalizing()) return;
+#endif
+  py::gil_scoped_acquire gil;
+  try {
+    py::module_::import("logging").attr("getLogger")("trainstream").attr("warning")("%s", message);
+  } catch (py::error_already_set&) {  // a broken logging setup must not end the wait
+  }
+}
+
+std::chrono::milliseconds Milliseconds(double seconds) {
+  TS_CHECK(seconds > 0 && seconds <= 1e9, trainstream::Code::kInvalidArgument,
+           "wait timeout must be a number of seconds in (0, 1e9], not {}", seconds);
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
 py::dict ToDict(const trainstream::DaemonInfo& info) {
   py::dict d;
   d["daemon_version"] = info.daemon_version;
@@ -153,34 +187,61 @@ PYBIND11_MODULE(_C, m) {
   py::class_<Client, std::shared_ptr<Client>>(m, "Client")
       .def_static(
           "connect",
-          [](const std::string& path, double timeout_s) {
+          [](const std::string& path, double timeout_s, double wait_timeout_s) {
+            trainstream::WaitPolicy waits{
+                .timeout = Milliseconds(wait_timeout_s), .interrupt = CheckPythonSignals, .progress = LogProgress};
             py::gil_scoped_release release;
-            return Client::Connect(path, std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
+            return Client::Connect(path, std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)),
+                                   std::move(waits));
           },
-          py::arg("socket_path"), py::arg("timeout_s") = 5.0)
+          py::arg("socket_path"), py::arg("timeout_s") = 5.0, py::arg("wait_timeout_s") = 300.0)
       .def_property_readonly("socket_path", &Client::socket_path)
       .def_property_readonly("info", [](const Client& c) { return ToDict(c.info()); })
-      .def("ping", [](Client& c) { return ToDict(c.Ping()); })
-      .def("stats", [](Client& c) { return ToDict(c.Stats()); })
-      .def("drop_job", &Client::DropJob, py::arg("job"), py::arg("force") = false, py::arg("uid") = py::none(),
-           py::call_guard<py::gil_scoped_release>())
+      .def("ping",
+           [](Client& c) {
+             trainstream::DaemonInfo info;
+             {
+               py::gil_scoped_release release;
+               info = c.Ping();
+             }
+             return ToDict(info);
+           })
+      .def("stats",
+           [](Client& c) {
+             trainstream::StatsReport report;
+             {
+               py::gil_scoped_release release;
+               report = c.Stats();
+             }
+             return ToDict(report);
+           })
+      .def(
+          "drop_job",
+          [](Client& c, const std::string& job, bool force, std::optional<uint32_t> uid) {
+            c.DropJob(job, force, uid);
+          },
+          py::arg("job"), py::arg("force") = false, py::arg("uid") = py::none(),
+          py::call_guard<py::gil_scoped_release>())
       .def(
           "attach",
           [](Client& c, const std::string& job, uint32_t rank, const py::list& params, uint32_t num_groups,
              uint64_t bucket_bytes, int moment_dtype, int optimizer, uint32_t accumulation_steps, uint32_t world_size,
              double max_grad_norm, uint64_t seed, std::vector<std::string> peers, uint32_t node_rank,
-             const std::string& transport, const std::string& device, const py::list& frozen) {
+             const std::string& transport, const std::string& device, const py::list& frozen,
+             std::optional<double> wait_timeout_s) {
             auto spec = MakeSpec(params, frozen, num_groups, bucket_bytes, moment_dtype, optimizer, accumulation_steps,
                                  world_size, max_grad_norm, std::move(peers), node_rank);
+            std::optional<std::chrono::milliseconds> wait_timeout;
+            if (wait_timeout_s) wait_timeout = Milliseconds(*wait_timeout_s);
             py::gil_scoped_release release;
             return std::shared_ptr<RankSession>(
-                c.Attach(job, rank, spec, seed, trainstream::RankTransport{transport, device}));
+                c.Attach(job, rank, spec, seed, trainstream::RankTransport{transport, device}, wait_timeout));
           },
           py::arg("job"), py::arg("rank"), py::arg("params"), py::arg("num_groups"), py::arg("bucket_bytes"),
           py::arg("moment_dtype"), py::arg("optimizer"), py::arg("accumulation_steps"), py::arg("world_size"),
           py::arg("max_grad_norm"), py::arg("seed"), py::arg("peers") = std::vector<std::string>(),
           py::arg("node_rank") = 0, py::arg("transport") = "host", py::arg("device") = "cpu",
-          py::arg("frozen") = py::list());
+          py::arg("frozen") = py::list(), py::arg("wait_timeout_s") = py::none());
 
   // Device memory for the cuda-ipc transport; torch.as_tensor(buffer, device=...) views it through
   // __cuda_array_interface__, and the tensor keeps the buffer alive.

@@ -21,7 +21,30 @@ from trainstream import _C
 from trainstream._C import TrainstreamError
 
 SERVICE_SOCKET = "/run/trainstream/trainstreamd.sock"
+DEFAULT_WAIT_TIMEOUT_S = 300.0
 _private_daemon: "PrivateDaemon | None" = None
+
+
+def check_wait_timeout(value, what: str) -> float:
+    """A wait timeout in seconds: a finite number > 0 (`what` names where it came from)."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise TrainstreamError(f"{what} must be a number of seconds > 0, not {value!r}") from None
+    if not 0 < seconds <= 1e9:  # also refuses nan and inf
+        raise TrainstreamError(f"{what} must be a number of seconds in (0, 1e9], not {value!r}")
+    return seconds
+
+
+def wait_timeout_s() -> float:
+    """How long a native wait (for other ranks, for the daemon) may go without progress before it
+    raises TrainstreamError: $TRAINSTREAM_WAIT_TIMEOUT seconds, else 300."""
+    value = os.environ.get("TRAINSTREAM_WAIT_TIMEOUT")
+    return DEFAULT_WAIT_TIMEOUT_S if value is None else check_wait_timeout(value, "TRAINSTREAM_WAIT_TIMEOUT")
+
+
+def _native_connect(path: str, timeout_s: float) -> _C.Client:
+    return _C.Client.connect(path, timeout_s, wait_timeout_s())
 
 
 def _socket_path(address: str) -> str:
@@ -146,10 +169,10 @@ def connect(address: str | None = None, spawn: str | bool = "auto", timeout_s: f
         if not os.path.exists(path):
             raise TrainstreamError(f"nothing listens at {path} (from "
                                    f"{'the address argument' if address else '$TRAINSTREAM_ADDRESS'})")
-        return Client(_C.Client.connect(path, timeout_s))
+        return Client(_native_connect(path, timeout_s))
     if spawn is not True and os.path.exists(SERVICE_SOCKET):
         try:
-            return Client(_C.Client.connect(SERVICE_SOCKET, timeout_s))
+            return Client(_native_connect(SERVICE_SOCKET, timeout_s))
         except TrainstreamError:
             if spawn is False:
                 raise
@@ -157,4 +180,4 @@ def connect(address: str | None = None, spawn: str | bool = "auto", timeout_s: f
         raise TrainstreamError(f"no trainstreamd listens on {SERVICE_SOCKET} and spawn=False")
     if _private_daemon is None or _private_daemon.process.poll() is not None:
         _private_daemon = PrivateDaemon()
-    return Client(_C.Client.connect(_private_daemon.socket_path, timeout_s), _private_daemon)
+    return Client(_native_connect(_private_daemon.socket_path, timeout_s), _private_daemon)

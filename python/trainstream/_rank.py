@@ -42,7 +42,7 @@ class Rank:
                  world_size: int, max_grad_norm: float | None, accumulation_steps: int, bucket_mb: float,
                  moment_dtype: str, seed: int, peers: list[str] | None = None, node_rank: int = 0,
                  paging=None, device: torch.device | None = None, page_prefetch: int = 2,
-                 page_pool_mb: float | None = None):
+                 page_pool_mb: float | None = None, wait_timeout: float | None = None):
         if accumulation_steps < 1:
             raise TrainstreamError(f"accumulation_steps must be >= 1, not {accumulation_steps}")
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -68,7 +68,8 @@ class Rank:
             job, rank, _layout.layout_entries(model, optimizer, self.params, paging.partition if paging else None),
             len(optimizer.param_groups), int(bucket_mb * (1 << 20)), _layout.MOMENT_DTYPES[moment_dtype], self.kind,
             accumulation_steps, world_size, float(max_grad_norm or 0.0), seed, list(peers or []), node_rank,
-            transport_name(device), describe_device(device), frozen=_layout.frozen_entries(frozen))
+            transport_name(device), describe_device(device), frozen=_layout.frozen_entries(frozen),
+            wait_timeout_s=wait_timeout)
         moments = torch.float32 if moment_dtype == "float32" else torch.bfloat16
         self.regions = Regions(self.session, self.params, moments, [p for _, p in frozen])
         self.buckets = self.regions.buckets  # the step protocol runs per bucket

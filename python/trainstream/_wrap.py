@@ -12,7 +12,7 @@ import torch
 
 from trainstream import _blocks, _peers
 from trainstream._C import TrainstreamError
-from trainstream._connect import Client, connect
+from trainstream._connect import Client, check_wait_timeout, connect
 from trainstream._optimizer import OffloadedOptimizer
 from trainstream._rank import Rank, default_job_name
 
@@ -50,7 +50,8 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
          seed: int | None = None, peers: list[str] | None = None,
          node_rank: int | None = None, device: str | torch.device | None = None, param_offload=False,
          blocks=None, page_prefetch: int = 2,
-         page_pool_mb: float | None = None) -> tuple[torch.nn.Module, OffloadedOptimizer]:
+         page_pool_mb: float | None = None,
+         wait_timeout: float | None = None) -> tuple[torch.nn.Module, OffloadedOptimizer]:
     """Offloads `optimizer` (torch.optim.AdamW or Adam) of `model` to trainstreamd.
 
     Returns the same model, with hooks that stream gradients out during backward and bring new weights
@@ -79,9 +80,16 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
     now and the next ones, copied while it computes. Each paged weight crosses PCIe twice per step
     (forward and backward). Frozen parameters (requires_grad=False) of paged blocks, a LoRA base, are
     kept once in host memory in their dtype, with no optimizer state.
+
+    Every wait for the daemon or the other ranks (a forward waiting for new weights, say) wakes for
+    Ctrl-C (KeyboardInterrupt) and gives up after `wait_timeout` seconds without progress (default
+    $TRAINSTREAM_WAIT_TIMEOUT, else 300) with a TrainstreamError naming what it waited for and who is
+    missing; the "trainstream" logger warns about such a wait while it goes on.
     """
     if model in _ranks:
         raise TrainstreamError("this model is already wrapped; call trainstream.unwrap(model) first")
+    if wait_timeout is not None:
+        wait_timeout = check_wait_timeout(wait_timeout, "wait_timeout")
     peers, node_rank = _peers.resolve(peers, node_rank)
     from_store = not peers and _peers.env_node_count() > 1
     rank, world_size, job = _local_ranks(rank, world_size, job)
@@ -107,7 +115,7 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
              max_grad_norm=max_grad_norm, accumulation_steps=accumulation_steps, bucket_mb=bucket_mb,
              moment_dtype=moment_dtype, seed=random.getrandbits(63) if seed is None else seed, peers=peers,
              node_rank=node_rank, paging=paging, device=device, page_prefetch=page_prefetch,
-             page_pool_mb=page_pool_mb)
+             page_pool_mb=page_pool_mb, wait_timeout=wait_timeout)
     _ranks[model] = r
     if auto_named:
         _auto_named.append(r)  # nobody can resume it: dropped when the process exits

@@ -4,10 +4,13 @@
 // This header is free of gRPC, CUDA and torch types: the Python layer (and C++ training programs)
 // hand it raw pointers, sizes and dtypes. Errors are thrown as trainstream::Error; a daemon that dies
 // or refuses turns every later call (and every wait in progress, within about 100 ms) into an Error.
+// No call blocks for good: every wait gives up after its WaitPolicy's timeout, and runs the policy's
+// interrupt check at least every kWaitSlice.
 #pragma once
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -88,6 +91,19 @@ class PinnedHostRange {
   std::unique_ptr<cuda::PrimaryContext> context_;  // retained while the range is registered
 };
 
+// Every blocking call (a wait for the daemon, an RPC, an attach) waits in slices of at most
+// kWaitSlice; between two it calls `interrupt`, which may throw to abandon the wait (the Python module
+// raises KeyboardInterrupt through it). A wait whose condition has not come true after `timeout`
+// throws kDeadlineExceeded naming what it waited for and who is missing (ranks of the job not
+// attached, a daemon that does not answer); every tenth of the timeout before that (at least 1 s, at
+// most 30 s), `progress` gets the same description.
+inline constexpr std::chrono::milliseconds kWaitSlice{50};
+struct WaitPolicy {
+  std::chrono::milliseconds timeout = std::chrono::minutes(5);
+  std::function<void()> interrupt;                   // may throw; none: nothing to check
+  std::function<void(const std::string&)> progress;  // none: no progress messages
+};
+
 struct StatsReport {
   std::vector<JobReport> jobs;
   uint64_t host_bytes = 0, rss_bytes = 0;
@@ -100,9 +116,11 @@ class RankSession;
 class Client {
  public:
   // Connects to the daemon on the Unix socket `socket_path` and performs the version handshake.
-  // kUnavailable if nothing answers within `timeout`.
+  // kUnavailable if nothing answers within `timeout`. `waits`: how this client's calls and its
+  // sessions wait (a session's timeout may be set at Attach).
   static std::shared_ptr<Client> Connect(const std::string& socket_path,
-                                         std::chrono::milliseconds timeout = std::chrono::seconds(5));
+                                         std::chrono::milliseconds timeout = std::chrono::seconds(5),
+                                         WaitPolicy waits = {});
   ~Client();
 
   [[nodiscard]] const DaemonInfo& info() const { return info_; }
@@ -112,14 +130,17 @@ class Client {
   // Drops this uid's job `job`; root may name another owner.
   void DropJob(const std::string& job, bool force, std::optional<uint32_t> owner_uid = std::nullopt);
   // Creates the job if needed and attaches `rank`; the rank stays attached until the session closes.
+  // `wait_timeout` replaces the client's for the session's waits (the attach itself included).
   std::unique_ptr<RankSession> Attach(const std::string& job, uint32_t rank, const shm::LayoutSpec& spec, uint64_t seed,
-                                      const RankTransport& transport = {});
+                                      const RankTransport& transport = {},
+                                      std::optional<std::chrono::milliseconds> wait_timeout = std::nullopt);
 
   struct Impl;
 
  private:
-  Client(std::string socket_path, std::unique_ptr<Impl> impl);
+  Client(std::string socket_path, std::unique_ptr<Impl> impl, WaitPolicy waits);
   std::string socket_path_;
+  WaitPolicy waits_;
   std::unique_ptr<Impl> impl_;
   DaemonInfo info_;
 };
