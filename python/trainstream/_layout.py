@@ -3,6 +3,8 @@ what trainstream supports (raised at wrap time, never mid-training)."""
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from trainstream._C import TrainstreamError
@@ -25,6 +27,12 @@ def optimizer_kind(optimizer: torch.optim.Optimizer) -> int:
         kind = ADAMW if optimizer.defaults.get("decoupled_weight_decay", False) else ADAM
     else:
         raise TrainstreamError(f"trainstream runs torch.optim.AdamW and Adam; got {type(optimizer).__name__}")
+    overriding = _own_step(optimizer, torch.optim.AdamW if kind == ADAMW and isinstance(optimizer, torch.optim.AdamW)
+                           else torch.optim.Adam)
+    if overriding is not None:
+        raise TrainstreamError(f"{type(optimizer).__name__} overrides step() (in {overriding.__name__}), which would "
+                               "never run: the daemon runs torch's AdamW/Adam update itself; wrap a torch.optim.AdamW "
+                               "or Adam, or a subclass that keeps their step()")
     for i, group in enumerate(optimizer.param_groups):
         for flag in ("amsgrad", "maximize", "capturable", "differentiable"):
             if group.get(flag, False):
@@ -32,6 +40,20 @@ def optimizer_kind(optimizer: torch.optim.Optimizer) -> int:
         if group.get("decoupled_weight_decay", kind == ADAMW) != (kind == ADAMW):
             raise TrainstreamError(f"param group {i}: decoupled_weight_decay differs between groups")
     return kind
+
+
+def _own_step(optimizer: torch.optim.Optimizer, base: type) -> type | None:
+    """The class between type(optimizer) and `base` that defines a step() of its own, if any. torch's
+    Optimizer puts a profiling wrapper of the inherited step() into a subclass (functools.wraps), which
+    does not count."""
+    inherited = inspect.unwrap(base.step)
+    for cls in type(optimizer).__mro__:
+        if cls is base:
+            return None
+        step = vars(cls).get("step")
+        if step is not None and inspect.unwrap(step) is not inherited:
+            return cls
+    return None
 
 
 def parameters_of(optimizer: torch.optim.Optimizer, paged: set[int] = frozenset()) -> list[torch.nn.Parameter]:

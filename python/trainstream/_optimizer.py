@@ -78,10 +78,36 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Checks the whole state dict first, then writes it: a refused one changes nothing."""
         rank = self._rank
-        groups = state_dict.get("param_groups")
-        if groups is None or "state" not in state_dict:
+        saved_state = self._checked_state(state_dict)
+        rank._require_idle("load an optimizer state dict")
+        regions = rank.regions
+        with torch.no_grad():
+            for i, p in enumerate(rank.params):
+                saved = saved_state[i]
+                exp_avg, exp_avg_sq = regions.moment_views(i)
+                if saved:
+                    exp_avg.copy_(saved["exp_avg"])
+                    exp_avg_sq.copy_(saved["exp_avg_sq"])
+                    regions.set_param_step(i, int(float(saved["step"])))
+                else:
+                    exp_avg.zero_()
+                    exp_avg_sq.zero_()
+                    regions.set_param_step(i, 0)
+                regions.master_view(i).copy_(p.detach())
+        for saved, group in zip(state_dict["param_groups"], self.param_groups):
+            for key, value in saved.items():
+                if key != "params":
+                    group[key] = value
+        rank._publish()
+
+    def _checked_state(self, state_dict) -> list[dict]:
+        """Each parameter's saved state ({} for none), in the optimizer's order, after checking all of it
+        against the parameters: an AdamW/Adam state (step, exp_avg, exp_avg_sq) of the right shapes."""
+        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             raise TrainstreamError("not an optimizer state dict (needs 'state' and 'param_groups')")
+        groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise TrainstreamError(f"state dict has {len(groups)} param groups, the optimizer {len(self.param_groups)}")
         for gi, (saved, group) in enumerate(zip(groups, self.param_groups)):
@@ -89,26 +115,24 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 raise TrainstreamError(f"param group {gi}: state dict has {len(saved['params'])} parameters, "
                                        f"the optimizer {len(group['params'])}")
         saved_ids = [pid for g in groups for pid in g["params"]]
-        rank._require_idle("load an optimizer state dict")
-        regions = rank.regions
-        with torch.no_grad():
-            for i, p in enumerate(rank.params):
-                saved = state_dict["state"].get(saved_ids[i], {})
-                exp_avg, exp_avg_sq = regions.moment_views(i)
-                if saved:
-                    for key, view in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-                        if tuple(saved[key].shape) != tuple(p.shape):
-                            raise TrainstreamError(f"state of parameter {i}: {key} has shape {tuple(saved[key].shape)},"
-                                                   f" the parameter {tuple(p.shape)}")
-                        view.copy_(saved[key])
-                    regions.set_param_step(i, int(float(saved["step"])))
-                else:
-                    exp_avg.zero_()
-                    exp_avg_sq.zero_()
-                    regions.set_param_step(i, 0)
-                regions.master_view(i).copy_(p.detach())
-        for saved, group in zip(groups, self.param_groups):
-            for key, value in saved.items():
-                if key != "params":
-                    group[key] = value
-        rank._publish()
+        checked = []
+        for i, p in enumerate(self._rank.params):
+            saved = state_dict["state"].get(saved_ids[i], {})
+            if saved:
+                missing = [key for key in ("step", "exp_avg", "exp_avg_sq") if key not in saved]
+                if missing:
+                    raise TrainstreamError(f"state of parameter {i} has {sorted(saved)} but no {missing}: not the "
+                                           "state of torch.optim.AdamW or Adam (saved from another optimizer?)")
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if not isinstance(saved[key], torch.Tensor) or tuple(saved[key].shape) != tuple(p.shape):
+                        shape = tuple(saved[key].shape) if isinstance(saved[key], torch.Tensor) else type(saved[key])
+                        raise TrainstreamError(f"state of parameter {i}: {key} has shape {shape}, the parameter "
+                                               f"{tuple(p.shape)}")
+                try:
+                    step = float(saved["step"])
+                except (TypeError, ValueError, RuntimeError):
+                    step = float("nan")
+                if not (0 <= step < 2**53 and step == int(step)):  # nan fails too
+                    raise TrainstreamError(f"state of parameter {i}: step is {saved['step']!r}, not a count >= 0")
+            checked.append(saved)
+        return checked

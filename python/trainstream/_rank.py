@@ -36,6 +36,9 @@ from trainstream._pinning import HostPins
 from trainstream._regions import Regions
 from trainstream._transport import Transport, describe_device, transport_for, transport_name
 
+MIN_BUCKET_MB = 4096 / (1 << 20)  # the daemon's smallest bucket (shm/job_layout.cpp)
+MAX_BUCKET_MB = 1 << 20  # 1 TiB: larger than any model's parameters, which would all share one bucket
+
 
 class Rank:
     def __init__(self, client, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, job: str, rank: int,
@@ -49,8 +52,13 @@ class Rank:
             raise TrainstreamError(f"max_grad_norm must be > 0 or None, not {max_grad_norm}")
         if moment_dtype not in _layout.MOMENT_DTYPES:
             raise TrainstreamError(f"moment_dtype must be one of {sorted(_layout.MOMENT_DTYPES)}, not {moment_dtype!r}")
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise TrainstreamError(f"world_size must be an integer >= 1 (this node's ranks), not {world_size!r}")
         if not 0 <= rank < world_size:
             raise TrainstreamError(f"rank {rank} out of range for world_size {world_size}")
+        if not isinstance(bucket_mb, (int, float)) or not MIN_BUCKET_MB <= bucket_mb <= MAX_BUCKET_MB:  # nan too
+            raise TrainstreamError(f"bucket_mb must be a number of MiB in [{MIN_BUCKET_MB}, {MAX_BUCKET_MB}] (4 KiB to "
+                                   f"1 TiB), not {bucket_mb!r}")
         self.client = client
         self.model = model
         self.kind = _layout.optimizer_kind(optimizer)
@@ -81,6 +89,7 @@ class Rank:
         self._refreshing = False        # refresh() runs (its own copies read stale parameters)
         self._micro = 0                 # micro-batches finished in this step
         self._step_pending = False      # all micro-batches in; optimizer.step() is due
+        self._stepped = False           # optimizer.step() ran since the last backward
         self._in_backward = False
         self._opened: set[int] = set()  # buckets whose slot this micro-batch writes
         self._arrived = [0] * len(self.buckets)
@@ -273,6 +282,7 @@ class Rank:
                 f"{self.accumulation_steps}, call optimizer.step() after every {self.accumulation_steps} "
                 "backward pass(es)")
         self._in_backward = True
+        self._stepped = False
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         if self._micro == 0:
             self._write_hparams()
@@ -344,7 +354,12 @@ class Rank:
             if self._in_backward:
                 raise TrainstreamError("optimizer.step() called during backward()")
             if self._micro == 0:
-                return  # no gradients since the last step: torch's step() does nothing either
+                if self._stepped:
+                    raise TrainstreamError(
+                        "optimizer.step() ran again with no backward() since the last one: torch would apply the same "
+                        "gradients twice, but they left for the daemon during backward and are gone; call "
+                        "backward() before every optimizer.step()")
+                return  # no gradients yet: torch's step() does nothing either
             if not self._step_pending:
                 raise TrainstreamError(
                     f"optimizer.step() after {self._micro} of accumulation_steps={self.accumulation_steps} "
@@ -356,6 +371,7 @@ class Rank:
             self._micro = 0
             self._step_pending = False
             self._final_sent.clear()
+            self._stepped = True
             self.transport.step_done(max(self._ready_step, default=0))
         self._report_warnings()
 

@@ -24,7 +24,7 @@ def _local_ranks(rank: int | None, world_size: int | None, job: str | None) -> t
     """Explicit arguments, else the data-parallel ranks of this node from torch.distributed: an
     initialized process group, or torchrun's environment (LOCAL_RANK, LOCAL_WORLD_SIZE)."""
     if rank is not None or world_size is not None:
-        return rank or 0, world_size or 1, job
+        return 0 if rank is None else rank, 1 if world_size is None else world_size, job
     env = os.environ
     if "LOCAL_RANK" not in env or "LOCAL_WORLD_SIZE" not in env:
         dist = torch.distributed
@@ -90,6 +90,10 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
         raise TrainstreamError("this model is already wrapped; call trainstream.unwrap(model) first")
     if wait_timeout is not None:
         wait_timeout = check_wait_timeout(wait_timeout, "wait_timeout")
+    if job is not None and (not isinstance(job, str) or not job):
+        raise TrainstreamError(f"job must be a non-empty string, or None for a name unique to this process; "
+                               f"not {job!r}")
+    _check_parameters_are_the_models(model, optimizer)
     peers, node_rank = _peers.resolve(peers, node_rank)
     from_store = not peers and _peers.env_node_count() > 1
     rank, world_size, job = _local_ranks(rank, world_size, job)
@@ -123,6 +127,22 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
     if state is not None:
         wrapped.load_state_dict(state)  # an optimizer that already stepped keeps its moments
     return model, wrapped
+
+
+def _check_parameters_are_the_models(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Gradients leave through the model's hooks: an optimizer parameter outside the model would never
+    be trained, and one that another wrapped model trains would get two ranks' worth of hooks."""
+    own = {id(p) for p in model.parameters()}
+    taken = {id(p): r.job for r in _ranks.values() for p in r.params}
+    for gi, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) not in own:
+                raise TrainstreamError(f"param group {gi} holds a parameter of shape {tuple(p.shape)} that is not a "
+                                       "parameter of the model: pass the optimizer over this model's parameters")
+            if id(p) in taken:
+                raise TrainstreamError(f"a parameter of shape {tuple(p.shape)} (param group {gi}) is already trained "
+                                       f"by another wrapped model (job {taken[id(p)]!r}): wrapped models cannot "
+                                       "share parameters; wrap the model that holds them all once")
 
 
 def _place(model: torch.nn.Module, device: torch.device, paged: set[int]) -> torch.device:
