@@ -9,7 +9,8 @@ if [[ $(id -u) -ne 0 ]]; then SUDO="sudo"; fi
 packages=(build-essential cmake ninja-build pkg-config
           libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
           libboost-dev libspdlog-dev libfmt-dev libgtest-dev libgmock-dev libcli11-dev libtomlplusplus-dev
-          libsystemd-dev pybind11-dev python3-dev clang-format clang-tidy iproute2)
+          libsystemd-dev pybind11-dev python3-dev clang-format clang-tidy iproute2
+          clang libclang-rt-14-dev)  # scripts/fuzz.sh: libFuzzer, ASan and UBSan are clang's
 missing=()
 for p in "${packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if ((${#missing[@]})); then

@@ -1,0 +1,87 @@
+"""Writes the hand-made seeds of the fuzz corpora (tests/fuzz/corpus/<harness>/seed-*): valid inputs
+each harness's format starts from; the rest of each corpus is what fuzzing found, merged
+(scripts/fuzz.sh). Protobuf messages are encoded by hand (no protobuf package needed).
+    python3 tests/fuzz/make_seeds.py"""
+
+import os
+import struct
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def field(number: int, value) -> bytes:
+    if isinstance(value, (bytes, str)):
+        data = value.encode() if isinstance(value, str) else value
+        return varint(number << 3 | 2) + varint(len(data)) + data
+    if isinstance(value, float):
+        return varint(number << 3 | 1) + struct.pack("<d", value)
+    return varint(number << 3) + varint(value)
+
+
+def param(name: str, shape: list[int], dtype: int = 0, group: int = 0) -> bytes:
+    packed = b"".join(varint(d) for d in shape)
+    return field(1, name) + field(2, packed) + field(3, dtype) + field(4, group)
+
+
+def layout(world_size: int = 1, accumulation: int = 1, clip: float = 0.0) -> bytes:
+    return (field(1, param("w", [40, 25])) + field(1, param("b", [300])) + field(1, param("e", [64], dtype=1))
+            + field(2, 1) + field(3, 4096) + field(6, accumulation) + field(7, world_size) + field(8, clip))
+
+
+def message(kind: int, flags: int = 0, bucket: int = 0, step: int = 0, micro: int = 0) -> bytes:
+    return struct.pack("<HHIQII", kind, flags, bucket, step, micro, 0) + bytes(36)
+
+
+def write(harness: str, name: str, data: bytes) -> None:
+    folder = os.path.join(HERE, "corpus", harness)
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"seed-{name}"), "wb") as f:
+        f.write(data)
+
+
+def ring_seeds() -> None:
+    grad, load, final = 1, 2, 1
+    one_step = message(load) + b"".join(message(grad, final, b, 1) for b in range(3))
+    write("fuzz_ring_messages", "one-rank-one-step", bytes([0]) + b"".join(bytes([0]) + m for m in
+                                                                          [one_step[i:i + 64] for i in range(0, 256, 64)]))
+    two = [bytes([0]) + message(load)] + [bytes([r]) + message(grad, final, b, 1) for b in range(3) for r in (0, 1)]
+    write("fuzz_ring_messages", "two-ranks-clipped", bytes([1 | 4]) + b"".join(two))
+    accumulate = [bytes([0]) + message(load)] + [bytes([0]) + message(grad, final if m else 0, b, 1, m)
+                                                 for m in (0, 1) for b in range(3)]
+    write("fuzz_ring_messages", "accumulation", bytes([2]) + b"".join(accumulate))
+
+
+def layout_seeds() -> None:
+    for name, spec in {"plain": layout(), "ranks-clip": layout(2, 2, 1.0)}.items():
+        # FuzzedDataProvider takes integers from the end: the bool (proto, not fields), then the length
+        write("fuzz_layout", name, spec + bytes(64) + struct.pack("<H", len(spec)) + bytes([1]))
+
+
+def peer_seeds() -> None:
+    floats = struct.pack("<8f", *range(8))
+    header = field(1, "job") + field(2, 3) + field(3, 1) + field(4, 0) + field(5, 1) + field(6, 0) + field(8, 0)
+    write("fuzz_peer_wire", "fragment", header + field(7, floats) + bytes([0]))
+
+
+def control_seeds() -> None:
+    attach = field(1, field(1, "job") + field(2, 0) + field(3, layout()) + field(4, 7) + field(6, "host"))
+    # strings from the front, ended by a backslash and another byte; integers from the end: caller uid
+    # index, the call, for a Session the number of messages
+    write("fuzz_control", "attach", attach + b"\\x" + bytes([1, 3, 0]))
+    write("fuzz_control", "handshake", field(1, 4) + b"\\x" + bytes([0, 0]))
+
+
+if __name__ == "__main__":
+    ring_seeds()
+    layout_seeds()
+    peer_seeds()
+    control_seeds()
