@@ -27,27 +27,28 @@ Region MakeRegion(const std::shared_ptr<RankSession>& session, void* data, size_
   return Region{session, data, bytes};
 }
 
+// The GIL is not taken while the interpreter shuts down.
+bool Finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+
 // The native waits' interrupt check: with the GIL for a moment, run Python's signal handlers; a
 // KeyboardInterrupt (or any exception they raise) leaves the wait as error_already_set, which pybind11
 // turns back into that exception. Python runs signal handlers on its main thread only, so elsewhere
-// this is a no-op; nor is the GIL taken while the interpreter shuts down.
+// this is a no-op.
 void CheckPythonSignals() {
-#if PY_VERSION_HEX >= 0x030D0000
-  if (Py_IsFinalizing()) return;
-#else
-  if (_Py_IsFinalizing()) return;
-#endif
+  if (Finalizing()) return;
   py::gil_scoped_acquire gil;
   if (PyErr_CheckSignals() != 0) throw py::error_already_set();
 }
 
 // A wait's progress message goes to the "trainstream" logger (warning: shown by default).
 void LogProgress(const std::string& message) {
-#if PY_VERSION_HEX >= 0x030D0000
-  if (Py_IsFinalizing()) return;
-#else
-  if (_Py_IsFinalizing()) return;
-#endif
+  if (Finalizing()) return;
   py::gil_scoped_acquire gil;
   try {
     py::module_::import("logging").attr("getLogger")("trainstream").attr("warning")("%s", message);
@@ -59,6 +60,13 @@ std::chrono::milliseconds Milliseconds(double seconds) {
   TS_CHECK(seconds > 0 && seconds <= 1e9, trainstream::Code::kInvalidArgument,
            "wait timeout must be a number of seconds in (0, 1e9], not {}", seconds);
   return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
+// An RPC's result, called with the GIL released (it may wait for the daemon); converted with it.
+template <typename Call>
+auto WithoutGil(Call call) {
+  py::gil_scoped_release release;
+  return call();
 }
 
 py::dict ToDict(const trainstream::DaemonInfo& info) {
@@ -197,24 +205,8 @@ PYBIND11_MODULE(_C, m) {
           py::arg("socket_path"), py::arg("timeout_s") = 5.0, py::arg("wait_timeout_s") = 300.0)
       .def_property_readonly("socket_path", &Client::socket_path)
       .def_property_readonly("info", [](const Client& c) { return ToDict(c.info()); })
-      .def("ping",
-           [](Client& c) {
-             trainstream::DaemonInfo info;
-             {
-               py::gil_scoped_release release;
-               info = c.Ping();
-             }
-             return ToDict(info);
-           })
-      .def("stats",
-           [](Client& c) {
-             trainstream::StatsReport report;
-             {
-               py::gil_scoped_release release;
-               report = c.Stats();
-             }
-             return ToDict(report);
-           })
+      .def("ping", [](Client& c) { return ToDict(WithoutGil([&] { return c.Ping(); })); })
+      .def("stats", [](Client& c) { return ToDict(WithoutGil([&] { return c.Stats(); })); })
       .def(
           "drop_job",
           [](Client& c, const std::string& job, bool force, std::optional<uint32_t> uid) {

@@ -24,6 +24,7 @@ Outcome OpenUnattached(const std::string& socket, int count, std::chrono::millis
   auto channel = grpc::CreateChannel("unix:" + socket, grpc::InsecureChannelCredentials());
   auto stub = v1::Control::NewStub(channel);
   std::vector<std::future<grpc::Status>> streams;
+  streams.reserve(count);
   for (int i = 0; i < count; ++i) {
     streams.push_back(std::async(std::launch::async, [&] {
       grpc::ClientContext context;
@@ -86,6 +87,7 @@ TEST(SessionLimits, AnotherUidStillAttachesAndAttachedSessionsDoNotCount) {
                                  spec.params.push_back(
                                      shm::ParamSpec{.name = "w", .shape = {4}, .dtype = DType::kFloat32});
                                  std::vector<std::unique_ptr<RankSession>> sessions;
+                                 sessions.reserve(4);
                                  for (int i = 0; i < 4; ++i) {  // twice the cap, one after another
                                    sessions.push_back(client->Attach("job" + std::to_string(i), 0, spec, 1));
                                  }
