@@ -38,6 +38,13 @@ for what in "$@"; do
         -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)" -DPython_EXECUTABLE="$(command -v python3)" \
         >"$OUT/build.log" 2>&1 && cmake --build build -j"${BUILD_JOBS:-16}" --target trainstreamd _C ts_bench_adamw \
         >>"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+      mkdir -p "$OUT/bin" && cp build/daemon/trainstreamd python/trainstream/_C*.so build/benchmarks/adamw/ts_bench_adamw \
+        "$OUT/bin/" && strip "$OUT/bin/trainstreamd" "$OUT/bin/ts_bench_adamw" "$OUT"/bin/_C*.so
+      ;;
+    use-bin)
+      stage use-bin  # binaries a build-fast of the same sources returned earlier, carried in .device/bin
+      mkdir -p build/daemon build/benchmarks/adamw && cp .device/bin/trainstreamd build/daemon/ \
+        && cp .device/bin/ts_bench_adamw build/benchmarks/adamw/ && cp .device/bin/_C*.so python/trainstream/
       ;;
     build-before)
       stage build-before  # the commit in .device/before.tar (a source tarball) built alike, into /tmp/before
