@@ -41,6 +41,11 @@ for what in "$@"; do
       mkdir -p "$OUT/bin" && cp build/daemon/trainstreamd python/trainstream/_C*.so build/benchmarks/adamw/ts_bench_adamw \
         "$OUT/bin/" && strip "$OUT/bin/trainstreamd" "$OUT/bin/ts_bench_adamw" "$OUT"/bin/_C*.so
       ;;
+    pack)
+      stage pack  # everything under $OUT in one file: the device tool returns at most 8 files
+      (cd "$OUT" && tar -czf /tmp/results.tgz --exclude=results.tgz . && rm -rf ./* && mv /tmp/results.tgz .)
+      ls -la "$OUT"
+      ;;
     use-bin)
       stage use-bin  # binaries a build-fast of the same sources returned earlier, carried in .device/bin
       mkdir -p build/daemon build/benchmarks/adamw && cp .device/bin/trainstreamd build/daemon/ \
