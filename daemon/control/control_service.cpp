@@ -101,6 +101,7 @@ shm::CudaIpcExport CudaIpcFromProto(const v1::CudaIpcRegistration& proto) {
       .slot_bytes = proto.slot_bytes(),
       .grad_ready_events = {proto.grad_ready_events().begin(), proto.grad_ready_events().end()},
       .weights_wanted_events = {proto.weights_wanted_events().begin(), proto.weights_wanted_events().end()},
+      .param_offsets = {proto.param_offsets().begin(), proto.param_offsets().end()},
   };
 }
 

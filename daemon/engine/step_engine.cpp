@@ -634,7 +634,10 @@ void StepEngine::MaybePush(const std::shared_ptr<RankChannel>& channel, uint32_t
       loading_ || progress.updating || state_.header->initialized == 0) {
     return;
   }
-  if (channel->on_gpu == step) {  // the rank's GPU holds these weights already: nothing to copy
+  const std::optional<uint64_t> offset = channel->transfer->ParamsOffset(b);
+  // Nothing to copy when the rank's GPU holds these weights already, or keeps the bucket off it (weight
+  // paging: the rank loads the bucket from the host copy itself, once told it is final).
+  if (channel->on_gpu == step || !offset) {
     channel->pushed[b] = step;
     return PostTo(
         *channel,
@@ -647,7 +650,7 @@ void StepEngine::MaybePush(const std::shared_ptr<RankChannel>& channel, uint32_t
   ++progress.pushes;
   ++inflight_;
   const uint64_t generation = channel->push_generation;
-  channel->transfer->PushWeights(bucket.grad_offset, source, bucket.bytes(),
+  channel->transfer->PushWeights(*offset, source, bucket.bytes(),
                                  [this, channel, b, step, generation](std::optional<Error> error) {
                                    Continue([this, channel, b, step, generation, error = std::move(error)] {
                                      OnPushed(channel, b, static_cast<uint64_t>(step), generation, error);
