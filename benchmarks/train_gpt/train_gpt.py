@@ -172,8 +172,9 @@ def run(args, mode: str) -> dict:
     model_options = {"checkpoint_blocks": args.checkpoint_blocks, "chunked_loss": args.chunked_loss}
     losses: list[float] = []
     daemon_pid = None
-    torch.cuda.init()
-    context_bytes = process_gpu_bytes().get(os.getpid(), 0)  # the CUDA context, before anything is allocated
+    torch.zeros(1, device="cuda")  # creates the CUDA context
+    torch.cuda.synchronize()
+    context_bytes = max(0, process_gpu_bytes().get(os.getpid(), 0) - torch.cuda.memory_reserved())
     result["cuda_context_gib"] = context_bytes / GIB
     if mode == "gpu-only" and args.uncapped_reference:
         args.vram_cap_gib = 0
