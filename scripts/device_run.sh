@@ -85,12 +85,14 @@ for what in "$@"; do
     adamw-before-after)
       stage adamw-before-after  # the host kernels of the commit in .device/before.tar against this tree
       skip=""
-      for tree in /tmp/before .; do
-        name=$( [[ $tree == . ]] && echo after || echo before )
-        python3 benchmarks/adamw/run.py --bench "$tree/build/benchmarks/adamw/ts_bench_adamw" --threads 16 \
-          --params 100e6 --reps 5 $skip --tag "h200-16core-$name" --out-dir "$OUT" 2>&1 | grep -E "^  (fp32|bf16|torch)" \
-          | head -6 | sed "s|^|[$name] |"
-        skip=--skip-torch
+      for run in $(seq "${RUNS:-2}"); do  # interleaved: the machine's bandwidth drifts between runs
+        for tree in /tmp/before .; do
+          name=$( [[ $tree == . ]] && echo after || echo before )
+          python3 benchmarks/adamw/run.py --bench "$tree/build/benchmarks/adamw/ts_bench_adamw" --threads 16 \
+            --params 100e6 --reps 5 $skip --tag "h200-16core-$name-run$run" --out-dir "$OUT" 2>&1 \
+            | grep -E "^  (fp32|bf16|torch)" | head -7 | sed "s|^|[$name $run] |"
+          skip=--skip-torch
+        done
       done
       ;;
     gpt-before-after)

@@ -236,6 +236,7 @@ def run(args, mode: str) -> dict:
                                           max_grad_norm=args.max_grad_norm, **paging)
             result["wrap_seconds"] = time.perf_counter() - start
             rank = trainstream._wrap._rank_of(model)
+            result["wrap_phases_s"] = dict(rank.timings)
             transport = rank.transport
             result["transport"] = transport.name
             if rank.pager is not None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import warnings
 from typing import Iterable
 
@@ -64,6 +65,8 @@ class Rank:
         self.accumulation_steps = accumulation_steps
         self.job = job
         frozen = paging.frozen if paging else []
+        self.timings: dict[str, float] = {}  # seconds each phase of wrap() took (benchmarks report them)
+        started = time.perf_counter()
         self.session = client._native.attach(
             job, rank, _layout.layout_entries(model, optimizer, self.params, paging.partition if paging else None),
             len(optimizer.param_groups), int(bucket_mb * (1 << 20)), _layout.MOMENT_DTYPES[moment_dtype], self.kind,
@@ -72,7 +75,9 @@ class Rank:
         moments = torch.float32 if moment_dtype == "float32" else torch.bfloat16
         self.regions = Regions(self.session, self.params, moments, [p for _, p in frozen])
         self.buckets = self.regions.buckets  # the step protocol runs per bucket
+        started = self._timed("attach", started)
         self.transport: Transport = transport_for(self.regions, self.session, device)
+        started = self._timed("transport", started)
         self._bucket_step = [1] * len(self.buckets)  # the step each bucket is collecting
         self._ready_step = [0] * len(self.buckets)   # the step whose weights the model must show
         self.stale: set[int] = set()                 # buckets whose new weights are not yet copied in
@@ -89,10 +94,18 @@ class Rank:
         self._handles = []
         self.pager: _paging.BlockPager | None = None
         self._seed_weights(rank)
+        started = self._timed("seed", started)
         if paging:
             self.pager = self._make_pager(page_prefetch, page_pool_mb)
+            started = self._timed("pager", started)
         self.synchronize()
+        started = self._timed("first weights", started)
         self._install_hooks()
+
+    def _timed(self, phase: str, started: float) -> float:
+        now = time.perf_counter()
+        self.timings[phase] = now - started
+        return now
 
     # ----- weights -----
 
@@ -372,6 +385,7 @@ class Rank:
             with torch.no_grad():
                 for p, host in self._paged_host_views():
                     p.data = host.to(device or "cpu", copy=True)
+            self.pager = None  # its pool's GPU memory goes now, not when a garbage collection finds the Rank
         self.transport.close()
         self.session.close()
         if drop:

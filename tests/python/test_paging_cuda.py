@@ -118,15 +118,20 @@ def test_paged_blocks_never_fill_the_gpu(client):
     block_bytes = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
     model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-4), client=client,
                                   device="cuda", param_offload=True, page_prefetch=2)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    for step in range(2):
-        model(tokens(step)).backward()
-        opt.step()
-    torch.cuda.synchronize()
-    # the pool (3 blocks) plus one block's gradients in flight, activations and the resident embedding
-    assert torch.cuda.max_memory_allocated() < 5.5 * block_bytes
-    trainstream.unwrap(model)
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()  # the pool of 3 blocks among it
+        for step in range(2):
+            model(tokens(step)).backward()
+            opt.step()
+        torch.cuda.synchronize()
+        # beyond the pool: a block's gradients in flight (two with cuda-client-copy, whose copies
+        # release them later), activations, the embedding's gradient
+        assert torch.cuda.max_memory_allocated() - base < 3 * block_bytes
+        assert base < 3.5 * block_bytes
+    finally:
+        trainstream.unwrap(model)
 
 
 def test_a_model_on_the_gpu_releases_its_paged_blocks(client):
