@@ -22,6 +22,7 @@ of a step went out, before optimizer.step()).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -30,7 +31,7 @@ from typing import Iterable
 
 import torch
 
-from trainstream import _layout, _paging
+from trainstream import _C, _layout, _paging
 from trainstream._C import TrainstreamError
 from trainstream._guards import ApplyGuard, StaleReadGuard
 from trainstream._pinning import HostPins
@@ -115,9 +116,9 @@ class Rank:
         resumes from), once synchronize() has waited for them."""
         s = self.session
         if not s.initialized and rank == 0:
-            with torch.no_grad():
+            with torch.no_grad(), _pinned_for_copies(self.device, s.master()):
                 for i, p in enumerate(self.params):
-                    self.regions.master_view(i).copy_(p.detach())
+                    self.regions.master_view(i).copy_(p.detach(), non_blocking=True)
                 for view, (_, p) in zip(self.regions.frozen_views, self.paging.frozen if self.paging else []):
                     view.copy_(p.detach())
             s.send_load_state(0)
@@ -393,6 +394,26 @@ class Rank:
                 self.client.drop_job(self.job)
             except TrainstreamError:
                 pass
+
+
+@contextlib.contextmanager
+def _pinned_for_copies(device: torch.device, region):
+    """`region` page-locked while the block runs, so that copies from the GPU into it run at PCIe speed
+    (pageable copies ran at about 7 GB/s: 3.1 s of wrap() for a 1.86B fp32 model on one H200; locking a
+    backed segment runs at about 20 GiB/s there); the GPU is synchronized at the end. Where the range is
+    page-locked already (cuda-client-copy locks fp32 master weights) the copies run as they are."""
+    pinned = None
+    if device.type == "cuda" and region.nbytes:
+        try:
+            pinned = _C.PinnedHostRange(device.index or 0, region.address, region.nbytes)
+        except TrainstreamError:
+            pass
+    try:
+        yield
+    finally:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        del pinned
 
 
 class _WeightGate(_paging.WeightGate):
