@@ -6,9 +6,9 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <boost/interprocess/exceptions.hpp>
 #include <boost/interprocess/permissions.hpp>
-#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <thread>
@@ -60,7 +60,7 @@ uint64_t AvailableInDevShm() {
 
 [[noreturn]] void ThrowCannotBack(const std::string& name, size_t bytes, int error) {
   Throw(error == ENOSPC || error == EFBIG || error == ENOMEM || error == EFAULT ? Code::kResourceExhausted
-                                                                               : Code::kInternal,
+                                                                                : Code::kInternal,
         "cannot reserve {} bytes for shared memory segment {} ({} bytes available in /dev/shm): {}", bytes, name,
         AvailableInDevShm(), std::strerror(error));
 }
@@ -92,12 +92,12 @@ void Populate(std::byte* data, size_t bytes, int fd, const std::string& name) {
   for (std::thread& worker : workers) worker.join();
   int error = 0;
   for (int e : errors) error = error != 0 ? error : e;
-  if (error == EINVAL) error = posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+  if (error == EINVAL) error = posix_fallocate(fd, 0, static_cast<off_t>(bytes));  // bytes: a prefix of the file
   if (error != 0) ThrowCannotBack(name, bytes, error);
 }
 }  // namespace
 
-Segment Segment::Create(const std::string& name, size_t bytes, std::optional<uint32_t> owner_uid, bool reserve) {
+Segment Segment::Create(const std::string& name, size_t bytes, std::optional<uint32_t> owner_uid, size_t reserved) {
   Segment segment;
   segment.name_ = name;
   try {
@@ -111,8 +111,9 @@ Segment Segment::Create(const std::string& name, size_t bytes, std::optional<uin
     object.truncate(static_cast<bip::offset_t>(bytes));
     CheckRoom(name, bytes);
     segment.region_ = bip::mapped_region(object, bip::read_write);
-    if (reserve && bytes != 0) {
-      Populate(static_cast<std::byte*>(segment.data()), bytes, object.get_mapping_handle().handle, name);
+    reserved = std::min(reserved, bytes);
+    if (reserved != 0) {
+      Populate(static_cast<std::byte*>(segment.data()), reserved, object.get_mapping_handle().handle, name);
     }
     segment.remove_on_destroy_ = false;
   } catch (const bip::interprocess_exception& e) {

@@ -35,8 +35,9 @@ Job::Job(std::string name, uint32_t uid, shm::LayoutSpec spec, uint64_t seed, Wo
     shm::CheckStateSegment(state_.data(), state_.size(), layout_);
   } else {
     // With several NUMA nodes the engine's threads first-touch the state on their nodes (PlaceState).
+    // The frozen region, at the end, is backed as the clients write it (shm::Segment::Create says why).
     state_ = shm::Segment::Create(shm::SegmentName(uid_, key_, "state"), layout_.state_bytes, uid_,
-                                  /*reserve=*/pool.nodes() == 1);
+                                  pool.nodes() == 1 ? layout_.frozen_offset : 0);
     shm::InitStateSegment(state_.data(), layout_);
     auto* header = static_cast<shm::StateHeader*>(state_.data());
     header->owner = SelfAsOwner();

@@ -15,16 +15,18 @@ namespace {
 // The first parameter that differs between two lists, if any ("parameter" or "frozen parameter").
 std::optional<std::string> DescribeParamMismatch(const char* what, const std::vector<shm::ParamSpec>& have,
                                                  const std::vector<shm::ParamSpec>& want) {
-  if (have.size() != want.size()) return fmt::format("the job has {} {}s, this rank {}", have.size(), what, want.size());
+  if (have.size() != want.size())
+    return fmt::format("the job has {} {}s, this rank {}", have.size(), what, want.size());
   for (size_t i = 0; i < have.size(); ++i) {
     const auto& a = have[i];
     const auto& b = want[i];
     if (a.name != b.name || a.shape != b.shape || a.dtype != b.dtype || a.group != b.group ||
         a.partition != b.partition) {
-      return fmt::format("{} {} differs: job has '{}' {} {} group {} partition {}, this rank '{}' {} {} group {} "
-                         "partition {}",
-                         what, i, a.name, fmt::join(a.shape, "x"), NameOf(a.dtype), a.group, a.partition, b.name,
-                         fmt::join(b.shape, "x"), NameOf(b.dtype), b.group, b.partition);
+      return fmt::format(
+          "{} {} differs: job has '{}' {} {} group {} partition {}, this rank '{}' {} {} group {} "
+          "partition {}",
+          what, i, a.name, fmt::join(a.shape, "x"), NameOf(a.dtype), a.group, a.partition, b.name,
+          fmt::join(b.shape, "x"), NameOf(b.dtype), b.group, b.partition);
     }
   }
   return std::nullopt;

@@ -170,8 +170,8 @@ PYBIND11_MODULE(_C, m) {
              uint64_t bucket_bytes, int moment_dtype, int optimizer, uint32_t accumulation_steps, uint32_t world_size,
              double max_grad_norm, uint64_t seed, std::vector<std::string> peers, uint32_t node_rank,
              const std::string& transport, const std::string& device, const py::list& frozen) {
-            auto spec = MakeSpec(params, frozen, num_groups, bucket_bytes, moment_dtype, optimizer,
-                                 accumulation_steps, world_size, max_grad_norm, std::move(peers), node_rank);
+            auto spec = MakeSpec(params, frozen, num_groups, bucket_bytes, moment_dtype, optimizer, accumulation_steps,
+                                 world_size, max_grad_norm, std::move(peers), node_rank);
             py::gil_scoped_release release;
             return std::shared_ptr<RankSession>(
                 c.Attach(job, rank, spec, seed, trainstream::RankTransport{transport, device}));

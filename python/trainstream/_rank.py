@@ -116,11 +116,15 @@ class Rank:
         resumes from), once synchronize() has waited for them."""
         s = self.session
         if not s.initialized and rank == 0:
+            paged = self.paging.paged_ids if self.paging else set()
             with torch.no_grad(), _pinned_for_copies(self.device, s.master()):
                 for i, p in enumerate(self.params):
                     self.regions.master_view(i).copy_(p.detach(), non_blocking=True)
+                    if id(p) in paged:  # its own memory goes now: the model never exists twice in host RAM
+                        p.data = self.regions.upload_views[i]
                 for view, (_, p) in zip(self.regions.frozen_views, self.paging.frozen if self.paging else []):
                     view.copy_(p.detach())
+                    p.data = view
             s.send_load_state(0)
             self._mark_all_stale(0, weights_on_gpu=True)
         elif s.initialized:
