@@ -9,7 +9,9 @@ GPU side (fused CUDA AdamW, torch's peak counter) is in test_cuda.py."""
 from __future__ import annotations
 
 import copy
+import gc
 import logging
+import weakref
 
 import pytest
 import torch
@@ -36,14 +38,17 @@ def adamw(params, **kw):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.05, **kw)
 
 
-def train_against_torch(client, steps=STEPS, max_grad_norm=None, accumulation_steps=1, **options):
+def train_against_torch(client, steps=STEPS, max_grad_norm=None, accumulation_steps=1, ranks=None, **options):
     """A wrapped model and a torch.optim.AdamW copy on the same data, with an LR schedule made after wrap;
-    returns (wrapped model, its optimizer, reference model, reference optimizer)."""
+    returns (wrapped model, its optimizer, reference model, reference optimizer). `ranks`: a list that gets
+    a weak reference to the wrapped model's Rank."""
     model = mlp()
     reference = copy.deepcopy(model)
     ref_opt = adamw(reference.parameters(), foreach=False)
     model, opt = trainstream.wrap(model, adamw(model.parameters()), client=client, max_grad_norm=max_grad_norm,
                                   accumulation_steps=accumulation_steps, **options)
+    if ranks is not None:
+        ranks.append(weakref.ref(trainstream._wrap._rank_of(model)))
     schedules = [torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.7) for o in (opt, ref_opt)]
     for step in range(steps):
         for m, o in ((model, opt), (reference, ref_opt)):
@@ -70,7 +75,10 @@ def max_difference(a, b):
 def test_auto_switches_to_stock_adamw_when_it_fits_and_keeps_parity(client, memory_budget, caplog, options):
     memory_budget(1 << 20)
     caplog.set_level(logging.INFO, logger="trainstream")
-    model, opt, reference, ref_opt = train_against_torch(client, offload="auto", **options)
+    ranks = []
+    model, opt, reference, ref_opt = train_against_torch(client, offload="auto", ranks=ranks, **options)
+    gc.collect()
+    assert ranks[0]() is None  # nothing holds on to the job's Rank
     assert not opt.offloaded and isinstance(opt.stock, torch.optim.AdamW)
     assert all(g["fused"] for g in opt.param_groups)  # torch's fused CPU kernels
     assert max_difference(model, reference) <= 1e-6
