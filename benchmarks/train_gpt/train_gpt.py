@@ -1,16 +1,19 @@
-"""Trains a nanoGPT-shaped model with stock fused GPU AdamW, with trainstream and (mode torchao, when
-installed) with torchao's CPUOffloadOptimizer, and reports step
-time, tokens/s, peak GPU memory (torch's counter and the driver's) and host memory.
+"""Trains a nanoGPT-shaped model with stock fused GPU AdamW, with trainstream (mode trainstream: the
+state always offloaded; mode auto: offload="auto", which switches to stock fused AdamW after 2 measured
+steps when that fits) and (mode torchao, when installed) with torchao's CPUOffloadOptimizer, and reports
+step time, tokens/s, peak GPU memory (torch's counter and the driver's) and host memory.
 
 Each mode runs in a process of its own, so no mode sees another's memory. References measured in the
 same run: the GPU-only step (forward + backward, no optimizer) and the host update time: the bytes the
 host update must move per parameter for this configuration (gradient, master read+write, both
 moments read+write, and for 16-bit weights the upload copy) over the host memory bandwidth (the
 STREAM triad of benchmarks/adamw measured in this run when --adamw-json names its result, else a
-torch triad). The target is
-  trainstream step <= 1.15 x max(GPU-only step, host update time).
+torch triad). The targets are
+  trainstream step <= 1.15 x max(GPU-only step, host update time);
+  auto step and GPU memory (torch's peak) <= 1.05 x stock's, where stock fits (auto_vs_stock).
 
   python3 benchmarks/train_gpt/train_gpt.py --config 1.86b --batch 8 --seq 512 --vram-cap-gib 24
+  python3 benchmarks/train_gpt/train_gpt.py --config 124m --modes stock,trainstream,auto
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import platform
 import statistics
@@ -129,10 +133,12 @@ def run(args, mode: str) -> dict:
                 opt.step()
                 opt.zero_grad()
         else:
+            decisions = _Decisions()  # offload="auto" logs what it decided, from which figures
             start = time.perf_counter()
             client = trainstream.connect()
             model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-4),
-                                          client=client, moment_dtype=args.moment_dtype, bucket_mb=args.bucket_mb)
+                                          client=client, moment_dtype=args.moment_dtype, bucket_mb=args.bucket_mb,
+                                          offload="auto" if mode == "auto" else True)
             result["wrap_seconds"] = time.perf_counter() - start
             transport = trainstream._wrap._rank_of(model).transport
             result["transport"] = transport.name
@@ -152,10 +158,17 @@ def run(args, mode: str) -> dict:
         times = timed_steps(args, step, memory)
         result["step_ms"] = 1000 * statistics.median(times)
         result["tokens_per_s"] = args.batch * args.seq / statistics.median(times)
+        if mode == "auto":
+            # After the switch (during the warm-up steps) the parameters are back in torch's memory and the
+            # transport's GPU buffers are gone.
+            result["switched_to_stock"] = not opt.offloaded
+            result["auto_decision"] = decisions.messages
+            if not opt.offloaded:
+                result["gpu_buffers_gib"] = 0.0
         result.update(memory.report())
         result["torch_peak_plus_buffers_gib"] = result["torch_peak_gib"] + result.get("gpu_buffers_gib", 0)
         result["host_rss_gib"] = rss_bytes() / GIB
-        if mode == "trainstream":
+        if mode in ("trainstream", "auto"):
             stats = client.stats()
             result["daemon_rss_gib"] = stats["rss_bytes"] / GIB
             result["daemon_segments_gib"] = stats["host_bytes"] / GIB
@@ -166,6 +179,20 @@ def run(args, mode: str) -> dict:
         result["oom"] = True
         result["error"] = str(e).splitlines()[0]
     return result
+
+
+class _Decisions(logging.Handler):
+    """Keeps the messages of the "trainstream" logger (the automatic modes' decisions)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+        log = logging.getLogger("trainstream")
+        log.setLevel(logging.INFO)
+        log.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def host_update_bytes_per_param(args) -> int:
@@ -199,8 +226,8 @@ def main() -> None:
                         help="trainstream mode: saved activations in pinned host memory (activation_paging)")
     parser.add_argument("--paging-gib", type=float, default=0,
                         help="with --activation-paging: page only the first this many GiB (max_bytes)")
-    parser.add_argument("--modes", default="gpu-only,stock,trainstream",
-                        help="any of gpu-only, stock, trainstream, torchao")
+    parser.add_argument("--modes", default="gpu-only,stock,trainstream,auto",
+                        help="any of gpu-only, stock, trainstream, auto, torchao")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--adamw-json", help="benchmarks/adamw result of this machine, for the triad bandwidth")
     parser.add_argument("--json", help="write the results here")
@@ -235,6 +262,11 @@ def main() -> None:
     if "step_ms" in by_mode.get("trainstream", {}) and "step_ms" in by_mode.get("gpu-only", {}):
         bound = max(by_mode["gpu-only"]["step_ms"], results["host_update_ms"])
         results["trainstream_vs_bound"] = by_mode["trainstream"]["step_ms"] / bound
+    if "step_ms" in by_mode.get("auto", {}) and "step_ms" in by_mode.get("stock", {}):
+        auto, stock = by_mode["auto"], by_mode["stock"]
+        results["auto_vs_stock"] = {"step": auto["step_ms"] / stock["step_ms"],
+                                    "torch_peak": auto["torch_peak_plus_buffers_gib"] / stock["torch_peak_gib"],
+                                    "driver_peak": auto["driver_peak_gib"] / stock["driver_peak_gib"]}
     print(json.dumps({k: v for k, v in results.items() if k != "runs"}), flush=True)
     if args.json:
         with open(args.json, "w") as f:

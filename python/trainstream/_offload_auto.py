@@ -108,13 +108,13 @@ class AutoOffload:
             log.info("offload='auto': keeps offloading after %d measured steps (%s ms): %s", len(self.times), steps,
                      why)
             return
-        fit = self._fit(rank)
+        fit, device = self._fit(rank), rank.device
         if not fit.fits:
             log.info("offload='auto': keeps offloading: %s; measured steps %s ms", fit.describe(), steps)
             return
-        kind = self.optimizer._inner_type.__name__
+        del rank  # the switch frees the rank's GPU buffers: no reference may outlive it
         log.info("offload='auto': switches to torch.optim.%s(fused=True) on %s after %d offloaded steps (%s ms): %s",
-                 kind, rank.device, len(self.times), steps, fit.describe())
+                 self.optimizer._inner_type.__name__, device, len(self.times), steps, fit.describe())
         self.switch()
 
     @staticmethod

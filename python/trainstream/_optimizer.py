@@ -106,8 +106,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 state[p] = {"step": float(steps), "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
         return state
 
+    def release_rank(self):
+        """The rank, which this optimizer no longer refers to (the caller closes it; use_stock follows)."""
+        rank, self._rank = self._rank, None
+        return rank
+
     def use_stock(self, stock: StockOptimizer) -> None:
-        """From now on the state is `stock`'s (the rank was closed by the caller)."""
+        """From now on the state is `stock`'s."""
         stock.optimizer.param_groups = self.param_groups  # the same list, of the same group dicts
         self._stock = stock
         self._rank = None

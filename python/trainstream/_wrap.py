@@ -231,14 +231,16 @@ def _leave_daemon(w: Wrapped, *, fused: bool | None, contract: bool, drop: bool,
     parameters return to torch's memory; paged ones come back on the CPU or `device`), and the job is
     dropped when `drop`. `contract`: the stock optimizer keeps wrap's clipping and clearing of p.grad."""
     optimizer = w.optimizer
-    r = optimizer._rank
     state = optimizer.daemon_state()  # views of the job's memory: valid after the session closed
+    r = optimizer.release_rank()
     r.close(device=device)
+    client, job = r.client, r.job
+    del r  # with it go the transport's GPU buffers (cuda-ipc's), before the state comes to the GPU
     if drop:
         try:
-            r.client.drop_job(r.job, force)
+            client.drop_job(job, force)
         except TrainstreamError as e:  # another rank of the job may still be attached: the last one drops it
-            log.debug("job %r not dropped: %s", r.job, e)
+            log.debug("job %r not dropped: %s", job, e)
     optimizer.use_stock(StockOptimizer(
         optimizer._inner_type, optimizer.param_groups, optimizer.defaults, state, fused=fused,
         max_grad_norm=w.max_grad_norm if contract else None, clear_grads=contract))
