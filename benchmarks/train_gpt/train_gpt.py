@@ -150,6 +150,7 @@ def run(args, mode: str) -> dict:
                 left = args.vram_cap_gib * GIB - getattr(transport, "device_bytes", 0)
                 torch.cuda.set_per_process_memory_fraction(max(0.0, min(1.0, left / total)))
                 torch.cuda.empty_cache()  # the parameters' old blocks: torch's cache would count them
+            del transport  # auto's switch frees the transport's GPU buffers: no reference may keep them
 
             def step(tokens, targets):
                 forward_backward(model, tokens, targets, autocast, args.activation_paging, args.paging_gib)

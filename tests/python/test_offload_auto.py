@@ -4,68 +4,36 @@ parity against torch.optim.AdamW across the switch; offload=False; the decisions
 and activation_offload="auto" from given figures; refusals of unknown option values.
 
 The memory budget the decisions read is injected through $TRAINSTREAM_MEMORY_BUDGET_MB (_budget.py). The
-GPU side (fused CUDA AdamW, torch's peak counter) is in test_cuda.py."""
+GPU side (fused CUDA AdamW, torch's peak counter) is in test_cuda_auto.py."""
 
 from __future__ import annotations
 
-import copy
 import gc
 import logging
 import weakref
 
 import pytest
 import torch
+from test_parity import STEPS, adamw, max_difference, mlp, train_both
+from test_parity import mse_step as loss_of
 
 import trainstream
 from trainstream import TrainstreamError, _activation_offload, _blocks, _offload_auto
 from trainstream._budget import Budget
 
-STEPS = 12
+
+def schedule(optimizer):
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.7)
 
 
-def mlp():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+def train_against_torch(client, ranks=None, **options):
+    """test_parity's training of a wrapped model and a torch.optim.AdamW copy, with an LR schedule made
+    after wrap; `ranks`: a list that gets a weak reference to the wrapped model's Rank."""
+    def note_rank(model, step):
+        if step == 0 and ranks is not None and model in trainstream._wrap._wrapped:
+            ranks.append(weakref.ref(trainstream._wrap._rank_of(model)))
 
-
-def loss_of(model, step):
-    g = torch.Generator().manual_seed(step)
-    x = torch.randn(16, 8, generator=g)
-    return torch.nn.functional.mse_loss(model(x), torch.randn(16, 8, generator=g))
-
-
-def adamw(params, **kw):
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.05, **kw)
-
-
-def train_against_torch(client, steps=STEPS, max_grad_norm=None, accumulation_steps=1, ranks=None, **options):
-    """A wrapped model and a torch.optim.AdamW copy on the same data, with an LR schedule made after wrap;
-    returns (wrapped model, its optimizer, reference model, reference optimizer). `ranks`: a list that gets
-    a weak reference to the wrapped model's Rank."""
-    model = mlp()
-    reference = copy.deepcopy(model)
-    ref_opt = adamw(reference.parameters(), foreach=False)
-    model, opt = trainstream.wrap(model, adamw(model.parameters()), client=client, max_grad_norm=max_grad_norm,
-                                  accumulation_steps=accumulation_steps, **options)
-    if ranks is not None:
-        ranks.append(weakref.ref(trainstream._wrap._rank_of(model)))
-    schedules = [torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.7) for o in (opt, ref_opt)]
-    for step in range(steps):
-        for m, o in ((model, opt), (reference, ref_opt)):
-            for micro in range(accumulation_steps):
-                loss_of(m, step * accumulation_steps + micro).backward()
-            if o is ref_opt and max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(m.parameters(), max_grad_norm)
-            o.step()
-            o.zero_grad()
-        for s in schedules:
-            s.step()
-    trainstream.synchronize(model)
-    return model, opt, reference, ref_opt
-
-
-def max_difference(a, b):
-    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+    return train_both(client, mlp, adamw, scheduler=schedule, before_step=note_rank, **options)
 
 
 # ----- offload="auto" -----
@@ -103,7 +71,7 @@ def test_state_dict_across_the_switch_is_torchs(client, memory_budget):
         for key in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(ours["state"][i][key], s[key], rtol=1e-5, atol=1e-7)
     plain = mlp()
-    plain_opt = adamw(plain.parameters(), foreach=False)
+    plain_opt = adamw(plain, foreach=False)
     plain.load_state_dict(model.state_dict())
     plain_opt.load_state_dict(ours)  # loads into torch
     opt.load_state_dict(theirs)      # and torch's into the switched optimizer
@@ -131,7 +99,7 @@ def test_auto_never_switches_with_16_bit_parameters_or_weight_paging(client, mem
     memory_budget(1 << 20)
     caplog.set_level(logging.INFO, logger="trainstream")
     model = mlp().to(torch.bfloat16)
-    model, opt = trainstream.wrap(model, adamw(model.parameters()), client=client, offload="auto")
+    model, opt = trainstream.wrap(model, adamw(model), client=client, offload="auto")
     for step in range(3):
         model(torch.randn(4, 8, dtype=torch.bfloat16)).float().pow(2).mean().backward()
         opt.step()
@@ -141,7 +109,7 @@ def test_auto_never_switches_with_16_bit_parameters_or_weight_paging(client, mem
     trainstream.unwrap(model)
     caplog.clear()
     model = mlp()
-    model, opt = trainstream.wrap(model, adamw(model.parameters()), client=client, offload="auto", device="cpu",
+    model, opt = trainstream.wrap(model, adamw(model), client=client, offload="auto", device="cpu",
                                   param_offload=True, blocks=[model[0], model[2]])
     for step in range(3):
         loss_of(model, step).backward()
@@ -173,7 +141,7 @@ def test_offload_false_runs_stock_adamw_without_a_daemon(client):
 def test_offload_false_refuses_weight_paging(client):
     model = mlp()
     with pytest.raises(TrainstreamError, match="param_offload=True needs offload=True or 'auto'"):
-        trainstream.wrap(model, adamw(model.parameters()), client=client, offload=False, param_offload=True)
+        trainstream.wrap(model, adamw(model), client=client, offload=False, param_offload=True)
 
 
 # ----- param_offload="auto" -----
@@ -203,7 +171,7 @@ def test_param_offload_auto_plans_from_the_model_and_logs_its_figures(caplog):
 
 def test_param_offload_auto_on_the_cpu_trains_unpaged(client):
     model = mlp()
-    model, opt = trainstream.wrap(model, adamw(model.parameters()), client=client, param_offload="auto")
+    model, opt = trainstream.wrap(model, adamw(model), client=client, param_offload="auto")
     assert trainstream._wrap._rank_of(model).pager is None
     trainstream.unwrap(model)
 
@@ -235,7 +203,7 @@ class SeesPaging(torch.nn.Module):
 @pytest.mark.parametrize("mode, hooked", [(True, True), (0.5, True), ("auto", False), (False, False)])
 def test_activation_offload_runs_the_forward_inside_activation_paging(client, mode, hooked):
     model = SeesPaging()
-    model, opt = trainstream.wrap(model, adamw(model.parameters()), client=client, activation_offload=mode)
+    model, opt = trainstream.wrap(model, adamw(model), client=client, activation_offload=mode)
     for _ in range(2):
         model(torch.randn(2, 8)).sum().backward()
         opt.step()
@@ -258,11 +226,11 @@ def test_activation_offload_runs_the_forward_inside_activation_paging(client, mo
 def test_unknown_option_values_name_the_option_and_the_allowed_values(client, option, value, message):
     model = mlp()
     with pytest.raises(TrainstreamError, match=message):
-        trainstream.wrap(model, adamw(model.parameters()), client=client, **{option: value})
+        trainstream.wrap(model, adamw(model), client=client, **{option: value})
     assert client.stats()["jobs"] == []
 
 
 def test_distributed_true_without_a_process_group_is_refused(client):
     model = mlp()
     with pytest.raises(TrainstreamError, match="distributed=True, but there is no initialized torch.distributed"):
-        trainstream.wrap(model, adamw(model.parameters()), client=client, distributed=True)
+        trainstream.wrap(model, adamw(model), client=client, distributed=True)
