@@ -12,7 +12,8 @@ The first source that applies:
      private daemon when none is found, and the node's other ranks connect to the daemon it uses; the
      job is the name every rank passed, else one made by rank 0.
 `distributed=True` requires 3 or 4. Every rank reaches the same verdict (errors included), so none is
-left waiting in a collective for another that gave up.
+left waiting in a collective for another that gave up. A job spanning nodes of one process group starts
+from global rank 0's weights on every node (share_first_ranks_weights).
 """
 
 from __future__ import annotations
@@ -136,6 +137,24 @@ def _check_agreement(told: list[tuple], local: list[int], host: str) -> None:
     if len(names) > 1:
         raise TrainstreamError(f"the ranks passed different job names {sorted(map(repr, names))}: pass the same job= "
                                "on every rank, or none")
+
+
+def share_first_ranks_weights(params: list[torch.Tensor]) -> None:
+    """Every rank takes global rank 0's parameter values, over the gloo group: a job spanning nodes has a
+    daemon per node, each seeding its job from its node's first rank (the daemons' all-reduce keeps
+    them equal from then on). Call on every rank, before attaching."""
+    dist = torch.distributed
+    group = _gloo_group()
+    with torch.no_grad():
+        for p in params:
+            host = p.detach().to("cpu", copy=True).contiguous()
+            dist.broadcast(host, src=0, group=group)
+            p.copy_(host)
+
+
+def spans_group(nodes: int) -> bool:
+    """Whether the job spans nodes whose ranks share an initialized process group."""
+    return nodes > 1 and _group_size() > 1
 
 
 _counter = 0

@@ -136,6 +136,8 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
     client = client or connect()
     if from_store:
         peers = _peers.exchange(_peers.job_store(), client, job, node_rank, nodes, rank)
+    if _distributed.spans_group(max(nodes, len(peers))):
+        _distributed.share_first_ranks_weights(list(model.parameters()))  # frozen ones too
     auto_named = job is None or placed.agreed_name
     state = optimizer.state_dict() if optimizer.state else None
     attach = functools.partial(

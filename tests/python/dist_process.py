@@ -3,6 +3,7 @@ group over a file store and no torchrun variables; trainstream.wrap finds the ra
 daemon through the group. Trains its half of each batch and saves what it ended with."""
 
 import os
+import socket
 
 import torch
 from rank_process import batch, make_model
@@ -10,12 +11,17 @@ from rank_process import batch, make_model
 import trainstream
 
 
-def worker(rank: int, world: int, store: str, address: str | None, steps: int, accumulation_steps: int,
-           max_grad_norm: float | None, out: str) -> None:
-    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "GROUP_RANK"):
+def worker(rank: int, world: int, store: str, addresses: list[str | None], steps: int, accumulation_steps: int,
+           max_grad_norm: float | None, out: str, hosts: list[str] | None = None) -> None:
+    """`addresses`: each rank's daemon ($TRAINSTREAM_ADDRESS; None: find or start one); `hosts`: each
+    rank's host name, standing in for separate machines (the ranks then form nodes by them)."""
+    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "GROUP_RANK",
+                 "TRAINSTREAM_PEERS", "TRAINSTREAM_NODE_RANK"):
         os.environ.pop(name, None)
-    if address:
-        os.environ["TRAINSTREAM_ADDRESS"] = address
+    if addresses[rank]:
+        os.environ["TRAINSTREAM_ADDRESS"] = addresses[rank]
+    if hosts:
+        socket.gethostname = lambda: hosts[rank]
     torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     model = make_model(seed=100 + rank)  # every rank starts elsewhere: rank 0's weights must win
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
