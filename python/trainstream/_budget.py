@@ -47,7 +47,8 @@ def _gpu(device: torch.device, held: int) -> Budget:
     own = torch.cuda.memory_reserved(device) + held
     figure = free + own
     source = f"{free / GIB:.2f} GiB free + {own / GIB:.2f} GiB held by this process"
-    fraction = torch.cuda.get_per_process_memory_fraction(device)
+    cap_of = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # an older torch cannot say
+    fraction = cap_of(device) if cap_of is not None else 1.0
     if fraction < 1:
         cap = int(fraction * total)
         source += f", cap {cap / GIB:.2f} GiB (per-process memory fraction {fraction:.3f})"

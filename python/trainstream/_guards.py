@@ -74,10 +74,10 @@ class ApplyGuard:
     """`module.to()`, `.cuda()`, `.half()`, ... (all through `Module._apply`) after wrap: in-flight
     updates land first; a conversion that would give the wrapped parameters another dtype, device or
     storage is handed to `rank.relayout(convert, conversions)`, which re-attaches the job around
-    `convert()` (the conversion itself), or refused before anything changes when the rank has no relayout. Conversions
-    that leave them as they are (`.cuda()` on the GPU they are on) go ahead. The guard is a method bound
-    to the module, so a `copy.deepcopy` of the model (an EMA copy, say) gets one bound to itself, which
-    finds no rank and converts freely."""
+    `convert()` (the conversion itself), or is refused before anything changes when the rank has no
+    relayout. Conversions that leave them as they are (`.cuda()` on the GPU they are on) go ahead. The
+    guard is a method bound to the module, so a `copy.deepcopy` of the model (an EMA copy, say) gets one
+    bound to itself, which finds no rank and converts freely."""
 
     def __init__(self, rank, module: torch.nn.Module):
         self.module = module
