@@ -1,4 +1,6 @@
-"""Trains a nanoGPT-shaped model with stock fused GPU AdamW, with trainstream and (modes torchao,
+"""Trains a nanoGPT-shaped model with stock fused GPU AdamW, with trainstream (mode trainstream: the
+state always offloaded; mode auto: offload="auto", which switches to stock fused AdamW after 2 measured
+steps when that fits) and (modes torchao,
 deepspeed-zero2, deepspeed-zero3, when installed) with torchao's CPUOffloadOptimizer and DeepSpeed's
 ZeRO-Offload (benchmarks/train_gpt/deepspeed_modes.py), and reports step time, tokens/s, peak GPU
 memory (torch's counter, the driver's for the device and, through NVML, per process: the trainer's
@@ -13,10 +15,12 @@ same run: the GPU-only step (forward + backward, no optimizer) and the host upda
 host update must move per parameter for this configuration (gradient, master read+write, both
 moments read+write, and for 16-bit weights the upload copy) over the host memory bandwidth (the
 STREAM triad of benchmarks/adamw measured in this run when --adamw-json names its result, else a
-torch triad). The target is
-  trainstream step <= 1.15 x max(GPU-only step, host update time).
+torch triad). The targets are
+  trainstream step <= 1.15 x max(GPU-only step, host update time);
+  auto step and GPU memory (torch's peak) <= 1.05 x stock's, where stock fits (auto_vs_stock).
 
   python3 benchmarks/train_gpt/train_gpt.py --config 1.86b --batch 8 --seq 512 --vram-cap-gib 24
+  python3 benchmarks/train_gpt/train_gpt.py --config 124m --modes stock,trainstream,auto
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import platform
 import statistics
@@ -226,6 +231,7 @@ def run(args, mode: str) -> dict:
                 opt.zero_grad()
                 return loss
         else:
+            decisions = _Decisions()  # offload="auto" logs what it decided, from which figures
             start = time.perf_counter()
             client = trainstream.connect()
             daemon_pid = client.ping()["pid"]
@@ -233,7 +239,8 @@ def run(args, mode: str) -> dict:
                       "page_prefetch": args.page_prefetch} if args.param_offload else {}
             model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-4),
                                           client=client, moment_dtype=args.moment_dtype, bucket_mb=args.bucket_mb,
-                                          max_grad_norm=args.max_grad_norm, **paging)
+                                          max_grad_norm=args.max_grad_norm, offload="auto" if mode == "auto" else True,
+                                          **paging)
             result["wrap_seconds"] = time.perf_counter() - start
             rank = trainstream._wrap._rank_of(model)
             result["wrap_phases_s"] = dict(rank.timings)
@@ -248,6 +255,8 @@ def run(args, mode: str) -> dict:
             result["gpu_buffers_gib"] = getattr(transport, "device_bytes", 0) / GIB
             if args.vram_cap_gib:
                 cap_torch(args, getattr(transport, "device_bytes", 0) + context_bytes)
+            pager = rank.pager
+            del rank, transport  # auto's switch frees the transport's GPU buffers: no reference may keep them
 
             def step(tokens, targets):
                 loss = forward_backward(model, tokens, targets, autocast, args.activation_paging, args.paging_gib)
@@ -260,22 +269,43 @@ def run(args, mode: str) -> dict:
         result["losses"] = losses
         result["step_ms"] = 1000 * statistics.median(times)
         result["tokens_per_s"] = args.batch * args.seq / statistics.median(times)
+        if mode == "auto":
+            # After the switch (during the warm-up steps) the parameters are back in torch's memory and the
+            # transport's GPU buffers are gone.
+            result["switched_to_stock"] = not opt.offloaded
+            result["auto_decision"] = decisions.messages
+            if not opt.offloaded:
+                result["gpu_buffers_gib"] = 0.0
         result.update(memory.report())
         result["torch_peak_plus_buffers_gib"] = result["torch_peak_gib"] + result.get("gpu_buffers_gib", 0)
         result["host_rss_gib"] = rss_bytes() / GIB
-        if mode == "trainstream":
+        if mode in ("trainstream", "auto"):
             stats = client.stats()
             result["daemon_rss_gib"] = stats["rss_bytes"] / GIB
             result["daemon_segments_gib"] = stats["host_bytes"] / GIB
             result["kernel"] = stats["kernel"]
             torch.cuda.set_per_process_memory_fraction(1.0)  # cuda-ipc: the parameters move back into torch
-            if rank.pager is not None:
-                result["page_loads_per_step"] = rank.pager.loads / (args.warmup + args.steps)
+            if pager is not None:
+                result["page_loads_per_step"] = pager.loads / (args.warmup + args.steps)
             trainstream.unwrap(model)
     except torch.OutOfMemoryError as e:
         result["oom"] = True
         result["error"] = str(e).splitlines()[0]
     return result
+
+
+class _Decisions(logging.Handler):
+    """Keeps the messages of the "trainstream" logger (the automatic modes' decisions)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+        log = logging.getLogger("trainstream")
+        log.setLevel(logging.INFO)
+        log.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def host_update_bytes_per_param(args) -> int:
@@ -309,8 +339,8 @@ def main() -> None:
                         help="trainstream mode: saved activations in pinned host memory (activation_paging)")
     parser.add_argument("--paging-gib", type=float, default=0,
                         help="with --activation-paging: page only the first this many GiB (max_bytes)")
-    parser.add_argument("--modes", default="gpu-only,stock,trainstream",
-                        help="any of gpu-only, stock, trainstream, torchao, deepspeed-zero2, deepspeed-zero3")
+    parser.add_argument("--modes", default="gpu-only,stock,trainstream,auto",
+                        help="any of gpu-only, stock, trainstream, auto, torchao, deepspeed-zero2, deepspeed-zero3")
     parser.add_argument("--param-offload", default="",
                         help="trainstream mode: weight paging (true, a fraction, or block indices i,j,...)")
     parser.add_argument("--page-prefetch", type=int, default=2)
@@ -363,6 +393,11 @@ def main() -> None:
     for peer in ("deepspeed-zero3", "deepspeed-zero2", "torchao", "stock"):
         if "step_ms" in by_mode.get(peer, {}) and "step_ms" in by_mode.get("trainstream", {}):
             results[f"{peer}_vs_trainstream"] = by_mode[peer]["step_ms"] / by_mode["trainstream"]["step_ms"]
+    if "step_ms" in by_mode.get("auto", {}) and "step_ms" in by_mode.get("stock", {}):
+        auto, stock = by_mode["auto"], by_mode["stock"]
+        results["auto_vs_stock"] = {"step": auto["step_ms"] / stock["step_ms"],
+                                    "torch_peak": auto["torch_peak_plus_buffers_gib"] / stock["torch_peak_gib"],
+                                    "driver_peak": auto["driver_peak_gib"] / stock["driver_peak_gib"]}
     print(json.dumps({k: v for k, v in results.items() if k != "runs"}), flush=True)
     if args.json:
         with open(args.json, "w") as f:

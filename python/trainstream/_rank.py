@@ -93,6 +93,7 @@ class Rank:
         self._final_sent: set[int] = set()  # buckets whose gradients of the step's last micro-batch went out
         self._loads = 0                     # state loads published (they change the weights at the same step)
         self._handles = []
+        self.relayout = None  # wrap's: re-attaches the job around a conversion of the model (ApplyGuard)
         self.pager: _paging.BlockPager | None = None
         self._seed_weights(rank)
         started = self._timed("seed", started)

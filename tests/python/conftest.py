@@ -75,3 +75,11 @@ def client(daemon):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def memory_budget(monkeypatch):
+    """Sets the memory budget (MiB) that wrap's automatic modes decide against ($TRAINSTREAM_MEMORY_BUDGET_MB)."""
+    def set_mib(mib: float):
+        monkeypatch.setenv("TRAINSTREAM_MEMORY_BUDGET_MB", str(mib))
+    return set_mib
