@@ -164,11 +164,14 @@ class Rank:
         return views + [(p, v) for (_, p), v in zip(self.paging.frozen, self.regions.frozen_views)]
 
     def _paged_state_dict(self, state_dict: dict, prefix: str) -> None:
-        """model.state_dict(): a paged parameter's entry is a copy of its host weights (on the CPU)."""
+        """model.state_dict(): a paged parameter's entry is its host weights on the CPU: a copy of a
+        trainable one's (the daemon rewrites them), the job's own memory for a frozen one (it never
+        changes, and peft's adapter checkpoints take the state dict of a whole base they then drop)."""
         host = {id(p): v for p, v in self._paged_host_views()}
+        frozen = {id(p) for _, p in self.paging.frozen}
         for name, p in self._paged_names:
             if prefix + name in state_dict:
-                state_dict[prefix + name] = host[id(p)].clone()
+                state_dict[prefix + name] = host[id(p)] if id(p) in frozen else host[id(p)].clone()
 
     def _page_to_host(self) -> None:
         """model.load_state_dict(): the paged parameters become their host copies while torch writes

@@ -13,6 +13,12 @@ clips, and the Trainer neither clips nor logs a gradient norm. Optimizer checkpo
 torch.optim.AdamW's format, so they resume with or without trainstream. One process per GPU, as with
 torchrun: ranks and the job name come from its environment (see `trainstream.wrap`).
 
+A model given on the CPU while the Trainer trains on a GPU is not moved there whole: its decoder
+layers (the model's block stack: model.model.layers, and peft's wrapped equivalent) are paged from
+host memory (`param_offload=True`, `device=` the Trainer's device), and the rest goes to the GPU; a
+LoRA base's frozen weights then live once in host memory in their dtype, with no optimizer state. Pass
+`trainstream={"param_offload": ...}` to choose otherwise (False moves the model to the GPU as usual).
+
 Causal language models (see _causal_lm_loss.py for which) compute their training loss with
 trainstream.chunked_cross_entropy from the last hidden state and the output projection, so the full
 logits never exist (`chunked_loss=False` keeps the model's own loss; `loss_chunk_size` tokens per chunk).
@@ -52,7 +58,30 @@ class TrainstreamTrainer(transformers.Trainer):
         self.chunked_loss = chunked_loss
         self.loss_chunk_size = loss_chunk_size
         self._chunked: dict[int, ChunkedCausalLMLoss | None] = {}  # id(model) -> its loss, None: the model's own
+        self._pages = self._pages_a_cpu_model(kwargs.get("model", args[0] if args else None),
+                                              kwargs.get("args", args[1] if len(args) > 1 else None))
         super().__init__(*args, **kwargs)
+
+    def _pages_a_cpu_model(self, model, args) -> bool:
+        """Whether the model stays on the CPU for weight paging (and the options say so to wrap())."""
+        device = getattr(args, "device", None)
+        on_cpu = model is not None and any(p.device.type == "cpu" for p in model.parameters())
+        wanted = self.trainstream_options.get("param_offload", "default")
+        if wanted == "default":
+            if not (on_cpu and device is not None and device.type == "cuda"):
+                return False
+            self.trainstream_options["param_offload"] = True
+            log.info("TrainstreamTrainer: the model is on the CPU: its block stack is paged from host memory to "
+                     "%s (trainstream={'param_offload': False} moves it to the GPU instead)", device)
+        elif wanted is False or wanted is None:
+            return False
+        if device is not None:
+            self.trainstream_options.setdefault("device", device)
+        return True
+
+    def _move_model_to_device(self, model, device):
+        if not self._pages:  # with paging, wrap() places what stays resident; the blocks never come whole
+            super()._move_model_to_device(model, device)
 
     def create_optimizer(self, model=None):
         inner = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate wraps it during train()
