@@ -41,6 +41,19 @@ for what in "$@"; do
       mkdir -p "$OUT/bin" && cp build/daemon/trainstreamd python/trainstream/_C*.so build/benchmarks/adamw/ts_bench_adamw \
         "$OUT/bin/" && strip "$OUT/bin/trainstreamd" "$OUT/bin/ts_bench_adamw" "$OUT"/bin/_C*.so
       ;;
+    lora)
+      stage lora  # LoRA r=16 on Qwen2.5-shaped bases bigger than the cap, through TrainstreamTrainer
+      for spec in ${LORA_SHAPES:-14b:8}; do
+        shape=${spec%%:*} cap=${spec##*:}
+        timeout "${LORA_TIMEOUT:-200}" python3 benchmarks/lora/lora_bench.py --shape "$shape" --vram-cap-gib "$cap" \
+          --steps ${STEPS:-4} --json "$OUT/lora_${shape}_cap${cap}.json" 2>&1 | tail -1
+      done
+      ;;
+    gpt-auto)
+      stage gpt-auto  # the 124M GPT: stock fused AdamW, forced offload, offload="auto"
+      timeout 200 python3 benchmarks/train_gpt/train_gpt.py --config 124m --modes gpu-only,stock,trainstream,auto \
+        --adamw-json benchmarks/results/adamw_h200-16core.json --json "$OUT/gpt_124m_auto.json" 2>&1 | tail -1
+      ;;
     pack)
       stage pack  # everything under $OUT in one file: the device tool returns at most 8 files
       (cd "$OUT" && tar -czf /tmp/results.tgz --exclude=results.tgz . && rm -rf ./* && mv /tmp/results.tgz .)
