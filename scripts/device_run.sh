@@ -108,6 +108,14 @@ for what in "$@"; do
         done
       done
       ;;
+    adamw-ab)
+      stage adamw-ab  # the kernels alone, before/after binaries alternated, each twice (the layout check's bf16-moment rows)
+      for tree in /tmp/before . /tmp/before .; do
+        name=$( [[ $tree == . ]] && echo after || echo before )
+        "$tree/build/benchmarks/adamw/ts_bench_adamw" --threads 16 --params 100e6 --reps 5 2>&1 \
+          | grep -E "bf16 moments|triad" | head -4 | sed "s|^|[$name] |"
+      done
+      ;;
     gpt-before-after)
       stage gpt-before-after  # the 1.86B GPT under a 24 GiB cap through the commit in .device/before.tar and this tree
       for tree in /tmp/before .; do
