@@ -98,7 +98,11 @@ int Run(int argc, char** argv) {
   CLI::App* restore = app.add_subcommand("restore", "recreate a job from a snapshot file");
   restore->add_option("PATH", path, "snapshot file, as the daemon sees it")->required();
   restore->add_option("--job", job, "name of the new job (default: the name in the snapshot)");
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;  // --help, --version: 0; a bad command line: 2, whatever CLI11 says
+  }
 
   const std::shared_ptr<Client> client = Client::Connect(SocketPath(socket));
   if (app.got_subcommand("status")) {

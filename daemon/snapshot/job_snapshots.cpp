@@ -53,8 +53,9 @@ std::string JobSnapshots::PathIn(const std::string& dir, const std::string& job)
 void JobSnapshots::OnCommit(const Commit& commit) {
   std::lock_guard lock(mutex_);
   if (stopped_) return;
-  if (active_) return active_->OnCommit(commit);
-  MaybeStartPeriodic(commit);
+  if (!active_) return MaybeStartPeriodic(commit);
+  active_->OnCommit(commit);
+  if (active_->collected()) active_.reset();  // its writer goes on alone: the next one may start
 }
 
 void JobSnapshots::MaybeStartPeriodic(const Commit& commit) {
@@ -62,15 +63,20 @@ void JobSnapshots::MaybeStartPeriodic(const Commit& commit) {
       commit.step % schedule_.every != 0 || commit.step <= last_periodic_step_) {
     return;
   }
+  if (periodic_writers_ >= 2) return;  // the disk is behind: one more waits already
   for (uint32_t b = 0; b < layout_.buckets.size(); ++b) {  // the first commit of the step, or too late
     if (b != commit.bucket && committed_.BucketStep(b) >= commit.step) return;
   }
   last_periodic_step_ = commit.step;
+  ++periodic_writers_;
   auto capture = std::make_shared<SnapshotCapture>(committed_, layout_, identity_.spec.num_groups, commit.step);
   capture->OnCommit(commit);
-  active_ = capture;
-  if (periodic_.joinable()) periodic_.join();  // done: it cleared active_ before it ended
-  periodic_ = std::thread([this, capture] { WritePeriodic(capture); });
+  if (!capture->collected()) active_ = capture;
+  // After the previous periodic writer, so that the files are renamed into place in step order.
+  periodic_ = std::thread([this, capture, previous = std::move(periodic_)]() mutable {
+    if (previous.joinable()) previous.join();
+    WritePeriodic(capture);
+  });
 }
 
 WaitPolicy JobSnapshots::TakeAsIsWhenIdle(SnapshotCapture& capture,
@@ -87,9 +93,10 @@ WaitPolicy JobSnapshots::TakeAsIsWhenIdle(SnapshotCapture& capture,
   };
 }
 
-void JobSnapshots::Finish(const std::optional<SnapshotWritten>& written) {
+void JobSnapshots::Finish(const std::shared_ptr<SnapshotCapture>& capture,
+                          const std::optional<SnapshotWritten>& written) {
   std::lock_guard lock(mutex_);
-  active_.reset();
+  if (active_ == capture) active_.reset();  // it failed before every bucket was copied
   if (written) last_ = written;
 }
 
@@ -104,7 +111,7 @@ SnapshotWritten JobSnapshots::Take(const std::string& path, uint32_t caller_uid,
   {
     std::lock_guard lock(mutex_);
     TS_CHECK(!stopped_, Code::kAborted, "job '{}' was removed", identity_.job);
-    TS_CHECK(!active_, Code::kUnavailable, "a snapshot of job '{}' is being written already; try again later",
+    TS_CHECK(!active_, Code::kUnavailable, "a snapshot of job '{}' is being taken already; try again later",
              identity_.job);
     idle = hooks_.attached_ranks() == 0;
     uint64_t latest = 0;  // no bucket is past it: every one commits latest + 1 next
@@ -113,18 +120,23 @@ SnapshotWritten JobSnapshots::Take(const std::string& path, uint32_t caller_uid,
                                                 idle ? std::nullopt : std::optional<uint64_t>(latest + 1));
     active_ = capture;
   }
-  if (idle) hooks_.announce();
+  if (idle) {
+    spdlog::info("job '{}': snapshot of its current state requested (no rank is attached)", identity_.job);
+    hooks_.announce();
+  } else {
+    spdlog::info("job '{}': snapshot at its next step boundary (step {}) requested", identity_.job, *capture->target());
+  }
   try {
     const FileIdentity as_caller(caller_uid);
     const SnapshotWritten written =
         WriteSnapshot(identity_, committed_, *capture, path.empty() ? PathIn(schedule_.dir, identity_.job) : path,
                       std::nullopt, TakeAsIsWhenIdle(*capture, deadline));
-    Finish(written);
+    Finish(capture, written);
     spdlog::info("job '{}': snapshot of step {} written to {} ({} bytes)", identity_.job, written.step, written.path,
                  written.bytes);
     return written;
   } catch (...) {
-    Finish(std::nullopt);
+    Finish(capture, std::nullopt);
     ProcessCounters::Instance().CountError(ErrorKind::kSnapshot);
     throw;
   }
@@ -137,11 +149,13 @@ void JobSnapshots::WritePeriodic(const std::shared_ptr<SnapshotCapture>& capture
     written = WriteSnapshot(identity_, committed_, *capture, PathIn(schedule_.dir, identity_.job), owner,
                             TakeAsIsWhenIdle(*capture, std::nullopt));
     spdlog::info("job '{}': periodic snapshot of step {} written to {}", identity_.job, written->step, written->path);
-  } catch (const Error& e) {
+  } catch (const std::exception& e) {
     ProcessCounters::Instance().CountError(ErrorKind::kSnapshot);
     spdlog::warn("job '{}': periodic snapshot failed: {}", identity_.job, e.what());
   }
-  Finish(written);
+  Finish(capture, written);
+  std::lock_guard lock(mutex_);
+  --periodic_writers_;
 }
 
 std::optional<SnapshotWritten> JobSnapshots::last() {

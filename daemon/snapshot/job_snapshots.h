@@ -5,9 +5,10 @@
 //
 // A requested snapshot of a job that ranks train is taken at its next step boundary (every bucket as
 // it commits that step); of a job no rank is attached to, at once. A periodic one is taken at each
-// step that is a multiple of `every`, unless the previous one is still being written (that step is
-// skipped); its file, <dir>/<job>.safetensors (the name escaped), is replaced each time and belongs
-// to the job's uid.
+// step that is a multiple of `every`, unless another snapshot is still copying buckets then, or two
+// periodic ones are still being written (that step is skipped); its file, <dir>/<job>.safetensors (the name escaped), is replaced each time, in step
+// order, and belongs to the job's uid. Copies wait in memory for their writer: two snapshots' worth of
+// the job's master weights and moments at most, while the disk is slower than training.
 #pragma once
 
 #include <chrono>
@@ -67,7 +68,7 @@ class JobSnapshots {
   void WritePeriodic(const std::shared_ptr<SnapshotCapture>& capture);
   // Waiting for copies: a job that stopped training is taken as it is.
   WaitPolicy TakeAsIsWhenIdle(SnapshotCapture& capture, std::optional<std::chrono::steady_clock::time_point> deadline);
-  void Finish(const std::optional<SnapshotWritten>& written);
+  void Finish(const std::shared_ptr<SnapshotCapture>& capture, const std::optional<SnapshotWritten>& written);
 
   const SnapshotMeta identity_;
   const shm::StateView state_;
@@ -77,11 +78,12 @@ class JobSnapshots {
   SnapshotHooks hooks_;
 
   std::mutex mutex_;  // guards the fields below
-  std::shared_ptr<SnapshotCapture> active_;
+  std::shared_ptr<SnapshotCapture> active_;  // the snapshot still copying buckets
   std::optional<SnapshotWritten> last_;
   uint64_t last_periodic_step_ = 0;
+  uint32_t periodic_writers_ = 0;  // started, not finished: at most 2, one writing and one waiting
   bool stopped_ = false;
-  std::thread periodic_;
+  std::thread periodic_;  // the latest periodic writer (it joins the one before it)
 };
 
 }  // namespace trainstream::daemon

@@ -1,5 +1,6 @@
 #include "daemon/snapshot/snapshot_capture.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "shm/error.h"
@@ -72,6 +73,11 @@ std::optional<CapturedBucket> SnapshotCapture::Next(std::chrono::milliseconds wa
   copies_.pop_front();
   ++handed_;
   return copy;
+}
+
+bool SnapshotCapture::collected() {
+  std::lock_guard lock(mutex_);
+  return std::all_of(taken_.begin(), taken_.end(), [](uint8_t taken) { return taken != 0; });
 }
 
 bool SnapshotCapture::complete() {

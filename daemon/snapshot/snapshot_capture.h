@@ -46,7 +46,8 @@ class SnapshotCapture {
   // Writer: the next copy, waiting at most `wait` (nullopt if none came); throws kAborted with the
   // reason once aborted.
   std::optional<CapturedBucket> Next(std::chrono::milliseconds wait);
-  [[nodiscard]] bool complete();  // every bucket has been handed to the writer
+  [[nodiscard]] bool collected();  // every bucket has been copied
+  [[nodiscard]] bool complete();   // every copy has been handed to the writer
   [[nodiscard]] std::optional<uint64_t> target();
   [[nodiscard]] std::vector<shm::HParams> hparams();  // of the first commit that had them
 
