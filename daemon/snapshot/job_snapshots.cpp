@@ -63,7 +63,7 @@ void JobSnapshots::MaybeStartPeriodic(const Commit& commit) {
       commit.step % schedule_.every != 0 || commit.step <= last_periodic_step_) {
     return;
   }
-  if (periodic_writers_ >= 2) return;  // the disk is behind: one more waits already
+  if (periodic_writers_ >= 2) return;                      // the disk is behind: one more waits already
   for (uint32_t b = 0; b < layout_.buckets.size(); ++b) {  // the first commit of the step, or too late
     if (b != commit.bucket && committed_.BucketStep(b) >= commit.step) return;
   }

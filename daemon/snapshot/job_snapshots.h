@@ -6,9 +6,9 @@
 // A requested snapshot of a job that ranks train is taken at its next step boundary (every bucket as
 // it commits that step); of a job no rank is attached to, at once. A periodic one is taken at each
 // step that is a multiple of `every`, unless another snapshot is still copying buckets then, or two
-// periodic ones are still being written (that step is skipped); its file, <dir>/<job>.safetensors (the name escaped), is replaced each time, in step
-// order, and belongs to the job's uid. Copies wait in memory for their writer: two snapshots' worth of
-// the job's master weights and moments at most, while the disk is slower than training.
+// periodic ones are still being written (that step is skipped); its file, <dir>/<job>.safetensors (the name escaped),
+// is replaced each time, in step order, and belongs to the job's uid. Copies wait in memory for their writer: two
+// snapshots' worth of the job's master weights and moments at most, while the disk is slower than training.
 #pragma once
 
 #include <chrono>
@@ -77,7 +77,7 @@ class JobSnapshots {
   const SnapshotSchedule schedule_;
   SnapshotHooks hooks_;
 
-  std::mutex mutex_;  // guards the fields below
+  std::mutex mutex_;                         // guards the fields below
   std::shared_ptr<SnapshotCapture> active_;  // the snapshot still copying buckets
   std::optional<SnapshotWritten> last_;
   uint64_t last_periodic_step_ = 0;
