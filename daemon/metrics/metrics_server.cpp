@@ -132,8 +132,9 @@ class DaemonCollector final : public prometheus::Collectable {
   }
 
   static void CollectTransfers(Families& f) {
+    const char* help = "bytes the daemon copied with a GPU (cuda-ipc): gradients to_host, weights to_device";
+    f.Of("trainstream_gpu_copy_bytes_total", MetricType::Counter, help);  // listed before the first GPU is
     for (const auto& [gpu, counters] : ProcessCounters::Instance().Gpus()) {
-      const char* help = "bytes the daemon copied with a GPU (cuda-ipc): gradients to_host, weights to_device";
       f.Add("trainstream_gpu_copy_bytes_total", MetricType::Counter, help,
             static_cast<double>(counters->to_host_bytes.load()), {{"gpu", gpu}, {"direction", "to_host"}});
       f.Add("trainstream_gpu_copy_bytes_total", MetricType::Counter, help,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -15,11 +16,15 @@ import trainstream
 from trainstream._connect import daemon_binary
 
 
-def scrape(port: int) -> dict[str, float]:
-    """The samples of one scrape, by name with labels as written ('name{a="b"}')."""
+def scrape_text(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         assert response.status == 200
-        text = response.read().decode()
+        return response.read().decode()
+
+
+def scrape(port: int) -> dict[str, float]:
+    """The samples of one scrape, by name with labels as written ('name{a="b"}')."""
+    text = scrape_text(port)
     samples = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
@@ -79,3 +84,17 @@ def test_a_bad_metrics_address_is_refused_by_name():
     result = subprocess.run([daemon_binary(), "--socket", "/tmp/unused.sock", "--metrics-listen", "nowhere"],
                             capture_output=True, text=True, timeout=10)
     assert result.returncode == 2 and "metrics_listen 'nowhere' must be HOST:PORT" in result.stderr
+
+
+def test_the_grafana_dashboard_asks_only_for_metrics_the_daemon_serves(metered):
+    dashboard = os.path.join(os.path.dirname(__file__), "..", "..", "deploy", "grafana", "trainstreamd-dashboard.json")
+    with open(dashboard) as f:
+        expressions = [t["expr"] for p in json.load(f)["panels"] for t in p["targets"]]
+    wanted = {name for e in expressions for name in re.findall(r"trainstream_[a-z_]+", e)}
+    model = torch.nn.Linear(16, 1)
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters()), client=metered.client(), job="g")
+    train(model, opt, 1)
+    types = re.findall(r"^# TYPE (\S+) (\S+)$", scrape_text(metered.port), re.MULTILINE)
+    served = {name for name, _ in types} | {f"{name}_bucket" for name, kind in types if kind == "histogram"}
+    assert wanted and wanted <= served, wanted - served
+    trainstream.unwrap(model)
