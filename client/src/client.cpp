@@ -64,6 +64,19 @@ class IdentityProof {
  private:
   std::string nonce_;
 };
+// A request that needs the caller's uid (drop, snapshot, restore): proves it, names the proof in the
+// request, and returns the reply or throws.
+template <typename Reply, typename Request, typename Method>
+Reply CallAsCaller(v1::Control::Stub& stub, Method method, Request request, std::chrono::milliseconds timeout,
+                   const std::string& what) {
+  grpc::ClientContext context;
+  SetDeadline(context, timeout);
+  const IdentityProof proof(stub);
+  request.set_nonce(proof.nonce());
+  Reply reply;
+  ThrowIfFailed((stub.*method)(&context, request, &reply), what);
+  return reply;
+}
 }  // namespace
 
 std::shared_ptr<Client> Client::Connect(const std::string& socket_path, std::chrono::milliseconds timeout) {
@@ -130,40 +143,29 @@ StatsReport Client::Stats() {
 }
 
 void Client::DropJob(const std::string& job, bool force) {
-  grpc::ClientContext context;
-  SetDeadline(context, kRpcTimeout);
-  const IdentityProof proof(*impl_->stub);
   v1::DropJobRequest request;
   request.set_job(job);
   request.set_force(force);
-  request.set_nonce(proof.nonce());
-  v1::DropJobReply reply;
-  ThrowIfFailed(impl_->stub->DropJob(&context, request, &reply), fmt::format("drop job '{}'", job));
+  CallAsCaller<v1::DropJobReply>(*impl_->stub, &v1::Control::Stub::DropJob, request, kRpcTimeout,
+                                 fmt::format("drop job '{}'", job));
 }
 
 SnapshotReport Client::Snapshot(const std::string& job, const std::string& path, std::chrono::milliseconds timeout) {
-  grpc::ClientContext context;
-  SetDeadline(context, timeout);
-  const IdentityProof proof(*impl_->stub);
   v1::SnapshotRequest request;
   request.set_job(job);
   request.set_path(path);
-  request.set_nonce(proof.nonce());
-  v1::SnapshotReply reply;
-  ThrowIfFailed(impl_->stub->Snapshot(&context, request, &reply), fmt::format("snapshot of job '{}'", job));
+  const auto reply = CallAsCaller<v1::SnapshotReply>(*impl_->stub, &v1::Control::Stub::Snapshot, request, timeout,
+                                                     fmt::format("snapshot of job '{}'", job));
   return SnapshotReport{reply.path(), reply.step(), reply.bytes()};
 }
 
 RestoreReport Client::Restore(const std::string& path, const std::string& job) {
-  grpc::ClientContext context;
-  SetDeadline(context, std::chrono::minutes(10));  // a large state takes a while to read
-  const IdentityProof proof(*impl_->stub);
   v1::RestoreRequest request;
   request.set_path(path);
   request.set_job(job);
-  request.set_nonce(proof.nonce());
-  v1::RestoreReply reply;
-  ThrowIfFailed(impl_->stub->Restore(&context, request, &reply), fmt::format("restore from '{}'", path));
+  const auto reply = CallAsCaller<v1::RestoreReply>(*impl_->stub, &v1::Control::Stub::Restore, request,
+                                                    std::chrono::minutes(10),  // a large state takes a while
+                                                    fmt::format("restore from '{}'", path));
   return RestoreReport{reply.job(), reply.step()};
 }
 

@@ -13,11 +13,19 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace trainstream::daemon {
 
 struct TensorEntry {
+  static TensorEntry Of(std::string name, std::string dtype, std::vector<int64_t> shape) {
+    TensorEntry entry;
+    entry.name = std::move(name);
+    entry.dtype = std::move(dtype);
+    entry.shape = std::move(shape);
+    return entry;
+  }
   std::string name;
   std::string dtype;  // "F32", "BF16", "F16", "I64"
   std::vector<int64_t> shape;

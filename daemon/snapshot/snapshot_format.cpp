@@ -107,14 +107,6 @@ std::vector<shm::HParams> HParamsFromJson(const std::string& text) {
   return hparams;
 }
 
-TensorEntry Entry(std::string name, std::string dtype, std::vector<int64_t> shape) {
-  TensorEntry entry;
-  entry.name = std::move(name);
-  entry.dtype = std::move(dtype);
-  entry.shape = std::move(shape);
-  return entry;
-}
-
 const std::string& Required(const std::map<std::string, std::string>& metadata, const char* key) {
   auto found = metadata.find(key);
   TS_CHECK(found != metadata.end(), Code::kInvalidArgument, "its metadata has no '{}'", key);
@@ -151,17 +143,17 @@ SafetensorsHeader SnapshotHeader(const SnapshotMeta& meta) {
   SafetensorsHeader header;
   const char* moments = SafetensorsDType(spec.moment_dtype);
   for (uint32_t i = 0; i < spec.params.size(); ++i) {
-    header.tensors.push_back(Entry(TensorName("master", i), "F32", spec.params[i].shape));
-    header.tensors.push_back(Entry(TensorName("exp_avg", i), moments, spec.params[i].shape));
-    header.tensors.push_back(Entry(TensorName("exp_avg_sq", i), moments, spec.params[i].shape));
+    header.tensors.push_back(TensorEntry::Of(TensorName("master", i), "F32", spec.params[i].shape));
+    header.tensors.push_back(TensorEntry::Of(TensorName("exp_avg", i), moments, spec.params[i].shape));
+    header.tensors.push_back(TensorEntry::Of(TensorName("exp_avg_sq", i), moments, spec.params[i].shape));
   }
   for (uint32_t j = 0; j < spec.frozen.size(); ++j) {
     header.tensors.push_back(
-        Entry(TensorName("frozen", j), SafetensorsDType(spec.frozen[j].dtype), spec.frozen[j].shape));
+        TensorEntry::Of(TensorName("frozen", j), SafetensorsDType(spec.frozen[j].dtype), spec.frozen[j].shape));
   }
   const auto buckets = static_cast<int64_t>(shm::ComputeLayout(spec).buckets.size());
-  header.tensors.push_back(Entry("step", "I64", {static_cast<int64_t>(spec.params.size())}));
-  header.tensors.push_back(Entry("bucket_step", "I64", {buckets}));
+  header.tensors.push_back(TensorEntry::Of("step", "I64", {static_cast<int64_t>(spec.params.size())}));
+  header.tensors.push_back(TensorEntry::Of("bucket_step", "I64", {buckets}));
   header.metadata = {{"format", kSnapshotFormat},
                      {"job", meta.job},
                      {"uid", std::to_string(meta.uid)},

@@ -10,14 +10,6 @@
 namespace trainstream::daemon {
 namespace {
 
-TensorEntry Tensor(std::string name, std::string dtype, std::vector<int64_t> shape) {
-  TensorEntry entry;
-  entry.name = std::move(name);
-  entry.dtype = std::move(dtype);
-  entry.shape = std::move(shape);
-  return entry;
-}
-
 // A whole file: header, then the data area filled with `fill`.
 std::string FileOf(SafetensorsHeader& header, uint64_t json_bytes = 0) {
   std::string file = EncodeHeader(header, json_bytes);
@@ -31,7 +23,8 @@ SafetensorsHeader Decode(const std::string& file) {
 
 SafetensorsHeader TwoTensors() {
   SafetensorsHeader header;
-  header.tensors = {Tensor("a", "F32", {2, 3}), Tensor("b", "BF16", {5}), Tensor("empty", "I64", {0})};
+  header.tensors = {TensorEntry::Of("a", "F32", {2, 3}), TensorEntry::Of("b", "BF16", {5}),
+                    TensorEntry::Of("empty", "I64", {0})};
   header.metadata = {{"format", "test"}};
   return header;
 }
