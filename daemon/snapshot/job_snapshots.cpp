@@ -128,7 +128,7 @@ SnapshotWritten JobSnapshots::Take(const std::string& path, uint32_t caller_uid,
   }
   try {
     const FileIdentity as_caller(caller_uid);
-    const SnapshotWritten written =
+    SnapshotWritten written =
         WriteSnapshot(identity_, committed_, *capture, path.empty() ? PathIn(schedule_.dir, identity_.job) : path,
                       std::nullopt, TakeAsIsWhenIdle(*capture, deadline));
     Finish(capture, written);
