@@ -53,17 +53,28 @@ std::string DescribeMismatch(const shm::LayoutSpec& have, const shm::LayoutSpec&
   return fmt::format("options differ ({})", fmt::join(differ, "; "));
 }
 
-// Only the uid that created a job may attach to it or drop it.
+// Only the uid that created a job may attach to it.
 void CheckOwner(const std::string& name, uint32_t owner, uint32_t uid) {
   TS_CHECK(owner == uid, Code::kPermissionDenied, "job '{}' belongs to uid {}", name, owner);
+}
+
+// Only its owner, or root, may drop a job or snapshot it.
+void CheckOwnerOrRoot(const std::string& name, uint32_t owner, uint32_t uid) {
+  TS_CHECK(owner == uid || uid == 0, Code::kPermissionDenied,
+           "job '{}' belongs to uid {}: only that uid or root may drop, snapshot or restore it (you are uid {})", name,
+           owner, uid);
+}
+
+void CheckJobName(const std::string& name) {
+  TS_CHECK(!name.empty() && name.size() <= shm::kMaxJobName, Code::kInvalidArgument,
+           "job name must have 1 to {} characters", shm::kMaxJobName);
 }
 
 }  // namespace
 
 JobRegistry::Found JobRegistry::FindOrCreate(const std::string& name, uint32_t uid, const shm::LayoutSpec& spec,
                                              uint64_t seed) {
-  TS_CHECK(!name.empty() && name.size() <= shm::kMaxJobName, Code::kInvalidArgument,
-           "job name must have 1 to {} characters", shm::kMaxJobName);
+  CheckJobName(name);
   const shm::JobLayout layout = shm::ComputeLayout(spec);  // validates the spec
   std::lock_guard lock(mutex_);
   if (auto it = jobs_.find(name); it != jobs_.end()) {
@@ -73,6 +84,26 @@ JobRegistry::Found JobRegistry::FindOrCreate(const std::string& name, uint32_t u
              DescribeMismatch(job->spec(), spec));
     return {job, false};
   }
+  CheckRoomFor(name, spec, layout);
+  auto orphan = orphans_.find(name);
+  if (orphan != orphans_.end()) {
+    CheckOwner(name, orphan->second.uid, uid);
+    TS_CHECK(orphan->second.layout_hash == layout.hash, Code::kInvalidArgument,
+             "job '{}' was left by a trainstreamd that died, with another layout: drop it (drop_job) to start a new "
+             "job of that name, or attach with its layout to resume it",
+             name);
+    auto job = std::make_shared<Job>(name, uid, spec, seed, pool_, peer_config_, &orphan->second, nullptr, Schedule());
+    orphans_.erase(orphan);
+    jobs_.emplace(name, job);
+    return {job, false};
+  }
+  auto job = std::make_shared<Job>(name, uid, spec, seed, pool_, peer_config_, nullptr, nullptr, Schedule());
+  job->StampSocket(SocketHash(config_.socket));
+  jobs_.emplace(name, job);
+  return {job, true};
+}
+
+void JobRegistry::CheckRoomFor(const std::string& name, const shm::LayoutSpec& spec, const shm::JobLayout& layout) {
   TS_CHECK(jobs_.size() < config_.max_jobs, Code::kResourceExhausted, "job limit reached: {} of max_jobs={}",
            jobs_.size(), config_.max_jobs);
   if (config_.max_host_bytes != 0) {
@@ -83,22 +114,44 @@ JobRegistry::Found JobRegistry::FindOrCreate(const std::string& name, uint32_t u
              "host memory quota exceeded: job '{}' needs {} bytes, {} of max_host_bytes={} in use", name, needed, used,
              config_.max_host_bytes);
   }
-  auto orphan = orphans_.find(name);
-  if (orphan != orphans_.end()) {
-    CheckOwner(name, orphan->second.uid, uid);
-    TS_CHECK(orphan->second.layout_hash == layout.hash, Code::kInvalidArgument,
-             "job '{}' was left by a trainstreamd that died, with another layout: drop it (drop_job) to start a new "
-             "job of that name, or attach with its layout to resume it",
-             name);
-    auto job = std::make_shared<Job>(name, uid, spec, seed, pool_, peer_config_, &orphan->second);
-    orphans_.erase(orphan);
-    jobs_.emplace(name, job);
-    return {job, false};
+}
+
+std::shared_ptr<Job> JobRegistry::Get(const std::string& name, uint32_t uid) {
+  std::lock_guard lock(mutex_);
+  if (auto orphan = orphans_.find(name); orphan != orphans_.end()) {
+    CheckOwnerOrRoot(name, orphan->second.uid, uid);
+    Throw(Code::kFailedPrecondition,
+          "job '{}' was left by a trainstreamd that died and is not re-adopted yet: attach a rank with its name and "
+          "layout first",
+          name);
   }
-  auto job = std::make_shared<Job>(name, uid, spec, seed, pool_, peer_config_);
+  auto it = jobs_.find(name);
+  TS_CHECK(it != jobs_.end(), Code::kNotFound, "no job named '{}'", name);
+  CheckOwnerOrRoot(name, it->second->uid(), uid);
+  return it->second;
+}
+
+std::shared_ptr<Job> JobRegistry::Restore(const std::string& name, uint32_t owner, const SnapshotFile& snapshot) {
+  CheckJobName(name);
+  const shm::LayoutSpec& spec = snapshot.meta().spec;
+  const shm::JobLayout layout = shm::ComputeLayout(spec);
+  auto check_free = [&] {
+    TS_CHECK(!jobs_.contains(name) && !orphans_.contains(name), Code::kAlreadyExists,
+             "a job named '{}' exists already: drop it first, or restore under another name", name);
+    CheckRoomFor(name, spec, layout);
+  };
+  {
+    std::lock_guard lock(mutex_);
+    check_free();
+  }
+  // Filled outside the lock (a large state takes a while); the name is checked again before it counts.
+  auto job = std::make_shared<Job>(name, owner, spec, snapshot.meta().seed, pool_, peer_config_, nullptr, &snapshot,
+                                   Schedule());
   job->StampSocket(SocketHash(config_.socket));
+  std::lock_guard lock(mutex_);
+  check_free();
   jobs_.emplace(name, job);
-  return {job, true};
+  return job;
 }
 
 size_t JobRegistry::ClaimOrphans() {
@@ -132,14 +185,14 @@ void JobRegistry::Drop(const std::string& name, uint32_t uid, bool force) {
   {
     std::lock_guard lock(mutex_);
     if (auto orphan = orphans_.find(name); orphan != orphans_.end()) {
-      CheckOwner(name, orphan->second.uid, uid);
+      CheckOwnerOrRoot(name, orphan->second.uid, uid);
       RemoveJobSegments(orphan->second.uid, orphan->second.key);
       orphans_.erase(orphan);
       return;
     }
     auto it = jobs_.find(name);
     TS_CHECK(it != jobs_.end(), Code::kNotFound, "no job named '{}'", name);
-    CheckOwner(name, it->second->uid(), uid);
+    CheckOwnerOrRoot(name, it->second->uid(), uid);
     it->second->Close("it was dropped", force);
     job = std::move(it->second);
     jobs_.erase(it);

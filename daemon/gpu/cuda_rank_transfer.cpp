@@ -72,6 +72,18 @@ void CheckFits(const shm::CudaIpcExport& exported) {
            "cuda-ipc: {} weights-wanted events; 1 to {} are allowed", wanted, kMaxEvents);
 }
 
+// `done`, after adding a successful copy's bytes to `counter` (or counting the failure).
+Done Counted(std::atomic<uint64_t>& counter, size_t bytes, Done done) {
+  return [&counter, bytes, done = std::move(done)](std::optional<Error> error) {
+    if (error) {
+      ProcessCounters::Instance().CountError(ErrorKind::kGpuCopy);
+    } else {
+      counter.fetch_add(bytes, std::memory_order_relaxed);
+    }
+    done(std::move(error));
+  };
+}
+
 }  // namespace
 
 std::shared_ptr<CudaRankTransfer> CudaRankTransfer::Open(const shm::CudaIpcExport& exported,
@@ -142,7 +154,7 @@ void CudaRankTransfer::PullGradients(uint32_t slot, void* host, size_t bytes, Do
           d.Check(d.cuMemcpyDtoHAsync(part.data, source + offset, part.bytes, stream), "copying gradients to the host");
         }
       },
-      std::move(done), GateOn(grad_ready_[slot]));
+      Counted(gpu_->counters->to_host_bytes, bytes, std::move(done)), GateOn(grad_ready_[slot]));
 }
 
 void CudaRankTransfer::AwaitWeightsWanted(uint32_t event, Done done) {
@@ -163,7 +175,7 @@ void CudaRankTransfer::PushWeights(uint64_t offset, const void* host, size_t byt
                   "copying weights to the GPU");
         }
       },
-      std::move(done), GateOn(nullptr));
+      Counted(gpu_->counters->to_device_bytes, bytes, std::move(done)), GateOn(nullptr));
 }
 
 void CudaRankTransfer::ReleaseHost(const void* base, size_t bytes) {
