@@ -825,7 +825,7 @@ TEST_F(CudaIpcPagedBucketTest, ABucketOffTheGpuIsAnnouncedAndNeverPushed) {
     reference.Step(step, TestHParams());
   }
   reference.ExpectMatches(*client_);
-  ExpectGpuHoldsMaster();  // the buckets on the GPU
+  ExpectGpuHoldsMaster();                                      // the buckets on the GPU
   EXPECT_EQ(gpu_->pushes, 4 * static_cast<int>(buckets - 1));  // the load and three steps, never bucket 0
   EXPECT_TRUE(client_->sink().failures().empty());
 }
