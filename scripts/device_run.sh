@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Builds trainstream on the GPU machine and runs the chosen stages, writing logs and JSON under $OUT.
-# Carry `.device` (holding sysroot.tgz, see ../shared/device/README.md) with the device tool.
+# Carry `.device` (holding sysroot.tgz, see ../shared/device/README.md) with the device tool. The
+# daemon's metrics need prometheus-cpp in it, which the sysroot script leaves out by default:
+#   EXTRA_PKGS="prometheus-cpp-dev libprometheus-cpp-core1.0 libprometheus-cpp-pull1.0 libcivetweb1" \
+#     ../shared/device/make-sysroot.sh /tmp/sr/sysroot && tar -C /tmp/sr -czf .device/sysroot.tgz sysroot
 #   scripts/device_run.sh build test bench-adamw gpt-small gpt-large
 # TRAINSTREAM_TRANSPORT=cuda-client-copy runs the GPU stages through the fallback transport (the
 # default is cuda-ipc); the gpt stages name their JSON after it. The torchao stage installs the
