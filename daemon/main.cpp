@@ -23,6 +23,7 @@
 #include "daemon/control/control_service.h"
 #include "daemon/control/control_socket.h"
 #include "daemon/control/job_registry.h"
+#include "daemon/metrics/metrics_server.h"
 #include "daemon/optimizer/adamw_kernels.h"
 #include "daemon/peer/peer_service.h"
 #include "daemon/systemd_notify.h"
@@ -120,6 +121,23 @@ std::unique_ptr<grpc::Server> StartControlServer(ControlService& service) {
   return server;
 }
 
+// The Prometheus endpoint, if --metrics-listen asks for one.
+std::unique_ptr<MetricsServer> StartMetrics(const Config& config, JobRegistry& registry, const WorkerPool& pool) {
+  if (config.metrics_listen.empty()) return nullptr;
+  auto metrics = std::make_unique<MetricsServer>(config.metrics_listen, registry, pool);
+  spdlog::info("metrics endpoint listening on {} (port {}), path /metrics", config.metrics_listen, metrics->port());
+  return metrics;
+}
+
+// Snapshots without a path, and periodic ones, go to --snapshot-dir: it must exist before they do.
+void PrepareSnapshotDir(const Config& config) {
+  if (config.snapshot_dir.empty()) return;
+  std::error_code error;
+  std::filesystem::create_directories(config.snapshot_dir, error);
+  TS_CHECK(!error && std::filesystem::is_directory(config.snapshot_dir), Code::kFailedPrecondition,
+           "cannot create the snapshot directory {}: {}", config.snapshot_dir, error.message());
+}
+
 int Serve(const Config& config) {
   spdlog::set_level(spdlog::level::from_str(config.log_level));
   spdlog::set_pattern("[%Y-%m-%d %H:%M:%S.%e] [trainstreamd] [%l] %v");
@@ -137,6 +155,7 @@ int Serve(const Config& config) {
 
   RaiseOpenFileLimit();
   PrepareSocketPath(config.socket);
+  PrepareSnapshotDir(config);
   const uint32_t threads = config.threads != 0 ? config.threads : std::max<uint32_t>(1, AllowedCpus().size());
   WorkerPool pool(threads);
   PeerMailbox mailbox;
@@ -152,6 +171,7 @@ int Serve(const Config& config) {
         return caller->uid;
       },
       config);
+  const std::unique_ptr<MetricsServer> metrics = StartMetrics(config, registry, pool);
 
   std::unique_ptr<grpc::Server> server = StartControlServer(service);
   socket = std::make_unique<ControlSocket>(config.socket, config.socket_mode, *server);

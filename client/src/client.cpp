@@ -83,7 +83,17 @@ StatsReport Client::Stats() {
                      .host_bytes = reply.host_bytes(),
                      .rss_bytes = reply.rss_bytes(),
                      .worker_threads = reply.worker_threads(),
-                     .kernel = reply.kernel()};
+                     .kernel = reply.kernel(),
+                     .daemon_version = reply.daemon_version(),
+                     .pid = reply.pid(),
+                     .uptime_seconds = reply.uptime_seconds(),
+                     .pinned_bytes = reply.pinned_bytes(),
+                     .max_host_bytes = reply.max_host_bytes(),
+                     .max_jobs = reply.max_jobs(),
+                     .gpus = {}};
+  for (const v1::GpuStats& gpu : reply.gpus()) {
+    report.gpus.push_back(GpuReport{gpu.gpu(), gpu.to_host_bytes(), gpu.to_device_bytes()});
+  }
   for (const v1::JobStats& job : reply.jobs()) {
     report.jobs.push_back(JobReport{
         .name = job.name(),
@@ -101,6 +111,14 @@ StatsReport Client::Stats() {
         .attached_ranks = {job.attached_ranks().begin(), job.attached_ranks().end()},
         .transports = {job.transports().begin(), job.transports().end()},
         .orphaned = job.orphaned(),
+        .steps = job.steps(),
+        .update_seconds = job.update_seconds(),
+        .last_update_unix_ms = job.last_update_unix_ms(),
+        .last_step_unix_ms = job.last_step_unix_ms(),
+        .host_bytes = job.host_bytes(),
+        .pinned_bytes = job.pinned_bytes(),
+        .last_snapshot = job.last_snapshot(),
+        .last_snapshot_step = job.last_snapshot_step(),
     });
   }
   return report;
@@ -115,6 +133,31 @@ void Client::DropJob(const std::string& job, bool force, std::optional<uint32_t>
   Call(kRpcTimeout, waits_, fmt::format("drop job '{}'", job), [&](grpc::ClientContext* context, CallDone done) {
     impl_->stub->async()->DropJob(context, &request, &reply, std::move(done));
   });
+}
+
+SnapshotReport Client::Snapshot(const std::string& job, const std::string& path, std::chrono::milliseconds timeout,
+                                std::optional<uint32_t> owner_uid) {
+  v1::SnapshotRequest request;
+  request.set_job(job);
+  request.set_path(path);
+  if (owner_uid) request.set_owner_uid(*owner_uid);
+  v1::SnapshotReply reply;
+  Call(timeout, waits_, fmt::format("snapshot of job '{}'", job), [&](grpc::ClientContext* context, CallDone done) {
+    impl_->stub->async()->Snapshot(context, &request, &reply, std::move(done));
+  });
+  return SnapshotReport{reply.path(), reply.step(), reply.bytes()};
+}
+
+RestoreReport Client::Restore(const std::string& path, const std::string& job) {
+  v1::RestoreRequest request;
+  request.set_path(path);
+  request.set_job(job);
+  v1::RestoreReply reply;
+  Call(std::chrono::minutes(10),  // a large state takes a while
+       waits_, fmt::format("restore from '{}'", path), [&](grpc::ClientContext* context, CallDone done) {
+         impl_->stub->async()->Restore(context, &request, &reply, std::move(done));
+       });
+  return RestoreReport{reply.job(), reply.step()};
 }
 
 std::unique_ptr<RankSession> Client::Attach(const std::string& job, uint32_t rank, const shm::LayoutSpec& spec,

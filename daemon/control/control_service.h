@@ -3,6 +3,7 @@
 // uid comes from the connection (daemon/control/control_socket.h), never from the request.
 #pragma once
 
+#include <chrono>
 #include <functional>
 #include <optional>
 #include <string>
@@ -36,6 +37,10 @@ class ControlService final : public v1::Control::Service {
   grpc::Status Stats(grpc::ServerContext* context, const v1::StatsRequest* request, v1::StatsReply* reply) override;
   grpc::Status DropJob(grpc::ServerContext* context, const v1::DropJobRequest* request,
                        v1::DropJobReply* reply) override;
+  grpc::Status Snapshot(grpc::ServerContext* context, const v1::SnapshotRequest* request,
+                        v1::SnapshotReply* reply) override;
+  grpc::Status Restore(grpc::ServerContext* context, const v1::RestoreRequest* request,
+                       v1::RestoreReply* reply) override;
 
  private:
   JobRegistry& registry_;
@@ -48,6 +53,7 @@ class ControlService final : public v1::Control::Service {
                           UnattachedSessions::Entry& unattached);
 
   const std::string peer_address_;
+  const std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
   const CallerUid caller_uid_;
   UnattachedSessions unattached_;
 };

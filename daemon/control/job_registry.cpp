@@ -53,12 +53,16 @@ std::string DescribeMismatch(const shm::LayoutSpec& have, const shm::LayoutSpec&
   return fmt::format("options differ ({})", fmt::join(differ, "; "));
 }
 
+void CheckJobName(const std::string& name) {
+  TS_CHECK(!name.empty() && name.size() <= shm::kMaxJobName, Code::kInvalidArgument,
+           "job name must have 1 to {} characters", shm::kMaxJobName);
+}
+
 }  // namespace
 
 JobRegistry::Found JobRegistry::FindOrCreate(const std::string& name, uint32_t uid, const shm::LayoutSpec& spec,
                                              uint64_t seed) {
-  TS_CHECK(!name.empty() && name.size() <= shm::kMaxJobName, Code::kInvalidArgument,
-           "job name must have 1 to {} characters", shm::kMaxJobName);
+  CheckJobName(name);
   const shm::JobLayout layout = shm::ComputeLayout(spec);  // validates the spec
   const JobId id{uid, name};
   std::lock_guard lock(mutex_);
@@ -68,6 +72,25 @@ JobRegistry::Found JobRegistry::FindOrCreate(const std::string& name, uint32_t u
              DescribeMismatch(job->spec(), spec));
     return {job, false};
   }
+  CheckRoomFor(name, spec, layout);
+  auto orphan = orphans_.find(id);
+  if (orphan != orphans_.end()) {
+    TS_CHECK(orphan->second.layout_hash == layout.hash, Code::kInvalidArgument,
+             "job '{}' was left by a trainstreamd that died, with another layout: drop it (drop_job) to start a new "
+             "job of that name, or attach with its layout to resume it",
+             name);
+    auto job = std::make_shared<Job>(name, uid, spec, seed, pool_, peer_config_, &orphan->second, nullptr, Schedule());
+    orphans_.erase(orphan);
+    jobs_.emplace(id, job);
+    return {job, false};
+  }
+  auto job = std::make_shared<Job>(name, uid, spec, seed, pool_, peer_config_, nullptr, nullptr, Schedule());
+  job->StampSocket(SocketHash(config_.socket));
+  jobs_.emplace(id, job);
+  return {job, true};
+}
+
+void JobRegistry::CheckRoomFor(const std::string& name, const shm::LayoutSpec& spec, const shm::JobLayout& layout) {
   TS_CHECK(jobs_.size() < config_.max_jobs, Code::kResourceExhausted, "job limit reached: {} of max_jobs={}",
            jobs_.size(), config_.max_jobs);
   if (config_.max_host_bytes != 0) {
@@ -86,21 +109,42 @@ JobRegistry::Found JobRegistry::FindOrCreate(const std::string& name, uint32_t u
                name, other.first);
     }
   }
-  auto orphan = orphans_.find(id);
-  if (orphan != orphans_.end()) {
-    TS_CHECK(orphan->second.layout_hash == layout.hash, Code::kInvalidArgument,
-             "job '{}' was left by a trainstreamd that died, with another layout: drop it (drop_job) to start a new "
-             "job of that name, or attach with its layout to resume it",
-             name);
-    auto job = std::make_shared<Job>(name, uid, spec, seed, pool_, peer_config_, &orphan->second);
-    orphans_.erase(orphan);
-    jobs_.emplace(id, job);
-    return {job, false};
+}
+
+std::shared_ptr<Job> JobRegistry::Get(const std::string& name, uint32_t uid) {
+  const JobId id{uid, name};
+  std::lock_guard lock(mutex_);
+  TS_CHECK(!orphans_.contains(id), Code::kFailedPrecondition,
+           "job '{}' was left by a trainstreamd that died and is not re-adopted yet: attach a rank with its name and "
+           "layout first",
+           name);
+  auto it = jobs_.find(id);
+  TS_CHECK(it != jobs_.end(), Code::kNotFound, "uid {} has no job named '{}'", uid, name);
+  return it->second;
+}
+
+std::shared_ptr<Job> JobRegistry::Restore(const std::string& name, uint32_t owner, const SnapshotFile& snapshot) {
+  CheckJobName(name);
+  const shm::LayoutSpec& spec = snapshot.meta().spec;
+  const shm::JobLayout layout = shm::ComputeLayout(spec);
+  const JobId id{owner, name};
+  auto check_free = [&] {
+    TS_CHECK(!jobs_.contains(id) && !orphans_.contains(id), Code::kAlreadyExists,
+             "a job named '{}' exists already (uid {}): drop it first, or restore under another name", name, owner);
+    CheckRoomFor(name, spec, layout);
+  };
+  {
+    std::lock_guard lock(mutex_);
+    check_free();
   }
-  auto job = std::make_shared<Job>(name, uid, spec, seed, pool_, peer_config_);
+  // Filled outside the lock (a large state takes a while); the name is checked again before it counts.
+  auto job = std::make_shared<Job>(name, owner, spec, snapshot.meta().seed, pool_, peer_config_, nullptr, &snapshot,
+                                   Schedule());
   job->StampSocket(SocketHash(config_.socket));
+  std::lock_guard lock(mutex_);
+  check_free();
   jobs_.emplace(id, job);
-  return {job, true};
+  return job;
 }
 
 size_t JobRegistry::ClaimOrphans() {

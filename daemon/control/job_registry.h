@@ -36,6 +36,13 @@ class JobRegistry {
   // Removes `uid`'s job `name`; kFailedPrecondition if ranks are attached and not `force` (their
   // sessions fail).
   void Drop(const std::string& name, uint32_t uid, bool force);
+  // `uid`'s job called `name` (a snapshot); kNotFound, or kFailedPrecondition for a job a dead daemon
+  // left that no rank has re-adopted yet.
+  std::shared_ptr<Job> Get(const std::string& name, uint32_t uid);
+  // Creates job `name`, owned by `owner`, from a snapshot of its layout: the next attach with that
+  // layout resumes it. kAlreadyExists if a job (or an orphan) of `owner` has the name; quotas as for a
+  // new job.
+  std::shared_ptr<Job> Restore(const std::string& name, uint32_t owner, const SnapshotFile& snapshot);
   std::vector<std::shared_ptr<Job>> Jobs();
   // Drops jobs idle for longer than the TTL. Returns how many.
   size_t ExpireIdle();
@@ -44,10 +51,15 @@ class JobRegistry {
   // Claims the jobs of daemons that died (daemon/control/orphaned_jobs.h). Returns how many.
   size_t ClaimOrphans();
   std::vector<OrphanedJob> Orphans();  // claimed, not re-adopted yet
+  [[nodiscard]] const Config& config() const { return config_; }
 
  private:
   using JobId = std::pair<uint32_t, std::string>;  // owner uid, name
   void DropWaitingFragments(const Job& job);       // peers' fragments for a multi-node job, in the mailbox
+  // A new job of this layout fits in max_jobs and max_host_bytes, and a multi-node one's name is free
+  // among the multi-node jobs (requires mutex_).
+  void CheckRoomFor(const std::string& name, const shm::LayoutSpec& spec, const shm::JobLayout& layout);
+  [[nodiscard]] SnapshotSchedule Schedule() const { return {config_.snapshot_dir, config_.snapshot_every}; }
 
   const Config& config_;
   WorkerPool& pool_;

@@ -30,7 +30,8 @@ void CheckHParams(const shm::HParams& h, uint32_t group) {
 }  // namespace
 
 StepEngine::StepEngine(std::string job_name, const shm::LayoutSpec& spec, const shm::JobLayout& layout,
-                       shm::StateView state, uint64_t seed, WorkerPool& pool, AllReduce* peers)
+                       shm::StateView state, uint64_t seed, WorkerPool& pool, AllReduce* peers,
+                       CommitObserver on_commit)
     : job_name_(std::move(job_name)),
       spec_(spec),
       layout_(layout),
@@ -39,6 +40,7 @@ StepEngine::StepEngine(std::string job_name, const shm::LayoutSpec& spec, const 
       seed_(seed),
       pool_(pool),
       peers_(peers),
+      on_commit_(std::move(on_commit)),
       ranks_(spec.world_size),
       buckets_(layout.buckets.size()),
       had_grad_(spec.params.size(), 0) {
@@ -475,6 +477,7 @@ void StepEngine::StartUpdate(uint32_t b, float clip_coefficient) {
     return;
   }
   progress.updating = true;
+  progress.update_started = std::chrono::steady_clock::now();
   const uint64_t step = progress.step;
   const shm::HParams* hparams = HParamsFor(step);
   const bool decoupled = spec_.optimizer == shm::OptimizerKind::kAdamW;
@@ -517,12 +520,36 @@ void StepEngine::OnUpdated(uint32_t b, uint64_t step, bool nonfinite) {
   progress.step = step + 1;
   RestartBucket(b);  // collects the next step from scratch
   updates_++;
-  if (++updated_[step] == buckets_.size()) {  // before the last PARAMS_READY: a client may read it then
+  const bool step_completed = ++updated_[step] == buckets_.size();
+  if (step_completed) {  // before the last PARAMS_READY: a client may read it then
     updated_.erase(step);
     clip_gates_.erase(step);
     state_.header->completed_step.store(step);
   }
   PublishWeights(b, step);
+  const std::chrono::duration<double> took = std::chrono::steady_clock::now() - progress.update_started;
+  NotifyCommit(Commit{.bucket = b, .step = step, .step_completed = step_completed, .update_seconds = took.count()});
+}
+
+void StepEngine::NotifyCommit(Commit commit) {
+  if (!on_commit_) return;
+  for (const auto& channel : ranks_) {  // the table HParamsFor reads, unvalidated: a record, not for use
+    if (channel) {
+      commit.hparams = channel->view.hparams + (commit.step % 2) * spec_.num_groups;
+      break;
+    }
+  }
+  on_commit_(commit);
+}
+
+void StepEngine::AnnounceCommitted() {
+  ++inflight_;
+  Continue([this] {
+    for (uint32_t b = 0; b < buckets_.size(); ++b) {
+      if (loading_ || buckets_[b].updating) continue;
+      NotifyCommit(Commit{.bucket = b, .step = state_.bucket_state[b].applied_step.load(), .announced = true});
+    }
+  });
 }
 
 void StepEngine::OnLoadState(RankChannel& channel, const shm::Message& message) {
@@ -567,6 +594,10 @@ void StepEngine::OnLoadState(RankChannel& channel, const shm::Message& message) 
                                   : -1;
           }
           for (uint32_t bucket = buckets_.size(); bucket-- > 0;) PublishWeights(bucket, step);
+          for (uint32_t bucket = 0; bucket < buckets_.size(); ++bucket) {
+            NotifyCommit(Commit{
+                .bucket = bucket, .step = step, .step_completed = bucket + 1 == buckets_.size(), .loaded = true});
+          }
         });
   }
 }
@@ -634,7 +665,10 @@ void StepEngine::MaybePush(const std::shared_ptr<RankChannel>& channel, uint32_t
       loading_ || progress.updating || state_.header->initialized == 0) {
     return;
   }
-  if (channel->on_gpu == step) {  // the rank's GPU holds these weights already: nothing to copy
+  const std::optional<uint64_t> offset = channel->transfer->ParamsOffset(b);
+  // Nothing to copy when the rank's GPU holds these weights already, or keeps the bucket off it (weight
+  // paging: the rank loads the bucket from the host copy itself, once told it is final).
+  if (channel->on_gpu == step || !offset) {
     channel->pushed[b] = step;
     return PostTo(
         *channel,
@@ -647,7 +681,7 @@ void StepEngine::MaybePush(const std::shared_ptr<RankChannel>& channel, uint32_t
   ++progress.pushes;
   ++inflight_;
   const uint64_t generation = channel->push_generation;
-  channel->transfer->PushWeights(bucket.grad_offset, source, bucket.bytes(),
+  channel->transfer->PushWeights(*offset, source, bucket.bytes(),
                                  [this, channel, b, step, generation](std::optional<Error> error) {
                                    Continue([this, channel, b, step, generation, error = std::move(error)] {
                                      OnPushed(channel, b, static_cast<uint64_t>(step), generation, error);

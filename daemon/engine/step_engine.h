@@ -21,6 +21,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -40,6 +41,20 @@
 
 namespace trainstream::daemon {
 
+// A bucket's state (master weights, moments, its parameters' step counts) has committed `step`: it
+// stays as it is until the bucket's next update starts. The engine tells its job on the engine thread,
+// so what the job does then (a snapshot copies the bucket) delays that thread's next work.
+struct Commit {
+  uint32_t bucket = 0;
+  uint64_t step = 0;
+  bool step_completed = false;            // every bucket has now committed `step`
+  bool loaded = false;                    // a state load (LOAD_STATE) set it, not an update
+  bool announced = false;                 // AnnounceCommitted's replay of a commit made earlier
+  double update_seconds = 0;              // how long the update pass took (0 unless an update committed)
+  const shm::HParams* hparams = nullptr;  // [num_groups] in force for `step`; nullptr: no rank attached
+};
+using CommitObserver = std::function<void(const Commit&)>;
+
 struct EngineStats {
   uint64_t updates = 0;          // bucket updates completed
   uint64_t nonfinite_steps = 0;  // steps whose gradient norm was inf/NaN
@@ -48,9 +63,10 @@ struct EngineStats {
 
 class StepEngine {
  public:
-  // `peers` sums the gradients over the daemons of a multi-node job (nullptr for one node).
+  // `peers` sums the gradients over the daemons of a multi-node job (nullptr for one node);
+  // `on_commit` hears of every commit of a bucket's state.
   StepEngine(std::string job_name, const shm::LayoutSpec& spec, const shm::JobLayout& layout, shm::StateView state,
-             uint64_t seed, WorkerPool& pool, AllReduce* peers = nullptr);
+             uint64_t seed, WorkerPool& pool, AllReduce* peers = nullptr, CommitObserver on_commit = {});
   ~StepEngine();  // stops the thread and waits for in-flight work
   StepEngine(const StepEngine&) = delete;
   StepEngine& operator=(const StepEngine&) = delete;
@@ -72,6 +88,9 @@ class StepEngine {
   EngineStats Stats();
   // Fails every attached session (daemon shutdown, job dropped).
   void FailAll(const std::string& message);
+  // Soon, on the engine thread: tells on_commit again of the committed state of every bucket that no
+  // update or load is changing now (Commit::announced); the others are told when they commit.
+  void AnnounceCommitted();
 
  private:
   enum class Phase { kCollecting, kBusy, kAwaitingClip };
@@ -86,6 +105,7 @@ class StepEngine {
     bool updating = false;                     // the update pass runs: master and upload change
     uint32_t pushes = 0;                       // pushes to GPUs in flight: master and upload are read
     std::optional<float> update_after_pushes;  // the clip coefficient of an update waiting for them
+    std::chrono::steady_clock::time_point update_started;
   };
   struct ClipGate {  // per step, with clipping: buckets whose norm is known
     uint32_t normed = 0;
@@ -124,6 +144,7 @@ class StepEngine {
   void StartUpdate(uint32_t bucket, float clip_coefficient);
   void OnNormed(uint32_t bucket, double sum_of_squares, bool nonfinite);
   void OnUpdated(uint32_t bucket, uint64_t step, bool nonfinite);
+  void NotifyCommit(Commit commit);  // fills in the hyperparameters
   // Counts `step` once among the non-finite steps and tells every rank why.
   void ReportNonFinite(uint64_t step, const std::string& what);
   void PostToAll(const shm::Message& message);
@@ -147,6 +168,7 @@ class StepEngine {
   const uint64_t seed_;
   WorkerPool& pool_;
   AllReduce* const peers_;
+  const CommitObserver on_commit_;
 
   std::once_flag placed_;
   std::mutex mutex_;                                 // guards ranks_ and diverged_
