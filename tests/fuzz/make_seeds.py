@@ -51,8 +51,8 @@ def write(harness: str, name: str, data: bytes) -> None:
 def ring_seeds() -> None:
     grad, load, final = 1, 2, 1
     one_step = message(load) + b"".join(message(grad, final, b, 1) for b in range(3))
-    write("fuzz_ring_messages", "one-rank-one-step", bytes([0]) + b"".join(bytes([0]) + m for m in
-                                                                          [one_step[i:i + 64] for i in range(0, 256, 64)]))
+    pieces = [one_step[i:i + 64] for i in range(0, 256, 64)]
+    write("fuzz_ring_messages", "one-rank-one-step", bytes([0]) + b"".join(bytes([0]) + m for m in pieces))
     two = [bytes([0]) + message(load)] + [bytes([r]) + message(grad, final, b, 1) for b in range(3) for r in (0, 1)]
     write("fuzz_ring_messages", "two-ranks-clipped", bytes([1 | 4]) + b"".join(two))
     accumulate = [bytes([0]) + message(load)] + [bytes([0]) + message(grad, final if m else 0, b, 1, m)
