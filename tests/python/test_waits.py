@@ -82,14 +82,14 @@ def test_a_stopped_daemon_ends_the_wait_with_an_error(tmp_path):
                                       job="stopped", wait_timeout=3)
         model(torch.randn(2, 4)).sum().backward()
         opt.step()
-        trainstream.synchronize()
+        trainstream.synchronize(model)
         d.process.send_signal(signal.SIGSTOP)
         try:
             assert wait_until(lambda: stopped(d.process.pid))  # every thread of it, not just the signal sent
             model(torch.randn(2, 4)).sum().backward()  # the gradients go into the ring: nothing to wait for
             opt.step()
             with pytest.raises(trainstream.TrainstreamError, match="does not answer .*SIGSTOP"):
-                trainstream.synchronize()
+                trainstream.synchronize(model)
         finally:
             d.process.send_signal(signal.SIGCONT)
     finally:
