@@ -15,6 +15,7 @@ namespace trainstream {
 
 namespace {
 constexpr auto kStatsTimeout = std::chrono::seconds(2);  // a daemon slower than this counts as not answering
+constexpr auto kCloseGrace = std::chrono::seconds(2);    // for the daemon to detach a closing rank
 const v1::StatsRequest request_stats;
 
 // The daemon's pid is a liveness signal only if it names the daemon in our pid namespace.
@@ -437,11 +438,17 @@ std::vector<std::string> RankSession::TakeWarnings() {
   return std::exchange(impl_->warnings, {});
 }
 
+// Half-closes the stream and waits for the daemon to end it, so that the daemon has detached the rank
+// when Close returns: a DropJob right after unwrap() used to find the rank still attached now and then.
+// A daemon that does not end the stream within kCloseGrace (stopped, say) is cancelled instead.
 void RankSession::Close() {
-  if (!impl_->closing.exchange(true)) {
-    impl_->context.TryCancel();
-    if (impl_->reader.joinable()) impl_->reader.join();
+  if (impl_->closing.exchange(true)) return;
+  if (impl_->stream->WritesDone()) {
+    std::unique_lock lock(impl_->event_mutex);
+    impl_->attach_answered.wait_for(lock, kCloseGrace, [&] { return impl_->ended.has_value(); });
   }
+  impl_->context.TryCancel();
+  if (impl_->reader.joinable()) impl_->reader.join();
 }
 
 }  // namespace trainstream

@@ -117,10 +117,22 @@ def test_unwrap_leaves_a_working_torch_optimizer_holding_the_state(client, memor
         client.drop_job("kept")
 
 
+def test_a_job_can_be_dropped_as_soon_as_unwrap_returns(client):
+    """unwrap() returns once the daemon has detached the rank: a drop right after it used to find the
+    rank still attached, now and then."""
+    for _ in range(50):
+        model = mlp()
+        model, opt = trainstream.wrap(model, adamw(model.parameters()), client=client, job="unwrapped")
+        train(model, opt, 1)
+        trainstream.unwrap(model)
+        client.drop_job("unwrapped")
+
+
 def test_half_after_wrap_keeps_the_fp32_master_weights_and_moments(client):
     model = mlp()
     model, opt = trainstream.wrap(model, adamw(model.parameters()), client=client, job="converted")
     train(model, opt, 3)
+    opt.synchronize()  # the third update may still be running: read the state after it
     rank = trainstream._wrap._rank_of(model)
     master = [rank.regions.master_view(i).clone() for i in range(len(rank.params))]
     moments = [torch.stack(rank.regions.moment_views(i)).clone() for i in range(len(rank.params))]
