@@ -85,8 +85,9 @@ bool BucketPasses::Update(const Block& block, const Sources& sources, float scal
       // block never crosses a 2^32-element boundary of its parameter, as the kernels require of the
       // high index bits.
       .element_base = (uint64_t{block.param} << 40) + block.begin};
-  optimizer::AdamWUpdate(grads, step, state_.master + element, moments, Upload(block), block.count);
-  return optimizer::AnyNonFinite(state_.master + element, block.count);
+  float* master = state_.master + element;
+  return optimizer::AdamWUpdate(grads, step, optimizer::StateIn::InPlace(master, moments), master, moments,
+                                Upload(block), block.count);
 }
 
 void BucketPasses::UploadMaster(const Block& block) const {

@@ -177,14 +177,14 @@ TEST_F(BucketPassesTest, UpdateIsTheOptimizerKernelOnTheBlocksElements) {
   std::vector<std::byte> upload(count * SizeOf(DTypeOf(kE)));
   const std::vector<const void*> slots = {Grad(0, kE) + begin * SizeOf(DTypeOf(kE)),
                                           Grad(1, kE) + begin * SizeOf(DTypeOf(kE))};
+  const optimizer::MomentBuffers moments{.exp_avg = exp_avg.data(),
+                                         .exp_avg_sq = exp_avg_sq.data(),
+                                         .dtype = spec_.moment_dtype,
+                                         .sr_seed = kSeed,
+                                         // rounding keyed by (parameter, element of it)
+                                         .element_base = (uint64_t{kE} << 40) + begin};
   optimizer::AdamWUpdate({.slots = slots, .dtype = DTypeOf(kE), .accum = Accum(kE) + begin, .scale = kScale}, step,
-                         master.data(),
-                         {.exp_avg = exp_avg.data(),
-                          .exp_avg_sq = exp_avg_sq.data(),
-                          .dtype = spec_.moment_dtype,
-                          .sr_seed = kSeed,
-                          // rounding keyed by (parameter, element of it)
-                          .element_base = (uint64_t{kE} << 40) + begin},
+                         optimizer::StateIn::InPlace(master.data(), moments), master.data(), moments,
                          {.data = upload.data(), .dtype = DTypeOf(kE)}, count);
 
   const float before = Master(kE)[begin - 1];
