@@ -94,7 +94,7 @@ std::unique_ptr<RankSession::Impl> RankSession::Impl::Open(v1::Control::Stub& st
   impl->params_ready.assign(buckets, -1);
   if (impl->initialized) {
     for (size_t b = 0; b < buckets; ++b) {
-      impl->params_ready[b] = static_cast<int64_t>(impl->state.bucket_state[b].applied_step.load());
+      impl->params_ready[b] = static_cast<int64_t>(impl->state.bucket_state[b].Load().step);
     }
   }
   impl->reader = std::thread([raw = impl.get()] { raw->ReadEvents(); });
@@ -211,7 +211,11 @@ uint64_t RankSession::completed_step() const {
 }
 uint64_t RankSession::applied_step(uint32_t bucket) const {
   TS_CHECK(bucket < impl_->layout.buckets.size(), Code::kInvalidArgument, "bucket {} out of range", bucket);
-  return impl_->state.bucket_state[bucket].applied_step.load();
+  return impl_->state.bucket_state[bucket].Load().step;
+}
+uint32_t RankSession::committed_half(uint32_t bucket) const {
+  TS_CHECK(bucket < impl_->layout.buckets.size(), Code::kInvalidArgument, "bucket {} out of range", bucket);
+  return impl_->state.bucket_state[bucket].Load().half;
 }
 shm::StateView RankSession::state() const {
   return impl_->state;

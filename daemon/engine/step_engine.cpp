@@ -43,7 +43,7 @@ StepEngine::StepEngine(std::string job_name, const shm::LayoutSpec& spec, const 
       buckets_(layout.buckets.size()),
       had_grad_(spec.params.size(), 0) {
   for (size_t b = 0; b < buckets_.size(); ++b) {
-    buckets_[b].step = state_.bucket_state[b].applied_step.load() + 1;
+    buckets_[b].step = state_.bucket_state[b].Load().step + 1;
     buckets_[b].delivered.assign(spec.world_size, 0);
   }
   thread_ = std::thread([this] { Loop(); });
@@ -468,6 +468,9 @@ void StepEngine::OnNormed(uint32_t b, double sum_of_squares, bool nonfinite) {
   }
 }
 
+// Reads bucket b's committed half and writes the other (the same half, in place, with one half): the
+// parameters with a gradient get their update, the others their state carried over unchanged (with one
+// half there is nothing to carry), and the step counts go to the other half alike. OnUpdated commits.
 void StepEngine::StartUpdate(uint32_t b, float clip_coefficient) {
   BucketProgress& progress = buckets_[b];
   if (progress.pushes > 0) {  // a GPU still reads the weights of the last step
@@ -476,24 +479,41 @@ void StepEngine::StartUpdate(uint32_t b, float clip_coefficient) {
   }
   progress.updating = true;
   const uint64_t step = progress.step;
+  const shm::BucketCommit committed = state_.bucket_state[b].Load();
+  const uint32_t to = OtherHalf(committed.half);
+  if (spec_.state_halves == 1) {  // torn until OnUpdated: a daemon that adopts the job must know
+    state_.bucket_state[b].Store({.step = committed.step, .half = 0, .updating = true});
+  }
+  const shm::StateHalf& from_half = state_.halves[committed.half];
+  const shm::StateHalf& to_half = state_.halves[to];
   const shm::HParams* hparams = HParamsFor(step);
   const bool decoupled = spec_.optimizer == shm::OptimizerKind::kAdamW;
   auto scalars = std::make_shared<std::vector<optimizer::AdamWStep>>(spec_.params.size());
+  auto updated = std::make_shared<std::vector<uint8_t>>(spec_.params.size(), 0);
   for (uint32_t p : layout_.buckets[b].params) {
+    const uint64_t steps = from_half.param_state[p].step + (had_grad_[p] != 0 ? 1 : 0);
+    to_half.param_state[p].step = steps;
     if (!had_grad_[p]) continue;
+    (*updated)[p] = 1;
     const shm::HParams& h = hparams[spec_.params[p].group];
-    const uint64_t param_step = ++state_.param_state[p].step;
-    (*scalars)[p] = optimizer::AdamWStep::For(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, decoupled, param_step);
+    (*scalars)[p] = optimizer::AdamWStep::For(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, decoupled, steps);
   }
   const float scale = clip_coefficient / static_cast<float>(spec_.world_size * spec_.nodes());
   const uint64_t sr_seed = seed_ ^ (step * 0xD1B54A32D192ED03ull);
   auto nonfinite = std::make_shared<std::atomic<bool>>(false);
+  const bool carry = spec_.state_halves == 2;  // in place, a parameter without a gradient is left alone
   Schedule(
-      b, static_cast<int64_t>(b), [this](uint32_t p) { return had_grad_[p] != 0; },
-      [passes = &passes_, scale, sr_seed, scalars, nonfinite, sources = GradientSlots()](size_t, const Block& block) {
-        if (passes->Update(block, sources, scale, (*scalars)[block.param], sr_seed)) nonfinite->store(true);
+      b, static_cast<int64_t>(b), [this, carry](uint32_t p) { return carry || had_grad_[p] != 0; },
+      [passes = &passes_, scale, sr_seed, scalars, updated, nonfinite, from = &from_half, to = &to_half,
+       sources = GradientSlots()](size_t, const Block& block) {
+        if ((*updated)[block.param] == 0) return passes->Carry(block, *from, *to);
+        if (passes->Update(block, sources, scale, (*scalars)[block.param], sr_seed, *from, *to)) nonfinite->store(true);
       },
-      [this, b, step, nonfinite] { OnUpdated(b, step, nonfinite->load()); });
+      [this, b, step, to, nonfinite] { OnUpdated(b, step, to, nonfinite->load()); });
+}
+
+uint32_t StepEngine::OtherHalf(uint32_t half) const {
+  return spec_.state_halves == 2 ? 1 - half : 0;
 }
 
 void StepEngine::ReportNonFinite(uint64_t step, const std::string& what) {
@@ -505,13 +525,13 @@ void StepEngine::ReportNonFinite(uint64_t step, const std::string& what) {
   }
 }
 
-void StepEngine::OnUpdated(uint32_t b, uint64_t step, bool nonfinite) {
+void StepEngine::OnUpdated(uint32_t b, uint64_t step, uint32_t half, bool nonfinite) {
   if (nonfinite) {
     ReportNonFinite(step, fmt::format("the update of bucket {} left inf or NaN weights (from inf or NaN gradients, "
                                       "or a diverging model); max_grad_norm also reports them before the update",
                                       b));
   }
-  state_.bucket_state[b].applied_step.store(step);
+  state_.bucket_state[b].Store({.step = step, .half = half});  // the commit
   BucketProgress& progress = buckets_[b];
   progress.updating = false;
   progress.step = step + 1;
@@ -544,11 +564,13 @@ void StepEngine::OnLoadState(RankChannel& channel, const shm::Message& message) 
     buckets_[b].phase = Phase::kBusy;
     Schedule(
         b, 0, [](uint32_t) { return true; },
-        [passes = &passes_](size_t, const Block& block) { passes->UploadMaster(block); },
+        [passes = &passes_, half = &state_.Committed(b)](size_t, const Block& block) {
+          passes->UploadMaster(block, *half);
+        },
         [this, remaining, step, loader] {
           if (--*remaining != 0) return;
           for (uint32_t bucket = 0; bucket < buckets_.size(); ++bucket) {
-            state_.bucket_state[bucket].applied_step.store(step);
+            state_.bucket_state[bucket].Store({.step = step, .half = state_.bucket_state[bucket].Load().half});
             buckets_[bucket].step = step + 1;
             buckets_[bucket].phase = Phase::kCollecting;
           }
@@ -629,7 +651,7 @@ void StepEngine::OnWeightsWanted(const std::shared_ptr<RankChannel>& channel, co
 // Pushes bucket b's weights to a cuda-ipc rank if it wants them and they are final and not there yet.
 void StepEngine::MaybePush(const std::shared_ptr<RankChannel>& channel, uint32_t b) {
   BucketProgress& progress = buckets_[b];
-  const auto step = static_cast<int64_t>(state_.bucket_state[b].applied_step.load());
+  const auto step = static_cast<int64_t>(state_.bucket_state[b].Load().step);
   if (channel->failed || channel->pushing[b] || step > channel->weights_wanted || channel->pushed[b] >= step ||
       loading_ || progress.updating || state_.header->initialized == 0) {
     return;
@@ -641,8 +663,9 @@ void StepEngine::MaybePush(const std::shared_ptr<RankChannel>& channel, uint32_t
         shm::Message{.kind = shm::MessageKind::kParamsReady, .bucket = b, .step = static_cast<uint64_t>(step)});
   }
   const shm::BucketLayout& bucket = layout_.buckets[b];
-  const void* source = bucket.uploads_from_master() ? static_cast<const void*>(state_.master + bucket.elem_offset)
-                                                    : static_cast<const void*>(state_.upload + bucket.upload_offset);
+  const void* source = bucket.uploads_from_master()
+                           ? static_cast<const void*>(state_.Committed(b).master + bucket.elem_offset)
+                           : static_cast<const void*>(state_.upload + bucket.upload_offset);
   channel->pushing[b] = 1;
   ++progress.pushes;
   ++inflight_;

@@ -123,7 +123,8 @@ class StepEngine {
   void StartNorm(uint32_t bucket);
   void StartUpdate(uint32_t bucket, float clip_coefficient);
   void OnNormed(uint32_t bucket, double sum_of_squares, bool nonfinite);
-  void OnUpdated(uint32_t bucket, uint64_t step, bool nonfinite);
+  void OnUpdated(uint32_t bucket, uint64_t step, uint32_t half, bool nonfinite);
+  [[nodiscard]] uint32_t OtherHalf(uint32_t half) const;  // the half an update of a bucket in `half` writes
   // Counts `step` once among the non-finite steps and tells every rank why.
   void ReportNonFinite(uint64_t step, const std::string& what);
   void PostToAll(const shm::Message& message);

@@ -1,8 +1,9 @@
 // The optimizer kernels: one fused pass over a range of one parameter that sums the ranks' gradients,
 // scales them, applies Adam/AdamW to the fp32 master weights and moments, and writes the new weights in
 // the GPU's dtype into upload staging. The update reads the state where StateIn says and writes it where
-// it is told: the same memory (in place) or the other half of a double-buffered state (out of place). Plus the cheap passes around it: squared norm (for clipping),
-// accumulation (for gradient accumulation) and master -> upload conversion.
+// it is told: the same memory (in place) or the other half of a double-buffered state (out of place). Plus the cheap
+// passes around it: squared norm (for clipping), accumulation (for gradient accumulation) and master -> upload
+// conversion.
 //
 // Semantics are torch.optim.AdamW / Adam (foreach=False), element by element:
 //   g  = scale * (accum + sum_r grad_r)            (fp32)

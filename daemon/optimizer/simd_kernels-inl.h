@@ -407,7 +407,7 @@ bool UpdateRange(const GradSources& grads, const StepConstants& c, const StateIn
                  const MomentBuffers& moments, const Upload& upload, size_t n) {
   const Grad grad(grads);
   const StepVectors<Ops> k(c);
-  const UpdatePointers at{in.master,      in.exp_avg,         in.exp_avg_sq, master,
+  const UpdatePointers at{in.master,       in.exp_avg,         in.exp_avg_sq, master,
                           moments.exp_avg, moments.exp_avg_sq, upload.data};
   Magnitudes<Ops> seen;
   Streams streams;
@@ -449,9 +449,9 @@ bool SimdUpdate(const GradSources& grads, const AdamWStep& step, const StateIn& 
   DispatchUpdate(grads.dtype, moments.dtype, UploadKindOf(upload), step.decoupled,
                  [&]<DType kG, DType kM, UploadKind kU, bool kD>() {
                    nonfinite = one ? UpdateRange<Ops, kG, kM, kU, kD, GradReader<Ops, kG, true>>(grads, c, in, master,
-                                                                                                moments, upload, n)
+                                                                                                 moments, upload, n)
                                    : UpdateRange<Ops, kG, kM, kU, kD, GradReader<Ops, kG, false>>(grads, c, in, master,
-                                                                                                 moments, upload, n);
+                                                                                                  moments, upload, n);
                  });
   return nonfinite;
 }

@@ -105,6 +105,11 @@ trainstream::shm::LayoutSpec MakeSpec(const py::list& params, const py::list& fr
   return spec;
 }
 
+trainstream::shm::StateHalf Half(const RankSession& session, uint32_t half) {
+  TS_CHECK(half < 2, trainstream::Code::kInvalidArgument, "state half {} out of range (0 or 1)", half);
+  return session.state().halves[half];
+}
+
 py::list Buckets(const RankSession& session) {
   py::list out;
   for (const auto& bucket : session.layout().buckets) {
@@ -170,8 +175,8 @@ PYBIND11_MODULE(_C, m) {
              uint64_t bucket_bytes, int moment_dtype, int optimizer, uint32_t accumulation_steps, uint32_t world_size,
              double max_grad_norm, uint64_t seed, std::vector<std::string> peers, uint32_t node_rank,
              const std::string& transport, const std::string& device, const py::list& frozen) {
-            auto spec = MakeSpec(params, frozen, num_groups, bucket_bytes, moment_dtype, optimizer,
-                                 accumulation_steps, world_size, max_grad_norm, std::move(peers), node_rank);
+            auto spec = MakeSpec(params, frozen, num_groups, bucket_bytes, moment_dtype, optimizer, accumulation_steps,
+                                 world_size, max_grad_norm, std::move(peers), node_rank);
             py::gil_scoped_release release;
             return std::shared_ptr<RankSession>(
                 c.Attach(job, rank, spec, seed, trainstream::RankTransport{transport, device}));
@@ -216,20 +221,30 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("total_elems", [](const RankSession& s) { return s.layout().total_elems; })
       .def_property_readonly("layout_hash", [](const RankSession& s) { return s.layout().hash; })
       .def("applied_step", &RankSession::applied_step)
-      .def("master",
-           [](const std::shared_ptr<RankSession>& s) {
-             return MakeRegion(s, s->state().master, s->layout().total_elems * sizeof(float));
-           })
-      .def("exp_avg",
-           [](const std::shared_ptr<RankSession>& s) {
-             return MakeRegion(s, s->state().exp_avg,
-                               s->layout().total_elems * trainstream::SizeOf(s->spec().moment_dtype));
-           })
-      .def("exp_avg_sq",
-           [](const std::shared_ptr<RankSession>& s) {
-             return MakeRegion(s, s->state().exp_avg_sq,
-                               s->layout().total_elems * trainstream::SizeOf(s->spec().moment_dtype));
-           })
+      // The state regions of one half (0 or 1; with one half, 1 names 0's memory): a bucket's weights
+      // are those of its committed half.
+      .def(
+          "master",
+          [](const std::shared_ptr<RankSession>& s, uint32_t half) {
+            return MakeRegion(s, Half(*s, half).master, s->layout().total_elems * sizeof(float));
+          },
+          py::arg("half") = 0)
+      .def(
+          "exp_avg",
+          [](const std::shared_ptr<RankSession>& s, uint32_t half) {
+            return MakeRegion(s, Half(*s, half).exp_avg,
+                              s->layout().total_elems * trainstream::SizeOf(s->spec().moment_dtype));
+          },
+          py::arg("half") = 0)
+      .def(
+          "exp_avg_sq",
+          [](const std::shared_ptr<RankSession>& s, uint32_t half) {
+            return MakeRegion(s, Half(*s, half).exp_avg_sq,
+                              s->layout().total_elems * trainstream::SizeOf(s->spec().moment_dtype));
+          },
+          py::arg("half") = 0)
+      .def_property_readonly("state_halves", [](const RankSession& s) { return s.layout().state_halves; })
+      .def("committed_half", &RankSession::committed_half, py::arg("bucket"))
       .def("upload",
            [](const std::shared_ptr<RankSession>& s) {
              return MakeRegion(s, s->state().upload, s->layout().upload_bytes);
@@ -245,11 +260,13 @@ PYBIND11_MODULE(_C, m) {
            [](const std::shared_ptr<RankSession>& s) {
              return MakeRegion(s, s->view().presence, s->spec().params.size());
            })
-      .def("param_steps",
-           [](const std::shared_ptr<RankSession>& s) {
-             return MakeRegion(s, s->state().param_state,
-                               s->spec().params.size() * sizeof(trainstream::shm::ParamState));
-           })
+      .def(
+          "param_steps",
+          [](const std::shared_ptr<RankSession>& s, uint32_t half) {
+            return MakeRegion(s, Half(*s, half).param_state,
+                              s->spec().params.size() * sizeof(trainstream::shm::ParamState));
+          },
+          py::arg("half") = 0)
       .def(
           "set_hparams",
           [](RankSession& s, uint64_t step, uint32_t group, double lr, double beta1, double beta2, double eps,

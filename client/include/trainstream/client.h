@@ -134,7 +134,8 @@ class RankSession {
   [[nodiscard]] bool created() const;      // this attach created the job
   [[nodiscard]] bool initialized() const;  // the job held weights when this rank attached
   [[nodiscard]] uint64_t completed_step() const;
-  [[nodiscard]] uint64_t applied_step(uint32_t bucket) const;  // last step applied to a bucket
+  [[nodiscard]] uint64_t applied_step(uint32_t bucket) const;    // last step committed to a bucket
+  [[nodiscard]] uint32_t committed_half(uint32_t bucket) const;  // the state half that holds it
   [[nodiscard]] shm::StateView state() const;
   [[nodiscard]] shm::RankView view() const;
   [[nodiscard]] size_t state_bytes() const;

@@ -187,8 +187,8 @@ TEST_P(StochasticRounding, DifferentStepsRoundDifferently) {
   auto round = [&](uint64_t seed) {
     std::vector<uint16_t> m(n, 0), v(n, 0);
     std::vector<float> master(n, 0.0f);
-    testing::UpdateInPlace(kernel, grads, step, master.data(), MomentBuffers{m.data(), v.data(), DType::kBFloat16, seed, 5000}, Upload{},
-                  n);
+    testing::UpdateInPlace(kernel, grads, step, master.data(),
+                           MomentBuffers{m.data(), v.data(), DType::kBFloat16, seed, 5000}, Upload{}, n);
     m.insert(m.end(), v.begin(), v.end());
     return m;
   };
@@ -217,8 +217,9 @@ TEST_P(StochasticRounding, RangeAcrossTheKeyBoundaryMatchesTheReference) {
       std::vector<uint16_t> m(n, 0x3C00), v(n, 0x3A00), up(n + 64, 0);
       const void* slot = g.data();
       GradSources grads{std::span<const void* const>(&slot, 1), DType::kFloat32, nullptr, 1.0f};
-      testing::UpdateInPlace(k, grads, step, master.data(), MomentBuffers{m.data(), v.data(), DType::kBFloat16, 77, base},
-               Upload{up.data() + 3, DType::kBFloat16}, n);
+      testing::UpdateInPlace(k, grads, step, master.data(),
+                             MomentBuffers{m.data(), v.data(), DType::kBFloat16, 77, base},
+                             Upload{up.data() + 3, DType::kBFloat16}, n);
       m.insert(m.end(), v.begin(), v.end());
       m.insert(m.end(), up.begin(), up.end());
       return std::pair{m, master};

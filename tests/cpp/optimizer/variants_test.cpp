@@ -211,9 +211,10 @@ TEST_P(VariantTest, UpdateTouchesNothingOutsideItsRange) {
                                   12345};
             Upload up{at(state.upload, upload_bytes), static_cast<DType>(upload)};
             float* master = state.master.f32() + kGuard;
-            const StateIn in = out_of_place ? StateIn{reinterpret_cast<const float*>(at(source.master, 4)),
-                                                      at(source.exp_avg, moment_bytes), at(source.exp_avg_sq, moment_bytes)}
-                                            : StateIn::InPlace(master, moments);
+            const StateIn in = out_of_place
+                                   ? StateIn{reinterpret_cast<const float*>(at(source.master, 4)),
+                                             at(source.exp_avg, moment_bytes), at(source.exp_avg_sq, moment_bytes)}
+                                   : StateIn::InPlace(master, moments);
             kernel().update(grads.sources, step, in, master, moments, up, n);
             const std::string what =
                 ::testing::PrintToString(std::make_tuple(n, NameOf(moment), upload, ranks, out_of_place));
