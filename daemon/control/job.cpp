@@ -17,6 +17,28 @@ std::string RandomKey() {
   const uint64_t value = (static_cast<uint64_t>(device()) << 32) ^ device();
   return fmt::format("{:016x}", value);
 }
+
+// A job with one state half whose daemon died while it updated buckets in place holds them torn (part
+// of each at its old step, part at the new one): refused, never resumed silently. Two halves keep
+// every bucket's committed half intact, whatever the daemon was doing.
+void RefuseTornState(const std::string& name, const shm::StateView& state, const shm::JobLayout& layout) {
+  std::vector<uint32_t> torn;
+  uint64_t step = 0;
+  for (uint32_t b = 0; b < layout.buckets.size(); ++b) {
+    const shm::BucketCommit commit = state.bucket_state[b].Load();
+    if (!commit.updating) continue;
+    torn.push_back(b);
+    step = commit.step + 1;
+  }
+  if (torn.empty()) return;
+  Throw(Code::kFailedPrecondition,
+        "job '{}' cannot resume: the trainstreamd that held it was killed while it updated bucket(s) [{}] (of {}) "
+        "in place, so their weights and moments are partly of step {} and partly of step {} (the job keeps one "
+        "copy of its optimizer state, state_halves=1). Drop the job (Client.drop_job('{}')) and restart from your "
+        "last checkpoint: model.load_state_dict() and optimizer.load_state_dict(). With state_halves=2 a job "
+        "resumes exactly after its daemon is killed",
+        name, fmt::join(torn, ", "), layout.buckets.size(), step - 1, step, name);
+}
 }  // namespace
 
 Job::Job(std::string name, uint32_t uid, shm::LayoutSpec spec, uint64_t seed, WorkerPool& pool,
@@ -33,6 +55,7 @@ Job::Job(std::string name, uint32_t uid, shm::LayoutSpec spec, uint64_t seed, Wo
   if (adopted != nullptr) {
     state_ = shm::Segment::Open(adopted->state_segment);
     shm::CheckStateSegment(state_.data(), state_.size(), layout_);
+    RefuseTornState(name_, shm::ViewState(state_.data(), layout_, spec_), layout_);
   } else {
     // With several NUMA nodes the engine's threads first-touch the state on their nodes (PlaceState).
     state_ = shm::Segment::Create(shm::SegmentName(uid_, key_, "state"), layout_.state_bytes, uid_,
@@ -50,10 +73,12 @@ Job::Job(std::string name, uint32_t uid, shm::LayoutSpec spec, uint64_t seed, Wo
                                              static_cast<uint32_t>(layout_.buckets.size()), peer_config);
   }
   engine_ = std::make_unique<StepEngine>(name_, spec_, layout_, shm::ViewState(state_.data(), layout_, spec_), seed,
-                                         pool, peers_.get());
-  spdlog::info("job '{}' {}: {} parameters in {} buckets, {} state bytes, key {}", name_,
+                                         pool, peers_.get(), /*adopted=*/adopted != nullptr);
+  spdlog::info("job '{}' {}: {} parameters in {} buckets, {} state bytes ({} state half{}{}), key {}", name_,
                adopted != nullptr ? fmt::format("re-adopted at step {}", adopted->completed_step) : "created",
-               spec_.params.size(), layout_.buckets.size(), layout_.state_bytes, key_);
+               spec_.params.size(), layout_.buckets.size(), layout_.state_bytes, spec_.state_halves,
+               spec_.state_halves == 2 ? "ves" : "", layout_.speculative_clipping ? ", speculative clipping" : "",
+               key_);
 }
 
 void Job::StampSocket(uint64_t socket_hash) {
@@ -87,6 +112,7 @@ Job::Attachment Job::Attach(uint32_t rank, std::shared_ptr<SessionSink> session,
   }
   TS_CHECK(!engine_->HasRank(rank), Code::kAlreadyExists, "rank {} of job '{}' is already attached by another client",
            rank, name_);
+  const uint64_t resume_step = engine_->Resume();
   const std::string name = RankSegmentName(rank);
   shm::Segment::Remove(name);  // left over from a rank that died while its removal raced this attach
   shm::Segment segment = shm::Segment::Create(name, layout_.rank_bytes, uid_);
@@ -96,7 +122,7 @@ Job::Attachment Job::Attach(uint32_t rank, std::shared_ptr<SessionSink> session,
   transports_[rank] = transport;
   const auto* header = static_cast<const shm::StateHeader*>(state_.data());
   spdlog::info("job '{}': rank {} attached, transport {}", name_, rank, transport);
-  return Attachment{name, header->initialized != 0, header->completed_step.load()};
+  return Attachment{name, header->initialized != 0, resume_step};
 }
 
 void Job::Detach(uint32_t rank) {

@@ -36,7 +36,8 @@ struct JobInfo {
 class Job {
  public:
   // Creates the job's state, or with `adopted`, takes over the state an earlier daemon left (its
-  // layout must be `spec`'s).
+  // layout must be `spec`'s; kFailedPrecondition if it holds torn buckets: one state half, killed
+  // during an update).
   Job(std::string name, uint32_t uid, shm::LayoutSpec spec, uint64_t seed, WorkerPool& pool,
       const PeerConfig& peer_config = {}, const OrphanedJob* adopted = nullptr);
   // Names this daemon's socket in the state, so that a daemon restarted on it can re-adopt the job.
@@ -48,9 +49,10 @@ class Job {
   struct Attachment {
     std::string rank_segment;
     bool initialized = false;
-    uint64_t completed_step = 0;
+    uint64_t completed_step = 0;  // the step the rank resumes from (StepEngine::Resume)
   };
-  // Maps a fresh rank segment and hands it to the engine. kAlreadyExists if the rank is taken.
+  // Readies the job for the rank (StepEngine::Resume), maps a fresh rank segment and hands it to the
+  // engine. kAlreadyExists if the rank is taken.
   // `transport` says how the rank moves its data ("cuda-client-copy on cuda:0 (...)"), for logs and Stats.
   Attachment Attach(uint32_t rank, std::shared_ptr<SessionSink> session, const std::string& transport = "host");
   void Detach(uint32_t rank);

@@ -98,13 +98,14 @@ class RankClient {
   void SetHParams(uint64_t step, const shm::HParams& h) {
     for (uint32_t g = 0; g < job_.spec().num_groups; ++g) view_.hparams[(step % 2) * job_.spec().num_groups + g] = h;
   }
-  // Writes this rank's gradients of `step` for every parameter and marks them present.
+  // Writes this rank's gradients of `step` for every parameter (or parameter p) and marks them present.
   void SetGradients(uint64_t step) {
-    for (uint32_t p = 0; p < layout().params.size(); ++p) {
-      std::span<float> grad = Grad(p);
-      for (uint64_t i = 0; i < grad.size(); ++i) grad[i] = Gradient(p, rank_, step, i);
-      view_.presence[p] = 1;
-    }
+    for (uint32_t p = 0; p < layout().params.size(); ++p) SetGradient(step, p);
+  }
+  void SetGradient(uint64_t step, uint32_t p) {
+    std::span<float> grad = Grad(p);
+    for (uint64_t i = 0; i < grad.size(); ++i) grad[i] = Gradient(p, rank_, step, i);
+    view_.presence[p] = 1;
   }
 
   void Send(const shm::Message& message) { ASSERT_TRUE(requests_.TryPush(message)) << "request ring full"; }

@@ -295,8 +295,10 @@ TEST_F(StepEngineTest, TwoNumaNodesGiveTheSameUpdates) {
 }
 
 // A rank that detaches and re-attaches while an update that read its old gradients is still queued: the
-// old rank segment is released when that update finishes, and must not take the new segment's name along.
-TEST_F(StepEngineTest, ReattachDuringAnInFlightUpdateKeepsTheNewRankSegment) {
+// attach waits for that update (the step the rank resumes from must not move under it: the update
+// commits step 1, so the rank resumes after step 1), and the old rank segment, released when the update
+// finishes, must not take the new segment's name along.
+TEST_F(StepEngineTest, ReattachDuringAnInFlightUpdateWaitsForItAndKeepsTheNewRankSegment) {
   WorkerPool single(1, false);
   Job job("job", static_cast<uint32_t>(getuid()), TwoParamSpec(1), 7, single);
   std::vector<std::unique_ptr<RankClient>> clients;
@@ -319,13 +321,18 @@ TEST_F(StepEngineTest, ReattachDuringAnInFlightUpdateKeepsTheNewRankSegment) {
   const shm::RingHeader* requests = clients[0]->view().request_ring;
   ASSERT_TRUE(trainstream::testing::PollUntil([&] { return requests->tail.load() == requests->head.load(); }));
 
+  std::thread releaser([&] {
+    std::this_thread::sleep_for(100ms);  // the attach below is waiting by then (it cannot return before)
+    release.set_value();
+  });
   clients[0]->Reattach();
+  releaser.join();
+  EXPECT_EQ(clients[0]->attachment().completed_step, 1u);
   const std::string name = clients[0]->attachment().rank_segment;
-  release.set_value();
-  clients[0]->ExpectParamsReady(1);
   std::this_thread::sleep_for(100ms);
   EXPECT_TRUE(shm::Segment::Exists(name)) << "the re-attached rank's segment " << name << " was unlinked";
   EXPECT_NO_THROW(shm::Segment::Open(name));
+  RunStep(clients, 2, TestHParams());  // and it trains on
 }
 
 // A RankTransfer whose "GPU" is host memory: copies are memcpy on a thread of its own, in submission
