@@ -41,6 +41,12 @@ v1::LayoutSpec ToProto(const shm::LayoutSpec& spec) {
   proto.set_max_grad_norm(spec.max_grad_norm);
   for (const std::string& peer : spec.peers) proto.add_peers(peer);
   proto.set_node_rank(spec.node_rank);
+  proto.set_state_halves(spec.state_halves);
+  switch (spec.speculative_clipping) {
+    case shm::Speculation::kOff: proto.set_speculative_clipping(v1::SPECULATION_OFF); break;
+    case shm::Speculation::kOn: proto.set_speculative_clipping(v1::SPECULATION_ON); break;
+    case shm::Speculation::kAuto: proto.set_speculative_clipping(v1::SPECULATION_AUTO); break;
+  }
   return proto;
 }
 }  // namespace
@@ -50,8 +56,7 @@ std::unique_ptr<RankSession::Impl> RankSession::Impl::Open(v1::Control::Stub& st
                                                            const RankTransport& transport, const std::string& nonce,
                                                            int64_t daemon_pid) {
   auto impl = std::make_unique<Impl>();
-  impl->spec = spec;
-  impl->layout = shm::ComputeLayout(spec);  // validates locally first: clearer errors, no round trip
+  shm::ValidateRequest(spec);  // locally first: clearer errors, no round trip
   impl->rank = rank;
   impl->daemon_pid = IsOurDaemon(daemon_pid) ? daemon_pid : 0;
 
@@ -73,6 +78,11 @@ std::unique_ptr<RankSession::Impl> RankSession::Impl::Open(v1::Control::Stub& st
   TS_CHECK(event.has_attached(), Code::kInternal, "attach rank {} of job '{}': unexpected first session event", rank,
            job);
   const v1::AttachReply& reply = event.attached();
+  // The layout with what the daemon decided (or the job had) for what the request left open.
+  impl->spec = spec;
+  impl->spec.state_halves = reply.state_halves();
+  impl->spec.speculative_clipping = reply.speculative_clipping() ? shm::Speculation::kOn : shm::Speculation::kOff;
+  impl->layout = shm::ComputeLayout(impl->spec);
   TS_CHECK(reply.layout_hash() == impl->layout.hash, Code::kInternal,
            "attach: the daemon computed layout hash {:#x}, this client {:#x} (version skew?)", reply.layout_hash(),
            impl->layout.hash);
@@ -84,7 +94,7 @@ std::unique_ptr<RankSession::Impl> RankSession::Impl::Open(v1::Control::Stub& st
   impl->rank_segment = shm::Segment::Open(reply.rank_segment());
   shm::CheckStateSegment(impl->state_segment.data(), impl->state_segment.size(), impl->layout);
   shm::CheckRankSegment(impl->rank_segment.data(), impl->rank_segment.size(), impl->layout, rank);
-  impl->state = shm::ViewState(impl->state_segment.data(), impl->layout, spec);
+  impl->state = shm::ViewState(impl->state_segment.data(), impl->layout, impl->spec);
   impl->view = shm::ViewRank(impl->rank_segment.data(), impl->layout);
   impl->requests = shm::RingProducer(impl->view.request_ring, &impl->state.header->doorbell);
   impl->completions = shm::RingConsumer(impl->view.completion_ring);
@@ -205,6 +215,9 @@ bool RankSession::created() const {
 }
 bool RankSession::initialized() const {
   return impl_->initialized;
+}
+uint64_t RankSession::resume_step() const {
+  return impl_->completed_step;
 }
 uint64_t RankSession::completed_step() const {
   return impl_->state.header->completed_step.load();

@@ -136,6 +136,15 @@ shm::LayoutSpec LayoutFromProto(const v1::LayoutSpec& proto) {
   spec.max_grad_norm = proto.max_grad_norm();
   spec.peers = {proto.peers().begin(), proto.peers().end()};
   spec.node_rank = proto.node_rank();
+  spec.state_halves = proto.state_halves();
+  switch (proto.speculative_clipping()) {
+    case v1::SPECULATION_AUTO: spec.speculative_clipping = shm::Speculation::kAuto; break;
+    case v1::SPECULATION_OFF: spec.speculative_clipping = shm::Speculation::kOff; break;
+    case v1::SPECULATION_ON: spec.speculative_clipping = shm::Speculation::kOn; break;
+    default:
+      Throw(Code::kInvalidArgument, "unknown speculative_clipping {} (AUTO, OFF or ON)",
+            static_cast<int>(proto.speculative_clipping()));
+  }
   return spec;
 }
 
@@ -182,6 +191,8 @@ grpc::Status ControlService::Session(grpc::ServerContext* context,
     reply->set_created(found.created);
     reply->set_initialized(attachment.initialized);
     reply->set_completed_step(attachment.completed_step);
+    reply->set_state_halves(job->spec().state_halves);
+    reply->set_speculative_clipping(job->layout().speculative_clipping);
   });
   if (!attached.ok()) return attached;
   sink->Write(event);
@@ -229,6 +240,10 @@ grpc::Status ControlService::Stats(grpc::ServerContext*, const v1::StatsRequest*
       stats->set_rank_bytes(info.rank_bytes);
       stats->set_updates(info.engine.updates);
       stats->set_nonfinite_steps(info.engine.nonfinite_steps);
+      stats->set_state_halves(info.state_halves);
+      stats->set_speculative_clipping(info.speculative_clipping);
+      stats->set_speculative_steps(info.engine.speculative_steps);
+      stats->set_redone_steps(info.engine.redone_steps);
       stats->mutable_transports()->insert(info.transports.begin(), info.transports.end());
       host_bytes += info.state_bytes + info.engine.attached_ranks.size() * info.rank_bytes;
     }
@@ -239,6 +254,8 @@ grpc::Status ControlService::Stats(grpc::ServerContext*, const v1::StatsRequest*
       stats->set_uid(orphan.uid);
       stats->set_completed_step(orphan.completed_step);
       stats->set_state_bytes(orphan.state_bytes);
+      stats->set_state_halves(orphan.state_halves);
+      stats->set_speculative_clipping(orphan.speculative_clipping);
       stats->set_orphaned(true);
       host_bytes += orphan.state_bytes;
     }

@@ -199,6 +199,8 @@ JobInfo Job::Info() {
       .completed_step = header->completed_step.load(),
       .buckets = static_cast<uint32_t>(layout_.buckets.size()),
       .world_size = spec_.world_size,
+      .state_halves = spec_.state_halves,
+      .speculative_clipping = layout_.speculative_clipping,
       .engine = engine_->Stats(),
       .transports = {},
   };

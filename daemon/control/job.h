@@ -28,7 +28,8 @@ struct JobInfo {
   std::string name, key;
   uint32_t uid = 0;
   uint64_t params = 0, elements = 0, state_bytes = 0, rank_bytes = 0, completed_step = 0;
-  uint32_t buckets = 0, world_size = 0;
+  uint32_t buckets = 0, world_size = 0, state_halves = 1;
+  bool speculative_clipping = false;
   EngineStats engine;
   std::map<uint32_t, std::string> transports;  // by attached rank
 };

@@ -25,10 +25,14 @@ class JobRegistry {
     std::shared_ptr<Job> job;
     bool created = false;
   };
-  // The job called `name`, created from `spec` if it does not exist (or re-adopted, if an orphan has
+  // The job called `name`, created from `request` if it does not exist (or re-adopted, if an orphan has
   // the name). An existing job must have been created by the same uid and with an identical layout
-  // (kInvalidArgument naming the difference).
-  Found FindOrCreate(const std::string& name, uint32_t uid, const shm::LayoutSpec& spec, uint64_t seed);
+  // (kInvalidArgument naming the difference). What the request leaves to the daemon (state_halves 0,
+  // speculation kAuto) an existing job or an orphan answers with its own; a new job gets two state
+  // halves where memory allows (they need at most 3/4 of the bytes free in /dev/shm and of what is
+  // left of max_host_bytes; the choice is logged with its numbers), and speculative clipping where it
+  // has two halves and clips. The job's spec() holds what was decided.
+  Found FindOrCreate(const std::string& name, uint32_t uid, const shm::LayoutSpec& request, uint64_t seed);
   // Removes the job; kFailedPrecondition if ranks are attached and not `force` (their sessions fail).
   void Drop(const std::string& name, uint32_t uid, bool force);
   std::vector<std::shared_ptr<Job>> Jobs();
@@ -42,6 +46,9 @@ class JobRegistry {
 
  private:
   void DropWaitingFragments(const std::string& name);  // peers' fragments for the job, in the mailbox
+  // A new job's state halves and speculation, decided where `request` leaves them open. `used`: the
+  // bytes the other jobs hold. Requires mutex_.
+  [[nodiscard]] shm::LayoutSpec Decide(const std::string& name, shm::LayoutSpec request, uint64_t used) const;
 
   const Config& config_;
   WorkerPool& pool_;

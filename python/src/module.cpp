@@ -54,6 +54,10 @@ py::dict ToDict(const trainstream::StatsReport& report) {
     j["rank_bytes"] = job.rank_bytes;
     j["updates"] = job.updates;
     j["nonfinite_steps"] = job.nonfinite_steps;
+    j["state_halves"] = job.state_halves;
+    j["speculative_clipping"] = job.speculative_clipping;
+    j["speculative_steps"] = job.speculative_steps;
+    j["redone_steps"] = job.redone_steps;
     j["transports"] = job.transports;
     j["orphaned"] = job.orphaned;
     jobs.append(j);
@@ -89,7 +93,10 @@ std::vector<trainstream::shm::ParamSpec> MakeParams(const py::list& entries) {
 trainstream::shm::LayoutSpec MakeSpec(const py::list& params, const py::list& frozen, uint32_t num_groups,
                                       uint64_t bucket_bytes, int moment_dtype, int optimizer,
                                       uint32_t accumulation_steps, uint32_t world_size, double max_grad_norm,
-                                      std::vector<std::string> peers, uint32_t node_rank) {
+                                      std::vector<std::string> peers, uint32_t node_rank, uint32_t state_halves,
+                                      int speculative_clipping) {
+  TS_CHECK(speculative_clipping >= 0 && speculative_clipping <= 2, trainstream::Code::kInvalidArgument,
+           "speculative_clipping code {} (0 off, 1 on, 2 the daemon decides)", speculative_clipping);
   trainstream::shm::LayoutSpec spec;
   spec.params = MakeParams(params);
   spec.frozen = MakeParams(frozen);
@@ -102,6 +109,8 @@ trainstream::shm::LayoutSpec MakeSpec(const py::list& params, const py::list& fr
   spec.max_grad_norm = max_grad_norm;
   spec.peers = std::move(peers);
   spec.node_rank = node_rank;
+  spec.state_halves = state_halves;
+  spec.speculative_clipping = static_cast<trainstream::shm::Speculation>(speculative_clipping);
   return spec;
 }
 
@@ -174,9 +183,11 @@ PYBIND11_MODULE(_C, m) {
           [](Client& c, const std::string& job, uint32_t rank, const py::list& params, uint32_t num_groups,
              uint64_t bucket_bytes, int moment_dtype, int optimizer, uint32_t accumulation_steps, uint32_t world_size,
              double max_grad_norm, uint64_t seed, std::vector<std::string> peers, uint32_t node_rank,
-             const std::string& transport, const std::string& device, const py::list& frozen) {
+             const std::string& transport, const std::string& device, const py::list& frozen, uint32_t state_halves,
+             int speculative_clipping) {
             auto spec = MakeSpec(params, frozen, num_groups, bucket_bytes, moment_dtype, optimizer, accumulation_steps,
-                                 world_size, max_grad_norm, std::move(peers), node_rank);
+                                 world_size, max_grad_norm, std::move(peers), node_rank, state_halves,
+                                 speculative_clipping);
             py::gil_scoped_release release;
             return std::shared_ptr<RankSession>(
                 c.Attach(job, rank, spec, seed, trainstream::RankTransport{transport, device}));
@@ -185,7 +196,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("moment_dtype"), py::arg("optimizer"), py::arg("accumulation_steps"), py::arg("world_size"),
           py::arg("max_grad_norm"), py::arg("seed"), py::arg("peers") = std::vector<std::string>(),
           py::arg("node_rank") = 0, py::arg("transport") = "host", py::arg("device") = "cpu",
-          py::arg("frozen") = py::list());
+          py::arg("frozen") = py::list(), py::arg("state_halves") = 0, py::arg("speculative_clipping") = 2);
 
   // Device memory for the cuda-ipc transport; torch.as_tensor(buffer, device=...) views it through
   // __cuda_array_interface__, and the tensor keeps the buffer alive.
@@ -216,6 +227,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("created", &RankSession::created)
       .def_property_readonly("initialized", &RankSession::initialized)
       .def_property_readonly("completed_step", &RankSession::completed_step)
+      .def_property_readonly("resume_step", &RankSession::resume_step)
       .def_property_readonly("buckets", &Buckets)
       .def_property_readonly("params", &Params)
       .def_property_readonly("total_elems", [](const RankSession& s) { return s.layout().total_elems; })

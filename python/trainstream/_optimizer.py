@@ -32,6 +32,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         return f"trainstream.OffloadedOptimizer({self._inner_type.__name__}, job={self._rank.job!r})"
 
+    @property
+    def resume_step(self) -> int:
+        """The optimizer steps the job had completed when this process attached: 0 for a new job; for a
+        restarted process, how many batches to skip (and LR scheduler steps to take) to go on where the
+        job left off."""
+        return self._rank.resume_step
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None

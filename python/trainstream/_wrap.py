@@ -50,7 +50,8 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
          seed: int | None = None, peers: list[str] | None = None,
          node_rank: int | None = None, device: str | torch.device | None = None, param_offload=False,
          blocks=None, page_prefetch: int = 2,
-         page_pool_mb: float | None = None) -> tuple[torch.nn.Module, OffloadedOptimizer]:
+         page_pool_mb: float | None = None, state_halves="auto",
+         speculative_clipping="auto") -> tuple[torch.nn.Module, OffloadedOptimizer]:
     """Offloads `optimizer` (torch.optim.AdamW or Adam) of `model` to trainstreamd.
 
     Returns the same model, with hooks that stream gradients out during backward and bring new weights
@@ -79,6 +80,15 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
     now and the next ones, copied while it computes. Each paged weight crosses PCIe twice per step
     (forward and backward). Frozen parameters (requires_grad=False) of paged blocks, a LoRA base, are
     kept once in host memory in their dtype, with no optimizer state.
+
+    The daemon keeps the optimizer state (master weights, moments, step counts) in `state_halves`
+    copies: 2 commits every update by one atomic switch, so a job resumes exactly after its daemon
+    or a trainer is killed, and enables speculative clipping; it costs 12 bytes per parameter more
+    (8 with bf16 moments). 1 updates in place. "auto" (default): 2 where the daemon's memory allows.
+    With `speculative_clipping` ("auto": where the job has two halves; True needs them) and
+    `max_grad_norm`, each bucket's update starts as its gradients arrive, before the global norm is
+    known, and steps that clip are redone exactly. A restarted process resumes after
+    `optimizer.resume_step` optimizer steps (docs/usage.md, "Resuming").
     """
     if model in _ranks:
         raise TrainstreamError("this model is already wrapped; call trainstream.unwrap(model) first")
@@ -107,7 +117,7 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
              max_grad_norm=max_grad_norm, accumulation_steps=accumulation_steps, bucket_mb=bucket_mb,
              moment_dtype=moment_dtype, seed=random.getrandbits(63) if seed is None else seed, peers=peers,
              node_rank=node_rank, paging=paging, device=device, page_prefetch=page_prefetch,
-             page_pool_mb=page_pool_mb)
+             page_pool_mb=page_pool_mb, state_halves=state_halves, speculative_clipping=speculative_clipping)
     _ranks[model] = r
     if auto_named:
         _auto_named.append(r)  # nobody can resume it: dropped when the process exits
