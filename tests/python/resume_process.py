@@ -16,7 +16,6 @@ import torch
 import trainstream
 
 
-
 def make_model(width: int = 64) -> torch.nn.Module:
     torch.manual_seed(0)
     layers = []

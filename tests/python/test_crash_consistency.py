@@ -13,10 +13,9 @@ import subprocess
 import sys
 import time
 
+import resume_process
 import torch
 from conftest import Daemon
-
-import resume_process
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOLERANCE = 1e-6
