@@ -58,6 +58,15 @@ void CheckPeerSettings(const Config& config) {
            "peer_advertise '{}' must name a host and a non-zero port the other nodes can dial", config.peer_advertise);
 }
 
+// Snapshots every N steps need a directory; the metrics address must parse.
+void CheckOperationsSettings(const Config& config) {
+  if (!config.metrics_listen.empty()) SplitHostPort(config.metrics_listen, "metrics_listen");
+  TS_CHECK(config.snapshot_every == 0 || !config.snapshot_dir.empty(), Code::kInvalidArgument,
+           "snapshot_every needs snapshot_dir (--snapshot-dir)");
+  TS_CHECK(config.snapshot_dir.empty() || config.snapshot_dir.front() == '/', Code::kInvalidArgument,
+           "snapshot_dir '{}' must be an absolute path", config.snapshot_dir);
+}
+
 }  // namespace
 
 std::string PeerAdvertiseAddress(const Config& config, const std::string& hostname, int bound_port) {
@@ -87,7 +96,10 @@ void LoadConfigFile(const std::string& path, Config& config) {
                                                   "peer_advertise",
                                                   "peer_secret_file",
                                                   "peer_timeout_seconds",
-                                                  "peer_connections"};
+                                                  "peer_connections",
+                                                  "metrics_listen",
+                                                  "snapshot_dir",
+                                                  "snapshot_every"};
   for (const auto& [key, value] : table) {
     TS_CHECK(std::find(kKnown.begin(), kKnown.end(), key.str()) != kKnown.end(), Code::kInvalidArgument,
              "unknown key '{}' in config file {}", key.str(), path);
@@ -107,6 +119,9 @@ void LoadConfigFile(const std::string& path, Config& config) {
   ReadKey(table, "peer_secret_file", config.peer_secret_file);
   ReadKey(table, "peer_timeout_seconds", config.peer_timeout_seconds);
   ReadKey(table, "peer_connections", config.peer_connections);
+  ReadKey(table, "metrics_listen", config.metrics_listen);
+  ReadKey(table, "snapshot_dir", config.snapshot_dir);
+  ReadKey(table, "snapshot_every", config.snapshot_every);
 }
 
 std::optional<Config> ParseConfig(int argc, char** argv) {
@@ -139,6 +154,12 @@ std::optional<Config> ParseConfig(int argc, char** argv) {
   app.add_option("--peer-timeout", peer_timeout, "seconds a peer may stay silent before its job fails (default 30)");
   app.add_option("--peer-connections", peer_connections,
                  "connections to the next node of a job's ring, 1 to 16 (default 4)");
+  std::optional<std::string> metrics_listen, snapshot_dir;
+  std::optional<uint64_t> snapshot_every;
+  app.add_option("--metrics-listen", metrics_listen, "host:port of the Prometheus metrics endpoint (default: off)");
+  app.add_option("--snapshot-dir", snapshot_dir,
+                 "directory of periodic snapshots, and of requested ones without a path (default: none)");
+  app.add_option("--snapshot-every", snapshot_every, "snapshot every job every N steps into --snapshot-dir (0: never)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::Success& e) {
@@ -164,7 +185,11 @@ std::optional<Config> ParseConfig(int argc, char** argv) {
   if (peer_secret_file) config.peer_secret_file = *peer_secret_file;
   if (peer_timeout) config.peer_timeout_seconds = *peer_timeout;
   if (peer_connections) config.peer_connections = *peer_connections;
+  if (metrics_listen) config.metrics_listen = *metrics_listen;
+  if (snapshot_dir) config.snapshot_dir = *snapshot_dir;
+  if (snapshot_every) config.snapshot_every = *snapshot_every;
   CheckPeerSettings(config);
+  CheckOperationsSettings(config);
   return config;
 }
 

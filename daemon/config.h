@@ -23,6 +23,9 @@ struct Config {
   std::string peer_secret_file;        // the peers' shared secret (required with peer_listen)
   uint64_t peer_timeout_seconds = 30;  // a peer silent for this long fails the job
   uint32_t peer_connections = 4;       // to the next daemon of a job's ring (docs/multi-node.md), 1-16
+  std::string metrics_listen;          // "host:port" of the Prometheus endpoint; empty: off
+  std::string snapshot_dir;            // periodic snapshots, and requested ones without a path; empty: none
+  uint64_t snapshot_every = 0;         // steps between periodic snapshots (needs snapshot_dir); 0: none
   std::string config_file;
 };
 

@@ -22,6 +22,7 @@
 #include "daemon/config.h"
 #include "daemon/control/control_service.h"
 #include "daemon/control/job_registry.h"
+#include "daemon/metrics/metrics_server.h"
 #include "daemon/optimizer/adamw_kernels.h"
 #include "daemon/peer/peer_service.h"
 #include "daemon/systemd_notify.h"
@@ -124,6 +125,23 @@ std::unique_ptr<grpc::Server> StartControlPlane(const Config& config, ControlSer
   return server;
 }
 
+// The Prometheus endpoint, if --metrics-listen asks for one.
+std::unique_ptr<MetricsServer> StartMetrics(const Config& config, JobRegistry& registry, const WorkerPool& pool) {
+  if (config.metrics_listen.empty()) return nullptr;
+  auto metrics = std::make_unique<MetricsServer>(config.metrics_listen, registry, pool);
+  spdlog::info("metrics endpoint listening on {} (port {}), path /metrics", config.metrics_listen, metrics->port());
+  return metrics;
+}
+
+// Snapshots without a path, and periodic ones, go to --snapshot-dir: it must exist before they do.
+void PrepareSnapshotDir(const Config& config) {
+  if (config.snapshot_dir.empty()) return;
+  std::error_code error;
+  std::filesystem::create_directories(config.snapshot_dir, error);
+  TS_CHECK(!error && std::filesystem::is_directory(config.snapshot_dir), Code::kFailedPrecondition,
+           "cannot create the snapshot directory {}: {}", config.snapshot_dir, error.message());
+}
+
 int Serve(const Config& config) {
   spdlog::set_level(spdlog::level::from_str(config.log_level));
   spdlog::set_pattern("[%Y-%m-%d %H:%M:%S.%e] [trainstreamd] [%l] %v");
@@ -141,6 +159,7 @@ int Serve(const Config& config) {
 
   RaiseOpenFileLimit();
   PrepareSocketPath(config.socket);
+  PrepareSnapshotDir(config);
   const uint32_t threads = config.threads != 0 ? config.threads : std::max<uint32_t>(1, AllowedCpus().size());
   WorkerPool pool(threads);
   PeerMailbox mailbox;
@@ -148,6 +167,7 @@ int Serve(const Config& config) {
   JobRegistry registry(config, pool, peers.jobs);
   if (config.parent_pid == 0) registry.ClaimOrphans();  // a private daemon's socket is new every time
   ControlService service(registry, pool, peers.advertise);
+  const std::unique_ptr<MetricsServer> metrics = StartMetrics(config, registry, pool);
 
   std::unique_ptr<grpc::Server> server = StartControlPlane(config, service);
   spdlog::info("trainstreamd {} listening on {} ({} worker threads, kernel {}, pid {})", kVersion, config.socket,

@@ -4,8 +4,10 @@
 
 A small GPT-2 built from its config (no download) learns random token sequences. Everything the
 Trainer does stays: parameter groups, warm-up + linear LR schedule, clipping (max_grad_norm),
-gradient accumulation, checkpoints in torch.optim.AdamW's format. The Trainer's own progress bar shows
-steps/s; its logs (printed under the bar every `logging_steps`) get this process's memory beside the loss.
+gradient accumulation, checkpoints in torch.optim.AdamW's format. The loss is computed in chunks from
+the last hidden state (the full logits never exist); `trainstream={...}` passes wrap()'s options. The
+Trainer's own progress bar shows steps/s; its logs (printed under the bar every `logging_steps`) get
+this process's memory beside the loss.
 """
 
 import os
@@ -14,7 +16,7 @@ import tempfile
 import torch
 import transformers
 
-from trainstream.hf import TrainstreamTrainer
+from trainstream.integrations.huggingface import TrainStreamTrainer
 
 
 class MemoryInLogs(transformers.TrainerCallback):
@@ -42,8 +44,8 @@ def main() -> None:
             output_dir=out, max_steps=30, per_device_train_batch_size=8, gradient_accumulation_steps=2,
             learning_rate=3e-3, warmup_steps=5, lr_scheduler_type="linear", weight_decay=0.01, max_grad_norm=1.0,
             logging_steps=10, save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available())
-        trainer = TrainstreamTrainer(model=model, args=args, train_dataset=dataset, callbacks=[MemoryInLogs()],
-                                     trainstream_options={"moment_dtype": "bfloat16"})
+        trainer = TrainStreamTrainer(model=model, args=args, train_dataset=dataset, callbacks=[MemoryInLogs()],
+                                     trainstream={"moment_dtype": "bfloat16"})
         result = trainer.train()
     print(f"done: final training loss {result.training_loss:.3f}")
 

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Builds trainstream on the GPU machine and runs the chosen stages, writing logs and JSON under $OUT.
-# Carry `.device` (holding sysroot.tgz, see ../shared/device/README.md) with the device tool.
+# Carry `.device` (holding sysroot.tgz, see ../shared/device/README.md) with the device tool. The
+# daemon's metrics need prometheus-cpp in it, which the sysroot script leaves out by default:
+#   EXTRA_PKGS="prometheus-cpp-dev libprometheus-cpp-core1.0 libprometheus-cpp-pull1.0 libcivetweb1" \
+#     ../shared/device/make-sysroot.sh /tmp/sr/sysroot && tar -C /tmp/sr -czf .device/sysroot.tgz sysroot
 #   scripts/device_run.sh build test bench-adamw gpt-small gpt-large
 # TRAINSTREAM_TRANSPORT=cuda-client-copy runs the GPU stages through the fallback transport (the
 # default is cuda-ipc); the gpt stages name their JSON after it. The torchao stage installs the
@@ -20,8 +23,119 @@ export TRAINSTREAMD=$PWD/build/daemon/trainstreamd PYTHONPATH=$PWD/python
 
 stage() { echo "=== $1 ($(date +%T))"; }
 
+# Peers from wheels carried in .whl (torchao, DeepSpeed and what DeepSpeed needs), once per machine.
+install_wheels() {
+  [[ -d /tmp/site ]] && return
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>&1 | tail -2
+}
+export PYTHONPATH=$PYTHONPATH:/tmp/site
+
 for what in "$@"; do
   case $what in
+    build-fast)
+      stage build-fast  # Release, the daemon, the module and the GPU-facing benchmarks only; binaries to $OUT
+      { nproc; free -g; df -h /dev/shm; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; } \
+        >"$OUT/machine.txt" 2>&1
+      mount -o remount,size=120G /dev/shm 2>/dev/null || true
+      cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$TS_SYSROOT" -DTRAINSTREAM_BUILD_TESTS=OFF \
+        -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)" -DPython_EXECUTABLE="$(command -v python3)" \
+        >"$OUT/build.log" 2>&1 && cmake --build build -j"${BUILD_JOBS:-16}" --target trainstreamd _C ts_bench_adamw \
+        >>"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+      mkdir -p "$OUT/bin" && cp build/daemon/trainstreamd python/trainstream/_C*.so build/benchmarks/adamw/ts_bench_adamw \
+        "$OUT/bin/" && strip "$OUT/bin/trainstreamd" "$OUT/bin/ts_bench_adamw" "$OUT"/bin/_C*.so
+      ;;
+    lora)
+      stage lora  # LoRA r=16 on Qwen2.5-shaped bases bigger than the cap, through TrainstreamTrainer
+      for spec in ${LORA_SHAPES:-14b:8}; do
+        shape=${spec%%:*} cap=${spec##*:}
+        timeout "${LORA_TIMEOUT:-200}" python3 benchmarks/lora/lora_bench.py --shape "$shape" --vram-cap-gib "$cap" \
+          --steps ${STEPS:-4} --json "$OUT/lora_${shape}_cap${cap}.json" 2>&1 | tail -1
+      done
+      ;;
+    gpt-auto)
+      stage gpt-auto  # the 124M GPT: stock fused AdamW, forced offload, offload="auto"
+      timeout 200 python3 benchmarks/train_gpt/train_gpt.py --config 124m --modes gpu-only,stock,trainstream,auto \
+        --adamw-json benchmarks/results/adamw_h200-16core.json --json "$OUT/gpt_124m_auto.json" 2>&1 | tail -1
+      ;;
+    pack)
+      stage pack  # everything under $OUT in one file: the device tool returns at most 8 files
+      (cd "$OUT" && tar -czf /tmp/results.tgz --exclude=results.tgz . && rm -rf ./* && mv /tmp/results.tgz .)
+      ls -la "$OUT"
+      ;;
+    use-bin)
+      stage use-bin  # binaries a build-fast of the same sources returned earlier, carried in .device/bin
+      mkdir -p build/daemon build/benchmarks/adamw && cp .device/bin/trainstreamd build/daemon/ \
+        && cp .device/bin/ts_bench_adamw build/benchmarks/adamw/ && cp .device/bin/_C*.so python/trainstream/
+      ;;
+    build-before)
+      stage build-before  # the commit in .device/before.tar (a source tarball) built alike, into /tmp/before
+      rm -rf /tmp/before && mkdir -p /tmp/before && tar -C /tmp/before -xf .device/before.tar
+      (cd /tmp/before && cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$TS_SYSROOT" \
+        -DTRAINSTREAM_BUILD_TESTS=OFF -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)" \
+        -DPython_EXECUTABLE="$(command -v python3)" >"$OUT/build_before.log" 2>&1 \
+        && cmake --build build -j"${BUILD_JOBS:-16}" --target trainstreamd _C ts_bench_adamw >>"$OUT/build_before.log" 2>&1) \
+        || { tail -20 "$OUT/build_before.log"; exit 1; }
+      ;;
+    wheels)
+      stage wheels
+      install_wheels
+      python3 -c "import torchao, deepspeed; print('torchao', torchao.__version__, 'deepspeed', deepspeed.__version__)" 2>&1 | tail -1
+      ;;
+    ds-compile)
+      stage ds-compile  # DeepSpeed's cpu_adam op, compiled once (its first use would otherwise pay it)
+      install_wheels
+      python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" >"$OUT/ds_compile.log" 2>&1
+      tail -2 "$OUT/ds_compile.log"
+      ;;
+    test-paging-cuda)
+      stage test-paging-cuda
+      timeout 400 python3 -m pytest -q -p no:cacheprovider tests/python/test_paging_cuda.py tests/python/test_cuda.py \
+        ${PYTEST_ARGS:-} >"$OUT/pytest_cuda.log" 2>&1
+      tail -15 "$OUT/pytest_cuda.log"
+      ;;
+    host-register)
+      stage host-register  # cudaHostRegister GiB/s with 1-16 threads (fast start)
+      timeout 120 python3 benchmarks/transfer/host_register.py --sizes-gib ${REGISTER_GIB:-1,8} \
+        --threads ${REGISTER_THREADS:-1,4,8,16} --json "$OUT/host_register.json" 2>&1 | tail -25
+      ;;
+    adamw-before-after)
+      stage adamw-before-after  # the host kernels of the commit in .device/before.tar against this tree
+      skip=""
+      for run in $(seq "${RUNS:-2}"); do  # interleaved: the machine's bandwidth drifts between runs
+        for tree in /tmp/before .; do
+          name=$( [[ $tree == . ]] && echo after || echo before )
+          python3 benchmarks/adamw/run.py --bench "$tree/build/benchmarks/adamw/ts_bench_adamw" --threads 16 \
+            --params 100e6 --reps 5 $skip --tag "h200-16core-$name-run$run" --out-dir "$OUT" 2>&1 \
+            | grep -E "^  (fp32|bf16|torch)" | head -7 | sed "s|^|[$name $run] |"
+          skip=--skip-torch
+        done
+      done
+      ;;
+    adamw-ab)
+      stage adamw-ab  # the kernels alone, before/after binaries alternated, each twice (the layout check's bf16-moment rows)
+      for tree in /tmp/before . /tmp/before .; do
+        name=$( [[ $tree == . ]] && echo after || echo before )
+        "$tree/build/benchmarks/adamw/ts_bench_adamw" --threads 16 --params 100e6 --reps 5 2>&1 \
+          | grep -E "bf16 moments|triad" | head -4 | sed "s|^|[$name] |"
+      done
+      ;;
+    gpt-before-after)
+      stage gpt-before-after  # the 1.86B GPT under a 24 GiB cap through the commit in .device/before.tar and this tree
+      for tree in /tmp/before .; do
+        name=$( [[ $tree == . ]] && echo after || echo before )
+        (cd "$tree" && TRAINSTREAMD=$PWD/build/daemon/trainstreamd PYTHONPATH=$PWD/python:/tmp/site timeout 200 \
+          python3 benchmarks/train_gpt/train_gpt.py --config 1.86b --vram-cap-gib 24 --steps ${STEPS:-5} --warmup 2 \
+          --modes trainstream --json "$OUT/gpt_1.86b_cap24_$name.json" 2>&1 | tail -1 | sed "s|^|[$name] |")
+      done
+      ;;
+    gpt-paging)
+      stage gpt-paging  # the 1.86B GPT bigger than a 4 GiB cap: paged, against the GPU-only step and DeepSpeed ZeRO-3
+      install_wheels
+      timeout 480 python3 benchmarks/train_gpt/train_gpt.py --config 1.86b --vram-cap-gib "${CAP:-4}" --steps ${STEPS:-4} \
+        --warmup 2 --param-offload true --checkpoint-blocks --chunked-loss --moment-dtype bfloat16 \
+        --uncapped-reference --modes "${GPT_MODES:-gpu-only,trainstream}" ${GPT_ARGS:-} \
+        --adamw-json benchmarks/results/adamw_h200-16core.json --json "$OUT/gpt_1.86b_cap${CAP:-4}_paged.json" 2>&1 | tail -6
+      ;;
     build)
       stage build
       { nproc; free -g; df -h /dev/shm; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; } \

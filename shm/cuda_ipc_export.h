@@ -18,6 +18,12 @@ struct CudaIpcExport {
   uint64_t slot_bytes = 0;
   std::vector<std::string> grad_ready_events;      // per staging slot: recorded after its gradients are in
   std::vector<std::string> weights_wanted_events;  // recorded at optimizer.step(), used in turn
+  // Per bucket, where its weights lie in the parameter buffer, or kNotOnGpu for a bucket the rank
+  // keeps off the GPU (weight paging brings it in itself). Empty: every bucket at its offset in the
+  // rank's gradient region.
+  std::vector<uint64_t> param_offsets;
 };
+
+constexpr uint64_t kNotOnGpu = ~uint64_t{0};
 
 }  // namespace trainstream::shm

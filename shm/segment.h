@@ -25,13 +25,16 @@ class Segment {
   ~Segment();
 
   // Creates a new zero-filled segment of `bytes`; fails if the name exists, and with
-  // kResourceExhausted where /dev/shm has less room. With `reserve`, every page is backed now, so
-  // that /dev/shm filling up later cannot make the first touch of a page a SIGBUS; a segment whose
-  // pages must be first touched by the threads of their NUMA node passes false (allocation places a
-  // page on the allocating thread's node). With `owner_uid`, the segment is given to that uid (a
-  // root daemon creating a job's memory for its user).
+  // kResourceExhausted where /dev/shm has less room. The first `reserved` bytes (all by default) are
+  // backed now, so that /dev/shm filling up later cannot make the first touch of a page there a
+  // SIGBUS; a segment whose pages must be first touched by the threads of their NUMA node passes 0
+  // (allocation places a page on the allocating thread's node), and a job's state leaves out its
+  // frozen region, which only clients write (a LoRA base copied in tensor by tensor while the model's
+  // own copy is freed: both whole at once would not fit beside each other). With `owner_uid`, the
+  // segment is given to that uid (a root daemon creating a job's memory for its user).
+  static constexpr size_t kReserveAll = ~size_t{0};
   static Segment Create(const std::string& name, size_t bytes, std::optional<uint32_t> owner_uid = std::nullopt,
-                        bool reserve = true);
+                        size_t reserved = kReserveAll);
   // Maps an existing segment read/write; fails with kNotFound if missing, kPermissionDenied if the
   // caller may not open it.
   static Segment Open(const std::string& name);

@@ -1,4 +1,8 @@
-"""A GPT of nanoGPT's shape (pre-norm blocks, tied embeddings, no biases), for the training benchmark."""
+"""A GPT of nanoGPT's shape (pre-norm blocks, tied embeddings, no biases), for the training benchmark.
+
+`checkpoint_blocks` recomputes each block's activations in backward (torch.utils.checkpoint,
+non-reentrant); `chunked_loss` computes the output projection and the loss in chunks of tokens
+(trainstream.chunked_cross_entropy), so that the logits of a 50k vocabulary never exist whole."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 CONFIGS = {  # name: (layers, heads, width)
     "124m": (12, 12, 768),
@@ -17,7 +22,8 @@ CONFIGS = {  # name: (layers, heads, width)
     "5b": (40, 32, 3200),
     "7b": (32, 32, 4096),  # 6.66B parameters: LLaMA-7B's shape
     "7.05b": (34, 32, 4096),  # the smallest of this family at or above 7.0B
-    "10b": (48, 40, 4096),
+    "10b": (48, 40, 4096),  # 9.87B parameters
+    "10.3b": (50, 32, 4096),  # 10.28B: the smallest of the 4096-wide family above 10B
 }
 
 
@@ -58,8 +64,11 @@ def _init(module: nn.Module, layers: int) -> nn.Module:
 
 
 class GPT(nn.Module):
-    def __init__(self, c: GPTConfig, dtype: torch.dtype = torch.float32):
+    def __init__(self, c: GPTConfig, dtype: torch.dtype = torch.float32, checkpoint_blocks: bool = False,
+                 chunked_loss: bool = False):
         super().__init__()
+        self.checkpoint_blocks = checkpoint_blocks
+        self.chunked_loss = chunked_loss
         self.wte = nn.Embedding(c.vocab, c.width)
         self.wpe = nn.Embedding(c.block, c.width)
         # One block at a time in fp32, so that a 16-bit model never exists whole in fp32 (a 7B model
@@ -72,12 +81,16 @@ class GPT(nn.Module):
     def forward(self, tokens, targets):
         x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
         for block in self.blocks:
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpoint_blocks else block(x)
+        if self.chunked_loss:
+            from trainstream._losses import chunked_cross_entropy
+
+            return chunked_cross_entropy(self.ln(x), self.wte.weight, targets, chunk_size=1024)
         logits = F.linear(self.ln(x), self.wte.weight)  # tied output projection
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def build(name: str, device: str, dtype: torch.dtype) -> GPT:
+def build(name: str, device: str, dtype: torch.dtype, **options) -> GPT:
     layers, heads, width = CONFIGS[name]
     with torch.device(device):
-        return GPT(GPTConfig(layers, heads, width), dtype)
+        return GPT(GPTConfig(layers, heads, width), dtype, **options)

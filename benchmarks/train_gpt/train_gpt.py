@@ -1,16 +1,26 @@
-"""Trains a nanoGPT-shaped model with stock fused GPU AdamW, with trainstream and (mode torchao, when
-installed) with torchao's CPUOffloadOptimizer, and reports step
-time, tokens/s, peak GPU memory (torch's counter and the driver's) and host memory.
+"""Trains a nanoGPT-shaped model with stock fused GPU AdamW, with trainstream (mode trainstream: the
+state always offloaded; mode auto: offload="auto", which switches to stock fused AdamW after 2 measured
+steps when that fits) and (modes torchao,
+deepspeed-zero2, deepspeed-zero3, when installed) with torchao's CPUOffloadOptimizer and DeepSpeed's
+ZeRO-Offload (benchmarks/train_gpt/deepspeed_modes.py), and reports step time, tokens/s, peak GPU
+memory (torch's counter, the driver's for the device and, through NVML, per process: the trainer's
+and the daemon's CUDA context apart) and host memory.
+
+Weight paging (--param-offload): trainstream builds the model on the CPU and pages its blocks; the
+references then include the paging bound, 2 x the paged weight bytes over the pinned host-to-device
+bandwidth measured in this run.
 
 Each mode runs in a process of its own, so no mode sees another's memory. References measured in the
 same run: the GPU-only step (forward + backward, no optimizer) and the host update time: the bytes the
 host update must move per parameter for this configuration (gradient, master read+write, both
 moments read+write, and for 16-bit weights the upload copy) over the host memory bandwidth (the
 STREAM triad of benchmarks/adamw measured in this run when --adamw-json names its result, else a
-torch triad). The target is
-  trainstream step <= 1.15 x max(GPU-only step, host update time).
+torch triad). The targets are
+  trainstream step <= 1.15 x max(GPU-only step, host update time);
+  auto step and GPU memory (torch's peak) <= 1.05 x stock's, where stock fits (auto_vs_stock).
 
   python3 benchmarks/train_gpt/train_gpt.py --config 1.86b --batch 8 --seq 512 --vram-cap-gib 24
+  python3 benchmarks/train_gpt/train_gpt.py --config 124m --modes stock,trainstream,auto
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import platform
 import statistics
@@ -51,19 +62,45 @@ def host_triad_gbs(threads: int, gib: float = 1.0) -> float:
     return best
 
 
-class Memory:
-    """Peak GPU memory from torch's allocator and from the driver (cudaMemGetInfo), from its creation on."""
+def process_gpu_bytes() -> dict[int, int]:
+    """GPU memory per process (pid -> bytes) from NVML, {} where NVML is unavailable."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        return {p.pid: p.usedGpuMemory or 0 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
+    except Exception:
+        return {}
 
-    def __init__(self):
+
+class Memory:
+    """Peak GPU memory from torch's allocator, from the driver (cudaMemGetInfo: the whole device) and
+    per process from NVML (this trainer; `daemon_pid`'s, the daemon's CUDA context and buffers), from
+    its creation on."""
+
+    def __init__(self, daemon_pid: int | None = None):
         torch.cuda.reset_peak_memory_stats()
         self.driver_peak = 0
+        self.trainer_peak = 0
+        self.daemon_peak = 0
+        self.daemon_pid = daemon_pid
+        self.first_step_s = 0.0
 
     def sample(self):
         free, total = torch.cuda.mem_get_info()
         self.driver_peak = max(self.driver_peak, total - free)
+        per_process = process_gpu_bytes()
+        self.trainer_peak = max(self.trainer_peak, per_process.get(os.getpid(), 0))
+        if self.daemon_pid:
+            self.daemon_peak = max(self.daemon_peak, per_process.get(self.daemon_pid, 0))
 
     def report(self) -> dict:
-        return {"torch_peak_gib": torch.cuda.max_memory_allocated() / GIB, "driver_peak_gib": self.driver_peak / GIB}
+        report = {"torch_peak_gib": torch.cuda.max_memory_allocated() / GIB, "driver_peak_gib": self.driver_peak / GIB}
+        if self.trainer_peak:
+            report["trainer_process_peak_gib"] = self.trainer_peak / GIB
+        if self.daemon_peak:
+            report["daemon_process_gib"] = self.daemon_peak / GIB
+        return report
 
 
 def batches(args, device):
@@ -73,19 +110,38 @@ def batches(args, device):
         yield tokens[:, :-1], tokens[:, 1:]
 
 
-def timed_steps(args, step_fn, memory: Memory) -> list[float]:
+def timed_steps(args, step_fn, memory: Memory, losses: list | None = None) -> list[float]:
+    """The step times after the warm-up; memory.first_step_s is the first step's."""
     data = batches(args, "cuda")
     times = []
     for i in range(args.warmup + args.steps):
         tokens, targets = next(data)
         torch.cuda.synchronize()
         start = time.perf_counter()
-        step_fn(tokens, targets)
+        loss = step_fn(tokens, targets)
         torch.cuda.synchronize()
         memory.sample()
+        if losses is not None and loss is not None:
+            losses.append(float(loss))
+        if i == 0:
+            memory.first_step_s = time.perf_counter() - start
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
     return times
+
+
+def pinned_h2d_gbs(gib: float = 1.0) -> float:
+    """Host-to-device bandwidth from page-locked memory (torch's pin_memory), best of five."""
+    host = torch.empty(int(gib * GIB), dtype=torch.uint8, pin_memory=True)
+    device = torch.empty_like(host, device="cuda")
+    best = 0.0
+    for _ in range(5):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        device.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        best = max(best, host.numel() / (time.perf_counter() - start) / 1e9)
+    return best
 
 
 def forward_backward(model, tokens, targets, autocast: bool, paging: bool = False, paging_gib: float = 0):
@@ -94,7 +150,23 @@ def forward_backward(model, tokens, targets, autocast: bool, paging: bool = Fals
             trainstream.activation_paging(max_bytes=max_bytes) if paging else contextlib.nullcontext():
         loss = model(tokens, targets)
     loss.backward()
-    return loss
+    return loss.detach()
+
+
+def param_offload(value: str):
+    """--param-offload: "true", a fraction, or comma-separated block indices."""
+    if value.lower() == "true":
+        return True
+    return [int(i) for i in value.split(",")] if "," in value else float(value)
+
+
+def cap_torch(args, outside_torch: int) -> None:
+    """Caps torch's allocator so that what this process holds on the GPU stays under --vram-cap-gib:
+    `outside_torch` bytes (the CUDA context, buffers from the driver) count against it too."""
+    total = torch.cuda.get_device_properties(0).total_memory
+    left = args.vram_cap_gib * GIB - outside_torch
+    torch.cuda.set_per_process_memory_fraction(max(0.0, min(1.0, left / total)))
+    torch.cuda.empty_cache()  # the parameters' old blocks: torch's cache would count them
 
 
 def run(args, mode: str) -> dict:
@@ -102,70 +174,138 @@ def run(args, mode: str) -> dict:
     weight_dtype = torch.bfloat16 if args.bf16_weights else torch.float32
     autocast = not args.bf16_weights
     result = {"mode": mode}
+    model_options = {"checkpoint_blocks": args.checkpoint_blocks, "chunked_loss": args.chunked_loss}
+    losses: list[float] = []
+    daemon_pid = None
+    torch.zeros(1, device="cuda")  # creates the CUDA context
+    torch.cuda.synchronize()
+    context_bytes = max(0, process_gpu_bytes().get(os.getpid(), 0) - torch.cuda.memory_reserved())
+    result["cuda_context_gib"] = context_bytes / GIB
+    if mode == "gpu-only" and args.uncapped_reference:
+        args.vram_cap_gib = 0
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    if args.vram_cap_gib:  # what this process holds outside torch counts against the cap too
+        cap_torch(args, context_bytes)
     try:
         torch.manual_seed(0)
-        model = build(args.config, "cuda", weight_dtype)
-        params = sum(p.numel() for p in model.parameters())
-        result["params"] = params
-        if mode == "gpu-only":
+        if mode.startswith("deepspeed"):
+            import deepspeed_modes
+            start = time.perf_counter()
+            builder = lambda dtype: build(args.config, "cuda", dtype, chunked_loss=args.chunked_loss)  # noqa: E731
+            if mode == "deepspeed-zero2":
+                engine, step = deepspeed_modes.build_zero2(builder, 1e-4, args.bf16_weights, args.batch,
+                                                           args.max_grad_norm or 0.0)
+            else:
+                engine, step = deepspeed_modes.build_zero3(builder, 1e-4, args.bf16_weights, args.batch,
+                                                           args.checkpoint_blocks, args.max_grad_norm or 0.0)
+            result["init_seconds"] = time.perf_counter() - start
+            result["params"] = sum(getattr(p, "ds_numel", p.numel()) for p in engine.parameters())
+        else:
+            on_cpu = mode == "trainstream" and args.param_offload  # paged: built on the CPU, never whole on the GPU
+            model = build(args.config, "cpu" if on_cpu else "cuda", weight_dtype, **model_options)
+            result["params"] = sum(p.numel() for p in model.parameters())
+        if mode.startswith("deepspeed"):
+            pass
+        elif mode == "gpu-only":
             def step(tokens, targets):
-                forward_backward(model, tokens, targets, autocast)
+                loss = forward_backward(model, tokens, targets, autocast)
                 for p in model.parameters():
                     p.grad = None
+                return loss
         elif mode == "stock":
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
             def step(tokens, targets):
-                forward_backward(model, tokens, targets, autocast)
+                loss = forward_backward(model, tokens, targets, autocast)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
+                return loss
         elif mode == "torchao":  # torchao's CPUOffloadOptimizer, gradients offloaded, fused CPU AdamW
             from torchao.optim import CPUOffloadOptimizer
             opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, offload_gradients=True, fused=True,
                                       lr=1e-4)
 
             def step(tokens, targets):
-                forward_backward(model, tokens, targets, autocast)
+                loss = forward_backward(model, tokens, targets, autocast)
                 opt.step()
                 opt.zero_grad()
+                return loss
         else:
+            decisions = _Decisions()  # offload="auto" logs what it decided, from which figures
             start = time.perf_counter()
             client = trainstream.connect()
+            daemon_pid = client.ping()["pid"]
+            paging = {"device": "cuda", "param_offload": param_offload(args.param_offload),
+                      "page_prefetch": args.page_prefetch} if args.param_offload else {}
             model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-4),
-                                          client=client, moment_dtype=args.moment_dtype, bucket_mb=args.bucket_mb)
+                                          client=client, moment_dtype=args.moment_dtype, bucket_mb=args.bucket_mb,
+                                          max_grad_norm=args.max_grad_norm, offload="auto" if mode == "auto" else True,
+                                          **paging)
             result["wrap_seconds"] = time.perf_counter() - start
-            transport = trainstream._wrap._rank_of(model).transport
+            rank = trainstream._wrap._rank_of(model)
+            result["wrap_phases_s"] = dict(rank.timings)
+            transport = rank.transport
             result["transport"] = transport.name
+            if rank.pager is not None:
+                result["paged_blocks"] = len(rank.paging.blocks)
+                result["paged_bytes"] = sum(b.nbytes for b in rank.pager.blocks.values())
+                result["page_slots"] = len(rank.pager.in_slot)
             # cuda-ipc keeps the parameters and gradient staging slots outside torch's allocator: they
-            # count against the cap too, so torch gets what is left.
+            # count against the cap too, so torch gets what is left; so does the CUDA context.
             result["gpu_buffers_gib"] = getattr(transport, "device_bytes", 0) / GIB
             if args.vram_cap_gib:
-                total = torch.cuda.get_device_properties(0).total_memory
-                left = args.vram_cap_gib * GIB - getattr(transport, "device_bytes", 0)
-                torch.cuda.set_per_process_memory_fraction(max(0.0, min(1.0, left / total)))
-                torch.cuda.empty_cache()  # the parameters' old blocks: torch's cache would count them
+                cap_torch(args, getattr(transport, "device_bytes", 0) + context_bytes)
+            pager = rank.pager
+            del rank, transport  # auto's switch frees the transport's GPU buffers: no reference may keep them
 
             def step(tokens, targets):
-                forward_backward(model, tokens, targets, autocast, args.activation_paging, args.paging_gib)
+                loss = forward_backward(model, tokens, targets, autocast, args.activation_paging, args.paging_gib)
                 opt.step()
-        memory = Memory()  # the peaks of the training steps, not of building the model
-        times = timed_steps(args, step, memory)
+                return loss
+        memory = Memory(daemon_pid)  # the peaks of the training steps, not of building the model
+        times = timed_steps(args, step, memory, losses)
+        if "wrap_seconds" in result:  # from wrap() to the end of the first step
+            result["wrap_to_first_step_seconds"] = result["wrap_seconds"] + memory.first_step_s
+        result["losses"] = losses
         result["step_ms"] = 1000 * statistics.median(times)
         result["tokens_per_s"] = args.batch * args.seq / statistics.median(times)
+        if mode == "auto":
+            # After the switch (during the warm-up steps) the parameters are back in torch's memory and the
+            # transport's GPU buffers are gone.
+            result["switched_to_stock"] = not opt.offloaded
+            result["auto_decision"] = decisions.messages
+            if not opt.offloaded:
+                result["gpu_buffers_gib"] = 0.0
         result.update(memory.report())
         result["torch_peak_plus_buffers_gib"] = result["torch_peak_gib"] + result.get("gpu_buffers_gib", 0)
         result["host_rss_gib"] = rss_bytes() / GIB
-        if mode == "trainstream":
+        if mode in ("trainstream", "auto"):
             stats = client.stats()
             result["daemon_rss_gib"] = stats["rss_bytes"] / GIB
             result["daemon_segments_gib"] = stats["host_bytes"] / GIB
             result["kernel"] = stats["kernel"]
             torch.cuda.set_per_process_memory_fraction(1.0)  # cuda-ipc: the parameters move back into torch
+            if pager is not None:
+                result["page_loads_per_step"] = pager.loads / (args.warmup + args.steps)
             trainstream.unwrap(model)
     except torch.OutOfMemoryError as e:
         result["oom"] = True
         result["error"] = str(e).splitlines()[0]
     return result
+
+
+class _Decisions(logging.Handler):
+    """Keeps the messages of the "trainstream" logger (the automatic modes' decisions)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+        log = logging.getLogger("trainstream")
+        log.setLevel(logging.INFO)
+        log.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def host_update_bytes_per_param(args) -> int:
@@ -199,8 +339,16 @@ def main() -> None:
                         help="trainstream mode: saved activations in pinned host memory (activation_paging)")
     parser.add_argument("--paging-gib", type=float, default=0,
                         help="with --activation-paging: page only the first this many GiB (max_bytes)")
-    parser.add_argument("--modes", default="gpu-only,stock,trainstream",
-                        help="any of gpu-only, stock, trainstream, torchao")
+    parser.add_argument("--modes", default="gpu-only,stock,trainstream,auto",
+                        help="any of gpu-only, stock, trainstream, auto, torchao, deepspeed-zero2, deepspeed-zero3")
+    parser.add_argument("--param-offload", default="",
+                        help="trainstream mode: weight paging (true, a fraction, or block indices i,j,...)")
+    parser.add_argument("--page-prefetch", type=int, default=2)
+    parser.add_argument("--checkpoint-blocks", action="store_true", help="recompute each block in backward")
+    parser.add_argument("--chunked-loss", action="store_true", help="output projection + loss in chunks of tokens")
+    parser.add_argument("--max-grad-norm", type=float, default=None)
+    parser.add_argument("--uncapped-reference", action="store_true",
+                        help="the gpu-only reference runs without --vram-cap-gib (a model that does not fit under it)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--adamw-json", help="benchmarks/adamw result of this machine, for the triad bandwidth")
     parser.add_argument("--json", help="write the results here")
@@ -219,7 +367,10 @@ def main() -> None:
             triad, triad_source = json.load(f)["triad"]["gb_per_s"], "benchmarks/adamw triad"
     else:
         triad, triad_source = host_triad_gbs(args.threads), "torch triad"
+    h2d = pinned_h2d_gbs()
     results = {"config": args.config, "batch": args.batch, "seq": args.seq, "vram_cap_gib": args.vram_cap_gib,
+               "param_offload": args.param_offload, "checkpoint_blocks": args.checkpoint_blocks,
+               "chunked_loss": args.chunked_loss, "max_grad_norm": args.max_grad_norm, "pinned_h2d_gbs": h2d,
                "activation_paging": args.activation_paging, "paging_gib": args.paging_gib,
                "bf16_weights": args.bf16_weights, "moment_dtype": args.moment_dtype,
                "gpu": torch.cuda.get_device_name(0), "host": platform.node(), "threads": args.threads,
@@ -232,9 +383,21 @@ def main() -> None:
     params = next((r["params"] for r in results["runs"] if "params" in r), 0)
     results["host_update_bytes_per_param"] = host_update_bytes_per_param(args)
     results["host_update_ms"] = 1000 * params * results["host_update_bytes_per_param"] / (triad * 1e9)
+    paged_bytes = by_mode.get("trainstream", {}).get("paged_bytes", 0)
+    if paged_bytes:  # every paged weight crosses PCIe twice per step
+        results["paging_bound_ms"] = 1000 * 2 * paged_bytes / (h2d * 1e9)
     if "step_ms" in by_mode.get("trainstream", {}) and "step_ms" in by_mode.get("gpu-only", {}):
-        bound = max(by_mode["gpu-only"]["step_ms"], results["host_update_ms"])
+        bound = max(by_mode["gpu-only"]["step_ms"], results["host_update_ms"], results.get("paging_bound_ms", 0))
+        results["bound_ms"] = bound
         results["trainstream_vs_bound"] = by_mode["trainstream"]["step_ms"] / bound
+    for peer in ("deepspeed-zero3", "deepspeed-zero2", "torchao", "stock"):
+        if "step_ms" in by_mode.get(peer, {}) and "step_ms" in by_mode.get("trainstream", {}):
+            results[f"{peer}_vs_trainstream"] = by_mode[peer]["step_ms"] / by_mode["trainstream"]["step_ms"]
+    if "step_ms" in by_mode.get("auto", {}) and "step_ms" in by_mode.get("stock", {}):
+        auto, stock = by_mode["auto"], by_mode["stock"]
+        results["auto_vs_stock"] = {"step": auto["step_ms"] / stock["step_ms"],
+                                    "torch_peak": auto["torch_peak_plus_buffers_gib"] / stock["torch_peak_gib"],
+                                    "driver_peak": auto["driver_peak_gib"] / stock["driver_peak_gib"]}
     print(json.dumps({k: v for k, v in results.items() if k != "runs"}), flush=True)
     if args.json:
         with open(args.json, "w") as f:

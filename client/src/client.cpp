@@ -64,6 +64,19 @@ class IdentityProof {
  private:
   std::string nonce_;
 };
+// A request that needs the caller's uid (drop, snapshot, restore): proves it, names the proof in the
+// request, and returns the reply or throws.
+template <typename Reply, typename Request, typename Method>
+Reply CallAsCaller(v1::Control::Stub& stub, Method method, Request request, std::chrono::milliseconds timeout,
+                   const std::string& what) {
+  grpc::ClientContext context;
+  SetDeadline(context, timeout);
+  const IdentityProof proof(stub);
+  request.set_nonce(proof.nonce());
+  Reply reply;
+  ThrowIfFailed((stub.*method)(&context, request, &reply), what);
+  return reply;
+}
 }  // namespace
 
 std::shared_ptr<Client> Client::Connect(const std::string& socket_path, std::chrono::milliseconds timeout) {
@@ -88,7 +101,17 @@ StatsReport Client::Stats() {
                      .host_bytes = reply.host_bytes(),
                      .rss_bytes = reply.rss_bytes(),
                      .worker_threads = reply.worker_threads(),
-                     .kernel = reply.kernel()};
+                     .kernel = reply.kernel(),
+                     .daemon_version = reply.daemon_version(),
+                     .pid = reply.pid(),
+                     .uptime_seconds = reply.uptime_seconds(),
+                     .pinned_bytes = reply.pinned_bytes(),
+                     .max_host_bytes = reply.max_host_bytes(),
+                     .max_jobs = reply.max_jobs(),
+                     .gpus = {}};
+  for (const v1::GpuStats& gpu : reply.gpus()) {
+    report.gpus.push_back(GpuReport{gpu.gpu(), gpu.to_host_bytes(), gpu.to_device_bytes()});
+  }
   for (const v1::JobStats& job : reply.jobs()) {
     report.jobs.push_back(JobReport{
         .name = job.name(),
@@ -110,21 +133,44 @@ StatsReport Client::Stats() {
         .attached_ranks = {job.attached_ranks().begin(), job.attached_ranks().end()},
         .transports = {job.transports().begin(), job.transports().end()},
         .orphaned = job.orphaned(),
+        .steps = job.steps(),
+        .update_seconds = job.update_seconds(),
+        .last_update_unix_ms = job.last_update_unix_ms(),
+        .last_step_unix_ms = job.last_step_unix_ms(),
+        .host_bytes = job.host_bytes(),
+        .pinned_bytes = job.pinned_bytes(),
+        .last_snapshot = job.last_snapshot(),
+        .last_snapshot_step = job.last_snapshot_step(),
     });
   }
   return report;
 }
 
 void Client::DropJob(const std::string& job, bool force) {
-  grpc::ClientContext context;
-  SetDeadline(context, kRpcTimeout);
-  const IdentityProof proof(*impl_->stub);
   v1::DropJobRequest request;
   request.set_job(job);
   request.set_force(force);
-  request.set_nonce(proof.nonce());
-  v1::DropJobReply reply;
-  ThrowIfFailed(impl_->stub->DropJob(&context, request, &reply), fmt::format("drop job '{}'", job));
+  CallAsCaller<v1::DropJobReply>(*impl_->stub, &v1::Control::Stub::DropJob, request, kRpcTimeout,
+                                 fmt::format("drop job '{}'", job));
+}
+
+SnapshotReport Client::Snapshot(const std::string& job, const std::string& path, std::chrono::milliseconds timeout) {
+  v1::SnapshotRequest request;
+  request.set_job(job);
+  request.set_path(path);
+  const auto reply = CallAsCaller<v1::SnapshotReply>(*impl_->stub, &v1::Control::Stub::Snapshot, request, timeout,
+                                                     fmt::format("snapshot of job '{}'", job));
+  return SnapshotReport{reply.path(), reply.step(), reply.bytes()};
+}
+
+RestoreReport Client::Restore(const std::string& path, const std::string& job) {
+  v1::RestoreRequest request;
+  request.set_path(path);
+  request.set_job(job);
+  const auto reply = CallAsCaller<v1::RestoreReply>(*impl_->stub, &v1::Control::Stub::Restore, request,
+                                                    std::chrono::minutes(10),  // a large state takes a while
+                                                    fmt::format("restore from '{}'", path));
+  return RestoreReport{reply.job(), reply.step()};
 }
 
 std::unique_ptr<RankSession> Client::Attach(const std::string& job, uint32_t rank, const shm::LayoutSpec& spec,

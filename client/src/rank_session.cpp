@@ -273,6 +273,7 @@ std::string RankSession::RegisterCudaIpc(const shm::CudaIpcExport& exported) {
   r->set_slot_bytes(exported.slot_bytes);
   for (const std::string& event : exported.grad_ready_events) r->add_grad_ready_events(event);
   for (const std::string& event : exported.weights_wanted_events) r->add_weights_wanted_events(event);
+  for (uint64_t offset : exported.param_offsets) r->add_param_offsets(offset);
   impl_->CheckHealthy();
   {
     std::lock_guard lock(impl_->event_mutex);

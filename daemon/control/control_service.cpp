@@ -7,8 +7,12 @@
 #include <mutex>
 #include <set>
 
+#include "daemon/gpu/pinned_host.h"
 #include "daemon/grpc_status.h"
+#include "daemon/metrics/counters.h"
 #include "daemon/optimizer/adamw_kernels.h"
+#include "daemon/snapshot/file_identity.h"
+#include "daemon/snapshot/snapshot_format.h"
 #include "shm/error.h"
 #include "shm/version.h"
 
@@ -24,9 +28,11 @@ grpc::Status Guarded(const char* what, Body body) {
     return grpc::Status::OK;
   } catch (const Error& e) {
     spdlog::debug("{} refused: {}", what, e.what());
+    ProcessCounters::Instance().CountError(ErrorKind::kRefusedRequest);
     return StatusOf(e);
   } catch (const std::exception& e) {
     spdlog::error("{} failed: {}", what, e.what());
+    ProcessCounters::Instance().CountError(ErrorKind::kRefusedRequest);
     return StatusOf(Code::kInternal, fmt::format("{} failed inside the daemon: {}", what, e.what()));
   }
 }
@@ -58,6 +64,7 @@ class StreamSink final : public SessionSink {
     std::lock_guard lock(mutex_);  // held through TryCancel: once closed_, the context may be gone
     if (closed_ || failure_) return;
     failure_ = message;
+    ProcessCounters::Instance().CountError(ErrorKind::kSessionFailed);
     v1::SessionEvent event;
     event.set_error(message);
     stream_->Write(event);
@@ -101,7 +108,28 @@ shm::CudaIpcExport CudaIpcFromProto(const v1::CudaIpcRegistration& proto) {
       .slot_bytes = proto.slot_bytes(),
       .grad_ready_events = {proto.grad_ready_events().begin(), proto.grad_ready_events().end()},
       .weights_wanted_events = {proto.weights_wanted_events().begin(), proto.weights_wanted_events().end()},
+      .param_offsets = {proto.param_offsets().begin(), proto.param_offsets().end()},
   };
+}
+
+// When a long request must give up: a second before the caller's deadline, at most an hour away.
+std::chrono::steady_clock::time_point DeadlineOf(const grpc::ServerContext& context) {
+  const auto left = std::min<std::chrono::system_clock::duration>(
+      context.deadline() - std::chrono::system_clock::now() - std::chrono::seconds(1), std::chrono::hours(1));
+  return std::chrono::steady_clock::now() + left;
+}
+
+void FillJobCounters(const JobInfo& info, v1::JobStats* stats) {
+  stats->set_steps(info.steps);
+  stats->set_update_seconds(info.update_seconds.sum);
+  stats->set_last_update_unix_ms(info.last_update_unix_ms);
+  stats->set_last_step_unix_ms(info.last_step_unix_ms);
+  stats->set_host_bytes(info.host_bytes);
+  stats->set_pinned_bytes(info.pinned_bytes);
+  if (info.last_snapshot) {
+    stats->set_last_snapshot(info.last_snapshot->path);
+    stats->set_last_snapshot_step(info.last_snapshot->step);
+  }
 }
 
 }  // namespace
@@ -245,7 +273,8 @@ grpc::Status ControlService::Stats(grpc::ServerContext*, const v1::StatsRequest*
       stats->set_speculative_steps(info.engine.speculative_steps);
       stats->set_redone_steps(info.engine.redone_steps);
       stats->mutable_transports()->insert(info.transports.begin(), info.transports.end());
-      host_bytes += info.state_bytes + info.engine.attached_ranks.size() * info.rank_bytes;
+      FillJobCounters(info, stats);
+      host_bytes += info.host_bytes;
     }
     for (const OrphanedJob& orphan : registry_.Orphans()) {  // their memory is still in /dev/shm
       v1::JobStats* stats = reply->add_jobs();
@@ -256,6 +285,7 @@ grpc::Status ControlService::Stats(grpc::ServerContext*, const v1::StatsRequest*
       stats->set_state_bytes(orphan.state_bytes);
       stats->set_state_halves(orphan.state_halves);
       stats->set_speculative_clipping(orphan.speculative_clipping);
+      stats->set_host_bytes(orphan.state_bytes);
       stats->set_orphaned(true);
       host_bytes += orphan.state_bytes;
     }
@@ -263,12 +293,57 @@ grpc::Status ControlService::Stats(grpc::ServerContext*, const v1::StatsRequest*
     reply->set_rss_bytes(ResidentBytes());
     reply->set_worker_threads(static_cast<uint32_t>(pool_.threads()));
     reply->set_kernel(optimizer::ActiveKernelName());
+    reply->set_daemon_version(std::string(kVersion));
+    reply->set_pid(getpid());
+    reply->set_uptime_seconds(std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count());
+    reply->set_pinned_bytes(PinnedHost::Instance().pinned_bytes());
+    reply->set_max_host_bytes(registry_.config().max_host_bytes);
+    reply->set_max_jobs(registry_.config().max_jobs);
+    for (const auto& [label, counters] : ProcessCounters::Instance().Gpus()) {
+      v1::GpuStats* gpu = reply->add_gpus();
+      gpu->set_gpu(label);
+      gpu->set_to_host_bytes(counters->to_host_bytes.load());
+      gpu->set_to_device_bytes(counters->to_device_bytes.load());
+    }
   });
 }
 
 grpc::Status ControlService::DropJob(grpc::ServerContext*, const v1::DropJobRequest* request, v1::DropJobReply*) {
   return Guarded("DropJob",
                  [&] { registry_.Drop(request->job(), identity_.Verify(request->nonce()), request->force()); });
+}
+
+grpc::Status ControlService::Snapshot(grpc::ServerContext* context, const v1::SnapshotRequest* request,
+                                      v1::SnapshotReply* reply) {
+  return Guarded("Snapshot", [&] {
+    const uint32_t uid = identity_.Verify(request->nonce());
+    const SnapshotWritten written =
+        registry_.Get(request->job(), uid)->Snapshot(request->path(), uid, DeadlineOf(*context));
+    reply->set_path(written.path);
+    reply->set_step(written.step);
+    reply->set_bytes(written.bytes);
+  });
+}
+
+grpc::Status ControlService::Restore(grpc::ServerContext*, const v1::RestoreRequest* request, v1::RestoreReply* reply) {
+  return Guarded("Restore", [&] {
+    const uint32_t uid = identity_.Verify(request->nonce());
+    TS_CHECK(!request->path().empty() && request->path().front() == '/', Code::kInvalidArgument,
+             "snapshot path '{}' must be an absolute path", request->path());
+    std::unique_ptr<SnapshotFile> file;
+    {
+      const FileIdentity as_caller(uid);  // read only what the caller may read
+      file = std::make_unique<SnapshotFile>(request->path());
+    }
+    const SnapshotMeta& meta = file->meta();
+    TS_CHECK(uid == 0 || uid == meta.uid, Code::kPermissionDenied,
+             "snapshot '{}' is of a job of uid {}: only that uid or root may restore it (you are uid {})",
+             request->path(), meta.uid, uid);
+    const std::string name = request->job().empty() ? meta.job : request->job();
+    registry_.Restore(name, uid == 0 ? meta.uid : uid, *file);
+    reply->set_job(name);
+    reply->set_step(meta.step);
+  });
 }
 
 }  // namespace trainstream::daemon

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <string>
 #include <utility>
 
@@ -27,11 +28,16 @@ class ControlService final : public v1::Control::Service {
   grpc::Status Stats(grpc::ServerContext* context, const v1::StatsRequest* request, v1::StatsReply* reply) override;
   grpc::Status DropJob(grpc::ServerContext* context, const v1::DropJobRequest* request,
                        v1::DropJobReply* reply) override;
+  grpc::Status Snapshot(grpc::ServerContext* context, const v1::SnapshotRequest* request,
+                        v1::SnapshotReply* reply) override;
+  grpc::Status Restore(grpc::ServerContext* context, const v1::RestoreRequest* request,
+                       v1::RestoreReply* reply) override;
 
  private:
   JobRegistry& registry_;
   const WorkerPool& pool_;
   const std::string peer_address_;
+  const std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
   IdentityVerifier identity_;
 };
 

@@ -42,12 +42,14 @@ void RefuseTornState(const std::string& name, const shm::StateView& state, const
 }  // namespace
 
 Job::Job(std::string name, uint32_t uid, shm::LayoutSpec spec, uint64_t seed, WorkerPool& pool,
-         const PeerConfig& peer_config, const OrphanedJob* adopted)
+         const PeerConfig& peer_config, const OrphanedJob* adopted, const SnapshotFile* restored,
+         SnapshotSchedule snapshots)
     : name_(std::move(name)),
       uid_(uid),
       spec_(std::move(spec)),
       layout_(shm::ComputeLayout(spec_)),
       key_(adopted != nullptr ? adopted->key : RandomKey()),
+      fresh_(adopted == nullptr && restored == nullptr),
       idle_since_(std::chrono::steady_clock::now()) {
   TS_CHECK(geteuid() == 0 || geteuid() == uid_, Code::kPermissionDenied,
            "trainstreamd runs as uid {}; a job of uid {} needs a daemon running as root or as that uid", geteuid(),
@@ -55,15 +57,18 @@ Job::Job(std::string name, uint32_t uid, shm::LayoutSpec spec, uint64_t seed, Wo
   if (adopted != nullptr) {
     state_ = shm::Segment::Open(adopted->state_segment);
     shm::CheckStateSegment(state_.data(), state_.size(), layout_);
-    RefuseTornState(name_, shm::ViewState(state_.data(), layout_, spec_), layout_);
+    RefuseTornState(name_, ViewState(), layout_);
   } else {
-    // With several NUMA nodes the engine's threads first-touch the state on their nodes (PlaceState).
-    state_ = shm::Segment::Create(shm::SegmentName(uid_, key_, "state"), layout_.state_bytes, uid_,
-                                  /*reserve=*/pool.nodes() == 1);
+    // With several NUMA nodes the engine's threads first-touch a new state on their nodes (PlaceState).
+    // A new job's frozen region, at the end, is backed as the clients write it (shm::Segment::Create
+    // says why); a restored job's is written by this daemon from the snapshot, so backed now.
+    const size_t reserved = !fresh_ ? shm::Segment::kReserveAll : pool.nodes() == 1 ? layout_.frozen_offset : 0;
+    state_ = shm::Segment::Create(shm::SegmentName(uid_, key_, "state"), layout_.state_bytes, uid_, reserved);
     shm::InitStateSegment(state_.data(), layout_);
     auto* header = static_cast<shm::StateHeader*>(state_.data());
     header->owner = SelfAsOwner();
     name_.copy(header->job_name, shm::kMaxJobName);
+    if (restored != nullptr) restored->RestoreInto(CommittedState(ViewState(), layout_, spec_));
   }
   state_.RemoveOnDestroy();
   if (spec_.nodes() > 1) {
@@ -72,10 +77,19 @@ Job::Job(std::string name, uint32_t uid, shm::LayoutSpec spec, uint64_t seed, Wo
     peers_ = std::make_unique<PeerAllReduce>(name_, spec_.peers, spec_.node_rank,
                                              static_cast<uint32_t>(layout_.buckets.size()), peer_config);
   }
-  engine_ = std::make_unique<StepEngine>(name_, spec_, layout_, shm::ViewState(state_.data(), layout_, spec_), seed,
-                                         pool, peers_.get(), /*adopted=*/adopted != nullptr);
+  snapshots_ = std::make_unique<JobSnapshots>(
+      SnapshotMeta{.job = name_, .uid = uid_, .seed = seed, .step = 0, .hparams = {}, .spec = spec_}, ViewState(),
+      layout_, std::move(snapshots));
+  engine_ = std::make_unique<StepEngine>(name_, spec_, layout_, ViewState(), seed, pool, peers_.get(),
+                                         /*adopted=*/adopted != nullptr,
+                                         [this](const Commit& commit) { OnCommit(commit); });
+  snapshots_->Connect(SnapshotHooks{.attached_ranks = [this] { return attached_ranks(); },
+                                    .announce = [this] { engine_->AnnounceCommitted(); }});
   spdlog::info("job '{}' {}: {} parameters in {} buckets, {} state bytes ({} state half{}{}), key {}", name_,
-               adopted != nullptr ? fmt::format("re-adopted at step {}", adopted->completed_step) : "created",
+               adopted != nullptr ? fmt::format("re-adopted at step {}", adopted->completed_step)
+               : restored != nullptr
+                   ? fmt::format("restored from {} at step {}", restored->path(), restored->meta().step)
+                   : "created",
                spec_.params.size(), layout_.buckets.size(), layout_.state_bytes, spec_.state_halves,
                spec_.state_halves == 2 ? "ves" : "", layout_.speculative_clipping ? ", speculative clipping" : "",
                key_);
@@ -86,6 +100,7 @@ void Job::StampSocket(uint64_t socket_hash) {
 }
 
 Job::~Job() {
+  snapshots_->Stop();  // its writer may still ask the engine for announcements
   if (peers_) peers_->Stop(fmt::format("job '{}' was removed", name_));  // no all-reduce left to wait for
   engine_.reset();  // waits for in-flight work (updates, GPU copies) before the segments go away
   PinnedHost::Instance().Release(state_.data(), state_.size());
@@ -100,7 +115,9 @@ std::string Job::RankSegmentName(uint32_t rank) const {
 Job::Attachment Job::Attach(uint32_t rank, std::shared_ptr<SessionSink> session, const std::string& transport) {
   TS_CHECK(rank < spec_.world_size, Code::kInvalidArgument, "rank {} out of range for job '{}' (world size {})", rank,
            name_, spec_.world_size);
-  engine_->PlaceState();         // here, not in the constructor: the registry's lock is not held now
+  // Here, not in the constructor: the registry's lock is not held now. Only a new job's state: placing
+  // zeroes it.
+  if (fresh_) engine_->PlaceState();
   std::lock_guard lock(mutex_);  // one attach/detach at a time: they share the rank's segment name
   TS_CHECK(!closed_, Code::kAborted, "job '{}' went away while rank {} attached ({}); attach again", name_, rank,
            closed_.value_or(""));
@@ -117,6 +134,7 @@ Job::Attachment Job::Attach(uint32_t rank, std::shared_ptr<SessionSink> session,
   shm::Segment::Remove(name);  // left over from a rank that died while its removal raced this attach
   shm::Segment segment = shm::Segment::Create(name, layout_.rank_bytes, uid_);
   shm::InitRankSegment(segment.data(), layout_, rank);
+  rank_memory_[rank] = {segment.data(), segment.size()};
   engine_->AddRank(std::make_shared<RankChannel>(rank, std::move(segment), layout_, std::move(session)));
   ++attached_;
   transports_[rank] = transport;
@@ -133,6 +151,7 @@ void Job::Detach(uint32_t rank) {
   // own a new segment of the same name.
   shm::Segment::Remove(RankSegmentName(rank));
   transports_.erase(rank);
+  rank_memory_.erase(rank);
   if (--attached_ == 0) idle_since_ = std::chrono::steady_clock::now();
   spdlog::info("job '{}': rank {} detached", name_, rank);
 }
@@ -203,10 +222,47 @@ JobInfo Job::Info() {
       .speculative_clipping = layout_.speculative_clipping,
       .engine = engine_->Stats(),
       .transports = {},
+      .steps = counters_.steps.load(),
+      .update_seconds = counters_.update_seconds.Read(),
+      .last_update_unix_ms = counters_.last_update_unix_ms.load(),
+      .last_step_unix_ms = counters_.last_step_unix_ms.load(),
+      .host_bytes = host_bytes(),
+      .pinned_bytes = PinnedBytes(),
+      .last_snapshot = snapshots_->last(),
   };
   std::lock_guard lock(mutex_);
   info.transports = transports_;
   return info;
+}
+
+uint64_t Job::PinnedBytes() {
+  uint64_t pinned = PinnedHost::Instance().pinned_bytes(state_.data(), state_.size());
+  std::lock_guard lock(mutex_);
+  for (const auto& [rank, memory] : rank_memory_)
+    pinned += PinnedHost::Instance().pinned_bytes(memory.first, memory.second);
+  return pinned;
+}
+
+shm::StateView Job::ViewState() const {
+  return shm::ViewState(state_.data(), layout_, spec_);
+}
+
+void Job::OnCommit(const Commit& commit) {
+  if (!commit.loaded && !commit.announced) {
+    const int64_t now = UnixMillisNow();
+    counters_.update_seconds.Observe(commit.update_seconds);
+    counters_.last_update_unix_ms.store(now, std::memory_order_relaxed);
+    if (commit.step_completed) {
+      counters_.steps.fetch_add(1, std::memory_order_relaxed);
+      counters_.last_step_unix_ms.store(now, std::memory_order_relaxed);
+    }
+  }
+  snapshots_->OnCommit(commit);
+}
+
+SnapshotWritten Job::Snapshot(const std::string& path, uint32_t caller_uid,
+                              std::chrono::steady_clock::time_point deadline) {
+  return snapshots_->Take(path, caller_uid, deadline);
 }
 
 }  // namespace trainstream::daemon

@@ -18,7 +18,10 @@
 #include "daemon/engine/step_engine.h"
 #include "daemon/engine/worker_pool.h"
 #include "daemon/gpu/cuda_rank_transfer.h"
+#include "daemon/metrics/counters.h"
 #include "daemon/peer/peer_allreduce.h"
+#include "daemon/snapshot/job_snapshots.h"
+#include "daemon/snapshot/snapshot_format.h"
 #include "shm/job_layout.h"
 #include "shm/segment.h"
 
@@ -32,15 +35,21 @@ struct JobInfo {
   bool speculative_clipping = false;
   EngineStats engine;
   std::map<uint32_t, std::string> transports;  // by attached rank
+  uint64_t steps = 0;                          // completed since this daemon took the job
+  DurationHistogram::Reading update_seconds;
+  int64_t last_update_unix_ms = 0, last_step_unix_ms = 0;
+  uint64_t host_bytes = 0, pinned_bytes = 0;
+  std::optional<SnapshotWritten> last_snapshot;
 };
 
 class Job {
  public:
   // Creates the job's state, or with `adopted`, takes over the state an earlier daemon left (its
   // layout must be `spec`'s; kFailedPrecondition if it holds torn buckets: one state half, killed
-  // during an update).
+  // during an update), or with `restored`, fills it from a snapshot (of `spec`'s layout).
   Job(std::string name, uint32_t uid, shm::LayoutSpec spec, uint64_t seed, WorkerPool& pool,
-      const PeerConfig& peer_config = {}, const OrphanedJob* adopted = nullptr);
+      const PeerConfig& peer_config = {}, const OrphanedJob* adopted = nullptr, const SnapshotFile* restored = nullptr,
+      SnapshotSchedule snapshots = {});
   // Names this daemon's socket in the state, so that a daemon restarted on it can re-adopt the job.
   void StampSocket(uint64_t socket_hash);
   ~Job();  // stops the engine, then unlinks every segment of the job
@@ -79,10 +88,17 @@ class Job {
   [[nodiscard]] uint64_t host_bytes();  // state + attached rank segments
   [[nodiscard]] size_t attached_ranks();
   JobInfo Info();
+  // Writes the job's state to `path` (daemon/snapshot/job_snapshots.h) with the file permissions of
+  // `caller_uid`.
+  SnapshotWritten Snapshot(const std::string& path, uint32_t caller_uid,
+                           std::chrono::steady_clock::time_point deadline);
 
  private:
   std::string RankSegmentName(uint32_t rank) const;
   void Rename(uint32_t rank, const std::string& transport);  // in the transports shown by Stats
+  void OnCommit(const Commit& commit);                       // the engine thread
+  [[nodiscard]] uint64_t PinnedBytes();
+  [[nodiscard]] shm::StateView ViewState() const;
 
   const std::string name_;
   const uint32_t uid_;
@@ -91,11 +107,15 @@ class Job {
   const std::string key_;
   shm::Segment state_;
   std::unique_ptr<PeerAllReduce> peers_;  // multi-node jobs only; outlives the engine that uses it
+  const bool fresh_;                      // its state was created empty (not adopted, not restored)
+  JobCounters counters_;
+  std::unique_ptr<JobSnapshots> snapshots_;  // fed by the engine's commits; stopped before it
   std::unique_ptr<StepEngine> engine_;
 
   std::mutex mutex_;  // guards the fields below
   size_t attached_ = 0;
-  std::map<uint32_t, std::string> transports_;  // by attached rank
+  std::map<uint32_t, std::string> transports_;                      // by attached rank
+  std::map<uint32_t, std::pair<const void*, size_t>> rank_memory_;  // by attached rank: its segment's mapping
   std::chrono::steady_clock::time_point idle_since_;
   std::optional<std::string> closed_;  // why, once Close ran
 };

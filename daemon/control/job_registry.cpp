@@ -18,16 +18,18 @@ namespace {
 // The first parameter that differs between two lists, if any ("parameter" or "frozen parameter").
 std::optional<std::string> DescribeParamMismatch(const char* what, const std::vector<shm::ParamSpec>& have,
                                                  const std::vector<shm::ParamSpec>& want) {
-  if (have.size() != want.size()) return fmt::format("the job has {} {}s, this rank {}", have.size(), what, want.size());
+  if (have.size() != want.size())
+    return fmt::format("the job has {} {}s, this rank {}", have.size(), what, want.size());
   for (size_t i = 0; i < have.size(); ++i) {
     const auto& a = have[i];
     const auto& b = want[i];
     if (a.name != b.name || a.shape != b.shape || a.dtype != b.dtype || a.group != b.group ||
         a.partition != b.partition) {
-      return fmt::format("{} {} differs: job has '{}' {} {} group {} partition {}, this rank '{}' {} {} group {} "
-                         "partition {}",
-                         what, i, a.name, fmt::join(a.shape, "x"), NameOf(a.dtype), a.group, a.partition, b.name,
-                         fmt::join(b.shape, "x"), NameOf(b.dtype), b.group, b.partition);
+      return fmt::format(
+          "{} {} differs: job has '{}' {} {} group {} partition {}, this rank '{}' {} {} group {} "
+          "partition {}",
+          what, i, a.name, fmt::join(a.shape, "x"), NameOf(a.dtype), a.group, a.partition, b.name,
+          fmt::join(b.shape, "x"), NameOf(b.dtype), b.group, b.partition);
     }
   }
   return std::nullopt;
@@ -74,9 +76,21 @@ uint64_t ShmFreeBytes() {
   return static_cast<uint64_t>(info.f_bavail) * info.f_frsize;
 }
 
-// Only the uid that created a job may attach to it or drop it.
+// Only the uid that created a job may attach to it.
 void CheckOwner(const std::string& name, uint32_t owner, uint32_t uid) {
   TS_CHECK(owner == uid, Code::kPermissionDenied, "job '{}' belongs to uid {}", name, owner);
+}
+
+// Only its owner, or root, may drop a job or snapshot it.
+void CheckOwnerOrRoot(const std::string& name, uint32_t owner, uint32_t uid) {
+  TS_CHECK(owner == uid || uid == 0, Code::kPermissionDenied,
+           "job '{}' belongs to uid {}: only that uid or root may drop, snapshot or restore it (you are uid {})", name,
+           owner, uid);
+}
+
+void CheckJobName(const std::string& name) {
+  TS_CHECK(!name.empty() && name.size() <= shm::kMaxJobName, Code::kInvalidArgument,
+           "job name must have 1 to {} characters", shm::kMaxJobName);
 }
 
 }  // namespace
@@ -114,8 +128,7 @@ shm::LayoutSpec JobRegistry::Decide(const std::string& name, shm::LayoutSpec req
 
 JobRegistry::Found JobRegistry::FindOrCreate(const std::string& name, uint32_t uid, const shm::LayoutSpec& request,
                                              uint64_t seed) {
-  TS_CHECK(!name.empty() && name.size() <= shm::kMaxJobName, Code::kInvalidArgument,
-           "job name must have 1 to {} characters", shm::kMaxJobName);
+  CheckJobName(name);
   shm::ValidateRequest(request);
   std::lock_guard lock(mutex_);
   if (auto it = jobs_.find(name); it != jobs_.end()) {
@@ -127,37 +140,83 @@ JobRegistry::Found JobRegistry::FindOrCreate(const std::string& name, uint32_t u
              "layout mismatch for job '{}': {}", name, DescribeMismatch(job->spec(), spec));
     return {job, false};
   }
-  TS_CHECK(jobs_.size() < config_.max_jobs, Code::kResourceExhausted, "job limit reached: {} of max_jobs={}",
-           jobs_.size(), config_.max_jobs);
-  uint64_t used = 0;
-  for (auto& [_, job] : jobs_) used += job->host_bytes();
   auto orphan = orphans_.find(name);
-  const shm::LayoutSpec spec =
-      orphan != orphans_.end()
-          ? Inherit(request, orphan->second.state_halves, orphan->second.speculative_clipping)
-          : Decide(name, request, used);
+  const shm::LayoutSpec spec = orphan != orphans_.end()
+                                   ? Inherit(request, orphan->second.state_halves, orphan->second.speculative_clipping)
+                                   : Decide(name, request, UsedHostBytes());
   const shm::JobLayout layout = shm::ComputeLayout(spec);  // validates the decided spec
-  if (config_.max_host_bytes != 0) {
-    const uint64_t needed = layout.state_bytes + uint64_t{spec.world_size} * layout.rank_bytes;
-    TS_CHECK(used + needed <= config_.max_host_bytes, Code::kResourceExhausted,
-             "host memory quota exceeded: job '{}' needs {} bytes{}, {} of max_host_bytes={} in use", name, needed,
-             spec.state_halves == 2 ? " (two state halves)" : "", used, config_.max_host_bytes);
-  }
+  CheckRoomFor(name, spec, layout);
   if (orphan != orphans_.end()) {
     CheckOwner(name, orphan->second.uid, uid);
     TS_CHECK(orphan->second.layout_hash == layout.hash, Code::kInvalidArgument,
              "job '{}' was left by a trainstreamd that died, with another layout: drop it (drop_job) to start a new "
              "job of that name, or attach with its layout to resume it",
              name);
-    auto job = std::make_shared<Job>(name, uid, spec, seed, pool_, peer_config_, &orphan->second);
+    auto job = std::make_shared<Job>(name, uid, spec, seed, pool_, peer_config_, &orphan->second, nullptr, Schedule());
     orphans_.erase(orphan);
     jobs_.emplace(name, job);
     return {job, false};
   }
-  auto job = std::make_shared<Job>(name, uid, spec, seed, pool_, peer_config_);
+  auto job = std::make_shared<Job>(name, uid, spec, seed, pool_, peer_config_, nullptr, nullptr, Schedule());
   job->StampSocket(SocketHash(config_.socket));
   jobs_.emplace(name, job);
   return {job, true};
+}
+
+uint64_t JobRegistry::UsedHostBytes() const {
+  uint64_t used = 0;
+  for (const auto& [_, job] : jobs_) used += job->host_bytes();
+  return used;
+}
+
+void JobRegistry::CheckRoomFor(const std::string& name, const shm::LayoutSpec& spec, const shm::JobLayout& layout) {
+  TS_CHECK(jobs_.size() < config_.max_jobs, Code::kResourceExhausted, "job limit reached: {} of max_jobs={}",
+           jobs_.size(), config_.max_jobs);
+  if (config_.max_host_bytes != 0) {
+    const uint64_t used = UsedHostBytes();
+    const uint64_t needed = layout.state_bytes + uint64_t{spec.world_size} * layout.rank_bytes;
+    TS_CHECK(used + needed <= config_.max_host_bytes, Code::kResourceExhausted,
+             "host memory quota exceeded: job '{}' needs {} bytes{}, {} of max_host_bytes={} in use", name, needed,
+             spec.state_halves == 2 ? " (two state halves)" : "", used, config_.max_host_bytes);
+  }
+}
+
+std::shared_ptr<Job> JobRegistry::Get(const std::string& name, uint32_t uid) {
+  std::lock_guard lock(mutex_);
+  if (auto orphan = orphans_.find(name); orphan != orphans_.end()) {
+    CheckOwnerOrRoot(name, orphan->second.uid, uid);
+    Throw(Code::kFailedPrecondition,
+          "job '{}' was left by a trainstreamd that died and is not re-adopted yet: attach a rank with its name and "
+          "layout first",
+          name);
+  }
+  auto it = jobs_.find(name);
+  TS_CHECK(it != jobs_.end(), Code::kNotFound, "no job named '{}'", name);
+  CheckOwnerOrRoot(name, it->second->uid(), uid);
+  return it->second;
+}
+
+std::shared_ptr<Job> JobRegistry::Restore(const std::string& name, uint32_t owner, const SnapshotFile& snapshot) {
+  CheckJobName(name);
+  const shm::LayoutSpec& spec = snapshot.meta().spec;
+  const shm::JobLayout layout = shm::ComputeLayout(spec);
+  auto check_free = [&] {
+    TS_CHECK(!jobs_.contains(name) && !orphans_.contains(name), Code::kAlreadyExists,
+             "a job named '{}' exists already: drop it first, or restore under another name", name);
+    CheckRoomFor(name, spec, layout);
+  };
+  {
+    std::lock_guard lock(mutex_);
+    check_free();
+  }
+  // Filled outside the lock (a large state takes a while); the name is checked again before it counts.
+  auto job = std::make_shared<Job>(name, owner, spec, snapshot.meta().seed, pool_, peer_config_, nullptr, &snapshot,
+                                   Schedule());
+  job->StampSocket(SocketHash(config_.socket));
+  std::lock_guard lock(mutex_);
+  check_free();
+  jobs_.emplace(name, job);
+  return job;
 }
 
 size_t JobRegistry::ClaimOrphans() {
@@ -191,14 +250,14 @@ void JobRegistry::Drop(const std::string& name, uint32_t uid, bool force) {
   {
     std::lock_guard lock(mutex_);
     if (auto orphan = orphans_.find(name); orphan != orphans_.end()) {
-      CheckOwner(name, orphan->second.uid, uid);
+      CheckOwnerOrRoot(name, orphan->second.uid, uid);
       RemoveJobSegments(orphan->second.uid, orphan->second.key);
       orphans_.erase(orphan);
       return;
     }
     auto it = jobs_.find(name);
     TS_CHECK(it != jobs_.end(), Code::kNotFound, "no job named '{}'", name);
-    CheckOwner(name, it->second->uid(), uid);
+    CheckOwnerOrRoot(name, it->second->uid(), uid);
     it->second->Close("it was dropped", force);
     job = std::move(it->second);
     jobs_.erase(it);

@@ -34,7 +34,14 @@ class JobRegistry {
   // has two halves and clips. The job's spec() holds what was decided.
   Found FindOrCreate(const std::string& name, uint32_t uid, const shm::LayoutSpec& request, uint64_t seed);
   // Removes the job; kFailedPrecondition if ranks are attached and not `force` (their sessions fail).
+  // Only its owner or root may.
   void Drop(const std::string& name, uint32_t uid, bool force);
+  // The job called `name`, for its owner or root (a snapshot); kNotFound, kPermissionDenied, or
+  // kFailedPrecondition for a job a dead daemon left that no rank has re-adopted yet.
+  std::shared_ptr<Job> Get(const std::string& name, uint32_t uid);
+  // Creates job `name`, owned by `owner`, from a snapshot of its layout: the next attach with that
+  // layout resumes it. kAlreadyExists if a job (or an orphan) has the name; quotas as for a new job.
+  std::shared_ptr<Job> Restore(const std::string& name, uint32_t owner, const SnapshotFile& snapshot);
   std::vector<std::shared_ptr<Job>> Jobs();
   // Drops jobs idle for longer than the TTL. Returns how many.
   size_t ExpireIdle();
@@ -43,12 +50,17 @@ class JobRegistry {
   // Claims the jobs of daemons that died (daemon/control/orphaned_jobs.h). Returns how many.
   size_t ClaimOrphans();
   std::vector<OrphanedJob> Orphans();  // claimed, not re-adopted yet
+  [[nodiscard]] const Config& config() const { return config_; }
 
  private:
   void DropWaitingFragments(const std::string& name);  // peers' fragments for the job, in the mailbox
   // A new job's state halves and speculation, decided where `request` leaves them open. `used`: the
   // bytes the other jobs hold. Requires mutex_.
   [[nodiscard]] shm::LayoutSpec Decide(const std::string& name, shm::LayoutSpec request, uint64_t used) const;
+  [[nodiscard]] uint64_t UsedHostBytes() const;  // by the jobs (requires mutex_)
+  // A new job of this layout fits in max_jobs and max_host_bytes (requires mutex_).
+  void CheckRoomFor(const std::string& name, const shm::LayoutSpec& spec, const shm::JobLayout& layout);
+  [[nodiscard]] SnapshotSchedule Schedule() const { return {config_.snapshot_dir, config_.snapshot_every}; }
 
   const Config& config_;
   WorkerPool& pool_;

@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 
 #include "shm/error.h"
 
@@ -25,6 +26,9 @@ class RankTransfer {
   virtual void PullGradients(uint32_t slot, void* host, size_t bytes, Done done) = 0;
   // Later pushes wait for the rank's weights-wanted event `event` (its kernels that read the weights).
   virtual void AwaitWeightsWanted(uint32_t event, Done done) = 0;
+  // Where bucket b's weights lie in the rank's flat parameter buffer; nullopt for a bucket the rank
+  // keeps off the GPU (weight paging loads it itself), whose push is only its PARAMS_READY.
+  [[nodiscard]] virtual std::optional<uint64_t> ParamsOffset(uint32_t bucket) const = 0;
   // `host` -> the rank's flat parameter buffer at `offset`.
   virtual void PushWeights(uint64_t offset, const void* host, size_t bytes, Done done) = 0;
   // The rank is gone: work not yet started fails instead of waiting for events that may never come.

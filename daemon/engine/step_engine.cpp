@@ -40,7 +40,8 @@ double Total(const std::vector<double>& partial) {
 }  // namespace
 
 StepEngine::StepEngine(std::string job_name, const shm::LayoutSpec& spec, const shm::JobLayout& layout,
-                       shm::StateView state, uint64_t seed, WorkerPool& pool, AllReduce* peers, bool adopted)
+                       shm::StateView state, uint64_t seed, WorkerPool& pool, AllReduce* peers, bool adopted,
+                       CommitObserver on_commit)
     : job_name_(std::move(job_name)),
       spec_(spec),
       layout_(layout),
@@ -49,6 +50,7 @@ StepEngine::StepEngine(std::string job_name, const shm::LayoutSpec& spec, const 
       seed_(seed),
       pool_(pool),
       peers_(peers),
+      on_commit_(std::move(on_commit)),
       ranks_(spec.world_size),
       buckets_(layout.buckets.size()),
       had_grad_(spec.params.size(), 0),
@@ -649,7 +651,7 @@ void StepEngine::ClipDecided(uint64_t step) {
     if (redo && any_gradient) {
       StartUpdate(b, static_cast<float>(coefficient), Pass::kRedo);
     } else {
-      Commit(b, step, plan->to);
+      CommitBucket(b, step, plan->to);
     }
   }
 }
@@ -695,6 +697,7 @@ void StepEngine::StartUpdate(uint32_t b, float clip_coefficient, Pass pass) {
   }
   progress.pending.reset();
   progress.updating = true;
+  progress.update_started = std::chrono::steady_clock::now();
   if (pass != Pass::kRedo) progress.plan = PlanUpdate(b);
   const std::shared_ptr<const UpdatePlan> plan = progress.plan;
   if (spec_.state_halves == 1) {  // torn until the commit: a daemon that adopts the job must know
@@ -759,12 +762,12 @@ void StepEngine::OnUpdated(uint32_t b, uint64_t step, uint32_t half, bool nonfin
                                       "or a diverging model); max_grad_norm also reports them before the update",
                                       b));
   }
-  Commit(b, step, half);
+  CommitBucket(b, step, half);
 }
 
 // The one store that makes bucket b's update of `step` (in `half`) its state; then the bucket collects
 // the next step and its weights go out.
-void StepEngine::Commit(uint32_t b, uint64_t step, uint32_t half) {
+void StepEngine::CommitBucket(uint32_t b, uint64_t step, uint32_t half) {
   state_.bucket_state[b].Store({.step = step, .half = half});
   BucketProgress& progress = buckets_[b];
   progress.updating = false;
@@ -773,9 +776,36 @@ void StepEngine::Commit(uint32_t b, uint64_t step, uint32_t half) {
   progress.step = step + 1;
   RestartBucket(b);  // collects the next step from scratch
   updates_++;
+  const uint64_t completed_before = completed_;
   AdvanceCompleted();  // before the last PARAMS_READY: a client may read it then
   PublishWeights(b, step);
+  const std::chrono::duration<double> took = std::chrono::steady_clock::now() - progress.update_started;
+  NotifyCommit(Commit{.bucket = b,
+                      .step = step,
+                      .step_completed = completed_ >= step && completed_before < step,
+                      .update_seconds = took.count()});
   StartPendingUpdates();
+}
+
+void StepEngine::NotifyCommit(Commit commit) {
+  if (!on_commit_) return;
+  for (const auto& channel : ranks_) {  // the table HParamsFor reads, unvalidated: a record, not for use
+    if (channel) {
+      commit.hparams = channel->view.hparams + (commit.step % 2) * spec_.num_groups;
+      break;
+    }
+  }
+  on_commit_(commit);
+}
+
+void StepEngine::AnnounceCommitted() {
+  ++inflight_;
+  Continue([this] {
+    for (uint32_t b = 0; b < buckets_.size(); ++b) {
+      if (loading_ || buckets_[b].updating) continue;
+      NotifyCommit(Commit{.bucket = b, .step = state_.bucket_state[b].Load().step, .announced = true});
+    }
+  });
 }
 
 // One half, after Resume: bucket b committed the step it collected (its update ran before a trainer
@@ -851,6 +881,10 @@ void StepEngine::OnLoadState(RankChannel& channel, const shm::Message& message) 
                                   : -1;
           }
           for (uint32_t bucket = buckets_.size(); bucket-- > 0;) PublishWeights(bucket, step);
+          for (uint32_t bucket = 0; bucket < buckets_.size(); ++bucket) {
+            NotifyCommit(Commit{
+                .bucket = bucket, .step = step, .step_completed = bucket + 1 == buckets_.size(), .loaded = true});
+          }
         });
   }
 }
@@ -918,7 +952,10 @@ void StepEngine::MaybePush(const std::shared_ptr<RankChannel>& channel, uint32_t
       loading_ || progress.updating || progress.upload_dirty || state_.header->initialized == 0) {
     return;
   }
-  if (channel->on_gpu == step) {  // the rank's GPU holds these weights already: nothing to copy
+  const std::optional<uint64_t> offset = channel->transfer->ParamsOffset(b);
+  // Nothing to copy when the rank's GPU holds these weights already, or keeps the bucket off it (weight
+  // paging: the rank loads the bucket from the host copy itself, once told it is final).
+  if (channel->on_gpu == step || !offset) {
     channel->pushed[b] = step;
     return PostTo(
         *channel,
@@ -932,7 +969,7 @@ void StepEngine::MaybePush(const std::shared_ptr<RankChannel>& channel, uint32_t
   ++progress.pushes;
   ++inflight_;
   const uint64_t generation = channel->push_generation;
-  channel->transfer->PushWeights(bucket.grad_offset, source, bucket.bytes(),
+  channel->transfer->PushWeights(*offset, source, bucket.bytes(),
                                  [this, channel, b, step, generation](std::optional<Error> error) {
                                    Continue([this, channel, b, step, generation, error = std::move(error)] {
                                      OnPushed(channel, b, static_cast<uint64_t>(step), generation, error);

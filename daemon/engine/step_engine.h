@@ -30,6 +30,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -50,6 +51,20 @@
 
 namespace trainstream::daemon {
 
+// A bucket's state (master weights, moments, its parameters' step counts) has committed `step`: it
+// stays as it is until the bucket's next update starts. The engine tells its job on the engine thread,
+// so what the job does then (a snapshot copies the bucket) delays that thread's next work.
+struct Commit {
+  uint32_t bucket = 0;
+  uint64_t step = 0;
+  bool step_completed = false;            // every bucket has now committed `step`
+  bool loaded = false;                    // a state load (LOAD_STATE) set it, not an update
+  bool announced = false;                 // AnnounceCommitted's replay of a commit made earlier
+  double update_seconds = 0;              // how long the update pass took (0 unless an update committed)
+  const shm::HParams* hparams = nullptr;  // [num_groups] in force for `step`; nullptr: no rank attached
+};
+using CommitObserver = std::function<void(const Commit&)>;
+
 struct EngineStats {
   uint64_t updates = 0;            // bucket updates committed
   uint64_t nonfinite_steps = 0;    // steps whose gradient norm was inf/NaN
@@ -62,8 +77,10 @@ class StepEngine {
  public:
   // `peers` sums the gradients over the daemons of a multi-node job (nullptr for one node). `adopted`:
   // the state is a dead daemon's, which may have been killed while it wrote the upload region.
+  // `on_commit` hears of every commit of a bucket's state.
   StepEngine(std::string job_name, const shm::LayoutSpec& spec, const shm::JobLayout& layout, shm::StateView state,
-             uint64_t seed, WorkerPool& pool, AllReduce* peers = nullptr, bool adopted = false);
+             uint64_t seed, WorkerPool& pool, AllReduce* peers = nullptr, bool adopted = false,
+             CommitObserver on_commit = {});
   ~StepEngine();  // stops the thread and waits for in-flight work
   StepEngine(const StepEngine&) = delete;
   StepEngine& operator=(const StepEngine&) = delete;
@@ -94,6 +111,9 @@ class StepEngine {
   EngineStats Stats();
   // Fails every attached session (daemon shutdown, job dropped).
   void FailAll(const std::string& message);
+  // Soon, on the engine thread: tells on_commit again of the committed state of every bucket that no
+  // update or load is changing now (Commit::announced); the others are told when they commit.
+  void AnnounceCommitted();
 
  private:
   enum class Phase { kCollecting, kBusy, kAwaitingClip };
@@ -121,6 +141,7 @@ class StepEngine {
     uint32_t pushes = 0;        // pushes to GPUs in flight: master and upload are read
     std::optional<std::pair<float, Pass>> pending;  // an update waiting for pushes or the skew bound
     std::shared_ptr<const UpdatePlan> plan;         // the speculated update, for its redo
+    std::chrono::steady_clock::time_point update_started;
   };
 
   void Loop();
@@ -161,7 +182,8 @@ class StepEngine {
   void OnSpeculated(uint32_t bucket, double sum_of_squares, bool nonfinite);
   void ClipDecided(uint64_t step);
   void OnUpdated(uint32_t bucket, uint64_t step, uint32_t half, bool nonfinite);
-  void Commit(uint32_t bucket, uint64_t step, uint32_t half);
+  void CommitBucket(uint32_t bucket, uint64_t step, uint32_t half);
+  void NotifyCommit(Commit commit);  // fills in the hyperparameters
   // A pass of a step a rank abandoned ended: the bucket collects that step again. Returns whether it was.
   bool Discarded(uint32_t bucket);
   // One half, after Resume: bucket b committed the step it collects; its replayed gradients are not applied.
@@ -195,6 +217,7 @@ class StepEngine {
   const uint64_t seed_;
   WorkerPool& pool_;
   AllReduce* const peers_;
+  const CommitObserver on_commit_;
 
   std::once_flag placed_;
   std::mutex mutex_;                                 // guards ranks_ and diverged_

@@ -23,10 +23,44 @@ Handle HandleFrom(const std::string& bytes, const char* what) {
   return handle;
 }
 
-void CheckFits(const shm::CudaIpcExport& exported, const shm::JobLayout& layout) {
-  TS_CHECK(exported.params_bytes >= layout.grad_bytes, Code::kInvalidArgument,
-           "cuda-ipc: the parameter buffer has {} bytes, the job's buckets need {}", exported.params_bytes,
-           layout.grad_bytes);
+// Where each bucket lies in the rank's parameter buffer (nullopt: off the GPU), checked to fit it
+// without overlapping: by default at its offset in the rank's gradient region.
+std::vector<std::optional<uint64_t>> ParamOffsets(const shm::CudaIpcExport& exported, const shm::JobLayout& layout) {
+  std::vector<std::optional<uint64_t>> offsets;
+  if (exported.param_offsets.empty()) {
+    TS_CHECK(exported.params_bytes >= layout.grad_bytes, Code::kInvalidArgument,
+             "cuda-ipc: the parameter buffer has {} bytes, the job's buckets need {}", exported.params_bytes,
+             layout.grad_bytes);
+    for (const shm::BucketLayout& bucket : layout.buckets) offsets.emplace_back(bucket.grad_offset);
+    return offsets;
+  }
+  TS_CHECK(exported.param_offsets.size() == layout.buckets.size(), Code::kInvalidArgument,
+           "cuda-ipc: {} parameter-buffer offsets for the job's {} buckets", exported.param_offsets.size(),
+           layout.buckets.size());
+  std::vector<std::pair<uint64_t, uint64_t>> taken;  // [begin, end) of each bucket on the GPU
+  for (size_t b = 0; b < layout.buckets.size(); ++b) {
+    const uint64_t offset = exported.param_offsets[b];
+    if (offset == shm::kNotOnGpu) {
+      offsets.emplace_back(std::nullopt);
+      continue;
+    }
+    const uint64_t bytes = layout.buckets[b].bytes();
+    TS_CHECK(offset % shm::kAlign == 0 && offset <= exported.params_bytes && bytes <= exported.params_bytes - offset,
+             Code::kInvalidArgument,
+             "cuda-ipc: bucket {} ({} bytes) at offset {} of a {}-byte parameter buffer; it must fit, {}-byte aligned",
+             b, bytes, offset, exported.params_bytes, shm::kAlign);
+    taken.emplace_back(offset, offset + bytes);
+    offsets.emplace_back(offset);
+  }
+  std::sort(taken.begin(), taken.end());
+  for (size_t i = 1; i < taken.size(); ++i) {
+    TS_CHECK(taken[i - 1].second <= taken[i].first, Code::kInvalidArgument,
+             "cuda-ipc: buckets overlap in the parameter buffer at offset {}", taken[i].first);
+  }
+  return offsets;
+}
+
+void CheckFits(const shm::CudaIpcExport& exported) {
   TS_CHECK(exported.slot_bytes >= kSlotAlignment && exported.slot_bytes % kSlotAlignment == 0, Code::kInvalidArgument,
            "cuda-ipc: staging slots of {} bytes; a positive multiple of {} is needed", exported.slot_bytes,
            kSlotAlignment);
@@ -38,17 +72,34 @@ void CheckFits(const shm::CudaIpcExport& exported, const shm::JobLayout& layout)
            "cuda-ipc: {} weights-wanted events; 1 to {} are allowed", wanted, kMaxEvents);
 }
 
+// `done`, after adding a successful copy's bytes to `counter` (or counting the failure).
+Done Counted(std::atomic<uint64_t>& counter, size_t bytes, Done done) {
+  return [&counter, bytes, done = std::move(done)](std::optional<Error> error) {
+    if (error) {
+      ProcessCounters::Instance().CountError(ErrorKind::kGpuCopy);
+    } else {
+      counter.fetch_add(bytes, std::memory_order_relaxed);
+    }
+    done(std::move(error));
+  };
+}
+
 }  // namespace
 
 std::shared_ptr<CudaRankTransfer> CudaRankTransfer::Open(const shm::CudaIpcExport& exported,
                                                          const shm::JobLayout& layout) {
-  CheckFits(exported, layout);
+  CheckFits(exported);
+  auto offsets = ParamOffsets(exported, layout);
   return std::shared_ptr<CudaRankTransfer>(
-      new CudaRankTransfer(GpuDevices::Instance().Get(exported.device_uuid), exported));
+      new CudaRankTransfer(GpuDevices::Instance().Get(exported.device_uuid), exported, std::move(offsets)));
 }
 
-CudaRankTransfer::CudaRankTransfer(std::shared_ptr<GpuDevice> gpu, const shm::CudaIpcExport& exported)
-    : gpu_(std::move(gpu)), params_bytes_(exported.params_bytes), slot_bytes_(exported.slot_bytes) {
+CudaRankTransfer::CudaRankTransfer(std::shared_ptr<GpuDevice> gpu, const shm::CudaIpcExport& exported,
+                                   std::vector<std::optional<uint64_t>> offsets)
+    : gpu_(std::move(gpu)),
+      params_bytes_(exported.params_bytes),
+      slot_bytes_(exported.slot_bytes),
+      offsets_(std::move(offsets)) {
   const cuda::CudaDriver& d = driver();
   cuda::ScopedContext scope(d, gpu_->context.get());
   try {
@@ -103,7 +154,7 @@ void CudaRankTransfer::PullGradients(uint32_t slot, void* host, size_t bytes, Do
           d.Check(d.cuMemcpyDtoHAsync(part.data, source + offset, part.bytes, stream), "copying gradients to the host");
         }
       },
-      std::move(done), GateOn(grad_ready_[slot]));
+      Counted(gpu_->counters->to_host_bytes, bytes, std::move(done)), GateOn(grad_ready_[slot]));
 }
 
 void CudaRankTransfer::AwaitWeightsWanted(uint32_t event, Done done) {
@@ -124,7 +175,7 @@ void CudaRankTransfer::PushWeights(uint64_t offset, const void* host, size_t byt
                   "copying weights to the GPU");
         }
       },
-      std::move(done), GateOn(nullptr));
+      Counted(gpu_->counters->to_device_bytes, bytes, std::move(done)), GateOn(nullptr));
 }
 
 void CudaRankTransfer::ReleaseHost(const void* base, size_t bytes) {

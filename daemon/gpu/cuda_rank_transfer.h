@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -32,12 +33,14 @@ class CudaRankTransfer final : public RankTransfer, public std::enable_shared_fr
   }
   void PullGradients(uint32_t slot, void* host, size_t bytes, Done done) override;
   void AwaitWeightsWanted(uint32_t event, Done done) override;
+  [[nodiscard]] std::optional<uint64_t> ParamsOffset(uint32_t bucket) const override { return offsets_.at(bucket); }
   void PushWeights(uint64_t offset, const void* host, size_t bytes, Done done) override;
   void Abandon() override { abandoned_ = true; }
   void ReleaseHost(const void* base, size_t bytes) override;
 
  private:
-  CudaRankTransfer(std::shared_ptr<GpuDevice> gpu, const shm::CudaIpcExport& exported);
+  CudaRankTransfer(std::shared_ptr<GpuDevice> gpu, const shm::CudaIpcExport& exported,
+                   std::vector<std::optional<uint64_t>> offsets);
   [[nodiscard]] const cuda::CudaDriver& driver() const { return gpu_->driver; }
   // Open once `event` (nullptr: none) has completed; fails once the rank is abandoned.
   CopyQueue::Gate GateOn(cuda::CUevent event);
@@ -45,6 +48,7 @@ class CudaRankTransfer final : public RankTransfer, public std::enable_shared_fr
 
   std::shared_ptr<GpuDevice> gpu_;
   uint64_t params_bytes_ = 0, slot_bytes_ = 0;
+  std::vector<std::optional<uint64_t>> offsets_;  // per bucket, in the parameter buffer
   cuda::CUdeviceptr params_ = 0, staging_ = 0;
   std::vector<cuda::CUevent> grad_ready_, weights_wanted_;
   std::atomic<bool> abandoned_{false};

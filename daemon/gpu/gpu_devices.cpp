@@ -24,6 +24,7 @@ std::shared_ptr<GpuDevice> GpuDevices::Get(const std::string& uuid) {
   std::string hex;
   for (unsigned char c : uuid) hex += fmt::format("{:02x}", c);
   auto gpu = std::make_shared<GpuDevice>(driver, device, fmt::format("GPU {} (GPU-{})", device, hex));
+  gpu->counters = &ProcessCounters::Instance().Gpu("GPU-" + hex);
   spdlog::info("opened GPU {} (GPU-{}) for cuda-ipc transfers", device, hex);
   devices_.emplace(uuid, gpu);
   return gpu;

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "daemon/gpu/copy_queue.h"
+#include "daemon/metrics/counters.h"
 #include "shm/cuda_driver.h"
 
 namespace trainstream::daemon {
@@ -17,8 +18,9 @@ struct GpuDevice {
   GpuDevice(const cuda::CudaDriver& driver, cuda::CUdevice device, const std::string& label);
   const cuda::CudaDriver& driver;
   cuda::PrimaryContext context;
-  CopyQueue to_host;    // gradients
-  CopyQueue to_device;  // weights
+  CopyQueue to_host;                // gradients
+  CopyQueue to_device;              // weights
+  GpuCounters* counters = nullptr;  // the bytes copied each way (ProcessCounters, "GPU-<uuid>")
 };
 
 class GpuDevices {

@@ -64,6 +64,14 @@ std::vector<HostRange> PageRanges::RemoveInside(const std::byte* first, size_t b
   return removed;
 }
 
+uint64_t PageRanges::BytesInside(const std::byte* first, size_t bytes) const {
+  uint64_t inside = 0;
+  for (auto it = ranges_.lower_bound(first); it != ranges_.end() && it->first < first + bytes; ++it) {
+    inside += it->second - it->first;
+  }
+  return inside;
+}
+
 PinnedHost::PinnedHost() : registered_(static_cast<size_t>(sysconf(_SC_PAGESIZE))) {}
 
 PinnedHost& PinnedHost::Instance() {
@@ -105,6 +113,11 @@ void PinnedHost::Release(const void* base, size_t bytes) {
 uint64_t PinnedHost::pinned_bytes() {
   std::lock_guard lock(mutex_);
   return registered_.bytes();
+}
+
+uint64_t PinnedHost::pinned_bytes(const void* base, size_t bytes) {
+  std::lock_guard lock(mutex_);
+  return registered_.BytesInside(static_cast<const std::byte*>(base), bytes);
 }
 
 }  // namespace trainstream::daemon

@@ -36,6 +36,8 @@ class PageRanges {
   void Add(HostRange range);
   // Removes and returns the ranges that start inside [first, first + bytes).
   std::vector<HostRange> RemoveInside(const std::byte* first, size_t bytes);
+  // Bytes of the ranges that start inside [first, first + bytes).
+  [[nodiscard]] uint64_t BytesInside(const std::byte* first, size_t bytes) const;
   [[nodiscard]] uint64_t bytes() const { return bytes_; }
 
  private:
@@ -57,6 +59,7 @@ class PinnedHost {
   // copy can touch it.
   void Release(const void* base, size_t bytes);
   [[nodiscard]] uint64_t pinned_bytes();
+  [[nodiscard]] uint64_t pinned_bytes(const void* base, size_t bytes);  // of the ranges inside [base, base + bytes)
 
  private:
   PinnedHost();

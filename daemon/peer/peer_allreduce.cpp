@@ -4,6 +4,7 @@
 #include <spdlog/spdlog.h>
 #include <algorithm>
 
+#include "daemon/metrics/counters.h"
 #include "daemon/peer/peer_wire.h"
 #include "shm/error.h"
 
@@ -128,8 +129,20 @@ void PeerAllReduce::Run() {
       request = std::move(pending_.extract(key).mapped());
       next_ = key.second + 1 < buckets_ ? std::make_pair(key.first, key.second + 1) : std::make_pair(key.first + 1, 0u);
     }
-    request.done(Reduce(key.first, key.second, request.data, request.n));
+    const auto started = std::chrono::steady_clock::now();
+    std::optional<Error> error = Reduce(key.first, key.second, request.data, request.n);
+    Count(request.n, std::chrono::steady_clock::now() - started, error.has_value());
+    request.done(std::move(error));
   }
+}
+
+// A ring all-reduce over M nodes sends 2(M-1)/M of the bucket from each node.
+void PeerAllReduce::Count(size_t n, std::chrono::steady_clock::duration took, bool failed) const {
+  PeerCounters& counters = ProcessCounters::Instance().peer();
+  if (failed) return ProcessCounters::Instance().CountError(ErrorKind::kPeerAllReduce);
+  const uint64_t nodes = peers_.size();
+  counters.bytes_sent.fetch_add(2 * (nodes - 1) * n * sizeof(float) / nodes, std::memory_order_relaxed);
+  counters.allreduce_seconds.Observe(std::chrono::duration<double>(took).count());
 }
 
 // Ring step s (0 <= s < 2(M-1)) sends chunk me-s to the right and receives chunk me-s-1 from the

@@ -68,6 +68,7 @@ class PeerAllReduce final : public AllReduce {
   void Run();
   void FailQueued(const std::string& reason);
   std::optional<Error> Reduce(uint64_t step, uint32_t bucket, float* data, size_t n);
+  void Count(size_t n, std::chrono::steady_clock::duration took, bool failed) const;  // ProcessCounters
   std::optional<Error> Fail(Error error);
   void Post(uint64_t step, uint32_t bucket, uint32_t ring_step, uint32_t fragment, const float* data, size_t n);
   bool Stopping();

@@ -296,21 +296,23 @@ PYBIND11_MODULE(_C, m) {
           "register_cuda_ipc",
           [](RankSession& s, const py::bytes& device_uuid, const py::bytes& params_handle, uint64_t params_bytes,
              const py::bytes& staging_handle, uint64_t slot_bytes, const std::vector<py::bytes>& grad_ready_events,
-             const std::vector<py::bytes>& weights_wanted_events) {
+             const std::vector<py::bytes>& weights_wanted_events, std::vector<uint64_t> param_offsets) {
             trainstream::CudaIpcBuffers buffers{.device_uuid = device_uuid,
                                                 .params_handle = params_handle,
                                                 .params_bytes = params_bytes,
                                                 .staging_handle = staging_handle,
                                                 .slot_bytes = slot_bytes,
                                                 .grad_ready_events = {},
-                                                .weights_wanted_events = {}};
+                                                .weights_wanted_events = {},
+                                                .param_offsets = std::move(param_offsets)};
             for (const auto& event : grad_ready_events) buffers.grad_ready_events.emplace_back(event);
             for (const auto& event : weights_wanted_events) buffers.weights_wanted_events.emplace_back(event);
             py::gil_scoped_release release;
             return s.RegisterCudaIpc(buffers);
           },
           py::arg("device_uuid"), py::arg("params_handle"), py::arg("params_bytes"), py::arg("staging_handle"),
-          py::arg("slot_bytes"), py::arg("grad_ready_events"), py::arg("weights_wanted_events"))
+          py::arg("slot_bytes"), py::arg("grad_ready_events"), py::arg("weights_wanted_events"),
+          py::arg("param_offsets") = std::vector<uint64_t>())
       .def("send_weights_wanted", &RankSession::SendWeightsWanted, py::arg("step"), py::arg("event"),
            py::arg("weights_on_gpu") = false, py::call_guard<py::gil_scoped_release>())
       .def("wait_staging_free", &RankSession::WaitStagingFree, py::arg("slot"),

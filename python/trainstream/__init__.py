@@ -12,7 +12,8 @@ import torch  # noqa: F401  (loaded before _C: its libraries first, as in every 
 from trainstream._activations import activation_paging
 from trainstream._C import TrainstreamError, __version__
 from trainstream._connect import Client, connect
+from trainstream._losses import chunked_cross_entropy
 from trainstream._wrap import synchronize, unwrap, wrap
 
-__all__ = ["Client", "TrainstreamError", "activation_paging", "connect", "synchronize", "unwrap", "wrap",
-           "__version__"]
+__all__ = ["Client", "TrainstreamError", "activation_paging", "chunked_cross_entropy", "connect", "synchronize",
+           "unwrap", "wrap", "__version__"]

@@ -2,6 +2,9 @@
 the parameters that leave the GPU with those blocks (the design document, "Weight paging").
 
 Planning only: nothing here moves memory. Every refusal is raised at wrap time, naming the argument.
+`param_offload="auto"` decides from the blocks' bytes and the memory budget of the device (_budget.py):
+the fewest first blocks page that leave the resident blocks within half of it, none when they all fit,
+and the decision is logged once (logger "trainstream").
 
 Invariants of a plan:
 - a paged parameter belongs to exactly one paged block: every module that holds it lies inside that
@@ -15,13 +18,18 @@ Invariants of a plan:
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from trainstream import _budget
 from trainstream._C import TrainstreamError
+
+log = logging.getLogger("trainstream")
+_GIB = 1 << 30
 
 
 def find_blocks(model: nn.Module) -> tuple[str, list[nn.Module]]:
@@ -64,13 +72,24 @@ def resolve_blocks(model: nn.Module, blocks) -> tuple[list[str], list[nn.Module]
     return [names[id(b)] for b in blocks], blocks
 
 
-def select_blocks(param_offload, count: int) -> list[int]:
+def select_blocks(param_offload, count: int, block_bytes: list[int] | None = None,
+                  budget: int | None = None) -> list[int]:
     """The block indices `param_offload` pages: True every block, a fraction in (0, 1] that share of
-    the blocks (the first ones, rounded up), a list of indices those blocks; False or None none."""
+    the blocks (the first ones, rounded up), a list of indices those blocks; False or None none; "auto"
+    the fewest first blocks that leave the resident blocks' bytes (`block_bytes`, per block) within half
+    of `budget`, none when all of them fit there."""
     if param_offload is None or param_offload is False:
         return []
     if param_offload is True:
         return list(range(count))
+    if isinstance(param_offload, str) and param_offload == "auto":
+        if block_bytes is None or budget is None:
+            raise TrainstreamError("param_offload='auto' needs the blocks' bytes and the memory budget")
+        resident, first = sum(block_bytes), 0
+        while first < count and resident > budget // 2:
+            resident -= block_bytes[first]
+            first += 1
+        return list(range(first))
     if isinstance(param_offload, (int, float)) and not isinstance(param_offload, bool):
         share = float(param_offload)
         if not 0 < share <= 1 or math.isnan(share):
@@ -86,8 +105,12 @@ def select_blocks(param_offload, count: int) -> list[int]:
         if len(set(indices)) != len(indices):
             raise TrainstreamError(f"param_offload: block indices {indices} name a block twice")
         return sorted(indices)
-    raise TrainstreamError(f"param_offload={param_offload!r}: use False, True, 'auto', a fraction in (0, 1] or a list "
-                           "of block indices")
+    raise _unknown(param_offload)
+
+
+def _unknown(param_offload) -> TrainstreamError:
+    return TrainstreamError(f"param_offload={param_offload!r}: use False, True, 'auto', a fraction in (0, 1] or a list "
+                            "of block indices")
 
 
 @dataclass
@@ -111,15 +134,51 @@ class PagingPlan:
         return {id(p) for b in self.blocks for p in (*b.trainable, *b.frozen)}
 
 
-def plan_paging(model: nn.Module, trainable: list[nn.Parameter], param_offload, blocks=None) -> PagingPlan | None:
+def plan_paging(model: nn.Module, trainable: list[nn.Parameter], param_offload, blocks=None,
+                device: torch.device | None = None, budget: int | None = None) -> PagingPlan | None:
     """What pages for `param_offload` (see select_blocks), None when nothing does. `trainable` is the
-    optimizer's parameters."""
+    optimizer's parameters; `device` where the blocks compute, and `budget` the memory "auto" plans for
+    there (default: _budget.available(device); on the CPU "auto" pages nothing)."""
     if param_offload is None or param_offload is False:
         if blocks is not None:
             raise TrainstreamError("blocks= is given but param_offload is off: pass param_offload=True (or a share)")
         return None
+    if isinstance(param_offload, str) and param_offload != "auto" or not isinstance(
+            param_offload, (bool, int, float, str, list, tuple, range)):
+        raise _unknown(param_offload)  # before looking for blocks
+    if isinstance(param_offload, str) and param_offload == "auto":
+        return _plan_auto(model, trainable, blocks, device, budget)
     names, modules = resolve_blocks(model, blocks)
-    selected = select_blocks(param_offload, len(modules))
+    return _plan(model, trainable, names, modules, select_blocks(param_offload, len(modules)))
+
+
+def _plan_auto(model, trainable, blocks, device, budget) -> PagingPlan | None:
+    if budget is None and (device is None or device.type != "cuda"):
+        log.info("param_offload='auto' on %s: nothing pages (paging saves GPU memory only)", device or "cpu")
+        return None
+    try:
+        names, modules = resolve_blocks(model, blocks)
+    except TrainstreamError as e:
+        log.info("param_offload='auto': nothing pages: %s", e)
+        return None
+    block_bytes = [sum(p.numel() * p.element_size() for p in m.parameters()) for m in modules]
+    source = "given"
+    if budget is None:
+        figure = _budget.available(device)
+        budget, source = figure.bytes, figure.source
+    selected = select_blocks("auto", len(modules), block_bytes, budget)
+    total, paged = sum(block_bytes), sum(block_bytes[k] for k in selected)
+    if not selected:
+        log.info("param_offload='auto': nothing pages: the %d blocks' %.2f GiB fit within half of the %.2f GiB "
+                 "available (%s)", len(modules), total / _GIB, budget / _GIB, source)
+        return None
+    log.info("param_offload='auto': pages the first %d of %d blocks (%.2f of %.2f GiB of block weights): the resident "
+             "blocks' %.2f GiB fit within half of the %.2f GiB available (%s)", len(selected), len(modules),
+             paged / _GIB, total / _GIB, (total - paged) / _GIB, budget / _GIB, source)
+    return _plan(model, trainable, names, modules, selected)
+
+
+def _plan(model, trainable, names, modules, selected) -> PagingPlan:
     owner = _block_of_each_module(model, modules)
     holders = _holders(model)
     in_optimizer = {id(p) for p in trainable}

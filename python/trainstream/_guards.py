@@ -3,13 +3,14 @@
 StaleReadGuard — a forward that reads a parameter outside its module's pre-hook (a parent using a
     child's weight directly) still sees the last step's weights: the parameter is refreshed when a
     torch function first gets it.
-ApplyGuard — `module.to()`, `.cuda()`, `.half()`, ... after wrap cannot give the wrapped parameters
-    another dtype, device or storage: the daemon's job keeps their layout.
+ApplyGuard — `module.to()`, `.cuda()`, `.half()`, ... after wrap: a conversion that gives the wrapped
+    parameters another dtype, device or storage goes to the rank's `relayout` (wrap's: the job is
+    attached again in the new layout, its fp32 master weights and moments unchanged), or is refused.
 
-Both take the Rank (_rank.py) and use only its `model`, `params`, `needs_read_guard()`, `refresh_read()`
-and `synchronize()`. Invariants: a torch function of the model's forward never reads a stale wrapped
-parameter, nor a paged one whose block is not in its slot; a conversion is refused before anything
-changes.
+Both take the Rank (_rank.py) and use only its `model`, `params`, `needs_read_guard()`, `refresh_read()`,
+`synchronize()` and `relayout`. Invariants: a torch function of the model's forward never reads a stale
+wrapped parameter, nor a paged one whose block is not in its slot; a conversion that cannot be done is
+refused before anything changes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import threading
 import types
 import weakref
+from dataclasses import dataclass
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -70,11 +72,12 @@ class StaleReadGuard(TorchFunctionMode):
 
 class ApplyGuard:
     """`module.to()`, `.cuda()`, `.half()`, ... (all through `Module._apply`) after wrap: in-flight
-    updates land first, and a conversion that would give the wrapped parameters another dtype, device
-    or storage is refused before anything changes (the daemon's job keeps their layout; unwrap first).
-    Conversions that leave them as they are (`.cuda()` on the GPU they are on) go ahead. The guard is
-    a method bound to the module, so a `copy.deepcopy` of the model (an EMA copy, say) gets one bound
-    to itself, which finds no rank and converts freely."""
+    updates land first; a conversion that would give the wrapped parameters another dtype, device or
+    storage is handed to `rank.relayout(convert, conversions)`, which re-attaches the job around
+    `convert()` (the conversion itself), or is refused before anything changes when the rank has no
+    relayout. Conversions that leave them as they are (`.cuda()` on the GPU they are on) go ahead. The
+    guard is a method bound to the module, so a `copy.deepcopy` of the model (an EMA copy, say) gets one
+    bound to itself, which finds no rank and converts freely."""
 
     def __init__(self, rank, module: torch.nn.Module):
         self.module = module
@@ -96,11 +99,13 @@ def _guarded_apply(module: torch.nn.Module, fn, *args, **kwargs):
     if rank is None or rank in active:
         return type(module)._apply(module, fn, *args, **kwargs)
     rank.synchronize()
-    wrapped = set(map(id, rank.params))
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if id(p) in wrapped:
-                _refuse_if_changed(name, p, fn(p))
+    changes = conversions(module, fn, set(map(id, rank.params)))
+    if changes:
+        if rank.relayout is None:
+            raise TrainstreamError(f"this would turn parameter {changes[0]}, but trainstream keeps its optimizer "
+                                   "state in that layout: call trainstream.unwrap(model) first, convert, then wrap "
+                                   "again")
+        return rank.relayout(lambda: type(module)._apply(module, fn, *args, **kwargs), changes)
     active.add(rank)
     try:
         return type(module)._apply(module, fn, *args, **kwargs)
@@ -108,11 +113,30 @@ def _guarded_apply(module: torch.nn.Module, fn, *args, **kwargs):
         active.discard(rank)
 
 
-def _refuse_if_changed(name: str, before: torch.Tensor, after: torch.Tensor) -> None:
-    if after is before or (after.dtype == before.dtype and after.device == before.device
-                           and after.data_ptr() == before.data_ptr()):
-        return
-    raise TrainstreamError(
-        f"this would turn parameter '{name}' from {before.dtype} on {before.device} into {after.dtype} on "
-        f"{after.device}, but trainstream keeps its optimizer state in that layout: call "
-        "trainstream.unwrap(model) first, convert, then wrap again")
+@dataclass
+class Conversion:
+    """What a conversion would make of one wrapped parameter."""
+    name: str
+    param: torch.nn.Parameter
+    dtype: torch.dtype
+    device: torch.device
+
+    def __str__(self) -> str:
+        p = self.param
+        return f"'{self.name}' from {p.dtype} on {p.device} into {self.dtype} on {self.device}"
+
+
+def conversions(module: torch.nn.Module, fn, wrapped: set[int]) -> list[Conversion]:
+    """The wrapped parameters of `module` that `fn` would give another dtype, device or storage (the
+    converted copies are not kept)."""
+    out = []
+    with torch.no_grad():
+        for name, before in module.named_parameters():
+            if id(before) not in wrapped:
+                continue
+            after = fn(before)
+            if after is before or (after.dtype == before.dtype and after.device == before.device
+                                   and after.data_ptr() == before.data_ptr()):
+                continue
+            out.append(Conversion(name, before, after.dtype, after.device))
+    return out

@@ -242,7 +242,12 @@ class BlockPager:
             self.pins.wait(self.order.index(block.index))
         base = slot * self.slot_bytes
         for r in block.ranges:
-            self.pool[base + r.slot_offset:base + r.slot_offset + r.nbytes].copy_(r.source(), non_blocking=self.cuda)
+            host = r.source()
+            at = base + r.slot_offset
+            # A copy may not span two page-locked registrations: cut where they meet.
+            parts = self.pins.split(host.data_ptr(), r.nbytes) if self.pins is not None else [(0, r.nbytes)]
+            for offset, nbytes in parts:
+                self.pool[at + offset:at + offset + nbytes].copy_(host[offset:offset + nbytes], non_blocking=self.cuda)
 
     def _wait_loaded(self, k: int) -> None:
         event = self.loaded_event.get(k)

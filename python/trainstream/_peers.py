@@ -1,8 +1,9 @@
 """The peer-plane addresses of a multi-node job's daemons, in node order, and this node's index.
 
 Explicit (wrap(peers=, node_rank=)), else $TRAINSTREAM_PEERS / $TRAINSTREAM_NODE_RANK. Otherwise, when
-torchrun's environment says the job spans several nodes (WORLD_SIZE > LOCAL_WORLD_SIZE), they are
-exchanged through the job's torch.distributed store: local rank 0 of every node sets
+torchrun's environment says the job spans several nodes (WORLD_SIZE > LOCAL_WORLD_SIZE), or the ranks of
+an initialized process group found several hosts (_distributed.py), they are exchanged through the job's
+torch.distributed store: local rank 0 of every node sets
 "trainstream/<job>/peer/<node>" to its daemon's advertised address (Client.peer_address, "" when the
 daemon has no peer plane), and every rank reads the keys of all nodes.
 """
@@ -115,7 +116,3 @@ def resolve(peers: list[str] | None, node_rank: int | None) -> tuple[list[str], 
     if peers and not 0 <= node_rank < len(peers):
         raise TrainstreamError(f"node_rank {node_rank} out of range for {len(peers)} peers")
     return peers, node_rank
-
-
-def from_store(client: Client, job: str, node_rank: int, local_rank: int) -> list[str]:
-    return exchange(job_store(), client, job, node_rank, env_node_count(), local_rank)

@@ -7,12 +7,14 @@ up wrap() for many seconds: HostPins locks it on background threads, group by gr
 first forward needs them, and a copy waits only for its own group.
 
 Invariants: every page is registered at most once (groups are cut at page boundaries, a page shared
-by two groups goes with the first); everything is unregistered by close(), after the GPU stopped
-reading (the caller synchronizes first).
+by two groups goes with the first); a copy never spans two registrations (the driver refuses it with
+"invalid argument": split() cuts ranges where registrations meet); everything is unregistered by
+close(), after the GPU stopped reading (the caller synchronizes first).
 """
 
 from __future__ import annotations
 
+import bisect
 import os
 import threading
 
@@ -47,6 +49,14 @@ def page_ranges(ranges: list[tuple[int, int]], taken: list[tuple[int, int]] = ()
     return out
 
 
+def split_at(bounds: list[int], address: int, nbytes: int) -> list[tuple[int, int]]:
+    """[address, address + nbytes) cut at the sorted addresses `bounds` that fall inside it, as
+    (offset from address, bytes) parts."""
+    cuts = bounds[bisect.bisect_right(bounds, address):bisect.bisect_left(bounds, address + nbytes)]
+    edges = [address, *cuts, address + nbytes]
+    return [(start - address, end - start) for start, end in zip(edges, edges[1:]) if end > start]
+
+
 class HostPins:
     """Registers `groups` (each a list of (address, bytes) ranges) on `threads` background threads,
     in order; wait(g) returns once group g is registered, and raises what its registration raised."""
@@ -59,6 +69,7 @@ class HostPins:
             own = page_ranges(ranges, page_ranges(taken))
             taken += own
             self._groups.append(own)
+        self._bounds = sorted({x for group in self._groups for a, n in group for x in (a, a + n)})
         self._done = [threading.Event() for _ in self._groups]
         self._errors: list[BaseException | None] = [None] * len(self._groups)
         self._pinned: list[object] = []
@@ -85,6 +96,11 @@ class HostPins:
                 self._errors[g] = e
             finally:
                 self._done[g].set()
+
+    def split(self, address: int, nbytes: int) -> list[tuple[int, int]]:
+        """[address, address + nbytes) as (offset from address, bytes) parts, each within one
+        registration (or outside all of them)."""
+        return split_at(self._bounds, address, nbytes)
 
     def wait(self, g: int) -> None:
         self._done[g].wait()

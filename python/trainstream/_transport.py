@@ -231,12 +231,12 @@ class CudaIpcTransport:
         self._bucket_bytes = [b["numel"] * _layout.torch_dtype(b["dtype"]).itemsize for b in regions.buckets]
         self.slot_bytes = _round_up(min(max(self._bucket_bytes, default=1), self._SLOT_CAP), 256)
         slots = int(os.environ.get("TRAINSTREAM_STAGING_SLOTS", 4))
-        if regions.paged_buckets:
-            raise CudaIpcRefused("this daemon's cuda-ipc pushes every bucket to the GPU, and weight paging keeps "
-                                 "the paged blocks' buckets off it")
-        # Where each bucket lies in the flat parameter buffer: at its offset in the gradient region.
-        self._param_offsets = [b["grad_offset"] for b in regions.buckets]
-        params_bytes = self.session.grad_bytes
+        # Where each bucket lies in the flat parameter buffer: the resident ones one after another;
+        # paged buckets (weight paging) have no place there, the pager brings them into its own slots.
+        self._param_offsets, params_bytes = [], 0
+        for b, size in enumerate(self._bucket_bytes):
+            self._param_offsets.append(None if b in regions.paged_buckets else params_bytes)
+            params_bytes += 0 if b in regions.paged_buckets else _round_up(size, 256)
         with torch.cuda.device(device):
             self._params_buffer = _C.GpuBuffer(device.index, max(params_bytes, 1))
             self._staging_buffer = _C.GpuBuffer(device.index, slots * self.slot_bytes)
@@ -246,7 +246,8 @@ class CudaIpcTransport:
             refusal = self.session.register_cuda_ipc(
                 uuid, self._params_buffer.ipc_handle(), self._params_buffer.nbytes, self._staging_buffer.ipc_handle(),
                 self.slot_bytes, [bytes(e.ipc_handle()) for e in self._grad_ready],
-                [bytes(e.ipc_handle()) for e in self._wanted])
+                [bytes(e.ipc_handle()) for e in self._wanted],
+                [_NOT_ON_GPU if offset is None else offset for offset in self._param_offsets])
         if refusal:
             raise CudaIpcRefused(refusal)
         self.device_bytes = self._params_buffer.nbytes + self._staging_buffer.nbytes  # outside torch's allocator
@@ -336,6 +337,9 @@ class CudaIpcTransport:
                 if self._param_offsets[self.regions.param_layout[i][0]] is not None:
                     p.data = p.data.clone()
         self._pending.clear()
+
+
+_NOT_ON_GPU = (1 << 64) - 1  # a paged bucket's offset in the flat parameter buffer (shm::kNotOnGpu)
 
 
 class CudaIpcRefused(TrainstreamError):

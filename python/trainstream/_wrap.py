@@ -1,46 +1,55 @@
-"""wrap / unwrap / synchronize: the user-facing entry points."""
+"""wrap / unwrap / synchronize: the user-facing entry points, and what a wrapped model is made of.
+
+Each wrapped model has a `Wrapped` record: the optimizer `wrap` returned (an OffloadedOptimizer), how to
+attach a Rank of its job again (after a conversion of the model, `_relayout`), and the automatic modes that
+watch it (offload="auto", activation_offload). The optimizer's state is in the daemon while
+`optimizer.offloaded`, else in a stock torch optimizer: with offload=False, after auto's switch, after
+unwrap (`_leave_daemon`).
+
+Invariants: a model is in `_wrapped` from wrap to unwrap; while its optimizer is offloaded, the Rank's hooks
+are on the model and its job holds the state; once the optimizer left the daemon, no hook of the Rank is
+left and the job is gone from the daemon (or kept for resuming, after an unwrap of a named job).
+"""
 
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
-import os
 import random
 import weakref
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from trainstream import _blocks, _peers
+from trainstream import _blocks, _distributed, _layout, _peers
+from trainstream._activation_offload import ActivationOffload
+from trainstream._activation_offload import check as check_activation_offload
 from trainstream._C import TrainstreamError
 from trainstream._connect import Client, connect
+from trainstream._guards import Conversion
+from trainstream._offload_auto import AutoOffload
 from trainstream._optimizer import OffloadedOptimizer
 from trainstream._rank import Rank, default_job_name
+from trainstream._stock import StockOptimizer
 
-_ranks: "weakref.WeakKeyDictionary[torch.nn.Module, Rank]" = weakref.WeakKeyDictionary()
-_auto_named: list[Rank] = []
+log = logging.getLogger("trainstream")
+OFFLOAD_CHOICES = ("auto", True, False)
 
 
-def _local_ranks(rank: int | None, world_size: int | None, job: str | None) -> tuple[int, int, str | None]:
-    """Explicit arguments, else the data-parallel ranks of this node from torch.distributed: an
-    initialized process group, or torchrun's environment (LOCAL_RANK, LOCAL_WORLD_SIZE)."""
-    if rank is not None or world_size is not None:
-        return rank or 0, world_size or 1, job
-    env = os.environ
-    if "LOCAL_RANK" not in env or "LOCAL_WORLD_SIZE" not in env:
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            raise TrainstreamError("torch.distributed is initialized but LOCAL_RANK/LOCAL_WORLD_SIZE are not set: "
-                                   "pass rank= and world_size= (this node's ranks) to trainstream.wrap")
-        return 0, 1, job
-    local_rank, local_world = int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"])
-    spans_nodes = int(env.get("WORLD_SIZE", local_world)) > local_world
-    if job is None and (local_world > 1 or spans_nodes) and "TORCHELASTIC_RUN_ID" in env:
-        if env["TORCHELASTIC_RUN_ID"] == "none":  # torchrun's default without --rdzv-id or --standalone
-            raise TrainstreamError("torchrun's run id is 'none' (no --rdzv-id): every such run would be the job "
-                                   "'torchrun-none' and resume the last one's state; pass job= to trainstream.wrap, "
-                                   "or start torchrun with --rdzv-id=<unique id> or --standalone")
-        job = f"torchrun-{env['TORCHELASTIC_RUN_ID']}"
-    return local_rank, local_world, job
+@dataclass
+class Wrapped:
+    model: torch.nn.Module
+    optimizer: OffloadedOptimizer
+    attach: Callable[..., Rank] | None  # a Rank of the job for the model's current parameters
+    auto_named: bool                    # nobody can resume the job: it is dropped when left
+    ranks: int                          # the job's data-parallel ranks, all nodes'
+    max_grad_norm: float | None
+    activations: ActivationOffload | None = None
+
+
+_wrapped: "weakref.WeakKeyDictionary[torch.nn.Module, Wrapped]" = weakref.WeakKeyDictionary()
 
 
 def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Client | None = None,
@@ -50,7 +59,8 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
          seed: int | None = None, peers: list[str] | None = None,
          node_rank: int | None = None, device: str | torch.device | None = None, param_offload=False,
          blocks=None, page_prefetch: int = 2,
-         page_pool_mb: float | None = None, state_halves="auto",
+         page_pool_mb: float | None = None, offload=True, activation_offload=False,
+         distributed="auto", state_halves="auto",
          speculative_clipping="auto") -> tuple[torch.nn.Module, OffloadedOptimizer]:
     """Offloads `optimizer` (torch.optim.AdamW or Adam) of `model` to trainstreamd.
 
@@ -59,27 +69,41 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
     daemon: ranks of one data-parallel job pass the same name, and a restarted process that passes it
     again resumes from the daemon's state. `rank`/`world_size` are this node's data-parallel ranks;
     by default they come from torchrun's LOCAL_RANK/LOCAL_WORLD_SIZE (and the job name from its run
-    id). The daemon averages the ranks' gradients: do not also wrap the model in
-    DistributedDataParallel. `max_grad_norm` clips like torch.nn.utils.clip_grad_norm_
-    (do not clip p.grad yourself: gradients leave during backward). With `accumulation_steps=k`, call
-    optimizer.step() after every k backward passes. `peers` lists the peer-plane addresses
-    ("host:port") of the job's daemons on every node, in node order, and `node_rank` is this node's
-    index (defaults: $TRAINSTREAM_PEERS, comma-separated, and $TRAINSTREAM_NODE_RANK, torchrun's
-    GROUP_RANK, or RANK // LOCAL_WORLD_SIZE); the daemons then all-reduce the node-summed gradients
-    between them. Without `peers` and $TRAINSTREAM_PEERS, a torchrun job spanning several nodes
-    (WORLD_SIZE > LOCAL_WORLD_SIZE) exchanges the daemons' advertised addresses through its
-    torch.distributed store (the initialized process group's, else torchrun's agent store).
+    id), else, with `distributed="auto"` (the default) or True, from an initialized torch.distributed
+    process group of more than one rank: the ranks agree on the node-local ranks, the nodes and the job
+    name over it (see _distributed.py); `distributed=False` ignores both. The daemon averages the ranks'
+    gradients: do not also wrap the model in DistributedDataParallel. `max_grad_norm` clips like
+    torch.nn.utils.clip_grad_norm_ (do not clip p.grad yourself: gradients leave during backward). With
+    `accumulation_steps=k`, call optimizer.step() after every k backward passes. `peers` lists the
+    peer-plane addresses ("host:port") of the job's daemons on every node, in node order, and `node_rank`
+    is this node's index (defaults: $TRAINSTREAM_PEERS, comma-separated, and $TRAINSTREAM_NODE_RANK,
+    torchrun's GROUP_RANK, or RANK // LOCAL_WORLD_SIZE); the daemons then all-reduce the node-summed
+    gradients between them. Without `peers` and $TRAINSTREAM_PEERS, a job spanning several nodes
+    exchanges the daemons' advertised addresses through its torch.distributed store (the initialized
+    process group's, else torchrun's agent store).
+
+    `offload`: True (the default) keeps the optimizer state in the daemon; "auto" measures the first 2
+    steps offloaded and, when stock fused AdamW fits on the device (its state, the gradients and the
+    measured peak, with a margin), moves the state into a `torch.optim.AdamW(fused=True)` over the same
+    param groups and drops the daemon's job; the returned optimizer stays the same object (schedulers,
+    hooks, state_dict) and keeps clipping and clearing p.grad after each step; False runs that stock
+    optimizer from the start, without a daemon.
 
     Models whose weights do not fit on the GPU: `param_offload` pages the weights of the repeated
     block stack from the daemon's host memory to the GPU block by block (True: every block; a fraction
-    in (0, 1]: that share of the blocks, the first ones; a list of block indices). `blocks` names the
-    block modules (default: the longest nn.ModuleList of modules of one class, such as model.blocks or
-    model.model.layers); parameters outside them stay on the GPU. `device` moves the model's other
-    parameters and buffers there (build the model on the CPU: the paged blocks never need the GPU
-    whole). The GPU holds `page_prefetch` + 1 blocks (or `page_pool_mb` MiB of them): the block computing
-    now and the next ones, copied while it computes. Each paged weight crosses PCIe twice per step
-    (forward and backward). Frozen parameters (requires_grad=False) of paged blocks, a LoRA base, are
-    kept once in host memory in their dtype, with no optimizer state.
+    in (0, 1]: that share of the blocks, the first ones; a list of block indices; "auto": the fewest
+    first blocks that leave the resident blocks within half of the GPU memory available, none when they
+    fit). `blocks` names the block modules (default: the longest nn.ModuleList of modules of one class,
+    such as model.blocks or model.model.layers); parameters outside them stay on the GPU. `device` moves
+    the model's other parameters and buffers there (build the model on the CPU: the paged blocks never
+    need the GPU whole). The GPU holds `page_prefetch` + 1 blocks (or `page_pool_mb` MiB of them): the
+    block computing now and the next ones, copied while it computes. Each paged weight crosses PCIe
+    twice per step (forward and backward). Frozen parameters (requires_grad=False) of paged blocks, a
+    LoRA base, are kept once in host memory in their dtype, with no optimizer state.
+
+    `activation_offload` runs the model's forward inside trainstream.activation_paging(): True pages
+    every saved activation, a fraction in (0, 1] that share of the bytes the first step saved, "auto"
+    the smallest share that fits the GPU memory available, measured in the first step.
 
     The daemon keeps the optimizer state (master weights, moments, step counts) in `state_halves`
     copies: 2 commits every update by one atomic switch, so a job resumes exactly after its daemon
@@ -88,17 +112,28 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
     With `speculative_clipping` ("auto": where the job has two halves; True needs them) and
     `max_grad_norm`, each bucket's update starts as its gradients arrive, before the global norm is
     known, and steps that clip are redone exactly. A restarted process resumes after
-    `optimizer.resume_step` optimizer steps (docs/usage.md, "Resuming").
+    `optimizer.resume_step` optimizer steps (docs/usage.md, "Resuming after a crash").
     """
-    if model in _ranks:
+    if model in _wrapped:
         raise TrainstreamError("this model is already wrapped; call trainstream.unwrap(model) first")
+    _check_choice("offload", offload, OFFLOAD_CHOICES, "'auto', True or False")
+    check_activation_offload(activation_offload)
+    if offload is False:
+        return _wrap_in_torch(model, optimizer, max_grad_norm, accumulation_steps, param_offload, blocks, device,
+                              activation_offload)
+    given_node_rank = node_rank
     peers, node_rank = _peers.resolve(peers, node_rank)
-    from_store = not peers and _peers.env_node_count() > 1
-    rank, world_size, job = _local_ranks(rank, world_size, job)
+    placed = _distributed.place(distributed, rank, world_size, job, client)
+    rank, world_size, job, client = placed.rank, placed.world_size, placed.job, placed.client
+    if given_node_rank is None and placed.node_rank is not None:
+        node_rank = placed.node_rank
+    nodes = placed.nodes if placed.nodes is not None else _peers.env_node_count()
+    from_store = not peers and nodes > 1
     if (world_size > 1 or len(peers) > 1 or from_store) and job is None:
         raise TrainstreamError("ranks of a job with world_size > 1 or several nodes must pass the same job name")
+    target = torch.device(device) if device is not None else _parameters_device(model)
     paging = _blocks.plan_paging(model, [p for g in optimizer.param_groups for p in g["params"]], param_offload,
-                                 blocks)
+                                 blocks, device=_with_index(target))
     if device is not None:
         device = _place(model, torch.device(device), paging.paged_ids if paging else set())
     elif paging is not None:
@@ -110,29 +145,86 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
         device = next(iter(resident))
     client = client or connect()
     if from_store:
-        peers = _peers.from_store(client, job, node_rank, rank)
-    auto_named = job is None
+        peers = _peers.exchange(_peers.job_store(), client, job, node_rank, nodes, rank)
+    if _distributed.spans_group(max(nodes, len(peers))):
+        _distributed.share_first_ranks_weights(list(model.parameters()))  # frozen ones too
+    auto_named = job is None or placed.agreed_name
     state = optimizer.state_dict() if optimizer.state else None
-    r = Rank(client, model, optimizer, job=job or default_job_name(), rank=rank, world_size=world_size,
-             max_grad_norm=max_grad_norm, accumulation_steps=accumulation_steps, bucket_mb=bucket_mb,
-             moment_dtype=moment_dtype, seed=random.getrandbits(63) if seed is None else seed, peers=peers,
-             node_rank=node_rank, paging=paging, device=device, page_prefetch=page_prefetch,
-             page_pool_mb=page_pool_mb, state_halves=state_halves, speculative_clipping=speculative_clipping)
-    _ranks[model] = r
-    if auto_named:
-        _auto_named.append(r)  # nobody can resume it: dropped when the process exits
+    attach = functools.partial(
+        Rank, client, model, optimizer, job=job or default_job_name(), rank=rank, world_size=world_size,
+        max_grad_norm=max_grad_norm, accumulation_steps=accumulation_steps, bucket_mb=bucket_mb,
+        moment_dtype=moment_dtype, seed=random.getrandbits(63) if seed is None else seed, peers=peers,
+        node_rank=node_rank, page_prefetch=page_prefetch, page_pool_mb=page_pool_mb, state_halves=state_halves,
+        speculative_clipping=speculative_clipping)
+    r = attach(paging=paging, device=device)
     wrapped = OffloadedOptimizer(optimizer, r)
+    w = Wrapped(model, wrapped, attach, auto_named, world_size * max(1, len(peers)), max_grad_norm)
+    _wrapped[model] = w
+    r.relayout = functools.partial(_relayout, w)
     if state is not None:
         wrapped.load_state_dict(state)  # an optimizer that already stepped keeps its moments
+    if offload == "auto":
+        auto = AutoOffload(wrapped, functools.partial(_switch, w), w.ranks)
+        wrapped.after_step.append(auto.after_step)
+    _watch_activations(w, activation_offload, r.device)
     return model, wrapped
+
+
+def _check_choice(option: str, value, choices: tuple, allowed: str) -> None:
+    if not any(value is c if isinstance(c, bool) else (isinstance(value, str) and value == c) for c in choices):
+        raise TrainstreamError(f"{option}={value!r}: use {allowed}")
+
+
+def _wrap_in_torch(model, optimizer, max_grad_norm, accumulation_steps, param_offload, blocks, device,
+                   activation_offload) -> tuple[torch.nn.Module, OffloadedOptimizer]:
+    """offload=False: the optimizer runs in torch from the start (fused where torch has the kernels), with
+    wrap's contract: clipping by max_grad_norm, p.grad emptied after each step."""
+    if isinstance(param_offload, str) and param_offload == "auto":
+        log.info("param_offload='auto' with offload=False: nothing pages (the paged weights live in the daemon)")
+    elif param_offload is not None and param_offload is not False:
+        raise TrainstreamError(f"param_offload={param_offload!r} needs offload=True or 'auto': the paged weights live "
+                               "in the daemon's job")
+    if blocks is not None:
+        raise TrainstreamError("blocks= is given but param_offload is off: pass param_offload=True (or a share)")
+    if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+        raise TrainstreamError(f"accumulation_steps must be >= 1, not {accumulation_steps}")
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise TrainstreamError(f"max_grad_norm must be > 0 or None, not {max_grad_norm}")
+    _layout.optimizer_kind(optimizer)
+    if device is not None:
+        _place(model, torch.device(device), set())
+    params = _layout.parameters_of(optimizer)
+    wrapped = OffloadedOptimizer(optimizer, None)
+    wrapped.use_stock(StockOptimizer(type(optimizer), optimizer.param_groups, optimizer.defaults,
+                                     dict(optimizer.state), fused=True, max_grad_norm=max_grad_norm,
+                                     clear_grads=True))
+    w = Wrapped(model, wrapped, None, False, 1, max_grad_norm)
+    _wrapped[model] = w
+    _watch_activations(w, activation_offload, params[0].device)
+    return model, wrapped
+
+
+def _watch_activations(w: Wrapped, mode, device: torch.device) -> None:
+    if mode is not False:
+        w.activations = ActivationOffload(w.model, mode, device)
+        w.optimizer.after_step.append(w.activations.after_step)
+
+
+def _parameters_device(model: torch.nn.Module) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+def _with_index(device: torch.device) -> torch.device:
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _place(model: torch.nn.Module, device: torch.device, paged: set[int]) -> torch.device:
     """Moves every parameter and buffer of `model` but the paged parameters to `device` (in place: the
     optimizer's parameters stay the same objects); paged parameters stay where they are until the job
     holds their weights."""
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = _with_index(device)
     with torch.no_grad():
         for module in model.modules():
             for p in module._parameters.values():
@@ -144,42 +236,142 @@ def _place(model: torch.nn.Module, device: torch.device, paged: set[int]) -> tor
     return device
 
 
-def _rank_of(model: torch.nn.Module) -> Rank:
-    r = _ranks.get(model)
-    if r is None:
+# ----- leaving the daemon, and coming back in another layout -----
+
+def _leave_daemon(w: Wrapped, *, fused: bool | None, contract: bool, drop: bool, force: bool = False,
+                  device: torch.device | None = None) -> None:
+    """The state moves from the job into a stock torch optimizer, the Rank detaches (its hooks go, the
+    parameters return to torch's memory; paged ones come back on the CPU or `device`), and the job is
+    dropped when `drop`. `contract`: the stock optimizer keeps wrap's clipping and clearing of p.grad."""
+    optimizer = w.optimizer
+    state = optimizer.daemon_state()  # views of the job's memory: valid after the session closed
+    r = optimizer.release_rank()
+    r.close(device=device)
+    client, job = r.client, r.job
+    del r  # with it go the transport's GPU buffers (cuda-ipc's), before the state comes to the GPU
+    if drop:
+        try:
+            client.drop_job(job, force)
+        except TrainstreamError as e:  # another rank of the job may still be attached: the last one drops it
+            log.debug("job %r not dropped: %s", job, e)
+    optimizer.use_stock(StockOptimizer(
+        optimizer._inner_type, optimizer.param_groups, optimizer.defaults, state, fused=fused,
+        max_grad_norm=w.max_grad_norm if contract else None, clear_grads=contract))
+
+
+def _switch(w: Wrapped) -> None:
+    """offload="auto" decided for stock AdamW (a single rank: the job is this process's alone)."""
+    _leave_daemon(w, fused=True, contract=True, drop=True, force=True)
+
+
+def _relayout(w: Wrapped, convert: Callable[[], torch.nn.Module], changes: list[Conversion]) -> torch.nn.Module:
+    """`model.to()` / `.cuda()` / `.half()` after wrap (from ApplyGuard): the job is dropped and attached
+    again around `convert()` in the parameters' new dtype or device, with the old job's fp32 master weights,
+    moments and step counts copied in exactly; the parameters then take the master weights in their new
+    dtype. Refused before anything changes when the new layout is not one trainstream takes."""
+    r = w.optimizer._rank
+    if r.pager is not None:
+        raise TrainstreamError("cannot convert a model whose weights page (param_offload): call "
+                               "trainstream.unwrap(model, device=...) first, convert, then wrap again")
+    if w.ranks > 1:
+        raise TrainstreamError(f"cannot convert one of the {w.ranks} ranks of a data-parallel job: convert the model "
+                               "before trainstream.wrap on every rank")
+    _check_conversions(r.params, changes)
+    r._require_idle("convert the model")
+    regions = r.regions
+    saved = [(regions.master_view(i), *regions.moment_views(i), regions.param_step(i)) for i in range(len(r.params))]
+    before = {str(p.dtype) + " on " + str(p.device) for p in r.params}
+    r.close()
+    r.client.drop_job(r.job, True)
+    result = convert()
+    new = w.attach()
+    with torch.no_grad():
+        for i, (master, exp_avg, exp_avg_sq, steps) in enumerate(saved):
+            new.regions.master_view(i).copy_(master)
+            moments = new.regions.moment_views(i)
+            moments[0].copy_(exp_avg)
+            moments[1].copy_(exp_avg_sq)
+            new.regions.set_param_step(i, steps)
+    new._publish()
+    new.relayout = functools.partial(_relayout, w)
+    w.optimizer.use_rank(new)
+    after = {str(p.dtype) + " on " + str(p.device) for p in new.params}
+    log.info("job %r attached again for parameters now %s (were %s); fp32 master weights and moments kept",
+             new.job, ", ".join(sorted(after)), ", ".join(sorted(before)))
+    return result
+
+
+def _check_conversions(params: list[torch.nn.Parameter], changes: list[Conversion]) -> None:
+    for change in changes:
+        if change.dtype not in _layout.DTYPE_CODES:
+            raise TrainstreamError(f"this would turn parameter {change}, but trainstream takes float32, bfloat16 "
+                                   "and float16 parameters")
+        if change.device.type not in ("cpu", "cuda"):
+            raise TrainstreamError(f"this would turn parameter {change}, but trainstream takes parameters on the CPU "
+                                   "or a CUDA device")
+    moved = {id(c.param): c.device for c in changes}
+    devices = {moved.get(id(p), p.device) for p in params}
+    if len(devices) > 1:
+        raise TrainstreamError(f"this would put the optimizer's parameters on {sorted(map(str, devices))}: all of "
+                               "them must be on one device")
+
+
+# ----- entry points -----
+
+def _wrapped_of(model: torch.nn.Module) -> Wrapped:
+    w = _wrapped.get(model)
+    if w is None:
         raise TrainstreamError("this model is not wrapped by trainstream")
+    return w
+
+
+def _rank_of(model: torch.nn.Module) -> Rank:
+    r = _wrapped_of(model).optimizer._rank
+    if r is None:
+        raise TrainstreamError("this model's optimizer state is not in trainstreamd (offload=False, or "
+                               "offload='auto' switched to stock AdamW)")
     return r
 
 
 def synchronize(model: torch.nn.Module | None = None) -> None:
     """Waits for in-flight updates and makes the parameters show the latest weights (every wrapped
     model when `model` is None)."""
-    for r in ([_rank_of(model)] if model is not None else list(_ranks.values())):
-        r.synchronize()
+    for w in ([_wrapped_of(model)] if model is not None else list(_wrapped.values())):
+        w.optimizer.synchronize()
 
 
 def unwrap(model: torch.nn.Module, device: str | torch.device | None = None) -> torch.nn.Module:
-    """Removes trainstream from `model` and returns it with its current weights. The job's state stays
-    in the daemon (dropped if the job was auto-named). With the cuda-ipc transport the parameters move
-    back into torch's allocator, which then needs room for them before their old buffer is freed.
-    Paged weights (param_offload) come back on the CPU, or on `device` if given."""
-    r = _rank_of(model)
-    r.synchronize()
-    if r.pager is not None:
-        where = torch.device(device) if device is not None else torch.device("cpu")
-        logging.getLogger("trainstream").info(
-            "unwrap: the paged weights of %d block(s) come back on %s%s", len(r.paging.blocks), where,
-            "" if device is not None else " (pass device= to bring them to the GPU)")
-    r.close(drop=r in _auto_named, device=torch.device(device) if device is not None else None)
-    if r in _auto_named:
-        _auto_named.remove(r)
-    del _ranks[model]
+    """Removes trainstream from `model` and returns it with its current weights. The optimizer `wrap`
+    returned stays usable as a plain torch optimizer holding the state (step(), state_dict(); no clipping
+    or clearing of p.grad of its own from now on). The job's state stays in the daemon (dropped if the job
+    was auto-named). With the cuda-ipc transport the parameters move back into torch's allocator, which
+    then needs room for them before their old buffer is freed. Paged weights (param_offload) come back on
+    the CPU, or on `device` if given."""
+    w = _wrapped_of(model)
+    if w.activations is not None:
+        w.activations.remove()
+    w.optimizer.after_step.clear()
+    r = w.optimizer._rank
+    if r is not None:
+        r.synchronize()
+        where = torch.device(device) if device is not None else None
+        if r.pager is not None:
+            log.info("unwrap: the paged weights of %d block(s) come back on %s%s", len(r.paging.blocks),
+                     where or "cpu", "" if device is not None else " (pass device= to bring them to the GPU)")
+        _leave_daemon(w, fused=None, contract=False, drop=w.auto_named, device=where)
+    else:
+        w.optimizer._stock.max_grad_norm = None
+        w.optimizer._stock.clear_grads = False
+    del _wrapped[model]
     return model
 
 
 @atexit.register
 def _drop_auto_named_jobs() -> None:
-    for r in list(_auto_named):
+    for w in list(_wrapped.values()):
+        r = w.optimizer._rank
+        if r is None or not w.auto_named:
+            continue
         try:
             r.close(drop=True)
         except Exception:  # the daemon may be gone already; nothing to clean then

@@ -1,52 +1,120 @@
 """Hugging Face Trainer integration: a `transformers.Trainer` whose AdamW runs in trainstreamd.
 
-    from trainstream.hf import TrainstreamTrainer
-    trainer = TrainstreamTrainer(model=model, args=TrainingArguments(...), train_dataset=...,
-                                 trainstream_options={"moment_dtype": "bfloat16"})
+    from trainstream.integrations.huggingface import TrainStreamTrainer  # = trainstream.hf.TrainstreamTrainer
+    trainer = TrainStreamTrainer(model=model, args=TrainingArguments(...), train_dataset=...,
+                                 trainstream={"moment_dtype": "bfloat16"})
     trainer.train()
 
 The Trainer builds its optimizer as usual (`optim="adamw_torch"` or `"adamw_torch_fused"`, its
 parameter groups, its LR scheduler); this class hands it to `trainstream.wrap` with the Trainer's
-`max_grad_norm` and `gradient_accumulation_steps`. Gradients leave the parameters during backward,
-so the daemon clips, and the Trainer neither clips nor logs a gradient norm. Optimizer checkpoints
-are in torch.optim.AdamW's format, so they resume with or without trainstream. One process per GPU,
-as with torchrun: ranks and the job name come from its environment (see `trainstream.wrap`).
-Tested with transformers 5.x.
+`max_grad_norm` and `gradient_accumulation_steps`, and the options of `trainstream={...}` (or, the older
+name, `trainstream_options={...}`). Gradients leave the parameters during backward, so the optimizer
+clips, and the Trainer neither clips nor logs a gradient norm. Optimizer checkpoints are in
+torch.optim.AdamW's format, so they resume with or without trainstream. One process per GPU, as with
+torchrun: ranks and the job name come from its environment (see `trainstream.wrap`).
+
+A model given on the CPU while the Trainer trains on a GPU is not moved there whole: its decoder
+layers (the model's block stack: model.model.layers, and peft's wrapped equivalent) are paged from
+host memory (`param_offload=True`, `device=` the Trainer's device), and the rest goes to the GPU; a
+LoRA base's frozen weights then live once in host memory in their dtype, with no optimizer state. Pass
+`trainstream={"param_offload": ...}` to choose otherwise (False moves the model to the GPU as usual).
+
+Causal language models (see _causal_lm_loss.py for which) compute their training loss with
+trainstream.chunked_cross_entropy from the last hidden state and the output projection, so the full
+logits never exist (`chunked_loss=False` keeps the model's own loss; `loss_chunk_size` tokens per chunk).
+Evaluation, and models that are not recognised, use the model's own loss (logged once). Tested with
+transformers 5.x.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import transformers
 
-import trainstream
+from trainstream._C import TrainstreamError
+from trainstream._causal_lm_loss import ChunkedCausalLMLoss, unsupported
 from trainstream._optimizer import OffloadedOptimizer
+from trainstream._wrap import wrap
+
+log = logging.getLogger("trainstream")
 
 
 class TrainstreamTrainer(transformers.Trainer):
-    def __init__(self, *args, trainstream_options: dict[str, Any] | None = None, **kwargs):
-        """`trainstream_options`: further arguments of `trainstream.wrap` (client, job, moment_dtype,
-        bucket_mb, ...); `max_grad_norm` and `accumulation_steps` come from the TrainingArguments."""
-        self.trainstream_options = dict(trainstream_options or {})
+    def __init__(self, *args, trainstream: dict[str, Any] | None = None,
+                 trainstream_options: dict[str, Any] | None = None, chunked_loss: bool = True,
+                 loss_chunk_size: int = 4096, **kwargs):
+        """`trainstream` (or `trainstream_options`): further arguments of `trainstream.wrap` (offload,
+        moment_dtype, client, job, ...); `max_grad_norm` and `accumulation_steps` come from the
+        TrainingArguments. `chunked_loss`: compute a causal LM's loss without its logits."""
+        if trainstream is not None and trainstream_options is not None:
+            raise TrainstreamError("pass the wrap options as trainstream={...} or trainstream_options={...}, not both")
+        self.trainstream_options = dict(trainstream or trainstream_options or {})
         taken = {"max_grad_norm", "accumulation_steps"} & self.trainstream_options.keys()
         if taken:
-            raise trainstream.TrainstreamError(f"{sorted(taken)} come from TrainingArguments (max_grad_norm, "
-                                               "gradient_accumulation_steps), not trainstream_options")
+            raise TrainstreamError(f"{sorted(taken)} come from TrainingArguments (max_grad_norm, "
+                                   "gradient_accumulation_steps), not the trainstream options")
+        self.chunked_loss = chunked_loss
+        self.loss_chunk_size = loss_chunk_size
+        self._chunked: dict[int, ChunkedCausalLMLoss | None] = {}  # id(model) -> its loss, None: the model's own
+        self._pages = self._pages_a_cpu_model(kwargs.get("model", args[0] if args else None),
+                                              kwargs.get("args", args[1] if len(args) > 1 else None))
         super().__init__(*args, **kwargs)
+
+    def _pages_a_cpu_model(self, model, args) -> bool:
+        """Whether the model stays on the CPU for weight paging (and the options say so to wrap())."""
+        device = getattr(args, "device", None)
+        on_cpu = model is not None and any(p.device.type == "cpu" for p in model.parameters())
+        wanted = self.trainstream_options.get("param_offload", "default")
+        if wanted == "default":
+            if not (on_cpu and device is not None and device.type == "cuda"):
+                return False
+            self.trainstream_options["param_offload"] = True
+            log.info("TrainstreamTrainer: the model is on the CPU: its block stack is paged from host memory to "
+                     "%s (trainstream={'param_offload': False} moves it to the GPU instead)", device)
+        elif wanted is False or wanted is None:
+            return False
+        if device is not None:
+            self.trainstream_options.setdefault("device", device)
+        return True
+
+    def _move_model_to_device(self, model, device):
+        if not self._pages:  # with paging, wrap() places what stays resident; the blocks never come whole
+            super()._move_model_to_device(model, device)
 
     def create_optimizer(self, model=None):
         inner = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate wraps it during train()
         if not isinstance(inner, OffloadedOptimizer):
             optimizer = super().create_optimizer(model)
-            _, self.optimizer = trainstream.wrap(
+            _, self.optimizer = wrap(
                 self.model if model is None else model, optimizer,
                 max_grad_norm=self.args.max_grad_norm if self.args.max_grad_norm > 0 else None,
                 accumulation_steps=self.args.gradient_accumulation_steps, **self.trainstream_options)
         return self.optimizer
 
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        chunked = None
+        if (self.chunked_loss and model.training and not return_outputs and "labels" in inputs
+                and self.label_smoother is None and self.compute_loss_func is None):
+            chunked = self._chunked_loss_of(self.accelerator.unwrap_model(model))
+        if chunked is None:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        with chunked.active():
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    def _chunked_loss_of(self, model) -> ChunkedCausalLMLoss | None:
+        key = id(model)
+        if key not in self._chunked:
+            reason = unsupported(model)
+            if reason is not None:
+                log.info("TrainstreamTrainer: the model's own loss, from its full logits: %s", reason)
+            self._chunked[key] = None if reason else ChunkedCausalLMLoss(model, self.loss_chunk_size)
+        return self._chunked[key]
+
     def _clip_grad_norm(self, model):
-        return None  # the daemon clips: gradients are not in p.grad when the Trainer would
+        return None  # the optimizer clips: gradients are not in p.grad when the Trainer would
 
     def _get_grad_norm(self, model, grad_norm=None):
         return None  # the Trainer would compute it from p.grad, which trainstream has emptied
+

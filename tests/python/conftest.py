@@ -1,11 +1,14 @@
 """Fixtures that run real trainstreamd processes on private sockets.
 
-The daemon binary comes from $TRAINSTREAMD (scripts/test.sh points it at the build tree) or PATH.
+The daemon binary comes from $TRAINSTREAMD (scripts/test.sh points it at the build tree) or PATH;
+trainstreamctl from $TRAINSTREAMCTL, else the build tree beside that daemon, else beside it, else PATH.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -26,6 +29,37 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool
             return True
         time.sleep(interval)
     return bool(predicate())
+
+
+def ctl_binary() -> str:
+    explicit = os.environ.get("TRAINSTREAMCTL")
+    if explicit:
+        return explicit
+    daemon_dir = os.path.dirname(daemon_binary())
+    for candidate in (os.path.join(daemon_dir, "..", "client", "trainstreamctl", "trainstreamctl"),
+                      os.path.join(daemon_dir, "trainstreamctl")):
+        if os.access(candidate, os.X_OK):
+            return os.path.normpath(candidate)
+    found = shutil.which("trainstreamctl")
+    assert found, "trainstreamctl not found: set TRAINSTREAMCTL or build it"
+    return found
+
+
+def ctl(socket: str | None, *args: str, check: bool = True, env: dict | None = None, user: int | None = None,
+        timeout: float = 60) -> subprocess.CompletedProcess:
+    """Runs trainstreamctl (as `user`, if given) and returns it; with `check`, asserts exit code 0."""
+    command = [ctl_binary(), *(["--socket", socket] if socket else []), *args]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, user=user,
+                            group=user, extra_groups=[] if user is not None else None, stdin=subprocess.DEVNULL)
+    if check:
+        assert result.returncode == 0, f"{command} exited {result.returncode}: {result.stderr}"
+    return result
+
+
+def ctl_json(socket: str | None, *args: str, **kwargs):
+    """trainstreamctl --json ARGS, parsed (one JSON document per output line: a list if several)."""
+    lines = [json.loads(line) for line in ctl(socket, "--json", *args, **kwargs).stdout.splitlines() if line]
+    return lines[0] if len(lines) == 1 else lines
 
 
 class Daemon:
@@ -67,6 +101,26 @@ def daemon():
     d.stop()
 
 
+OTHER_UID = 65534  # "nobody": tests that run as root run clients as this uid
+
+
+@pytest.fixture
+def shared_daemon():
+    """A daemon every uid may reach: socket 0666 in `shared_dir`, a directory every uid may write."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run clients as another uid")
+    shared_dir = tempfile.mkdtemp(prefix="ts-shared-")
+    os.chmod(shared_dir, 0o1777)
+    config = os.path.join(shared_dir, "open.toml")
+    with open(config, "w") as f:
+        f.write("socket_mode = 0o666\n")
+    d = Daemon("--config", config, socket=os.path.join(shared_dir, "d.sock"))
+    d.shared_dir = shared_dir
+    yield d
+    d.stop()
+    shutil.rmtree(shared_dir, ignore_errors=True)
+
+
 @pytest.fixture
 def client(daemon):
     return daemon.client()
@@ -75,3 +129,11 @@ def client(daemon):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def memory_budget(monkeypatch):
+    """Sets the memory budget (MiB) that wrap's automatic modes decide against ($TRAINSTREAM_MEMORY_BUDGET_MB)."""
+    def set_mib(mib: float):
+        monkeypatch.setenv("TRAINSTREAM_MEMORY_BUDGET_MB", str(mib))
+    return set_mib

@@ -5,6 +5,7 @@ machine (scripts/device_run.sh)."""
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import signal
 import subprocess
@@ -87,6 +88,8 @@ def test_race_exposing_model(client):
 
 
 def test_gpu_memory_holds_no_gradients_or_optimizer_state(client):
+    gc.collect()  # what earlier tests left in reference cycles would count below
+    torch.cuda.empty_cache()
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(8)]).cuda()  # 134 MB of fp32 weights
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -26,13 +26,16 @@ def dataset():
     return [{"input_ids": t, "labels": t} for t in tokens]
 
 
-def train(trainer_class, out, client=None, max_steps=10, resume=None, **extra):
+def train(trainer_class, out, client=None, max_steps=10, resume=None, chunked_loss=False, **extra):
+    """Trains tiny_gpt2; chunked_loss is off here: these tests compare the optimizers (the chunked loss
+    is test_causal_lm_loss.py's)."""
     model = tiny_gpt2()
     args = transformers.TrainingArguments(
         output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=4, learning_rate=1e-3,
         gradient_accumulation_steps=2, max_grad_norm=0.5, warmup_steps=3, lr_scheduler_type="linear",
         weight_decay=0.01, report_to=[], use_cpu=True, seed=0, disable_tqdm=True, **extra)
-    options = {"trainstream_options": {"client": client}} if trainer_class is TrainstreamTrainer else {}
+    options = {"trainstream_options": {"client": client}, "chunked_loss": chunked_loss} \
+        if trainer_class is TrainstreamTrainer else {}
     trainer = trainer_class(model=model, args=args, train_dataset=dataset(), **options)
     trainer.train(resume_from_checkpoint=resume)
     if trainer_class is TrainstreamTrainer:

@@ -350,3 +350,23 @@ def test_two_ranks_of_one_node_paged_equal_unpaged(daemon, tmp_path):
     paged, unpaged = run_ranks(daemon, tmp_path, True), run_ranks(daemon, tmp_path, False)
     for replica in (*paged, unpaged[1]):
         assert all(torch.equal(a, b) for a, b in zip(unpaged[0], replica))
+
+
+def test_optimizer_state_dict_round_trip_keeps_paged_master_weights(client):
+    """optimizer.load_state_dict() writes the moments, not the placeholders of paged weights over their
+    master weights."""
+    def run(paged):
+        torch.manual_seed(0)
+        model = TinyGPT()
+        paging = {"device": "cpu", "param_offload": True} if paged else {}
+        model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), client=client, seed=1,
+                                      **paging)
+        for step in range(4):
+            model(tokens(step)).backward()
+            opt.step()
+            if step == 1:
+                opt.load_state_dict(opt.state_dict())
+        trainstream.unwrap(model)
+        return [p.detach().clone() for p in model.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(run(True), run(False)))

@@ -41,6 +41,29 @@ struct JobReport {
   std::vector<uint32_t> attached_ranks;
   std::map<uint32_t, std::string> transports;  // attached rank -> "transport on device"
   bool orphaned = false;                       // left by a daemon that died, not re-adopted yet
+  // Counters since the daemon took the job: rates come from two readings.
+  uint64_t steps = 0;
+  double update_seconds = 0;                               // time in bucket updates, summed
+  int64_t last_update_unix_ms = 0, last_step_unix_ms = 0;  // 0: none yet
+  uint64_t host_bytes = 0, pinned_bytes = 0;
+  std::string last_snapshot;  // empty: none
+  uint64_t last_snapshot_step = 0;
+};
+
+// Bytes the daemon copied with one GPU (cuda-ipc) since it started.
+struct GpuReport {
+  std::string gpu;  // "GPU-<uuid>"
+  uint64_t to_host_bytes = 0, to_device_bytes = 0;
+};
+
+struct SnapshotReport {
+  std::string path;
+  uint64_t step = 0, bytes = 0;
+};
+
+struct RestoreReport {
+  std::string job;
+  uint64_t step = 0;
 };
 
 // How a rank moves its data, told to the daemon at attach (which logs it and shows it in Stats).
@@ -93,6 +116,12 @@ struct StatsReport {
   uint64_t host_bytes = 0, rss_bytes = 0;
   uint32_t worker_threads = 0;
   std::string kernel;
+  std::string daemon_version;
+  int64_t pid = 0;
+  double uptime_seconds = 0;
+  uint64_t pinned_bytes = 0, max_host_bytes = 0;  // max_host_bytes 0: no quota
+  uint32_t max_jobs = 0;
+  std::vector<GpuReport> gpus;
 };
 
 class RankSession;
@@ -110,6 +139,12 @@ class Client {
   DaemonInfo Ping();
   StatsReport Stats();
   void DropJob(const std::string& job, bool force);
+  // Writes the job's state to `path` as the daemon sees it (empty: its --snapshot-dir), at the job's
+  // next step boundary if ranks train it; waits at most `timeout`. Only the job's owner or root.
+  SnapshotReport Snapshot(const std::string& job, const std::string& path,
+                          std::chrono::milliseconds timeout = std::chrono::minutes(10));
+  // Recreates a job from a snapshot file (named `job`, or as in the snapshot if empty).
+  RestoreReport Restore(const std::string& path, const std::string& job = "");
   // Creates the job if needed and attaches `rank`; the rank stays attached until the session closes.
   std::unique_ptr<RankSession> Attach(const std::string& job, uint32_t rank, const shm::LayoutSpec& spec, uint64_t seed,
                                       const RankTransport& transport = {});

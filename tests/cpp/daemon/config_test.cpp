@@ -209,6 +209,27 @@ TEST(ParseConfig, BadPeerAddressesAreRejected) {
   ExpectFileRejected("peer_listen = \"7150\"\n", "peer_listen '7150' must be HOST:PORT");
 }
 
+TEST(ParseConfig, OperationsFlagsAndKeys) {
+  const Config flags =
+      ParseOk({"--metrics-listen", "127.0.0.1:9150", "--snapshot-dir", "/var/lib/ts", "--snapshot-every", "100"});
+  EXPECT_EQ(flags.metrics_listen, "127.0.0.1:9150");
+  EXPECT_EQ(flags.snapshot_dir, "/var/lib/ts");
+  EXPECT_EQ(flags.snapshot_every, 100u);
+  TempToml file("metrics_listen = \"[::]:9150\"\nsnapshot_dir = \"/srv/snaps\"\nsnapshot_every = 7\n");
+  const Config from_file = ParseOk({"--config", file.path()});
+  EXPECT_EQ(from_file.metrics_listen, "[::]:9150");
+  EXPECT_EQ(from_file.snapshot_dir, "/srv/snaps");
+  EXPECT_EQ(from_file.snapshot_every, 7u);
+  EXPECT_TRUE(ParseOk({}).metrics_listen.empty());  // off by default
+}
+
+TEST(ParseConfig, BadOperationsSettingsAreRejected) {
+  ExpectRejected({"--metrics-listen", "9150"}, "metrics_listen '9150' must be HOST:PORT");
+  ExpectRejected({"--snapshot-every", "10"}, "snapshot_every needs snapshot_dir");
+  ExpectRejected({"--snapshot-dir", "relative/dir"}, "snapshot_dir 'relative/dir' must be an absolute path");
+  ExpectFileRejected("snapshot_every = -1\n", "snapshot_every");
+}
+
 Config WithPeers(const std::string& listen, const std::string& advertise = "") {
   Config config;
   config.peer_listen = listen;

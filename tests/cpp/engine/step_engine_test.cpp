@@ -341,8 +341,13 @@ TEST_F(StepEngineTest, ReattachDuringAnInFlightUpdateWaitsForItAndKeepsTheNewRan
 // not reached its events (or never will: its process died): work that waits for them waits.
 class FakeGpu final : public RankTransfer {
  public:
-  FakeGpu(size_t params_bytes, uint32_t slots, size_t slot_bytes)
-      : params(params_bytes), staging(slots * slot_bytes), slots_(slots), slot_bytes_(slot_bytes) {}
+  // `offsets`: where each bucket lies in the flat parameter buffer (nullopt: off the GPU).
+  FakeGpu(size_t params_bytes, uint32_t slots, size_t slot_bytes, std::vector<std::optional<uint64_t>> offsets)
+      : params(params_bytes),
+        staging(slots * slot_bytes),
+        slots_(slots),
+        slot_bytes_(slot_bytes),
+        offsets_(std::move(offsets)) {}
   ~FakeGpu() override {
     Set(queue_->stopping, true);
     // The engine's callbacks hold the rank (and so this) too: when the last of them lets go on the
@@ -362,6 +367,7 @@ class FakeGpu final : public RankTransfer {
   void AwaitWeightsWanted(uint32_t, Done done) override {
     Run([] {}, std::move(done), true);
   }
+  [[nodiscard]] std::optional<uint64_t> ParamsOffset(uint32_t bucket) const override { return offsets_.at(bucket); }
   void PushWeights(uint64_t offset, const void* host, size_t bytes, Done done) override {
     ++pushes;
     Run([=, this] { std::memcpy(params.data() + offset, host, bytes); }, std::move(done), false);
@@ -369,9 +375,9 @@ class FakeGpu final : public RankTransfer {
   void Abandon() override { Set(queue_->abandoned, true); }
   void ReleaseHost(const void*, size_t) override {}  // nothing is page-locked
   void ReachEvents(bool reached) { Set(queue_->events_reached, reached); }
-  // The rank's view of parameter p: its place in the flat parameter buffer, or in staging slot `slot`.
+  // The rank's view of parameter p: its place in the flat parameter buffer (its bucket must be there).
   std::span<float> Param(const shm::JobLayout& layout, uint32_t p) {
-    return {reinterpret_cast<float*>(params.data() + layout.buckets[layout.params[p].bucket].grad_offset) +
+    return {reinterpret_cast<float*>(params.data() + offsets_.at(layout.params[p].bucket).value()) +
                 layout.params[p].offset_in_bucket,
             layout.params[p].numel};
   }
@@ -435,6 +441,7 @@ class FakeGpu final : public RankTransfer {
 
   const uint32_t slots_;
   const size_t slot_bytes_;
+  const std::vector<std::optional<uint64_t>> offsets_;
   std::shared_ptr<Queue> queue_ = std::make_shared<Queue>();
   std::thread thread_{[queue = queue_] { Loop(*queue); }};
 };
@@ -446,10 +453,16 @@ class CudaIpcStagesTest : public StepEngineTest {
     client_ = std::make_unique<RankClient>(*job_, 0);
     size_t largest = 0;
     for (const shm::BucketLayout& bucket : layout().buckets) largest = std::max<size_t>(largest, bucket.bytes());
-    gpu_ = std::make_shared<FakeGpu>(layout().grad_bytes, kSlots, SlotBytes(largest));
+    gpu_ = std::make_shared<FakeGpu>(layout().grad_bytes, kSlots, SlotBytes(largest), ParamOffsets());
     job_->SetTransfer(0, gpu_, "fake-gpu");
   }
   [[nodiscard]] virtual size_t SlotBytes(size_t largest_bucket) const { return largest_bucket; }
+  // Where the rank keeps each bucket on its GPU: by default at its offset in the gradient region.
+  [[nodiscard]] virtual std::vector<std::optional<uint64_t>> ParamOffsets() const {
+    std::vector<std::optional<uint64_t>> offsets;
+    for (const shm::BucketLayout& bucket : layout().buckets) offsets.emplace_back(bucket.grad_offset);
+    return offsets;
+  }
   [[nodiscard]] const shm::JobLayout& layout() const { return job_->layout(); }
   void WantWeights(uint64_t step, uint16_t flags = 0) {
     client_->Send(Message{.kind = MessageKind::kWeightsWanted, .flags = flags, .step = step, .slot = wants_++ % 2});
@@ -520,6 +533,7 @@ class CudaIpcStagesTest : public StepEngineTest {
   }
   void ExpectGpuHoldsMaster() {
     for (uint32_t p = 0; p < layout().params.size(); ++p) {
+      if (!gpu_->ParamsOffset(layout().params[p].bucket)) continue;  // kept off the GPU
       const std::span<float> master = client_->Master(p), gpu = gpu_->Param(layout(), p);
       EXPECT_TRUE(std::equal(master.begin(), master.end(), gpu.begin())) << "param " << p;
     }
@@ -560,6 +574,50 @@ TEST_F(CudaIpcStagesTest, WeightsReachTheGpuOnlyOnceWanted) {
 
 TEST_F(CudaIpcStagesTest, StepsMatchAdamWThroughTheGpuBuffers) {
   ExpectStepsMatchAdamW();
+}
+
+// Weight paging keeps a bucket off the GPU: the daemon announces its weights without pushing them, and
+// pushes the others as usual.
+class CudaIpcPagedBucketTest : public CudaIpcStagesTest {
+ protected:
+  [[nodiscard]] std::vector<std::optional<uint64_t>> ParamOffsets() const override {
+    std::vector<std::optional<uint64_t>> offsets = CudaIpcStagesTest::ParamOffsets();
+    offsets.front() = std::nullopt;
+    return offsets;
+  }
+};
+
+TEST_F(CudaIpcPagedBucketTest, ABucketOffTheGpuIsAnnouncedAndNeverPushed) {
+  const auto buckets = static_cast<uint32_t>(layout().buckets.size());
+  ASSERT_GT(buckets, 1u);
+  client_->LoadInitialState();
+  WantWeights(0);
+  client_->ExpectParamsReady(0);
+  AdamWReference reference(job_->spec());
+  for (uint64_t step = 1; step <= 3; ++step) {
+    StageStep(step);
+    WantWeights(step);
+    // The bucket off the GPU is announced as soon as it is updated, maybe before the last staging
+    // slot is free: every STAGING_FREE and one PARAMS_READY per bucket, in any order.
+    std::vector<int> ready(buckets, 0);
+    for (uint32_t frees = unfreed_, n = 0; n < frees + buckets; ++n) {
+      const std::optional<Message> message = client_->Receive();
+      ASSERT_TRUE(message.has_value()) << "step " << step;
+      if (message->kind == MessageKind::kParamsReady) {
+        ASSERT_EQ(message->step, step);
+        ++ready.at(message->bucket);
+      } else {
+        ASSERT_EQ(message->kind, MessageKind::kStagingFree);
+      }
+    }
+    unfreed_ = 0;
+    EXPECT_EQ(ready, std::vector<int>(buckets, 1));
+    reference.Step(step, TestHParams());
+  }
+  reference.ExpectMatches(*client_);
+  ExpectGpuHoldsMaster();                                      // the buckets on the GPU
+  EXPECT_EQ(gpu_->pushes, 4 * static_cast<int>(buckets - 1));  // the load and three steps, never bucket 0
+  EXPECT_TRUE(client_->sink().failures().empty());
 }
 
 TEST_F(CudaIpcStagesTest, ADetachedRanksUnreachedEventsHoldNothing) {

@@ -99,17 +99,25 @@ TEST(Segment, CreateBacksEveryPage) {
 
 TEST(Segment, CreateWithoutReserveLeavesPagesToTheFirstTouch) {
   ScopedSegmentName name;
-  const Segment segment = Segment::Create(name.str(), size_t{1} << 20, std::nullopt, /*reserve=*/false);
+  const Segment segment = Segment::Create(name.str(), size_t{1} << 20, std::nullopt, /*reserved=*/0);
   EXPECT_EQ(StatOf(name.str()).st_blocks, 0);
+}
+
+TEST(Segment, CreateCanBackAPrefixOnly) {  // a job's state without its frozen region
+  ScopedSegmentName name;
+  const Segment segment = Segment::Create(name.str(), size_t{4} << 20, std::nullopt, /*reserved=*/size_t{1} << 20);
+  const auto backed = StatOf(name.str()).st_blocks * 512;
+  EXPECT_GE(backed, 1 << 20);
+  EXPECT_LT(backed, 2 << 20);
 }
 
 TEST(Segment, CreateBeyondWhatDevShmHoldsFailsWithResourceExhausted) {
   struct statvfs shm {};
   ASSERT_EQ(statvfs("/dev/shm", &shm), 0);
   const size_t beyond = static_cast<size_t>(shm.f_blocks) * shm.f_frsize + (size_t{1} << 20);
-  for (const bool reserve : {true, false}) {
+  for (const size_t reserved : {Segment::kReserveAll, size_t{0}}) {
     ScopedSegmentName name;
-    TS_EXPECT_ERROR(Segment::Create(name.str(), beyond, std::nullopt, reserve), Code::kResourceExhausted,
+    TS_EXPECT_ERROR(Segment::Create(name.str(), beyond, std::nullopt, reserved), Code::kResourceExhausted,
                     "available in /dev/shm");
     EXPECT_FALSE(Segment::Exists(name.str()));
   }

@@ -1,0 +1,88 @@
+"""A full fine-tune of a Hugging Face causal LM through TrainstreamTrainer, optionally side by side with
+the stock Trainer: AdamW runs in trainstreamd, the loss is computed in chunks (the logits of a 152k
+vocabulary never exist whole), and a model given on the CPU has its decoder layers paged.
+
+    python3 examples/hf_finetune.py --shape 1.5b --cap-gib 24 --compare-stock
+    python3 examples/hf_finetune.py --shape tiny --cpu                      # runs anywhere
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import transformers
+
+import trainstream
+from trainstream.hf import TrainstreamTrainer
+
+GIB = 1 << 30
+SHAPES = {"tiny": (64, 128, 2, 4, 2, 512), "1.5b": (1536, 8960, 28, 12, 2, 151936), "7b": (3584, 18944, 28, 28, 4,
+                                                                                            152064)}
+
+
+def model_of(shape: str, on_gpu: bool):
+    hidden, intermediate, layers, heads, kv, vocab = SHAPES[shape]
+    config = transformers.Qwen2Config(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                                      num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    return model.cuda() if on_gpu else model
+
+
+class Progress(transformers.TrainerCallback):
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            peak = torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else None
+            memory = f", GPU peak {peak:.2f} GiB" if peak is not None else ""
+            print(f"step {state.global_step}: loss {logs['loss']:.4f}{memory}", flush=True)
+
+
+def run(trainer_class, args, data, on_gpu: bool, **options):
+    training = transformers.TrainingArguments(
+        output_dir="/tmp/hf-finetune", max_steps=args.steps, per_device_train_batch_size=args.batch,
+        learning_rate=1e-5, bf16=not args.cpu, max_grad_norm=1.0, report_to=[], save_strategy="no",
+        logging_steps=1, use_cpu=args.cpu, disable_tqdm=False)
+    model = model_of(args.shape, on_gpu)
+    trainer = trainer_class(model=model, args=training, train_dataset=data, callbacks=[Progress()], **options)
+    start = time.perf_counter()
+    trainer.train()
+    seconds = (time.perf_counter() - start) / args.steps
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    if trainer_class is TrainstreamTrainer:
+        trainstream.unwrap(model)
+    return seconds, losses
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="1.5b", choices=sorted(SHAPES))
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--cap-gib", type=float, default=0, help="GPU memory cap for trainstream's run")
+    parser.add_argument("--paged", action="store_true", help="build the model on the CPU: its layers are paged")
+    parser.add_argument("--compare-stock", action="store_true")
+    parser.add_argument("--cpu", action="store_true")
+    args = parser.parse_args()
+    vocab = SHAPES[args.shape][5]
+    tokens = torch.randint(0, vocab, (args.batch * args.steps, args.seq), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": t, "labels": t} for t in tokens]
+    on_gpu = not args.cpu
+    if args.compare_stock:
+        stock, stock_losses = run(transformers.Trainer, args, data, on_gpu)
+        print(f"stock Trainer: {stock:.3f} s/step")
+    if args.cap_gib and on_gpu:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * GIB / total))
+    options = {"trainstream": {"device": "cpu", "param_offload": True}} if args.cpu and args.paged else {}
+    ours, losses = run(TrainstreamTrainer, args, data, on_gpu and not args.paged, **options)
+    print(f"trainstream: {ours:.3f} s/step" + (f" under a {args.cap_gib:g} GiB cap" if args.cap_gib else ""))
+    if args.compare_stock:
+        difference = max(abs(a - b) for a, b in zip(losses, stock_losses))
+        print(f"largest loss difference from the stock Trainer: {difference:.2e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,254 @@
+"""Snapshots of a job's state to safetensors files and their restore, against real daemons: what
+`safetensors` reads from them, resume equal to uninterrupted training, a daemon SIGKILLed while
+writing one, periodic snapshots, refusals of other uids and of corrupt or truncated files."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+import torch
+from conftest import OTHER_UID, Daemon, ctl, ctl_binary, ctl_json, wait_until
+
+import trainstream
+
+safetensors = pytest.importorskip("safetensors")
+from safetensors.numpy import load_file, save_file  # noqa: E402
+
+
+def make_model(width: int = 32):
+    return torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.Tanh(), torch.nn.Linear(width, 4))
+
+
+def train(model, opt, steps: range):
+    for step in steps:
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def optimizer(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+
+
+def wrapped(daemon, job: str, seed: int = 0, width: int = 32):
+    torch.manual_seed(seed)
+    model = make_model(width)
+    return trainstream.wrap(model, optimizer(model), client=daemon.client(), job=job)
+
+
+def reference(steps: int, width: int = 32):
+    """The model torch's own AdamW trains for `steps` steps from the same start."""
+    torch.manual_seed(0)
+    model = make_model(width)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+    train(model, opt, range(steps))
+    return model, opt
+
+
+def max_diff(a, b) -> float:
+    return max((torch.as_tensor(p) - torch.as_tensor(q)).abs().max().item() for p, q in zip(a, b))
+
+
+def trained_then_idle(daemon, job: str, steps: int, width: int = 32):
+    model, opt = wrapped(daemon, job, width=width)
+    train(model, opt, range(steps))
+    trainstream.unwrap(model)
+
+
+def test_a_snapshot_is_a_safetensors_file_of_master_weights_moments_and_steps(daemon, tmp_path):
+    trained_then_idle(daemon, "readable", 3)
+    path = str(tmp_path / "readable.safetensors")
+    written = ctl_json(daemon.socket, "snapshot", "readable", path)
+    assert written == {"job": "readable", "path": path, "step": 3, "bytes": os.path.getsize(path)}
+    tensors = load_file(path)
+    with safetensors.safe_open(path, framework="numpy") as f:
+        metadata = f.metadata()
+    assert metadata["format"] == "trainstream.snapshot.v1" and metadata["job"] == "readable"
+    assert metadata["step"] == "3" and metadata["uid"] == str(os.getuid())
+    layout = json.loads(metadata["layout"])
+    assert [p["shape"] for p in layout["params"]] == [[32, 16], [32], [4, 32], [4]]
+    assert json.loads(metadata["hparams"]) == []  # no rank was attached to say
+    model, opt = reference(3)
+    params = list(model.parameters())
+    assert max_diff([tensors[f"master.{i}"] for i in range(4)], [p.detach() for p in params]) <= 1e-6
+    state = opt.state_dict()["state"]
+    assert max_diff([tensors[f"exp_avg.{i}"] for i in range(4)], [state[i]["exp_avg"] for i in range(4)]) <= 1e-6
+    assert max_diff([tensors[f"exp_avg_sq.{i}"] for i in range(4)], [state[i]["exp_avg_sq"] for i in range(4)]) <= 1e-6
+    assert tensors["step"].tolist() == [3, 3, 3, 3] and set(tensors["bucket_step"].tolist()) == {3}
+    assert ctl_json(daemon.socket, "jobs")[0]["last_snapshot"] == path
+
+
+def test_resume_from_a_snapshot_equals_uninterrupted_training(tmp_path):
+    path = str(tmp_path / "resume.safetensors")
+    first = Daemon()
+    try:
+        trained_then_idle(first, "resume", 4)
+        ctl(first.socket, "snapshot", "resume", path)
+    finally:
+        first.stop()  # SIGTERM: the job's state in /dev/shm is gone with it
+    second = Daemon()
+    try:
+        assert ctl_json(second.socket, "restore", path) == {"job": "resume", "step": 4, "path": path}
+        assert "restored from" in second.output()
+        model, opt = wrapped(second, "resume", seed=123)  # other initial weights: the snapshot's must win
+        train(model, opt, range(4, 8))
+        trainstream.synchronize(model)
+        expected, _ = reference(8)
+        assert max_diff([p.detach() for p in model.parameters()], [p.detach() for p in expected.parameters()]) <= 1e-6
+        trainstream.unwrap(model)
+    finally:
+        second.stop()
+
+
+def test_a_snapshot_of_a_training_job_is_taken_at_its_next_step_boundary(daemon, tmp_path):
+    model, opt = wrapped(daemon, "live")
+    train(model, opt, range(2))
+    trainstream.synchronize(model)
+    path = str(tmp_path / "live.safetensors")
+    snapshot = subprocess.Popen([ctl_binary(), "--socket", daemon.socket, "--json", "snapshot", "live", path],
+                                stdout=subprocess.PIPE, text=True)
+    assert wait_until(lambda: "snapshot at its next step boundary (step 3)" in daemon.output(), 20)
+    train(model, opt, range(2, 5))  # the snapshot waits for step 3's commits
+    out, _ = snapshot.communicate(timeout=60)
+    step = json.loads(out)["step"]
+    assert step == 3
+    tensors = load_file(path)
+    assert set(tensors["bucket_step"].tolist()) == {step}  # every bucket at the same step
+    expected, _ = reference(step)
+    assert max_diff([tensors[f"master.{i}"] for i in range(4)], [p.detach() for p in expected.parameters()]) <= 1e-6
+    trainstream.unwrap(model)
+
+
+def test_periodic_snapshots_are_written_every_n_steps(tmp_path):
+    d = Daemon("--snapshot-dir", str(tmp_path / "snaps"), "--snapshot-every", "2")
+    try:
+        model, opt = wrapped(d, "every/2")  # a name with a slash: escaped in the file name
+        train(model, opt, range(5))
+        trainstream.synchronize(model)
+        path = str(tmp_path / "snaps" / "every%2F2.safetensors")
+        assert wait_until(lambda: ctl_json(d.socket, "jobs")[0]["last_snapshot_step"] == 4, 10)
+        assert ctl_json(d.socket, "jobs")[0]["last_snapshot"] == path
+        tensors = load_file(path)
+        expected, _ = reference(4)
+        assert max_diff([tensors[f"master.{i}"] for i in range(4)], [p.detach() for p in expected.parameters()]) <= 1e-6
+        assert os.stat(path).st_mode & 0o777 == 0o600
+        # Without a path, a requested snapshot goes there too.
+        trainstream.unwrap(model)
+        assert ctl_json(d.socket, "snapshot", "every/2")["path"] == path
+        assert load_file(path)["step"].tolist() == [5] * 4
+    finally:
+        d.stop()
+
+
+def test_a_daemon_killed_while_writing_a_snapshot_leaves_the_previous_one_intact(tmp_path):
+    path = str(tmp_path / "big.safetensors")
+    for _ in range(3):  # the kill must land between the temporary file's creation and its rename
+        d = Daemon()
+        trained_then_idle(d, "big", 1, width=2048)
+        ctl(d.socket, "snapshot", "big", path)
+        previous = open(path, "rb").read()
+        model, opt = wrapped(d, "big", width=2048)
+        train(model, opt, range(1, 2))
+        trainstream.unwrap(model)
+        key = ctl_json(d.socket, "jobs")[0]["job_key"]
+        writer = subprocess.Popen([ctl_binary(), "--socket", d.socket, "snapshot", "big", path],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        assert wait_until(lambda: glob.glob(str(tmp_path / ".big.safetensors.tmp-*")), 20, interval=0.001)
+        d.stop(signal.SIGKILL)
+        writer.wait(30)
+        leftovers = glob.glob(str(tmp_path / ".big.safetensors.tmp-*"))
+        for segment in glob.glob(f"/dev/shm/trainstream.*.{key}.*"):  # what the killed daemon left
+            os.unlink(segment)
+        if leftovers:
+            break
+    else:
+        pytest.skip("the snapshot was always renamed before the kill landed")
+    assert open(path, "rb").read() == previous  # the old file, whole
+    assert load_file(path)["step"].tolist() == [1] * 4
+    restorer = Daemon()
+    try:
+        assert ctl_json(restorer.socket, "restore", path, "--job", "again")["step"] == 1
+    finally:
+        restorer.stop()
+
+
+def test_corrupt_truncated_and_foreign_files_are_refused_by_name(daemon, tmp_path):
+    trained_then_idle(daemon, "good", 1)
+    good = str(tmp_path / "good.safetensors")
+    ctl(daemon.socket, "snapshot", "good", good)
+    data = open(good, "rb").read()
+    header = int.from_bytes(data[:8], "little")
+    cases = {
+        "truncated": (data[: len(data) // 2], "truncated"),
+        "empty": (b"", "fewer than a safetensors header needs"),
+        "bad-length": (b"\xff" * 8 + data[8:], "header length"),
+        "not-json": (data[:8] + b"{" * header + data[8 + header:], "not a JSON object"),
+    }
+    for name, (content, why) in cases.items():
+        path = str(tmp_path / f"{name}.safetensors")
+        with open(path, "wb") as f:
+            f.write(content)
+        refused = ctl(daemon.socket, "restore", path, "--job", name, check=False)
+        assert refused.returncode == 1 and f"snapshot '{path}' is not valid" in refused.stderr, (name, refused.stderr)
+        assert why in refused.stderr, (name, refused.stderr)
+    foreign = str(tmp_path / "foreign.safetensors")
+    save_file({"w": load_file(good)["master.0"]}, foreign)
+    refused = ctl(daemon.socket, "restore", foreign, check=False)
+    assert refused.returncode == 1 and "not a trainstream snapshot" in refused.stderr
+    exists = ctl(daemon.socket, "restore", good, check=False)
+    assert exists.returncode == 1 and "a job named 'good' exists already" in exists.stderr
+    missing = ctl(daemon.socket, "restore", str(tmp_path / "none.safetensors"), check=False)
+    assert missing.returncode == 1 and "No such file" in missing.stderr
+    assert [j["name"] for j in ctl_json(daemon.socket, "jobs")] == ["good"]  # nothing half-restored
+
+
+def test_a_job_that_never_held_weights_cannot_be_snapshotted(daemon, tmp_path):
+    result = ctl(daemon.socket, "snapshot", "nothing", str(tmp_path / "x.safetensors"), check=False)
+    assert result.returncode == 1 and "no job named 'nothing'" in result.stderr
+    no_dir = ctl(daemon.socket, "snapshot", "nothing", check=False)
+    assert no_dir.returncode == 1
+
+
+def test_snapshots_belong_to_their_owner_and_root(shared_daemon):
+    """uid 65534's job (restored by root from a snapshot naming that uid): 65534 may snapshot it, to a
+    file created as 65534; another uid may neither snapshot nor drop it nor read 65534's file; root may
+    drop it."""
+    shared = shared_daemon.shared_dir
+    trained_then_idle(shared_daemon, "mine", 2)
+    rootfile = os.path.join(shared, "root.safetensors")
+    ctl(shared_daemon.socket, "snapshot", "mine", rootfile)
+    assert os.stat(rootfile).st_uid == 0 and os.stat(rootfile).st_mode & 0o777 == 0o600
+    tensors = load_file(rootfile)
+    with safetensors.safe_open(rootfile, framework="numpy") as f:
+        metadata = {**f.metadata(), "uid": str(OTHER_UID), "job": "theirs"}
+    theirs = os.path.join(shared, "theirs.safetensors")
+    save_file(tensors, theirs, metadata=metadata)
+    refused = ctl(shared_daemon.socket, "restore", rootfile, "--job", "x", user=OTHER_UID, check=False)
+    assert refused.returncode == 1 and "Permission denied" in refused.stderr  # read as 65534: a 0600 root file
+
+    ctl(shared_daemon.socket, "restore", theirs)  # root: the job is the snapshot's uid's
+    [job] = [j for j in ctl_json(shared_daemon.socket, "jobs") if j["name"] == "theirs"]
+    assert job["uid"] == OTHER_UID and job["completed_step"] == 2
+    own = os.path.join(shared, "own.safetensors")
+    ctl(shared_daemon.socket, "snapshot", "theirs", own, user=OTHER_UID)
+    assert os.stat(own).st_uid == OTHER_UID  # written with the caller's file permissions
+    closed = os.path.join(shared, "closed")
+    os.mkdir(closed, 0o755)  # root's: 65534 may not create files in it, though the daemon (root) could
+    refused = ctl(shared_daemon.socket, "snapshot", "theirs", os.path.join(closed, "x.safetensors"), user=OTHER_UID,
+                  check=False)
+    assert refused.returncode == 1 and "Permission denied" in refused.stderr and not os.listdir(closed)
+    for command in (["snapshot", "theirs", os.path.join(shared, "stolen.safetensors")], ["drop", "theirs"],
+                    ["restore", own, "--job", "copy"]):
+        other = ctl(shared_daemon.socket, *command, user=OTHER_UID - 1, check=False)
+        assert other.returncode == 1, command
+        assert "belongs to uid 65534" in other.stderr or "Permission denied" in other.stderr, other.stderr
+    assert not os.path.exists(os.path.join(shared, "stolen.safetensors"))
+    ctl(shared_daemon.socket, "drop", "theirs")  # root may
+    assert [j["name"] for j in ctl_json(shared_daemon.socket, "jobs")] == ["mine"]
