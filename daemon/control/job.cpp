@@ -41,12 +41,12 @@ void RefuseTornState(const std::string& name, const shm::StateView& state, const
 }
 }  // namespace
 
-Job::Job(std::string name, uint32_t uid, shm::LayoutSpec spec, uint64_t seed, WorkerPool& pool,
+Job::Job(std::string name, uint32_t uid, const shm::LayoutSpec& spec, uint64_t seed, WorkerPool& pool,
          const PeerConfig& peer_config, const OrphanedJob* adopted, const SnapshotFile* restored,
          SnapshotSchedule snapshots)
     : name_(std::move(name)),
       uid_(uid),
-      spec_(std::move(spec)),
+      spec_(spec),
       layout_(shm::ComputeLayout(spec_)),
       key_(adopted != nullptr ? adopted->key : RandomKey()),
       fresh_(adopted == nullptr && restored == nullptr),
@@ -80,19 +80,18 @@ Job::Job(std::string name, uint32_t uid, shm::LayoutSpec spec, uint64_t seed, Wo
   snapshots_ = std::make_unique<JobSnapshots>(
       SnapshotMeta{.job = name_, .uid = uid_, .seed = seed, .step = 0, .hparams = {}, .spec = spec_}, ViewState(),
       layout_, std::move(snapshots));
-  engine_ = std::make_unique<StepEngine>(name_, spec_, layout_, ViewState(), seed, pool, peers_.get(),
-                                         /*adopted=*/adopted != nullptr,
-                                         [this](const Commit& commit) { OnCommit(commit); });
+  engine_ =
+      std::make_unique<StepEngine>(name_, spec_, layout_, ViewState(), seed, pool, peers_.get(),
+                                   /*adopted=*/adopted != nullptr, [this](const Commit& commit) { OnCommit(commit); });
   snapshots_->Connect(SnapshotHooks{.attached_ranks = [this] { return attached_ranks(); },
                                     .announce = [this] { engine_->AnnounceCommitted(); }});
-  spdlog::info("job '{}' {}: {} parameters in {} buckets, {} state bytes ({} state half{}{}), key {}", name_,
-               adopted != nullptr ? fmt::format("re-adopted at step {}", adopted->completed_step)
-               : restored != nullptr
-                   ? fmt::format("restored from {} at step {}", restored->path(), restored->meta().step)
-                   : "created",
-               spec_.params.size(), layout_.buckets.size(), layout_.state_bytes, spec_.state_halves,
-               spec_.state_halves == 2 ? "ves" : "", layout_.speculative_clipping ? ", speculative clipping" : "",
-               key_);
+  spdlog::info(
+      "job '{}' {}: {} parameters in {} buckets, {} state bytes ({} state half{}{}), key {}", name_,
+      adopted != nullptr    ? fmt::format("re-adopted at step {}", adopted->completed_step)
+      : restored != nullptr ? fmt::format("restored from {} at step {}", restored->path(), restored->meta().step)
+                            : "created",
+      spec_.params.size(), layout_.buckets.size(), layout_.state_bytes, spec_.state_halves,
+      spec_.state_halves == 2 ? "ves" : "", layout_.speculative_clipping ? ", speculative clipping" : "", key_);
 }
 
 void Job::StampSocket(uint64_t socket_hash) {

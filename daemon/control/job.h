@@ -47,7 +47,7 @@ class Job {
   // Creates the job's state, or with `adopted`, takes over the state an earlier daemon left (its
   // layout must be `spec`'s; kFailedPrecondition if it holds torn buckets: one state half, killed
   // during an update), or with `restored`, fills it from a snapshot (of `spec`'s layout).
-  Job(std::string name, uint32_t uid, shm::LayoutSpec spec, uint64_t seed, WorkerPool& pool,
+  Job(std::string name, uint32_t uid, const shm::LayoutSpec& spec, uint64_t seed, WorkerPool& pool,
       const PeerConfig& peer_config = {}, const OrphanedJob* adopted = nullptr, const SnapshotFile* restored = nullptr,
       SnapshotSchedule snapshots = {});
   // Names this daemon's socket in the state, so that a daemon restarted on it can re-adopt the job.

@@ -108,15 +108,17 @@ shm::LayoutSpec JobRegistry::Decide(const std::string& name, shm::LayoutSpec req
       const shm::JobLayout layout = shm::ComputeLayout(two);
       const uint64_t needed = layout.state_bytes + uint64_t{request.world_size} * layout.rank_bytes;
       const uint64_t shm_free = ShmFreeBytes();
-      const uint64_t quota_left = config_.max_host_bytes == 0 ? std::numeric_limits<uint64_t>::max()
-                                                              : config_.max_host_bytes - std::min(used, config_.max_host_bytes);
+      const uint64_t quota_left = config_.max_host_bytes == 0
+                                      ? std::numeric_limits<uint64_t>::max()
+                                      : config_.max_host_bytes - std::min(used, config_.max_host_bytes);
       const bool fits = needed <= shm_free / 4 * 3 && needed <= quota_left / 4 * 3;
       request.state_halves = fits ? 2 : 1;
-      spdlog::info("job '{}': {} state half{}: with two it needs {} bytes; {} bytes free in /dev/shm, {} (two halves "
-                   "when they need at most 3/4 of each)",
-                   name, request.state_halves, fits ? "ves" : "", needed, shm_free,
-                   config_.max_host_bytes == 0 ? std::string("no max_host_bytes quota")
-                                               : fmt::format("{} bytes left of max_host_bytes", quota_left));
+      spdlog::info(
+          "job '{}': {} state half{}: with two it needs {} bytes; {} bytes free in /dev/shm, {} (two halves "
+          "when they need at most 3/4 of each)",
+          name, request.state_halves, fits ? "ves" : "", needed, shm_free,
+          config_.max_host_bytes == 0 ? std::string("no max_host_bytes quota")
+                                      : fmt::format("{} bytes left of max_host_bytes", quota_left));
     }
   }
   if (request.speculative_clipping == shm::Speculation::kAuto) {

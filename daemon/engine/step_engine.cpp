@@ -187,20 +187,25 @@ void StepEngine::ResumeNow(std::function<void(uint64_t)> reply) {
   if (rewrite.empty()) return reply(completed);
   auto remaining = std::make_shared<size_t>(rewrite.size());
   auto done = std::make_shared<std::function<void(uint64_t)>>(std::move(reply));
-  for (const uint32_t b : rewrite) {  // the upload region from the committed master weights
-    buckets_[b].phase = Phase::kBusy;
-    buckets_[b].pass = Pass::kUpload;
-    Schedule(
-        b, 0, [](uint32_t) { return true; },
-        [passes = &passes_, half = &state_.Committed(b)](size_t, const Block& block) {
-          passes->UploadMaster(block, *half);
-        },
-        [this, b, remaining, done, completed] {
-          buckets_[b].phase = Phase::kCollecting;
-          buckets_[b].pass = Pass::kNone;
-          if (--*remaining == 0) (*done)(completed);
-        });
+  for (const uint32_t b : rewrite) {
+    UploadCommitted(b, [this, b, remaining, done, completed] {
+      buckets_[b].phase = Phase::kCollecting;
+      buckets_[b].pass = Pass::kNone;
+      if (--*remaining == 0) (*done)(completed);
+    });
   }
+}
+
+// Bucket b's upload region from its committed master weights, on the pool; then `done`.
+void StepEngine::UploadCommitted(uint32_t b, std::function<void()> done) {
+  buckets_[b].phase = Phase::kBusy;
+  buckets_[b].pass = Pass::kUpload;
+  Schedule(
+      b, 0, [](uint32_t) { return true; },
+      [passes = &passes_, half = &state_.Committed(b)](size_t, const Block& block) {
+        passes->UploadMaster(block, *half);
+      },
+      std::move(done));
 }
 
 void StepEngine::FailAll(const std::string& message) {
@@ -848,44 +853,37 @@ void StepEngine::OnLoadState(RankChannel& channel, const shm::Message& message) 
   channel.claims_on_gpu = -1;  // only a claim sent after this load counts for it
   auto remaining = std::make_shared<size_t>(buckets_.size());
   for (uint32_t b = 0; b < buckets_.size(); ++b) {
-    buckets_[b].phase = Phase::kBusy;
-    buckets_[b].pass = Pass::kUpload;
-    Schedule(
-        b, 0, [](uint32_t) { return true; },
-        [passes = &passes_, half = &state_.Committed(b)](size_t, const Block& block) {
-          passes->UploadMaster(block, *half);
-        },
-        [this, remaining, step, loader] {
-          if (--*remaining != 0) return;
-          for (uint32_t bucket = 0; bucket < buckets_.size(); ++bucket) {
-            // The client wrote the committed half: it commits as `step` where it is.
-            state_.bucket_state[bucket].Store({.step = step, .half = state_.bucket_state[bucket].Load().half});
-            buckets_[bucket].step = step + 1;
-            buckets_[bucket].phase = Phase::kCollecting;
-            buckets_[bucket].pass = Pass::kNone;
-            buckets_[bucket].upload_dirty = false;
-          }
-          completed_ = step;
-          state_.header->completed_step.store(step);
-          state_.header->initialized = 1;
-          loading_ = false;
-          loaded_by_ = loader;
-          loaded_step_ = step;
-          for (const auto& channel : ranks_) {  // the GPUs' copies of the weights are stale now...
-            if (!channel) continue;
-            ++channel->push_generation;
-            std::fill(channel->pushed.begin(), channel->pushed.end(), -1);
-            // ...except the loader's, if it said its GPU holds what it loaded
-            channel->on_gpu = channel->rank == loader && channel->claims_on_gpu == static_cast<int64_t>(step)
-                                  ? static_cast<int64_t>(step)
-                                  : -1;
-          }
-          for (uint32_t bucket = buckets_.size(); bucket-- > 0;) PublishWeights(bucket, step);
-          for (uint32_t bucket = 0; bucket < buckets_.size(); ++bucket) {
-            NotifyCommit(Commit{
-                .bucket = bucket, .step = step, .step_completed = bucket + 1 == buckets_.size(), .loaded = true});
-          }
-        });
+    UploadCommitted(b, [this, remaining, step, loader] {
+      if (--*remaining != 0) return;
+      for (uint32_t bucket = 0; bucket < buckets_.size(); ++bucket) {
+        // The client wrote the committed half: it commits as `step` where it is.
+        state_.bucket_state[bucket].Store({.step = step, .half = state_.bucket_state[bucket].Load().half});
+        buckets_[bucket].step = step + 1;
+        buckets_[bucket].phase = Phase::kCollecting;
+        buckets_[bucket].pass = Pass::kNone;
+        buckets_[bucket].upload_dirty = false;
+      }
+      completed_ = step;
+      state_.header->completed_step.store(step);
+      state_.header->initialized = 1;
+      loading_ = false;
+      loaded_by_ = loader;
+      loaded_step_ = step;
+      for (const auto& channel : ranks_) {  // the GPUs' copies of the weights are stale now...
+        if (!channel) continue;
+        ++channel->push_generation;
+        std::fill(channel->pushed.begin(), channel->pushed.end(), -1);
+        // ...except the loader's, if it said its GPU holds what it loaded
+        channel->on_gpu = channel->rank == loader && channel->claims_on_gpu == static_cast<int64_t>(step)
+                              ? static_cast<int64_t>(step)
+                              : -1;
+      }
+      for (uint32_t bucket = buckets_.size(); bucket-- > 0;) PublishWeights(bucket, step);
+      for (uint32_t bucket = 0; bucket < buckets_.size(); ++bucket) {
+        NotifyCommit(
+            Commit{.bucket = bucket, .step = step, .step_completed = bucket + 1 == buckets_.size(), .loaded = true});
+      }
+    });
   }
 }
 

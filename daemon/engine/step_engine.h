@@ -208,6 +208,7 @@ class StepEngine {
   // the engine thread afterwards.
   template <typename Work, typename Include>
   void Schedule(uint32_t bucket, int64_t priority, Include include, Work work, std::function<void()> done);
+  void UploadCommitted(uint32_t bucket, std::function<void()> done);
 
   const std::string job_name_;
   const shm::LayoutSpec spec_;

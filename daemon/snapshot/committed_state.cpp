@@ -34,8 +34,8 @@ void CommittedState::SetBucketStep(uint32_t bucket, uint64_t step) const {
 void CommittedState::MakeUploadCopy(uint32_t bucket) const {
   const shm::BucketLayout& b = layout_.buckets[bucket];
   if (b.uploads_from_master()) return;
-  optimizer::ConvertMaster(state_.Committed(bucket).master + b.elem_offset, optimizer::Upload{state_.upload + b.upload_offset, b.dtype},
-                           b.numel);
+  optimizer::ConvertMaster(state_.Committed(bucket).master + b.elem_offset,
+                           optimizer::Upload{state_.upload + b.upload_offset, b.dtype}, b.numel);
 }
 
 void CommittedState::Publish(uint64_t completed_step) const {

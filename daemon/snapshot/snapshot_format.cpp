@@ -92,7 +92,8 @@ shm::LayoutSpec LayoutFromJson(const std::string& text) {
   spec.node_rank = json.at("node_rank").get<uint32_t>();
   // A snapshot written before the state halves restores as a job of one half, without speculation.
   spec.state_halves = json.value("state_halves", uint32_t{1});
-  spec.speculative_clipping = json.value("speculative_clipping", false) ? shm::Speculation::kOn : shm::Speculation::kOff;
+  spec.speculative_clipping =
+      json.value("speculative_clipping", false) ? shm::Speculation::kOn : shm::Speculation::kOff;
   return spec;
 }
 

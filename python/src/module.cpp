@@ -185,9 +185,9 @@ PYBIND11_MODULE(_C, m) {
              double max_grad_norm, uint64_t seed, std::vector<std::string> peers, uint32_t node_rank,
              const std::string& transport, const std::string& device, const py::list& frozen, uint32_t state_halves,
              int speculative_clipping) {
-            auto spec = MakeSpec(params, frozen, num_groups, bucket_bytes, moment_dtype, optimizer, accumulation_steps,
-                                 world_size, max_grad_norm, std::move(peers), node_rank, state_halves,
-                                 speculative_clipping);
+            auto spec =
+                MakeSpec(params, frozen, num_groups, bucket_bytes, moment_dtype, optimizer, accumulation_steps,
+                         world_size, max_grad_norm, std::move(peers), node_rank, state_halves, speculative_clipping);
             py::gil_scoped_release release;
             return std::shared_ptr<RankSession>(
                 c.Attach(job, rank, spec, seed, trainstream::RankTransport{transport, device}));

@@ -168,8 +168,8 @@ class RankSession {
   [[nodiscard]] const shm::LayoutSpec& spec() const;
   [[nodiscard]] const shm::JobLayout& layout() const;
   [[nodiscard]] uint32_t rank() const;
-  [[nodiscard]] bool created() const;      // this attach created the job
-  [[nodiscard]] bool initialized() const;  // the job held weights when this rank attached
+  [[nodiscard]] bool created() const;          // this attach created the job
+  [[nodiscard]] bool initialized() const;      // the job held weights when this rank attached
   [[nodiscard]] uint64_t resume_step() const;  // the job's completed step when this rank attached
   [[nodiscard]] uint64_t completed_step() const;
   [[nodiscard]] uint64_t applied_step(uint32_t bucket) const;    // last step committed to a bucket

@@ -15,7 +15,6 @@
 #include <chrono>
 #include <cstring>
 #include <future>
-#include <latch>
 #include <memory>
 #include <string>
 #include <vector>
@@ -117,16 +116,7 @@ class AdoptionTest : public CrashResumeTest {
     Job job("dying", kUid, spec, 7, single);
     auto client = Start(job);
     RunStep(*client, 1);
-    std::latch started(1);
-    std::promise<void> release;
-    single.Submit(
-        1,
-        [&, released = release.get_future().share()](size_t) {
-          started.count_down();
-          released.wait();
-        },
-        [] {}, /*priority=*/1000);
-    started.wait();
+    std::promise<void> release = HoldTheWorker(single);
     client->DeliverStep(2, TestHParams());
     const shm::RingHeader* requests = client->view().request_ring;
     ASSERT_TRUE(trainstream::testing::PollUntil([&] { return requests->tail.load() == requests->head.load(); }));

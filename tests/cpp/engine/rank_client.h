@@ -8,12 +8,15 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <future>
+#include <latch>
 #include <memory>
 #include <optional>
 #include <span>
 #include <vector>
 
 #include "daemon/control/job.h"
+#include "daemon/engine/worker_pool.h"
 #include "shm/job_layout.h"
 #include "shm/message.h"
 #include "shm/ring.h"
@@ -188,5 +191,21 @@ class RankClient {
   shm::RingProducer requests_;
   shm::RingConsumer completions_;
 };
+
+// Occupies `pool`'s only worker until the returned promise is set: the engine's passes queue behind it,
+// so a test can look at the state while an update is scheduled but not run.
+inline std::promise<void> HoldTheWorker(WorkerPool& pool) {
+  std::promise<void> release;
+  auto started = std::make_shared<std::latch>(1);
+  pool.Submit(
+      1,
+      [started, released = release.get_future().share()](size_t) {
+        started->count_down();
+        released.wait();
+      },
+      [] {}, /*priority=*/1000);
+  started->wait();
+  return release;
+}
 
 }  // namespace trainstream::daemon

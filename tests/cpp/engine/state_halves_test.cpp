@@ -8,7 +8,6 @@
 #include <unistd.h>
 
 #include <future>
-#include <latch>
 #include <memory>
 #include <vector>
 
@@ -108,16 +107,7 @@ TEST_F(StateHalvesTest, OneHalfMarksABucketUpdatingUntilItCommitsTwoHalvesNever)
     WorkerPool single(1, /*pin_threads=*/false);
     auto job = MakeJob(halves, &single);
     auto client = Start(*job);
-    std::latch started(1);
-    std::promise<void> release;
-    single.Submit(
-        1,
-        [&, released = release.get_future().share()](size_t) {
-          started.count_down();
-          released.wait();
-        },
-        [] {}, /*priority=*/1000);
-    started.wait();
+    std::promise<void> release = HoldTheWorker(single);
     client->DeliverStep(1, TestHParams());
     ASSERT_TRUE(trainstream::testing::PollUntil(
         [&] { return client->state().bucket_state[0].Load().updating || halves == 2; }));
