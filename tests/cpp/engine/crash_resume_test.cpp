@@ -41,16 +41,6 @@ class CrashResumeTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() { spdlog::set_level(spdlog::level::err); }
 
-  static std::unique_ptr<RankClient> Start(Job& job) {
-    auto client = std::make_unique<RankClient>(job, 0);
-    client->LoadInitialState();
-    client->ExpectParamsReady(0);
-    return client;
-  }
-  static void RunStep(RankClient& client, uint64_t step) {
-    client.DeliverStep(step, TestHParams());
-    client.ExpectParamsReady(step);
-  }
   // Step `step` of bucket 0 only ("b"), as a trainer that dies in its backward after that bucket went out.
   static void DeliverBucketZeroOnly(RankClient& client, uint64_t step) {
     client.SetHParams(step, TestHParams());
@@ -68,7 +58,7 @@ class CrashResumeTest : public ::testing::Test {
 
 TEST_F(CrashResumeTest, TwoHalvesABucketAheadOfTheJobIsRolledBackAndTheStepIsReplayedExactly) {
   Job job("ahead", kUid, TwoParamSpec(1, 2), 7, pool_);
-  auto client = Start(job);
+  auto client = StartRank(job);
   AdamWReference reference(job.spec());
   RunStep(*client, 1);
   reference.Step(1, TestHParams());
@@ -86,7 +76,7 @@ TEST_F(CrashResumeTest, TwoHalvesABucketAheadOfTheJobIsRolledBackAndTheStepIsRep
 
 TEST_F(CrashResumeTest, OneHalfABucketAheadKeepsItsStepAndTakesTheReplayedGradientsWithoutApplyingThem) {
   Job job("ahead", kUid, TwoParamSpec(1, 1), 7, pool_);
-  auto client = Start(job);
+  auto client = StartRank(job);
   AdamWReference reference(job.spec());
   RunStep(*client, 1);
   reference.Step(1, TestHParams());
@@ -114,7 +104,7 @@ class AdoptionTest : public CrashResumeTest {
   void CopyDuringAnUpdate(const shm::LayoutSpec& spec, bool corrupt_upload = false) {
     WorkerPool single(1, /*pin_threads=*/false);
     Job job("dying", kUid, spec, 7, single);
-    auto client = Start(job);
+    auto client = StartRank(job);
     RunStep(*client, 1);
     std::promise<void> release = HoldTheWorker(single);
     client->DeliverStep(2, TestHParams());
@@ -197,7 +187,7 @@ TEST_F(AdoptionTest, AnAdoptedJobsUploadRegionIsRewrittenFromTheCommittedMasterW
 // waits for that commit, so no bucket is ever two steps past another.
 TEST_F(CrashResumeTest, NoBucketUpdatesAStepBeforeEveryBucketCommittedTheStepBefore) {
   Job job("skew", kUid, TwoParamSpec(1, 2), 7, pool_);
-  auto client = Start(job);
+  auto client = StartRank(job);
   AdamWReference reference(job.spec());
   DeliverBucketZeroOnly(*client, 1);
   client->SetHParams(2, TestHParams());
@@ -228,7 +218,7 @@ TEST_F(CrashResumeTest, ARankLeavingWhileBucketsWaitForTheNormDiscardsTheStep) {
     spec.max_grad_norm = 0.5;
     spec.speculative_clipping = halves == 2 ? shm::Speculation::kOn : shm::Speculation::kOff;
     Job job("clipped", kUid, spec, 7, pool_);
-    auto client = Start(job);
+    auto client = StartRank(job);
     client->SetHParams(1, TestHParams());
     client->SetGradient(1, 1);
     client->SendGradReady(0, 1);

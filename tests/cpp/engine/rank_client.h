@@ -192,6 +192,20 @@ class RankClient {
   shm::RingConsumer completions_;
 };
 
+// Rank 0 of `job`, which seeded its weights and has them back.
+inline std::unique_ptr<RankClient> StartRank(Job& job) {
+  auto client = std::make_unique<RankClient>(job, 0);
+  client->LoadInitialState();
+  client->ExpectParamsReady(0);
+  return client;
+}
+
+// One step of every bucket, with TestHParams, and its weights back.
+inline void RunStep(RankClient& client, uint64_t step) {
+  client.DeliverStep(step, TestHParams());
+  client.ExpectParamsReady(step);
+}
+
 // Occupies `pool`'s only worker until the returned promise is set: the engine's passes queue behind it,
 // so a test can look at the state while an update is scheduled but not run.
 inline std::promise<void> HoldTheWorker(WorkerPool& pool) {

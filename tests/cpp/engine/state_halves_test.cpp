@@ -29,16 +29,6 @@ class StateHalvesTest : public ::testing::Test {
     return std::make_unique<Job>("halves", static_cast<uint32_t>(getuid()), TwoParamSpec(1, halves), /*seed=*/7,
                                  pool != nullptr ? *pool : pool_);
   }
-  static std::unique_ptr<RankClient> Start(Job& job) {
-    auto client = std::make_unique<RankClient>(job, 0);
-    client->LoadInitialState();
-    client->ExpectParamsReady(0);
-    return client;
-  }
-  static void RunStep(RankClient& client, uint64_t step) {
-    client.DeliverStep(step, TestHParams());
-    client.ExpectParamsReady(step);
-  }
   // Every parameter's master weights in bucket b's other half (not committed).
   static std::vector<float> OtherHalf(const RankClient& client, uint32_t p) {
     const shm::ParamLayout& param = client.layout().params[p];
@@ -56,7 +46,7 @@ class StateHalvesTest : public ::testing::Test {
 
 TEST_F(StateHalvesTest, EachStepCommitsTheOtherHalfAndTheHalfItReadKeepsTheStepBefore) {
   auto job = MakeJob(2);
-  auto client = Start(*job);
+  auto client = StartRank(*job);
   AdamWReference reference(job->spec());
   std::vector<std::vector<float>> previous = {Committed(*client, 0), Committed(*client, 1)};
   for (uint64_t step = 1; step <= 4; ++step) {
@@ -78,7 +68,7 @@ TEST_F(StateHalvesTest, EachStepCommitsTheOtherHalfAndTheHalfItReadKeepsTheStepB
 
 TEST_F(StateHalvesTest, AParameterWithoutAGradientIsCarriedIntoTheCommittedHalf) {
   auto job = MakeJob(2);
-  auto client = Start(*job);
+  auto client = StartRank(*job);
   AdamWReference reference(job->spec());
   const std::vector<float> initial = Committed(*client, 1);
   client->SetHParams(1, TestHParams());
@@ -106,7 +96,7 @@ TEST_F(StateHalvesTest, OneHalfMarksABucketUpdatingUntilItCommitsTwoHalvesNever)
     SCOPED_TRACE(halves);
     WorkerPool single(1, /*pin_threads=*/false);
     auto job = MakeJob(halves, &single);
-    auto client = Start(*job);
+    auto client = StartRank(*job);
     std::promise<void> release = HoldTheWorker(single);
     client->DeliverStep(1, TestHParams());
     ASSERT_TRUE(trainstream::testing::PollUntil(
