@@ -69,6 +69,8 @@ uint64_t HashSpec(const LayoutSpec& spec) {
   h.Add(spec.peers.size());
   for (const std::string& peer : spec.peers) h.Add(peer);
   h.Add(spec.node_rank);
+  h.Add(spec.state_halves);
+  h.Add(spec.speculative_clipping);
   return h.value();
 }
 
@@ -95,7 +97,26 @@ void ValidateParam(const ParamSpec& p, const char* what, size_t i, uint64_t* tot
   TS_CHECK(*total < kMaxElements, Code::kInvalidArgument, "layout has over 2^40 elements");
 }
 
-void Validate(const LayoutSpec& spec) {
+// What the daemon decides at attach: state halves and speculation. `request`: not decided yet may be asked.
+void ValidateStateOptions(const LayoutSpec& spec, bool request) {
+  TS_CHECK(spec.state_halves == 1 || spec.state_halves == 2 || (request && spec.state_halves == 0),
+           Code::kInvalidArgument, "state_halves {} must be 1 or 2{}", spec.state_halves,
+           request ? " (or 0: the daemon decides)" : "");
+  const auto speculation = static_cast<uint32_t>(spec.speculative_clipping);
+  TS_CHECK(speculation <= static_cast<uint32_t>(Speculation::kAuto) &&
+               (request || spec.speculative_clipping != Speculation::kAuto),
+           Code::kInvalidArgument, "speculative_clipping {} must be off (0), on (1){}", speculation,
+           request ? " or automatic (2)" : "");
+  if (spec.speculative_clipping != Speculation::kOn) return;
+  TS_CHECK(spec.max_grad_norm > 0, Code::kInvalidArgument,
+           "speculative_clipping is on, but max_grad_norm is 0: there is no clipping to speculate about");
+  TS_CHECK(spec.state_halves != 1, Code::kInvalidArgument,
+           "speculative_clipping needs two state halves (the update it redoes starts again from the committed "
+           "one), but state_halves is 1");
+}
+
+void Validate(const LayoutSpec& spec, bool request) {
+  ValidateStateOptions(spec, request);
   TS_CHECK(!spec.params.empty(), Code::kInvalidArgument, "layout has no parameters");
   TS_CHECK(spec.params.size() < (1u << 24), Code::kInvalidArgument, "layout has {} parameters (limit 16M)",
            spec.params.size());
@@ -130,9 +151,15 @@ void Validate(const LayoutSpec& spec) {
 
 }  // namespace
 
+void ValidateRequest(const LayoutSpec& spec) {
+  Validate(spec, /*request=*/true);
+}
+
 JobLayout ComputeLayout(const LayoutSpec& spec) {
-  Validate(spec);
+  Validate(spec, /*request=*/false);
   JobLayout layout;
+  layout.state_halves = spec.state_halves;
+  layout.speculative_clipping = spec.speculative_clipping == Speculation::kOn;
   layout.params.resize(spec.params.size());
 
   // Reverse registration order, one open bucket per dtype; a new partition closes it.
@@ -187,11 +214,16 @@ JobLayout ComputeLayout(const LayoutSpec& spec) {
     at = AlignUp(at + bytes, kAlign);
     return offset;
   };
-  layout.param_state_offset = take(sizeof(ParamState) * spec.params.size());
+  // Per half; with one half, [1] names [0]'s memory.
+  auto take_halves = [&](size_t(&offsets)[2], size_t bytes) {
+    offsets[0] = take(bytes);
+    offsets[1] = spec.state_halves == 2 ? take(bytes) : offsets[0];
+  };
+  take_halves(layout.param_state_offset, sizeof(ParamState) * spec.params.size());
   layout.bucket_state_offset = take(sizeof(BucketState) * layout.buckets.size());
-  layout.master_offset = take(layout.total_elems * sizeof(float));
-  layout.exp_avg_offset = take(moment_bytes);
-  layout.exp_avg_sq_offset = take(moment_bytes);
+  take_halves(layout.master_offset, layout.total_elems * sizeof(float));
+  take_halves(layout.exp_avg_offset, moment_bytes);
+  take_halves(layout.exp_avg_sq_offset, moment_bytes);
   layout.accum_offset = spec.uses_accumulator() ? take(layout.total_elems * sizeof(float)) : 0;
   layout.upload_offset = take(layout.upload_bytes);
   layout.frozen_offset = take(layout.frozen_bytes);
@@ -209,13 +241,18 @@ JobLayout ComputeLayout(const LayoutSpec& spec) {
 
 StateView ViewState(void* base, const JobLayout& layout, const LayoutSpec& spec) {
   auto* bytes = static_cast<std::byte*>(base);
+  auto half = [&](int h) {
+    return StateHalf{
+        .param_state = reinterpret_cast<ParamState*>(bytes + layout.param_state_offset[h]),
+        .master = reinterpret_cast<float*>(bytes + layout.master_offset[h]),
+        .exp_avg = bytes + layout.exp_avg_offset[h],
+        .exp_avg_sq = bytes + layout.exp_avg_sq_offset[h],
+    };
+  };
   return StateView{
       .header = reinterpret_cast<StateHeader*>(bytes),
-      .param_state = reinterpret_cast<ParamState*>(bytes + layout.param_state_offset),
       .bucket_state = reinterpret_cast<BucketState*>(bytes + layout.bucket_state_offset),
-      .master = reinterpret_cast<float*>(bytes + layout.master_offset),
-      .exp_avg = bytes + layout.exp_avg_offset,
-      .exp_avg_sq = bytes + layout.exp_avg_sq_offset,
+      .halves = {half(0), half(1)},
       .accum = spec.uses_accumulator() ? reinterpret_cast<float*>(bytes + layout.accum_offset) : nullptr,
       .upload = bytes + layout.upload_offset,
       .frozen = bytes + layout.frozen_offset,
@@ -237,6 +274,9 @@ RankView ViewRank(void* base, const JobLayout& layout) {
 void InitStateSegment(void* base, const JobLayout& layout) {
   auto* header = new (base) StateHeader();
   header->layout_hash = layout.hash;
+  header->state_halves = layout.state_halves;
+  header->speculative_clipping =
+      static_cast<uint32_t>(layout.speculative_clipping ? Speculation::kOn : Speculation::kOff);
   auto* buckets = reinterpret_cast<BucketState*>(static_cast<std::byte*>(base) + layout.bucket_state_offset);
   for (size_t b = 0; b < layout.buckets.size(); ++b) new (&buckets[b]) BucketState();
 }

@@ -4,8 +4,15 @@
 // compares a hash of the spec when a rank attaches.
 //
 // State segment ("state", one per job, owned by the daemon):
-//   StateHeader | ParamState[P] | BucketState[B] | master f32 | exp_avg | exp_avg_sq | accum f32? | upload
-//   | frozen
+//   StateHeader | ParamState[H][P] | BucketState[B] | master f32 [H] | exp_avg [H] | exp_avg_sq [H]
+//   | accum f32? | upload | frozen
+// H = state_halves. With two halves the optimizer state (master weights, moments, step counts) is double
+// buffered: each bucket's BucketState names the half that holds its last committed step, an update reads
+// that half and writes the other, and one atomic store of the BucketState word commits it (step and half
+// together). So the state never holds a half-written step: a daemon killed during an update leaves the
+// committed half intact, and the other half holds the step before it (a bucket can be rolled back one
+// step). With one half both names are the same memory: updates run in place, and the word marks a bucket
+// `updating` while one does.
 // The upload region holds the new weights of 16-bit buckets in their dtype; an fp32 bucket's new
 // weights are its master weights, read in place (no second copy to write, store or pin). The frozen
 // region holds parameters outside the optimizer that the trainer pages (a LoRA base's weights), in
@@ -32,12 +39,17 @@
 
 namespace trainstream::shm {
 
-constexpr uint32_t kSegmentVersion = 6;
+constexpr uint32_t kSegmentVersion = 7;
 constexpr size_t kMaxJobName = 256;
 constexpr uint32_t kRingCapacity = 1024;
 constexpr size_t kAlign = 64;
 
 enum class OptimizerKind : uint8_t { kAdamW = 0, kAdam = 1 };
+
+// Speculative clipping (with max_grad_norm and two state halves): each bucket's update starts as soon as
+// its gradients are in, before the global norm is known, and is committed or redone once it is. A job
+// has it on or off; kAuto is only asked for, in an attach request (the daemon decides).
+enum class Speculation : uint8_t { kOff = 0, kOn = 1, kAuto = 2 };
 
 struct ParamSpec {
   std::string name;
@@ -61,6 +73,9 @@ struct LayoutSpec {
   double max_grad_norm = 0.0;      // 0: no clipping
   std::vector<std::string> peers;  // the job's daemons in node order ("host:port"); empty: one node
   uint32_t node_rank = 0;          // this node's index in peers
+  // 1 or 2 (see the header comment); 0 only in an attach request: the daemon decides.
+  uint32_t state_halves = 1;
+  Speculation speculative_clipping = Speculation::kOff;
 
   [[nodiscard]] uint32_t nodes() const { return peers.empty() ? 1 : static_cast<uint32_t>(peers.size()); }
   // Gradients are summed into the fp32 accumulator: across micro-batches, and before a multi-node
@@ -101,8 +116,22 @@ struct ParamState {
   uint64_t step = 0;  // AdamW step count of this parameter (torch keeps one per parameter)
 };
 
+// A bucket's committed progress: the last step applied to it, the half that holds it, and (one half)
+// whether an update is rewriting it in place now. One word, so one atomic store commits an update.
+struct BucketCommit {
+  uint64_t step = 0;  // below 2^62
+  uint32_t half = 0;
+  bool updating = false;
+  [[nodiscard]] uint64_t Word() const { return step << 2 | uint64_t{updating} << 1 | half; }
+  static BucketCommit Of(uint64_t word) { return {word >> 2, static_cast<uint32_t>(word & 1), (word & 2) != 0}; }
+  bool operator==(const BucketCommit&) const = default;
+};
+
 struct alignas(64) BucketState {
-  std::atomic<uint64_t> applied_step{0};
+  std::atomic<uint64_t> word{0};
+  [[nodiscard]] BucketCommit Load() const { return BucketCommit::Of(word.load(std::memory_order_acquire)); }
+  // After every write of the step it commits (release: a reader that sees the word sees them).
+  void Store(const BucketCommit& commit) { word.store(commit.Word(), std::memory_order_release); }
 };
 
 struct alignas(64) StateHeader {
@@ -111,6 +140,8 @@ struct alignas(64) StateHeader {
   uint32_t version = kSegmentVersion;
   uint32_t initialized = 0;  // master weights hold real values
   uint64_t layout_hash = 0;
+  uint32_t state_halves = 1;          // the job's LayoutSpec's, for a daemon that re-adopts it
+  uint32_t speculative_clipping = 0;  // likewise (Speculation::kOn or kOff)
   std::atomic<uint64_t> completed_step{0};
   // The daemon that owns the job's memory (daemon/control/orphaned_jobs.h: its pid and start time in one
   // word), so that a daemon started after it died can tell its jobs from a live daemon's.
@@ -141,29 +172,44 @@ struct JobLayout {
   std::vector<uint64_t> frozen_offsets;  // bytes into the frozen region, per frozen parameter
   uint64_t frozen_bytes = 0;
   uint64_t hash = 0;
+  uint32_t state_halves = 1;
+  bool speculative_clipping = false;
 
-  // state segment
-  size_t param_state_offset = 0, bucket_state_offset = 0, master_offset = 0, exp_avg_offset = 0, exp_avg_sq_offset = 0,
-         accum_offset = 0, upload_offset = 0, frozen_offset = 0, state_bytes = 0;
+  // state segment; per half h (with one half, [1] == [0])
+  size_t param_state_offset[2] = {}, master_offset[2] = {}, exp_avg_offset[2] = {}, exp_avg_sq_offset[2] = {};
+  size_t bucket_state_offset = 0, accum_offset = 0, upload_offset = 0, frozen_offset = 0, state_bytes = 0;
   // rank segment
   size_t request_ring_offset = 0, completion_ring_offset = 0, hparams_offset = 0, presence_offset = 0, grads_offset = 0,
          rank_bytes = 0;
 };
 
-// Validates the spec (throws Error kInvalidArgument naming what is wrong) and lays it out.
+// Validates the spec (throws Error kInvalidArgument naming what is wrong) and lays it out. The spec must
+// be decided (state_halves 1 or 2, speculation on or off).
 JobLayout ComputeLayout(const LayoutSpec& spec);
+// Validates what an attach request asks for: as ComputeLayout, with state_halves 0 and Speculation::kAuto
+// allowed (the daemon decides them and answers with its choice).
+void ValidateRequest(const LayoutSpec& spec);
+
+// One half of the optimizer state, indexed by parameter (param_state) and by element (the others).
+struct StateHalf {
+  ParamState* param_state;
+  float* master;
+  void* exp_avg;
+  void* exp_avg_sq;
+};
 
 // Views of the regions of mapped segments.
 struct StateView {
   StateHeader* header;
-  ParamState* param_state;
   BucketState* bucket_state;
-  float* master;
-  void* exp_avg;
-  void* exp_avg_sq;
-  float* accum;  // nullptr unless spec.uses_accumulator()
+  StateHalf halves[2];  // with one half, halves[1] is halves[0]
+  float* accum;         // nullptr unless spec.uses_accumulator()
   std::byte* upload;
   std::byte* frozen;
+  // The half that holds bucket b's last committed step (what readers read), and the other one (what its
+  // next update writes: the same with one half).
+  [[nodiscard]] const StateHalf& Committed(uint32_t b) const { return halves[bucket_state[b].Load().half]; }
+  [[nodiscard]] const StateHalf& Other(uint32_t b) const { return halves[1 - bucket_state[b].Load().half]; }
 };
 struct RankView {
   RankHeader* header;

@@ -198,12 +198,18 @@ std::string CpuModel() {
   return "unknown";
 }
 
+// Where an update writes its state: in place, or into the other half of a double-buffered state
+// (the daemon's two state halves), whose blocks are 64-byte aligned like the read half's (streamed) or,
+// for comparison, one element off (no head aligns them: ordinary stores, which read the lines first).
+enum class Placement { kInPlace, kOtherHalf, kOtherHalfMisaligned };
+
 struct Config {
   const char* name;
   ts::DType grad;
   size_t ranks;
   ts::DType moment;
   bool upload;  // bf16 upload copy
+  Placement placement = Placement::kInPlace;
 };
 
 }  // namespace
@@ -264,6 +270,8 @@ int Run(int argc, char** argv) {
   Region grads_f32(n * 4 * max_ranks, o.huge_pages), grads_bf16(n * 2 * max_ranks, o.huge_pages);
   Region master(n * 4, o.huge_pages), m_f32(n * 4, o.huge_pages), v_f32(n * 4, o.huge_pages);
   Region m_bf16(n * 2, o.huge_pages), v_bf16(n * 2, o.huge_pages), upload(n * 2, o.huge_pages);
+  // The other half (one element more: room for the misaligned placement).
+  Region master2((n + 64) * 4, o.huge_pages), m2(n * 4 + 256, o.huge_pages), v2(n * 4 + 256, o.huge_pages);
   // Rank r's slot is its own n-element array (as in the daemon's per-rank gradient slots).
   auto f32_slot = [&](size_t r) { return grads_f32.as<float>() + r * n; };
   auto bf16_slot = [&](size_t r) { return grads_bf16.as<uint16_t>() + r * n; };
@@ -277,6 +285,7 @@ int Run(int argc, char** argv) {
       master.as<float>()[i] = x * 10.0f;
       m_f32.as<float>()[i] = 0, v_f32.as<float>()[i] = 0;
       m_bf16.as<uint16_t>()[i] = 0, v_bf16.as<uint16_t>()[i] = 0, upload.as<uint16_t>()[i] = 0;
+      master2.as<float>()[i] = 0, m2.as<float>()[i] = 0, v2.as<float>()[i] = 0;
     }
   });
 
@@ -290,6 +299,14 @@ int Run(int argc, char** argv) {
       {"fp32 grad x4 ranks, bf16 moments, bf16 upload", ts::DType::kFloat32, 4, ts::DType::kBFloat16, true},
       {"bf16 grad, bf16 moments, bf16 upload", ts::DType::kBFloat16, 1, ts::DType::kBFloat16, true},
       {"bf16 grad x4 ranks, bf16 moments, bf16 upload", ts::DType::kBFloat16, 4, ts::DType::kBFloat16, true},
+      {"fp32 grad, fp32 moments, no upload, other half", ts::DType::kFloat32, 1, ts::DType::kFloat32, false,
+       Placement::kOtherHalf},
+      {"fp32 grad, fp32 moments, no upload, half misaligned", ts::DType::kFloat32, 1, ts::DType::kFloat32, false,
+       Placement::kOtherHalfMisaligned},
+      {"bf16 grad, fp32 moments, bf16 upload, other half", ts::DType::kBFloat16, 1, ts::DType::kFloat32, true,
+       Placement::kOtherHalf},
+      {"bf16 grad, bf16 moments, bf16 upload, other half", ts::DType::kBFloat16, 1, ts::DType::kBFloat16, true,
+       Placement::kOtherHalf},
   };
 
   std::vector<Result> results;
@@ -316,12 +333,19 @@ int Run(int argc, char** argv) {
         }
         const opt::GradSources grads{std::span<const void* const>(slots, c.ranks), c.grad, nullptr,
                                      1.0f / static_cast<float>(c.ranks)};
-        const opt::MomentBuffers moments{
-            bf16_moments ? static_cast<void*>(m_bf16.as<uint16_t>() + begin) : m_f32.as<float>() + begin,
-            bf16_moments ? static_cast<void*>(v_bf16.as<uint16_t>() + begin) : v_f32.as<float>() + begin, c.moment,
-            0x1234, begin};
+        void* m = bf16_moments ? static_cast<void*>(m_bf16.as<uint16_t>() + begin) : m_f32.as<float>() + begin;
+        void* v = bf16_moments ? static_cast<void*>(v_bf16.as<uint16_t>() + begin) : v_f32.as<float>() + begin;
+        float* p = master.as<float>() + begin;
+        const opt::StateIn in{p, m, v};
+        if (c.placement != Placement::kInPlace) {  // the other half: same offsets, or one element off
+          const size_t at = begin + (c.placement == Placement::kOtherHalfMisaligned ? 1 : 0);
+          p = master2.as<float>() + at;
+          m = bf16_moments ? static_cast<void*>(m2.as<uint16_t>() + at) : m2.as<float>() + at;
+          v = bf16_moments ? static_cast<void*>(v2.as<uint16_t>() + at) : v2.as<float>() + at;
+        }
+        const opt::MomentBuffers moments{m, v, c.moment, 0x1234, begin};
         const opt::Upload up{c.upload ? upload.as<uint16_t>() + begin : nullptr, ts::DType::kBFloat16};
-        k.update(grads, step, master.as<float>() + begin, moments, up, count);
+        k.update(grads, step, in, p, moments, up, count);
       });
     });
     const double bytes =

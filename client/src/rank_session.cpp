@@ -46,6 +46,12 @@ v1::LayoutSpec ToProto(const shm::LayoutSpec& spec) {
   proto.set_max_grad_norm(spec.max_grad_norm);
   for (const std::string& peer : spec.peers) proto.add_peers(peer);
   proto.set_node_rank(spec.node_rank);
+  proto.set_state_halves(spec.state_halves);
+  switch (spec.speculative_clipping) {
+    case shm::Speculation::kOff: proto.set_speculative_clipping(v1::SPECULATION_OFF); break;
+    case shm::Speculation::kOn: proto.set_speculative_clipping(v1::SPECULATION_ON); break;
+    case shm::Speculation::kAuto: proto.set_speculative_clipping(v1::SPECULATION_AUTO); break;
+  }
   return proto;
 }
 }  // namespace
@@ -59,8 +65,8 @@ std::unique_ptr<RankSession::Impl> RankSession::Impl::Open(const std::shared_ptr
   impl->job = job;
   impl->waits = std::move(waits);
   impl->stub = v1::Control::NewStub(channel);
-  impl->spec = spec;
-  impl->layout = shm::ComputeLayout(spec);  // validates locally first: clearer errors, no round trip
+  shm::ValidateRequest(spec);  // locally first: clearer errors, no round trip
+  impl->spec = spec;           // Map completes it with what the daemon decided
   impl->rank = rank;
   impl->daemon_pid = IsOurDaemon(daemon_pid) ? daemon_pid : 0;
 
@@ -99,6 +105,10 @@ std::unique_ptr<RankSession::Impl> RankSession::Impl::Open(const std::shared_ptr
 }
 
 void RankSession::Impl::Map(const v1::AttachReply& reply) {
+  // The layout with what the daemon decided (or the job had) for what the request left open.
+  spec.state_halves = reply.state_halves();
+  spec.speculative_clipping = reply.speculative_clipping() ? shm::Speculation::kOn : shm::Speculation::kOff;
+  layout = shm::ComputeLayout(spec);
   TS_CHECK(reply.layout_hash() == layout.hash, Code::kInternal,
            "attach: the daemon computed layout hash {:#x}, this client {:#x} (version skew?)", reply.layout_hash(),
            layout.hash);
@@ -121,7 +131,7 @@ void RankSession::Impl::Map(const v1::AttachReply& reply) {
   params_ready.assign(buckets, -1);
   if (initialized) {
     for (size_t b = 0; b < buckets; ++b) {
-      params_ready[b] = static_cast<int64_t>(state.bucket_state[b].applied_step.load());
+      params_ready[b] = static_cast<int64_t>(state.bucket_state[b].Load().step);
     }
   }
   completion_doorbell = &view.header->completion_doorbell;
@@ -296,12 +306,19 @@ bool RankSession::created() const {
 bool RankSession::initialized() const {
   return impl_->initialized;
 }
+uint64_t RankSession::resume_step() const {
+  return impl_->completed_step;
+}
 uint64_t RankSession::completed_step() const {
   return impl_->state.header->completed_step.load();
 }
 uint64_t RankSession::applied_step(uint32_t bucket) const {
   TS_CHECK(bucket < impl_->layout.buckets.size(), Code::kInvalidArgument, "bucket {} out of range", bucket);
-  return impl_->state.bucket_state[bucket].applied_step.load();
+  return impl_->state.bucket_state[bucket].Load().step;
+}
+uint32_t RankSession::committed_half(uint32_t bucket) const {
+  TS_CHECK(bucket < impl_->layout.buckets.size(), Code::kInvalidArgument, "bucket {} out of range", bucket);
+  return impl_->state.bucket_state[bucket].Load().half;
 }
 shm::StateView RankSession::state() const {
   return impl_->state;

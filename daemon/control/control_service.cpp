@@ -172,6 +172,15 @@ shm::LayoutSpec LayoutFromProto(const v1::LayoutSpec& proto) {
   spec.max_grad_norm = proto.max_grad_norm();
   spec.peers = {proto.peers().begin(), proto.peers().end()};
   spec.node_rank = proto.node_rank();
+  spec.state_halves = proto.state_halves();
+  switch (proto.speculative_clipping()) {
+    case v1::SPECULATION_AUTO: spec.speculative_clipping = shm::Speculation::kAuto; break;
+    case v1::SPECULATION_OFF: spec.speculative_clipping = shm::Speculation::kOff; break;
+    case v1::SPECULATION_ON: spec.speculative_clipping = shm::Speculation::kOn; break;
+    default:
+      Throw(Code::kInvalidArgument, "unknown speculative_clipping {} (AUTO, OFF or ON)",
+            static_cast<int>(proto.speculative_clipping()));
+  }
   return spec;
 }
 
@@ -234,6 +243,8 @@ grpc::Status ControlService::RunSession(grpc::ServerContext* context,
     reply->set_created(found.created);
     reply->set_initialized(attachment.initialized);
     reply->set_completed_step(attachment.completed_step);
+    reply->set_state_halves(job->spec().state_halves);
+    reply->set_speculative_clipping(job->layout().speculative_clipping);
   });
   if (!attached.ok()) return attached;
   sink->Write(event);
@@ -288,6 +299,10 @@ grpc::Status ControlService::Stats(grpc::ServerContext* context, const v1::Stats
       stats->set_rank_bytes(info.rank_bytes);
       stats->set_updates(info.engine.updates);
       stats->set_nonfinite_steps(info.engine.nonfinite_steps);
+      stats->set_state_halves(info.state_halves);
+      stats->set_speculative_clipping(info.speculative_clipping);
+      stats->set_speculative_steps(info.engine.speculative_steps);
+      stats->set_redone_steps(info.engine.redone_steps);
       stats->mutable_transports()->insert(info.transports.begin(), info.transports.end());
       FillJobCounters(info, stats);
     }
@@ -300,6 +315,8 @@ grpc::Status ControlService::Stats(grpc::ServerContext* context, const v1::Stats
       stats->set_uid(orphan.uid);
       stats->set_completed_step(orphan.completed_step);
       stats->set_state_bytes(orphan.state_bytes);
+      stats->set_state_halves(orphan.state_halves);
+      stats->set_speculative_clipping(orphan.speculative_clipping);
       stats->set_host_bytes(orphan.state_bytes);
       stats->set_orphaned(true);
     }

@@ -17,14 +17,36 @@ std::string RandomKey() {
   const uint64_t value = (static_cast<uint64_t>(device()) << 32) ^ device();
   return fmt::format("{:016x}", value);
 }
+
+// A job with one state half whose daemon died while it updated buckets in place holds them torn (part
+// of each at its old step, part at the new one): refused, never resumed silently. Two halves keep
+// every bucket's committed half intact, whatever the daemon was doing.
+void RefuseTornState(const std::string& name, const shm::StateView& state, const shm::JobLayout& layout) {
+  std::vector<uint32_t> torn;
+  uint64_t step = 0;
+  for (uint32_t b = 0; b < layout.buckets.size(); ++b) {
+    const shm::BucketCommit commit = state.bucket_state[b].Load();
+    if (!commit.updating) continue;
+    torn.push_back(b);
+    step = commit.step + 1;
+  }
+  if (torn.empty()) return;
+  Throw(Code::kFailedPrecondition,
+        "job '{}' cannot resume: the trainstreamd that held it was killed while it updated bucket(s) [{}] (of {}) "
+        "in place, so their weights and moments are partly of step {} and partly of step {} (the job keeps one "
+        "copy of its optimizer state, state_halves=1). Drop the job (Client.drop_job('{}')) and restart from your "
+        "last checkpoint: model.load_state_dict() and optimizer.load_state_dict(). With state_halves=2 a job "
+        "resumes exactly after its daemon is killed",
+        name, fmt::join(torn, ", "), layout.buckets.size(), step - 1, step, name);
+}
 }  // namespace
 
-Job::Job(std::string name, uint32_t uid, shm::LayoutSpec spec, uint64_t seed, WorkerPool& pool,
+Job::Job(std::string name, uint32_t uid, const shm::LayoutSpec& spec, uint64_t seed, WorkerPool& pool,
          const PeerConfig& peer_config, const OrphanedJob* adopted, const SnapshotFile* restored,
          SnapshotSchedule snapshots)
     : name_(std::move(name)),
       uid_(uid),
-      spec_(std::move(spec)),
+      spec_(spec),
       layout_(shm::ComputeLayout(spec_)),
       key_(adopted != nullptr ? adopted->key : RandomKey()),
       fresh_(adopted == nullptr && restored == nullptr),
@@ -35,6 +57,7 @@ Job::Job(std::string name, uint32_t uid, shm::LayoutSpec spec, uint64_t seed, Wo
   if (adopted != nullptr) {
     state_ = shm::Segment::Open(adopted->state_segment);
     shm::CheckStateSegment(state_.data(), state_.size(), layout_);
+    RefuseTornState(name_, ViewState(), layout_);
   } else {
     // With several NUMA nodes the engine's threads first-touch a new state on their nodes (PlaceState).
     // A new job's frozen region, at the end, is backed as the clients write it (shm::Segment::Create
@@ -57,16 +80,18 @@ Job::Job(std::string name, uint32_t uid, shm::LayoutSpec spec, uint64_t seed, Wo
   snapshots_ = std::make_unique<JobSnapshots>(
       SnapshotMeta{.job = name_, .uid = uid_, .seed = seed, .step = 0, .hparams = {}, .spec = spec_}, ViewState(),
       layout_, std::move(snapshots));
-  engine_ = std::make_unique<StepEngine>(name_, spec_, layout_, ViewState(), seed, pool, peers_.get(),
-                                         [this](const Commit& commit) { OnCommit(commit); });
+  engine_ =
+      std::make_unique<StepEngine>(name_, spec_, layout_, ViewState(), seed, pool, peers_.get(),
+                                   /*adopted=*/adopted != nullptr, [this](const Commit& commit) { OnCommit(commit); });
   snapshots_->Connect(SnapshotHooks{.attached_ranks = [this] { return attached_ranks(); },
                                     .announce = [this] { engine_->AnnounceCommitted(); }});
-  spdlog::info("job '{}' {}: {} parameters in {} buckets, {} state bytes, key {}", name_,
-               adopted != nullptr ? fmt::format("re-adopted at step {}", adopted->completed_step)
-               : restored != nullptr
-                   ? fmt::format("restored from {} at step {}", restored->path(), restored->meta().step)
-                   : "created",
-               spec_.params.size(), layout_.buckets.size(), layout_.state_bytes, key_);
+  spdlog::info(
+      "job '{}' {}: {} parameters in {} buckets, {} state bytes ({} state half{}{}), key {}", name_,
+      adopted != nullptr    ? fmt::format("re-adopted at step {}", adopted->completed_step)
+      : restored != nullptr ? fmt::format("restored from {} at step {}", restored->path(), restored->meta().step)
+                            : "created",
+      spec_.params.size(), layout_.buckets.size(), layout_.state_bytes, spec_.state_halves,
+      spec_.state_halves == 2 ? "ves" : "", layout_.speculative_clipping ? ", speculative clipping" : "", key_);
 }
 
 void Job::StampSocket(uint64_t socket_hash) {
@@ -103,6 +128,7 @@ Job::Attachment Job::Attach(uint32_t rank, std::shared_ptr<SessionSink> session,
   }
   TS_CHECK(!engine_->HasRank(rank), Code::kAlreadyExists, "rank {} of job '{}' is already attached by another client",
            rank, name_);
+  const uint64_t resume_step = engine_->Resume();
   const std::string name = RankSegmentName(rank);
   shm::Segment::Remove(name);  // left over from a rank that died while its removal raced this attach
   shm::Segment segment = shm::Segment::Create(name, layout_.rank_bytes, uid_);
@@ -113,7 +139,7 @@ Job::Attachment Job::Attach(uint32_t rank, std::shared_ptr<SessionSink> session,
   transports_[rank] = transport;
   const auto* header = static_cast<const shm::StateHeader*>(state_.data());
   spdlog::info("job '{}': rank {} attached, transport {}", name_, rank, transport);
-  return Attachment{name, header->initialized != 0, header->completed_step.load()};
+  return Attachment{name, header->initialized != 0, resume_step};
 }
 
 void Job::Detach(uint32_t rank) {
@@ -191,6 +217,8 @@ JobInfo Job::Info() {
       .completed_step = header->completed_step.load(),
       .buckets = static_cast<uint32_t>(layout_.buckets.size()),
       .world_size = spec_.world_size,
+      .state_halves = spec_.state_halves,
+      .speculative_clipping = layout_.speculative_clipping,
       .engine = engine_->Stats(),
       .transports = {},
       .steps = counters_.steps.load(),

@@ -31,7 +31,8 @@ struct JobInfo {
   std::string name, key;
   uint32_t uid = 0;
   uint64_t params = 0, elements = 0, state_bytes = 0, rank_bytes = 0, completed_step = 0;
-  uint32_t buckets = 0, world_size = 0;
+  uint32_t buckets = 0, world_size = 0, state_halves = 1;
+  bool speculative_clipping = false;
   EngineStats engine;
   std::map<uint32_t, std::string> transports;  // by attached rank
   uint64_t steps = 0;                          // completed since this daemon took the job
@@ -44,8 +45,9 @@ struct JobInfo {
 class Job {
  public:
   // Creates the job's state, or with `adopted`, takes over the state an earlier daemon left (its
-  // layout must be `spec`'s), or with `restored`, fills it from a snapshot (of `spec`'s layout).
-  Job(std::string name, uint32_t uid, shm::LayoutSpec spec, uint64_t seed, WorkerPool& pool,
+  // layout must be `spec`'s; kFailedPrecondition if it holds torn buckets: one state half, killed
+  // during an update), or with `restored`, fills it from a snapshot (of `spec`'s layout).
+  Job(std::string name, uint32_t uid, const shm::LayoutSpec& spec, uint64_t seed, WorkerPool& pool,
       const PeerConfig& peer_config = {}, const OrphanedJob* adopted = nullptr, const SnapshotFile* restored = nullptr,
       SnapshotSchedule snapshots = {});
   // Names this daemon's socket in the state, so that a daemon restarted on it can re-adopt the job.
@@ -57,9 +59,10 @@ class Job {
   struct Attachment {
     std::string rank_segment;
     bool initialized = false;
-    uint64_t completed_step = 0;
+    uint64_t completed_step = 0;  // the step the rank resumes from (StepEngine::Resume)
   };
-  // Maps a fresh rank segment and hands it to the engine. kAlreadyExists if the rank is taken.
+  // Readies the job for the rank (StepEngine::Resume), maps a fresh rank segment and hands it to the
+  // engine. kAlreadyExists if the rank is taken.
   // `transport` says how the rank moves its data ("cuda-client-copy on cuda:0 (...)"), for logs and Stats.
   Attachment Attach(uint32_t rank, std::shared_ptr<SessionSink> session, const std::string& transport = "host");
   void Detach(uint32_t rank);

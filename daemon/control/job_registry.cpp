@@ -1,7 +1,10 @@
 #include "daemon/control/job_registry.h"
 
 #include <spdlog/spdlog.h>
+#include <sys/statvfs.h>
 
+#include <algorithm>
+#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -50,7 +53,27 @@ std::string DescribeMismatch(const shm::LayoutSpec& have, const shm::LayoutSpec&
           want.optimizer == shm::OptimizerKind::kAdam ? "Adam" : "AdamW");
   compare("peers", fmt::format("[{}]", fmt::join(have.peers, ", ")), fmt::format("[{}]", fmt::join(want.peers, ", ")));
   compare("node_rank", have.node_rank, want.node_rank);
+  compare("state_halves", have.state_halves, want.state_halves);
+  compare("speculative_clipping", have.speculative_clipping == shm::Speculation::kOn,
+          want.speculative_clipping == shm::Speculation::kOn);
   return fmt::format("options differ ({})", fmt::join(differ, "; "));
+}
+
+// A request's state halves and speculation where it leaves them to the daemon (0, kAuto): those of the
+// job it attaches to. A value it names stays, for the layout comparison to refuse if it differs.
+shm::LayoutSpec Inherit(shm::LayoutSpec request, uint32_t state_halves, bool speculative_clipping) {
+  if (request.state_halves == 0) request.state_halves = state_halves;
+  if (request.speculative_clipping == shm::Speculation::kAuto) {
+    request.speculative_clipping = speculative_clipping ? shm::Speculation::kOn : shm::Speculation::kOff;
+  }
+  return request;
+}
+
+// Bytes free for new files in /dev/shm (0 if it cannot say).
+uint64_t ShmFreeBytes() {
+  struct statvfs info {};
+  if (statvfs("/dev/shm", &info) != 0) return 0;
+  return static_cast<uint64_t>(info.f_bavail) * info.f_frsize;
 }
 
 void CheckJobName(const std::string& name) {
@@ -60,20 +83,59 @@ void CheckJobName(const std::string& name) {
 
 }  // namespace
 
-JobRegistry::Found JobRegistry::FindOrCreate(const std::string& name, uint32_t uid, const shm::LayoutSpec& spec,
+// A new job's state halves and speculation where the request leaves them open (see FindOrCreate).
+shm::LayoutSpec JobRegistry::Decide(const std::string& name, shm::LayoutSpec request, uint64_t used) const {
+  if (request.state_halves == 0) {
+    request.state_halves = 1;
+    if (request.speculative_clipping == shm::Speculation::kOn) {
+      request.state_halves = 2;  // asked for: the quota below decides whether it fits
+    } else {
+      shm::LayoutSpec two = request;
+      two.state_halves = 2;
+      two.speculative_clipping = shm::Speculation::kOff;
+      const shm::JobLayout layout = shm::ComputeLayout(two);
+      const uint64_t needed = layout.state_bytes + uint64_t{request.world_size} * layout.rank_bytes;
+      const uint64_t shm_free = ShmFreeBytes();
+      const uint64_t quota_left = config_.max_host_bytes == 0
+                                      ? std::numeric_limits<uint64_t>::max()
+                                      : config_.max_host_bytes - std::min(used, config_.max_host_bytes);
+      const bool fits = needed <= shm_free / 4 * 3 && needed <= quota_left / 4 * 3;
+      request.state_halves = fits ? 2 : 1;
+      spdlog::info(
+          "job '{}': {} state half{}: with two it needs {} bytes; {} bytes free in /dev/shm, {} (two halves "
+          "when they need at most 3/4 of each)",
+          name, request.state_halves, fits ? "ves" : "", needed, shm_free,
+          config_.max_host_bytes == 0 ? std::string("no max_host_bytes quota")
+                                      : fmt::format("{} bytes left of max_host_bytes", quota_left));
+    }
+  }
+  if (request.speculative_clipping == shm::Speculation::kAuto) {
+    const bool speculate = request.state_halves == 2 && request.max_grad_norm > 0;
+    request.speculative_clipping = speculate ? shm::Speculation::kOn : shm::Speculation::kOff;
+  }
+  return request;
+}
+
+JobRegistry::Found JobRegistry::FindOrCreate(const std::string& name, uint32_t uid, const shm::LayoutSpec& request,
                                              uint64_t seed) {
   CheckJobName(name);
-  const shm::JobLayout layout = shm::ComputeLayout(spec);  // validates the spec
+  shm::ValidateRequest(request);
   const JobId id{uid, name};
   std::lock_guard lock(mutex_);
   if (auto it = jobs_.find(id); it != jobs_.end()) {
     const std::shared_ptr<Job>& job = it->second;
-    TS_CHECK(job->layout().hash == layout.hash, Code::kInvalidArgument, "layout mismatch for job '{}': {}", name,
-             DescribeMismatch(job->spec(), spec));
+    const shm::LayoutSpec spec =
+        Inherit(request, job->spec().state_halves, job->spec().speculative_clipping == shm::Speculation::kOn);
+    TS_CHECK(job->layout().hash == shm::ComputeLayout(spec).hash, Code::kInvalidArgument,
+             "layout mismatch for job '{}': {}", name, DescribeMismatch(job->spec(), spec));
     return {job, false};
   }
-  CheckRoomFor(name, spec, layout);
   auto orphan = orphans_.find(id);
+  const shm::LayoutSpec spec = orphan != orphans_.end()
+                                   ? Inherit(request, orphan->second.state_halves, orphan->second.speculative_clipping)
+                                   : Decide(name, request, UsedHostBytes());
+  const shm::JobLayout layout = shm::ComputeLayout(spec);  // validates the decided spec
+  CheckRoomFor(name, spec, layout);
   if (orphan != orphans_.end()) {
     TS_CHECK(orphan->second.layout_hash == layout.hash, Code::kInvalidArgument,
              "job '{}' was left by a trainstreamd that died, with another layout: drop it (drop_job) to start a new "
@@ -90,16 +152,21 @@ JobRegistry::Found JobRegistry::FindOrCreate(const std::string& name, uint32_t u
   return {job, true};
 }
 
+uint64_t JobRegistry::UsedHostBytes() const {
+  uint64_t used = 0;
+  for (const auto& [_, job] : jobs_) used += job->host_bytes();
+  return used;
+}
+
 void JobRegistry::CheckRoomFor(const std::string& name, const shm::LayoutSpec& spec, const shm::JobLayout& layout) {
   TS_CHECK(jobs_.size() < config_.max_jobs, Code::kResourceExhausted, "job limit reached: {} of max_jobs={}",
            jobs_.size(), config_.max_jobs);
   if (config_.max_host_bytes != 0) {
-    uint64_t used = 0;
-    for (auto& [_, job] : jobs_) used += job->host_bytes();
+    const uint64_t used = UsedHostBytes();
     const uint64_t needed = layout.state_bytes + uint64_t{spec.world_size} * layout.rank_bytes;
     TS_CHECK(used + needed <= config_.max_host_bytes, Code::kResourceExhausted,
-             "host memory quota exceeded: job '{}' needs {} bytes, {} of max_host_bytes={} in use", name, needed, used,
-             config_.max_host_bytes);
+             "host memory quota exceeded: job '{}' needs {} bytes{}, {} of max_host_bytes={} in use", name, needed,
+             spec.state_halves == 2 ? " (two state halves)" : "", used, config_.max_host_bytes);
   }
   if (spec.nodes() > 1) {
     for (const auto& [other, job] : jobs_) {

@@ -29,10 +29,14 @@ class JobRegistry {
     std::shared_ptr<Job> job;
     bool created = false;
   };
-  // `uid`'s job called `name`, created from `spec` if it does not exist (or re-adopted, if an orphan
+  // `uid`'s job called `name`, created from `request` if it does not exist (or re-adopted, if an orphan
   // of that uid has the name). An existing job must have an identical layout (kInvalidArgument naming
-  // the difference).
-  Found FindOrCreate(const std::string& name, uint32_t uid, const shm::LayoutSpec& spec, uint64_t seed);
+  // the difference). What the request leaves to the daemon (state_halves 0, speculation kAuto) an
+  // existing job or an orphan answers with its own; a new job gets two state halves where memory allows
+  // (they need at most 3/4 of the bytes free in /dev/shm and of what is left of max_host_bytes; the
+  // choice is logged with its numbers), and speculative clipping where it has two halves and clips. The
+  // job's spec() holds what was decided.
+  Found FindOrCreate(const std::string& name, uint32_t uid, const shm::LayoutSpec& request, uint64_t seed);
   // Removes `uid`'s job `name`; kFailedPrecondition if ranks are attached and not `force` (their
   // sessions fail).
   void Drop(const std::string& name, uint32_t uid, bool force);
@@ -56,6 +60,10 @@ class JobRegistry {
  private:
   using JobId = std::pair<uint32_t, std::string>;  // owner uid, name
   void DropWaitingFragments(const Job& job);       // peers' fragments for a multi-node job, in the mailbox
+  // A new job's state halves and speculation, decided where `request` leaves them open. `used`: the
+  // bytes the other jobs hold. Requires mutex_.
+  [[nodiscard]] shm::LayoutSpec Decide(const std::string& name, shm::LayoutSpec request, uint64_t used) const;
+  [[nodiscard]] uint64_t UsedHostBytes() const;  // by the jobs (requires mutex_)
   // A new job of this layout fits in max_jobs and max_host_bytes, and a multi-node one's name is free
   // among the multi-node jobs (requires mutex_).
   void CheckRoomFor(const std::string& name, const shm::LayoutSpec& spec, const shm::JobLayout& layout);

@@ -68,7 +68,16 @@ std::optional<OrphanedJob> Claim(const std::string& file, uint32_t uid, const st
   if (OwnerAlive(owner) || !header->owner.compare_exchange_strong(owner, SelfAsOwner())) return std::nullopt;
   const std::string name(header->job_name, strnlen(header->job_name, sizeof(header->job_name)));
   if (name.empty()) return std::nullopt;
-  return OrphanedJob{name, uid, key, file, header->completed_step.load(), header->layout_hash, segment.size()};
+  return OrphanedJob{
+      .name = name,
+      .uid = uid,
+      .key = key,
+      .state_segment = file,
+      .completed_step = header->completed_step.load(),
+      .layout_hash = header->layout_hash,
+      .state_bytes = segment.size(),
+      .state_halves = header->state_halves,
+      .speculative_clipping = header->speculative_clipping == static_cast<uint32_t>(shm::Speculation::kOn)};
 }
 
 }  // namespace

@@ -28,6 +28,8 @@ struct OrphanedJob {
   uint64_t completed_step = 0;
   uint64_t layout_hash = 0;
   uint64_t state_bytes = 0;
+  uint32_t state_halves = 1;  // the job's layout's (a rank that attaches asking the daemon to decide gets these)
+  bool speculative_clipping = false;
 };
 
 // Claims every job in /dev/shm whose owning daemon, which listened on `socket_hash`'s socket, is gone.

@@ -65,41 +65,54 @@ double BucketPasses::SumOfSquares(const Block& block, const Sources& sources, fl
   return optimizer::SumOfSquares(grads, block.count, nonfinite);
 }
 
+std::byte* BucketPasses::Moment(void* region, const Block& block) const {
+  return static_cast<std::byte*>(region) + Element(block) * SizeOf(moment_dtype_);
+}
+
 bool BucketPasses::Update(const Block& block, const Sources& sources, float scale, const optimizer::AdamWStep& step,
-                          uint64_t sr_seed) const {
+                          uint64_t sr_seed, const shm::StateHalf& from, const shm::StateHalf& to) const {
   const shm::BucketLayout& bucket = BucketOf(block);
   const SlotList slots = Slots(bucket, block.param, ByteInBucket(block), sources);
   const uint64_t element = Element(block);
-  const size_t moment_size = SizeOf(moment_dtype_);
   const optimizer::GradSources grads{.slots = slots.span(),
                                      .dtype = bucket.dtype,
                                      .accum = state_.accum != nullptr ? state_.accum + element : nullptr,
                                      .scale = scale};
-  const optimizer::MomentBuffers moments{
-      .exp_avg = static_cast<std::byte*>(state_.exp_avg) + element * moment_size,
-      .exp_avg_sq = static_cast<std::byte*>(state_.exp_avg_sq) + element * moment_size,
-      .dtype = moment_dtype_,
-      .sr_seed = sr_seed,
-      // Keyed by (parameter, element of it), not by where the bucket layout put it: the same training
-      // rounds alike whichever buckets hold the parameter (weight paging's partitions regroup them). A
-      // block never crosses a 2^32-element boundary of its parameter, as the kernels require of the
-      // high index bits.
-      .element_base = (uint64_t{block.param} << 40) + block.begin};
-  optimizer::AdamWUpdate(grads, step, state_.master + element, moments, Upload(block), block.count);
-  return optimizer::AnyNonFinite(state_.master + element, block.count);
+  const optimizer::MomentBuffers moments{.exp_avg = Moment(to.exp_avg, block),
+                                         .exp_avg_sq = Moment(to.exp_avg_sq, block),
+                                         .dtype = moment_dtype_,
+                                         .sr_seed = sr_seed,
+                                         // Keyed by (parameter, element of it), not by where the bucket layout put it:
+                                         // the same training rounds alike whichever buckets hold the parameter (weight
+                                         // paging's partitions regroup them). A block never crosses a 2^32-element
+                                         // boundary of its parameter, as the kernels require of the high index bits.
+                                         .element_base = (uint64_t{block.param} << 40) + block.begin};
+  const optimizer::StateIn in{from.master + element, Moment(from.exp_avg, block), Moment(from.exp_avg_sq, block)};
+  return optimizer::AdamWUpdate(grads, step, in, to.master + element, moments, Upload(block), block.count);
 }
 
-void BucketPasses::UploadMaster(const Block& block) const {
+void BucketPasses::Carry(const Block& block, const shm::StateHalf& from, const shm::StateHalf& to) const {
+  if (from.master == to.master) return;
+  const uint64_t element = Element(block);
+  const size_t moment_bytes = block.count * SizeOf(moment_dtype_);
+  std::memcpy(to.master + element, from.master + element, block.count * sizeof(float));
+  std::memcpy(Moment(to.exp_avg, block), Moment(from.exp_avg, block), moment_bytes);
+  std::memcpy(Moment(to.exp_avg_sq, block), Moment(from.exp_avg_sq, block), moment_bytes);
+}
+
+void BucketPasses::UploadMaster(const Block& block, const shm::StateHalf& half) const {
   const optimizer::Upload upload = Upload(block);
-  if (upload.data != nullptr) optimizer::ConvertMaster(state_.master + Element(block), upload, block.count);
+  if (upload.data != nullptr) optimizer::ConvertMaster(half.master + Element(block), upload, block.count);
 }
 
 void BucketPasses::Touch(const Block& block) const {
   const uint64_t element = Element(block);
-  const size_t moment_size = SizeOf(moment_dtype_);
-  std::memset(state_.master + element, 0, block.count * sizeof(float));
-  std::memset(static_cast<std::byte*>(state_.exp_avg) + element * moment_size, 0, block.count * moment_size);
-  std::memset(static_cast<std::byte*>(state_.exp_avg_sq) + element * moment_size, 0, block.count * moment_size);
+  const size_t moment_bytes = block.count * SizeOf(moment_dtype_);
+  for (const shm::StateHalf& half : state_.halves) {  // with one half, the same memory twice
+    std::memset(half.master + element, 0, block.count * sizeof(float));
+    std::memset(Moment(half.exp_avg, block), 0, moment_bytes);
+    std::memset(Moment(half.exp_avg_sq, block), 0, moment_bytes);
+  }
   if (state_.accum != nullptr) std::memset(state_.accum + element, 0, block.count * sizeof(float));
   const optimizer::Upload upload = Upload(block);
   if (upload.data != nullptr) std::memset(upload.data, 0, block.count * SizeOf(upload.dtype));

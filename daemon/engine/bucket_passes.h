@@ -1,8 +1,9 @@
 // The element passes the step engine runs over a bucket, one block of a parameter at a time on the
 // worker pool: sum the ranks' gradient slots into the accumulator, the gradients' sum of squares (for
-// clipping), the fused AdamW update, the upload copy of loaded master weights, and the first touch of
-// a new job's state. The engine decides which blocks run when (daemon/engine/step_engine.h); this
-// file says what one block does to the job's memory.
+// clipping), the fused AdamW update from one half of the state into the other (shm/job_layout.h; the
+// same half with one), the carry of a parameter without a gradient into the other half, the upload copy
+// of master weights, and the first touch of a new job's state. The engine decides which blocks run when
+// (daemon/engine/step_engine.h); this file says what one block does to the job's memory.
 //
 // Invariants: a pass reads and writes only the elements of its block, so the blocks of one pass run
 // concurrently on any threads; a rank contributes a block's gradients only where its presence flag
@@ -42,16 +43,20 @@ class BucketPasses {
   void Accumulate(const Block& block, const Sources& sources, bool overwrite) const;
   // sum(g^2) of g = scale * (accum + the sources' slots); sets *nonfinite if any g is inf or NaN.
   double SumOfSquares(const Block& block, const Sources& sources, float scale, bool* nonfinite) const;
-  // AdamW (or Adam) on the master weights and moments from g = scale * (accum + the sources' slots),
-  // and the new weights of 16-bit buckets into the upload region. Returns whether the new master
-  // weights hold inf or NaN.
+  // AdamW (or Adam) from the master weights and moments in `from` to those in `to` (in place when they
+  // are the same half), from g = scale * (accum + the sources' slots), and the new weights of 16-bit
+  // buckets into the upload region. Returns whether the new master weights hold inf or NaN.
   bool Update(const Block& block, const Sources& sources, float scale, const optimizer::AdamWStep& step,
-              uint64_t sr_seed) const;
-  // The master weights (just loaded by a client) into the upload region, rounded to the bucket's
-  // dtype; nothing for fp32 buckets, whose clients read the master weights in place.
-  void UploadMaster(const Block& block) const;
-  // Zeroes every state region of the block: the first touch, which places its pages on the NUMA node
-  // of the thread that runs it.
+              uint64_t sr_seed, const shm::StateHalf& from, const shm::StateHalf& to) const;
+  // The master weights and moments from `from` into `to`, unchanged: a parameter without a gradient in
+  // a step keeps its state in the half that step commits.
+  void Carry(const Block& block, const shm::StateHalf& from, const shm::StateHalf& to) const;
+  // The master weights of `half` (loaded by a client, committed, or rolled back to) into the upload
+  // region, rounded to the bucket's dtype; nothing for fp32 buckets, whose clients read the master
+  // weights in place.
+  void UploadMaster(const Block& block, const shm::StateHalf& half) const;
+  // Zeroes every state region of the block, in both halves: the first touch, which places its pages on
+  // the NUMA node of the thread that runs it.
   void Touch(const Block& block) const;
 
  private:
@@ -59,6 +64,7 @@ class BucketPasses {
   [[nodiscard]] uint64_t Element(const Block& block) const;  // in master, moments and accumulator
   [[nodiscard]] uint64_t ByteInBucket(const Block& block) const;
   [[nodiscard]] optimizer::Upload Upload(const Block& block) const;
+  [[nodiscard]] std::byte* Moment(void* region, const Block& block) const;
 
   const shm::JobLayout& layout_;
   const shm::StateView& state_;

@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <future>
 #include <latch>
+#include <limits>
 #include <utility>
 
 #include "daemon/optimizer/adamw_kernels.h"
@@ -17,6 +19,7 @@ namespace {
 constexpr uint64_t kBlockElements = 1 << 16;           // elements of one Block (the unit of work on the pool)
 constexpr uint32_t kMaxMessagesPerRankPerRound = 256;  // fairness between ranks
 constexpr auto kIdleWait = std::chrono::milliseconds(100);
+constexpr auto kResumeTimeout = std::chrono::minutes(5);  // passes in flight finish in milliseconds
 
 void CheckHParams(const shm::HParams& h, uint32_t group) {
   const bool ok = std::isfinite(h.lr) && h.lr >= 0 && std::isfinite(h.beta1) && h.beta1 >= 0 && h.beta1 < 1 &&
@@ -27,10 +30,17 @@ void CheckHParams(const shm::HParams& h, uint32_t group) {
            h.beta2, h.eps, h.weight_decay);
 }
 
+// The sum of per-block partial sums, in block order: deterministic whatever order the blocks ran in.
+double Total(const std::vector<double>& partial) {
+  double sum = 0;
+  for (const double value : partial) sum += value;
+  return sum;
+}
+
 }  // namespace
 
 StepEngine::StepEngine(std::string job_name, const shm::LayoutSpec& spec, const shm::JobLayout& layout,
-                       shm::StateView state, uint64_t seed, WorkerPool& pool, AllReduce* peers,
+                       shm::StateView state, uint64_t seed, WorkerPool& pool, AllReduce* peers, bool adopted,
                        CommitObserver on_commit)
     : job_name_(std::move(job_name)),
       spec_(spec),
@@ -43,11 +53,13 @@ StepEngine::StepEngine(std::string job_name, const shm::LayoutSpec& spec, const 
       on_commit_(std::move(on_commit)),
       ranks_(spec.world_size),
       buckets_(layout.buckets.size()),
-      had_grad_(spec.params.size(), 0) {
+      had_grad_(spec.params.size(), 0),
+      adopted_(adopted) {
   for (size_t b = 0; b < buckets_.size(); ++b) {
-    buckets_[b].step = state_.bucket_state[b].applied_step.load() + 1;
+    buckets_[b].step = state_.bucket_state[b].Load().step + 1;
     buckets_[b].delivered.assign(spec.world_size, 0);
   }
+  completed_ = CompletedStep();
   thread_ = std::thread([this] { Loop(); });
 }
 
@@ -94,12 +106,106 @@ std::optional<std::string> StepEngine::Diverged() {
 }
 
 EngineStats StepEngine::Stats() {
-  EngineStats stats{.updates = updates_.load(), .nonfinite_steps = nonfinite_steps_.load(), .attached_ranks = {}};
+  EngineStats stats{.updates = updates_.load(),
+                    .nonfinite_steps = nonfinite_steps_.load(),
+                    .speculative_steps = speculative_steps_.load(),
+                    .redone_steps = redone_steps_.load(),
+                    .attached_ranks = {}};
   std::lock_guard lock(mutex_);
   for (const auto& channel : ranks_) {
     if (channel) stats.attached_ranks.push_back(channel->rank);
   }
   return stats;
+}
+
+uint64_t StepEngine::Resume() {
+  auto resumed = std::make_shared<std::promise<uint64_t>>();
+  std::future<uint64_t> step = resumed->get_future();
+  Post([this, resumed] {
+    resumes_.emplace_back([resumed](uint64_t completed) { resumed->set_value(completed); });
+    RunResumes();
+  });
+  TS_CHECK(step.wait_for(kResumeTimeout) == std::future_status::ready, Code::kUnavailable,
+           "job '{}': the updates in flight did not finish within {} s; attach again", job_name_,
+           std::chrono::duration_cast<std::chrono::seconds>(kResumeTimeout).count());
+  return step.get();
+}
+
+bool StepEngine::Settled() const {
+  if (loading_) return false;
+  return std::none_of(buckets_.begin(), buckets_.end(), [](const BucketProgress& progress) {
+    return progress.phase == Phase::kBusy || progress.pushes > 0;
+  });
+}
+
+void StepEngine::RunResumes() {
+  if (resumes_.empty() || !Settled()) return;
+  std::vector<std::function<void(uint64_t)>> replies;
+  replies.swap(resumes_);
+  ResumeNow([replies = std::move(replies)](uint64_t step) {
+    for (const auto& reply : replies) reply(step);
+  });
+}
+
+// See Resume. Runs on the engine thread once no pass is in flight. By the skew bound a bucket is at
+// most one step past the job's completed step, and with two halves its other half holds that step.
+void StepEngine::ResumeNow(std::function<void(uint64_t)> reply) {
+  const uint64_t completed = CompletedStep();
+  std::vector<uint32_t> rolled_back, kept;
+  for (uint32_t b = 0; b < buckets_.size(); ++b) {
+    BucketProgress& progress = buckets_[b];
+    const shm::BucketCommit commit = state_.bucket_state[b].Load();
+    if (adopted_) progress.upload_dirty = true;  // the dead daemon may have been writing it
+    if (commit.step == completed) continue;
+    if (spec_.state_halves == 2) {
+      state_.bucket_state[b].Store({.step = completed, .half = OtherHalf(commit.half)});
+      progress.upload_dirty = true;
+      rolled_back.push_back(b);
+    } else {
+      kept.push_back(b);  // StartUpdate skips its replayed step
+    }
+    progress.step = completed + 1;
+    RestartBucket(b);
+  }
+  adopted_ = false;
+  completed_ = completed;
+  state_.header->completed_step.store(completed);
+  if (!rolled_back.empty() || !kept.empty()) {
+    spdlog::info("job '{}' resumes after step {}: bucket(s) [{}] rolled back from step {}{}", job_name_, completed,
+                 fmt::join(rolled_back, ", "), completed + 1,
+                 kept.empty() ? std::string()
+                              : fmt::format(", bucket(s) [{}] keep step {} and skip its replay (one state half)",
+                                            fmt::join(kept, ", "), completed + 1));
+  }
+  std::vector<uint32_t> rewrite;
+  for (uint32_t b = 0; b < buckets_.size(); ++b) {
+    BucketProgress& progress = buckets_[b];
+    if (!progress.upload_dirty) continue;
+    progress.upload_dirty = false;
+    if (!layout_.buckets[b].uploads_from_master()) rewrite.push_back(b);
+  }
+  if (rewrite.empty()) return reply(completed);
+  auto remaining = std::make_shared<size_t>(rewrite.size());
+  auto done = std::make_shared<std::function<void(uint64_t)>>(std::move(reply));
+  for (const uint32_t b : rewrite) {
+    UploadCommitted(b, [this, b, remaining, done, completed] {
+      buckets_[b].phase = Phase::kCollecting;
+      buckets_[b].pass = Pass::kNone;
+      if (--*remaining == 0) (*done)(completed);
+    });
+  }
+}
+
+// Bucket b's upload region from its committed master weights, on the pool; then `done`.
+void StepEngine::UploadCommitted(uint32_t b, std::function<void()> done) {
+  buckets_[b].phase = Phase::kBusy;
+  buckets_[b].pass = Pass::kUpload;
+  Schedule(
+      b, 0, [](uint32_t) { return true; },
+      [passes = &passes_, half = &state_.Committed(b)](size_t, const Block& block) {
+        passes->UploadMaster(block, *half);
+      },
+      std::move(done));
 }
 
 void StepEngine::FailAll(const std::string& message) {
@@ -125,14 +231,36 @@ void StepEngine::FailSessions(const std::string& message) {
 
 // A rank left while others were mid-step: its share of the step's gradients is gone, so the partial
 // step is discarded and the other ranks' sessions fail (they would wait for it forever; like a
-// collective whose peer died, every rank must restart). Buckets already being updated finish.
+// collective whose peer died, every rank must restart, and Resume gives them all one step to resume
+// from). What can no longer complete is discarded: partly collected buckets, norms and speculative
+// updates waiting for the other buckets (or still running: they restart when they end), updates held
+// back by the skew bound. Updates that have all their gradients finish and commit. Buckets at different
+// committed steps count as mid-step too.
 void StepEngine::ResetCollecting(const std::string& reason) {
   bool discarded = false;
   for (uint32_t b = 0; b < buckets_.size(); ++b) {
-    const BucketProgress& progress = buckets_[b];
-    if (progress.phase != Phase::kCollecting || (progress.delivered_count == 0 && progress.micro == 0)) continue;
+    BucketProgress& progress = buckets_[b];
+    const bool discardable_pass =
+        progress.pass == Pass::kAccumulate || progress.pass == Pass::kNorm || progress.pass == Pass::kSpeculate;
+    if (progress.phase == Phase::kCollecting) {
+      if (progress.delivered_count == 0 && progress.micro == 0) continue;
+      RestartBucket(b);
+    } else if (progress.phase == Phase::kAwaitingClip) {
+      Abandon(b);
+    } else if (progress.pending && (progress.pending->second == Pass::kSpeculate || progress.step > completed_ + 1)) {
+      progress.pending.reset();  // held back by the skew bound: the step before cannot complete now
+      Abandon(b);
+    } else if (discardable_pass && !progress.pending) {
+      progress.discard = true;  // Discarded() restarts it when its pass ends
+    } else {
+      discarded |= progress.phase == Phase::kBusy && progress.pass != Pass::kUpload;  // commits, a step ahead
+      continue;
+    }
     discarded = true;
-    RestartBucket(b);
+  }
+  clip_gates_.clear();  // no step with a gate left can complete: decided gates are gone already
+  for (uint32_t b = 0; b < buckets_.size() && !discarded; ++b) {
+    discarded = state_.bucket_state[b].Load().step != completed_;
   }
   if (!discarded) return;
   const std::string message = fmt::format("{} in the middle of a step; that step's gradients were discarded", reason);
@@ -147,6 +275,7 @@ void StepEngine::ResetCollecting(const std::string& reason) {
 void StepEngine::RestartBucket(uint32_t b) {
   BucketProgress& progress = buckets_[b];
   progress.phase = Phase::kCollecting;
+  progress.pass = Pass::kNone;
   progress.micro = 0;
   progress.delivered_count = 0;
   std::fill(progress.delivered.begin(), progress.delivered.end(), 0);
@@ -154,6 +283,27 @@ void StepEngine::RestartBucket(uint32_t b) {
   for (const auto& channel : ranks_) {
     if (channel) channel->staged[b] = channel->pulled[b] = 0;
   }
+}
+
+// Bucket b's step is abandoned before its commit: a speculative update it wrote is dropped (the other
+// half is not read; the upload region holds its weights until Resume rewrites it).
+void StepEngine::Abandon(uint32_t b) {
+  BucketProgress& progress = buckets_[b];
+  if (progress.plan != nullptr) {
+    progress.updating = false;
+    progress.upload_dirty = !layout_.buckets[b].uploads_from_master();
+    progress.plan.reset();
+  }
+  RestartBucket(b);
+}
+
+bool StepEngine::Discarded(uint32_t b) {
+  BucketProgress& progress = buckets_[b];
+  if (!progress.discard) return false;
+  progress.discard = false;
+  Abandon(b);
+  RunResumes();
+  return true;
 }
 
 void StepEngine::Loop() {
@@ -203,6 +353,7 @@ bool StepEngine::DrainFinished() {
       }
     }
   }
+  RunResumes();
   return true;
 }
 
@@ -319,14 +470,19 @@ Sources StepEngine::GradientSlots() {
   return spec_.nodes() > 1 ? Sources() : ranks_;
 }
 
+// Runs `work` on the engine thread.
+void StepEngine::Post(std::function<void()> work) {
+  {
+    std::lock_guard lock(finished_mutex_);
+    finished_.push_back(std::move(work));
+  }
+  state_.header->doorbell.Ring();
+}
+
 // Hands `continuation` from an asynchronous worker (pool, all-reduce) back to the engine thread, and
 // ends that worker's in-flight count.
 void StepEngine::Continue(std::function<void()> continuation) {
-  {
-    std::lock_guard lock(finished_mutex_);
-    finished_.push_back(std::move(continuation));
-  }
-  state_.header->doorbell.Ring();
+  Post(std::move(continuation));
   if (--inflight_ == 0) {
     std::lock_guard lock(inflight_mutex_);
     inflight_zero_.notify_all();
@@ -386,18 +542,22 @@ void StepEngine::TouchState() {
 }
 
 void StepEngine::StartAccumulate(uint32_t b) {
+  buckets_[b].pass = Pass::kAccumulate;
   AccumulateSlots(b, [this, b] {
+    if (Discarded(b)) return;
     BucketProgress& progress = buckets_[b];
     const uint32_t micro = progress.micro++;
     progress.delivered_count = 0;
     std::fill(progress.delivered.begin(), progress.delivered.end(), 0);
     progress.phase = Phase::kCollecting;
+    progress.pass = Pass::kNone;
     PostToAll(shm::Message{.kind = shm::MessageKind::kSlotFree, .bucket = b, .step = progress.step, .micro = micro});
   });
 }
 
 // Multi-node: this node's sum goes into the accumulator, then around the ring of daemons.
 void StepEngine::StartReduce(uint32_t b) {
+  buckets_[b].pass = Pass::kReduce;
   AccumulateSlots(b, [this, b] {
     const shm::BucketLayout& bucket = layout_.buckets[b];
     ++inflight_;  // the all-reduce works on the accumulator
@@ -416,8 +576,9 @@ void StepEngine::StartReduce(uint32_t b) {
 }
 
 void StepEngine::AfterGradients(uint32_t b) {
-  if (spec_.max_grad_norm > 0) return StartNorm(b);
-  StartUpdate(b, 1.0f);
+  if (spec_.max_grad_norm == 0) return StartUpdate(b, 1.0f, Pass::kUpdate);
+  if (layout_.speculative_clipping) return StartUpdate(b, 1.0f, Pass::kSpeculate);
+  StartNorm(b);
 }
 
 void StepEngine::AccumulateSlots(uint32_t b, std::function<void()> then) {
@@ -431,13 +592,10 @@ void StepEngine::AccumulateSlots(uint32_t b, std::function<void()> then) {
 }
 
 void StepEngine::StartNorm(uint32_t b) {
+  buckets_[b].pass = Pass::kNorm;
   const float scale = 1.0f / static_cast<float>(spec_.world_size * spec_.nodes());
   auto include = [this](uint32_t p) { return had_grad_[p] != 0; };
-  size_t blocks = 0;
-  for (uint32_t p : layout_.buckets[b].params) {
-    if (include(p)) blocks += (layout_.params[p].numel + kBlockElements - 1) / kBlockElements;
-  }
-  auto partial = std::make_shared<std::vector<double>>(blocks, 0.0);
+  auto partial = std::make_shared<std::vector<double>>(BlocksOf(b, include)->size(), 0.0);
   auto nonfinite = std::make_shared<std::atomic<bool>>(false);
   Schedule(
       b, 0, include,
@@ -446,57 +604,152 @@ void StepEngine::StartNorm(uint32_t b) {
         (*partial)[i] = passes->SumOfSquares(block, sources, scale, &bad);
         if (bad) nonfinite->store(true);
       },
-      [this, b, partial, nonfinite] {
-        double sum = 0;
-        for (double value : *partial) sum += value;  // fixed order: deterministic
-        OnNormed(b, sum, nonfinite->load());
-      });
+      [this, b, partial, nonfinite] { OnNormed(b, Total(*partial), nonfinite->load()); });
 }
 
 void StepEngine::OnNormed(uint32_t b, double sum_of_squares, bool nonfinite) {
+  if (Discarded(b)) return;
   BucketProgress& progress = buckets_[b];
   progress.phase = Phase::kAwaitingClip;
-  ClipGate& gate = clip_gates_[progress.step];
-  gate.sum_of_squares += sum_of_squares;
-  gate.nonfinite |= nonfinite;
-  if (++gate.normed < buckets_.size()) return;
+  progress.pass = Pass::kNone;
+  const uint64_t step = progress.step;
+  ClipGate& gate = clip_gates_.try_emplace(step, buckets_.size()).first->second;
+  if (!gate.Add(b, sum_of_squares, nonfinite)) return;
   // Every bucket's norm is in: torch's clip_grad_norm_ coefficient, then updates in forward order
   // (the highest bucket holds the first parameters, which the next forward needs first).
-  const double total_norm = std::sqrt(gate.sum_of_squares);
-  const double coefficient = std::min(1.0, spec_.max_grad_norm / (total_norm + 1e-6));
-  if (gate.nonfinite) ReportNonFinite(progress.step, "gradients contain inf or NaN");
+  const double coefficient = gate.Coefficient(spec_.max_grad_norm);
+  if (gate.nonfinite()) ReportNonFinite(step, "gradients contain inf or NaN");
+  clip_gates_.erase(step);
   for (uint32_t bucket = static_cast<uint32_t>(buckets_.size()); bucket-- > 0;) {
-    StartUpdate(bucket, static_cast<float>(coefficient));
+    StartUpdate(bucket, static_cast<float>(coefficient), Pass::kUpdate);
   }
 }
 
-void StepEngine::StartUpdate(uint32_t b, float clip_coefficient) {
+// Speculative clipping: bucket b's update with coefficient 1 is written (not committed) and its norm
+// is known. Once every bucket's is, ClipDecided commits the step or redoes it.
+void StepEngine::OnSpeculated(uint32_t b, double sum_of_squares, bool nonfinite) {
+  if (Discarded(b)) return;
   BucketProgress& progress = buckets_[b];
-  if (progress.pushes > 0) {  // a GPU still reads the weights of the last step
-    progress.update_after_pushes = clip_coefficient;
+  progress.phase = Phase::kAwaitingClip;
+  const uint64_t step = progress.step;
+  if (clip_gates_.try_emplace(step, buckets_.size()).first->second.Add(b, sum_of_squares, nonfinite)) {
+    ClipDecided(step);
+  }
+}
+
+// The norm of a speculated step is known. A coefficient of exactly 1 is what the updates were written
+// with: every bucket commits what it wrote (in forward order). Otherwise (clipping, or an inf norm)
+// each bucket with gradients is updated again from its committed half with the coefficient, exactly
+// the update that waited for the norm, and then commits; a bucket without gradients only carried its
+// state, which commits as it is. A NaN norm gives a coefficient of 1, as it does without speculation.
+void StepEngine::ClipDecided(uint64_t step) {
+  const ClipGate& gate = clip_gates_.at(step);
+  const double coefficient = gate.Coefficient(spec_.max_grad_norm);
+  if (gate.nonfinite()) ReportNonFinite(step, "gradients contain inf or NaN");
+  clip_gates_.erase(step);
+  ++speculative_steps_;
+  const bool redo = coefficient != 1.0;
+  if (redo) ++redone_steps_;
+  for (uint32_t b = static_cast<uint32_t>(buckets_.size()); b-- > 0;) {
+    const std::shared_ptr<const UpdatePlan> plan = buckets_[b].plan;
+    const bool any_gradient = std::any_of(plan->updated.begin(), plan->updated.end(), [](uint8_t u) { return u; });
+    if (redo && any_gradient) {
+      StartUpdate(b, static_cast<float>(coefficient), Pass::kRedo);
+    } else {
+      CommitBucket(b, step, plan->to);
+    }
+  }
+}
+
+// The update of bucket b's step: scalars per parameter (step counts written into the half it writes),
+// from the committed half into the other (the same with one half).
+std::shared_ptr<const StepEngine::UpdatePlan> StepEngine::PlanUpdate(uint32_t b) {
+  auto plan = std::make_shared<UpdatePlan>();
+  plan->step = buckets_[b].step;
+  plan->from = state_.bucket_state[b].Load().half;
+  plan->to = OtherHalf(plan->from);
+  plan->scalars.resize(spec_.params.size());
+  plan->updated.assign(spec_.params.size(), 0);
+  const shm::StateHalf& from = state_.halves[plan->from];
+  const shm::StateHalf& to = state_.halves[plan->to];
+  const shm::HParams* hparams = HParamsFor(plan->step);
+  const bool decoupled = spec_.optimizer == shm::OptimizerKind::kAdamW;
+  for (uint32_t p : layout_.buckets[b].params) {
+    const uint64_t steps = from.param_state[p].step + (had_grad_[p] != 0 ? 1 : 0);
+    to.param_state[p].step = steps;
+    if (!had_grad_[p]) continue;
+    plan->updated[p] = 1;
+    const shm::HParams& h = hparams[spec_.params[p].group];
+    plan->scalars[p] = optimizer::AdamWStep::For(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, decoupled, steps);
+  }
+  return plan;
+}
+
+// Reads bucket b's committed half and writes the other (the same half, in place, with one half): the
+// parameters with a gradient get their update, the others their state carried over unchanged (with one
+// half there is nothing to carry). kSpeculate also sums the squares of each block's gradients right
+// before its update (the second read hits the cache: cheaper than a pass of its own, measured in
+// benchmarks/adamw). The update waits while a GPU still reads the bucket's weights of the last step, and
+// until every bucket has committed the step before (the skew bound, see the header).
+void StepEngine::StartUpdate(uint32_t b, float clip_coefficient, Pass pass) {
+  BucketProgress& progress = buckets_[b];
+  if (state_.bucket_state[b].Load().step >= progress.step) return SkipReplayedStep(b);
+  progress.phase = Phase::kBusy;
+  progress.pass = pass;
+  if (progress.pushes > 0 || progress.step > completed_ + 1) {
+    progress.pending = {clip_coefficient, pass};
     return;
   }
+  progress.pending.reset();
   progress.updating = true;
   progress.update_started = std::chrono::steady_clock::now();
-  const uint64_t step = progress.step;
-  const shm::HParams* hparams = HParamsFor(step);
-  const bool decoupled = spec_.optimizer == shm::OptimizerKind::kAdamW;
-  auto scalars = std::make_shared<std::vector<optimizer::AdamWStep>>(spec_.params.size());
-  for (uint32_t p : layout_.buckets[b].params) {
-    if (!had_grad_[p]) continue;
-    const shm::HParams& h = hparams[spec_.params[p].group];
-    const uint64_t param_step = ++state_.param_state[p].step;
-    (*scalars)[p] = optimizer::AdamWStep::For(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, decoupled, param_step);
+  if (pass != Pass::kRedo) progress.plan = PlanUpdate(b);
+  const std::shared_ptr<const UpdatePlan> plan = progress.plan;
+  if (spec_.state_halves == 1) {  // torn until the commit: a daemon that adopts the job must know
+    state_.bucket_state[b].Store({.step = state_.bucket_state[b].Load().step, .half = 0, .updating = true});
   }
-  const float scale = clip_coefficient / static_cast<float>(spec_.world_size * spec_.nodes());
-  const uint64_t sr_seed = seed_ ^ (step * 0xD1B54A32D192ED03ull);
+  const bool carry = plan->from != plan->to;  // in place, a parameter without a gradient is left alone
+  auto include = [this, carry](uint32_t p) { return carry || had_grad_[p] != 0; };
+  const bool speculative = pass == Pass::kSpeculate;
+  const float norm_scale = 1.0f / static_cast<float>(spec_.world_size * spec_.nodes());
+  const float scale = clip_coefficient * norm_scale;
+  const uint64_t sr_seed = seed_ ^ (plan->step * 0xD1B54A32D192ED03ull);
+  auto partial = std::make_shared<std::vector<double>>(speculative ? BlocksOf(b, include)->size() : 0, 0.0);
   auto nonfinite = std::make_shared<std::atomic<bool>>(false);
+  auto norm_nonfinite = std::make_shared<std::atomic<bool>>(false);
   Schedule(
-      b, static_cast<int64_t>(b), [this](uint32_t p) { return had_grad_[p] != 0; },
-      [passes = &passes_, scale, sr_seed, scalars, nonfinite, sources = GradientSlots()](size_t, const Block& block) {
-        if (passes->Update(block, sources, scale, (*scalars)[block.param], sr_seed)) nonfinite->store(true);
+      b, static_cast<int64_t>(b), include,
+      [passes = &passes_, scale, norm_scale, sr_seed, plan, partial, nonfinite, norm_nonfinite,
+       from = &state_.halves[plan->from], to = &state_.halves[plan->to],
+       sources = GradientSlots()](size_t i, const Block& block) {
+        if (plan->updated[block.param] == 0) return passes->Carry(block, *from, *to);
+        if (!partial->empty()) {
+          bool bad = false;
+          (*partial)[i] = passes->SumOfSquares(block, sources, norm_scale, &bad);
+          if (bad) norm_nonfinite->store(true);
+        }
+        if (passes->Update(block, sources, scale, plan->scalars[block.param], sr_seed, *from, *to)) {
+          nonfinite->store(true);
+        }
       },
-      [this, b, step, nonfinite] { OnUpdated(b, step, nonfinite->load()); });
+      [this, b, plan, speculative, partial, nonfinite, norm_nonfinite] {
+        if (speculative) return OnSpeculated(b, Total(*partial), norm_nonfinite->load());
+        OnUpdated(b, plan->step, plan->to, nonfinite->load());
+      });
+}
+
+// Updates held back (pushes, the skew bound) whose wait is over, from the highest bucket down.
+void StepEngine::StartPendingUpdates() {
+  for (uint32_t b = static_cast<uint32_t>(buckets_.size()); b-- > 0;) {
+    const BucketProgress& progress = buckets_[b];
+    if (progress.pending && progress.pushes == 0 && progress.step <= completed_ + 1) {
+      StartUpdate(b, progress.pending->first, progress.pending->second);
+    }
+  }
+}
+
+uint32_t StepEngine::OtherHalf(uint32_t half) const {
+  return spec_.state_halves == 2 ? 1 - half : 0;
 }
 
 void StepEngine::ReportNonFinite(uint64_t step, const std::string& what) {
@@ -508,27 +761,35 @@ void StepEngine::ReportNonFinite(uint64_t step, const std::string& what) {
   }
 }
 
-void StepEngine::OnUpdated(uint32_t b, uint64_t step, bool nonfinite) {
+void StepEngine::OnUpdated(uint32_t b, uint64_t step, uint32_t half, bool nonfinite) {
   if (nonfinite) {
     ReportNonFinite(step, fmt::format("the update of bucket {} left inf or NaN weights (from inf or NaN gradients, "
                                       "or a diverging model); max_grad_norm also reports them before the update",
                                       b));
   }
-  state_.bucket_state[b].applied_step.store(step);
+  CommitBucket(b, step, half);
+}
+
+// The one store that makes bucket b's update of `step` (in `half`) its state; then the bucket collects
+// the next step and its weights go out.
+void StepEngine::CommitBucket(uint32_t b, uint64_t step, uint32_t half) {
+  state_.bucket_state[b].Store({.step = step, .half = half});
   BucketProgress& progress = buckets_[b];
   progress.updating = false;
+  progress.upload_dirty = false;
+  progress.plan.reset();
   progress.step = step + 1;
   RestartBucket(b);  // collects the next step from scratch
   updates_++;
-  const bool step_completed = ++updated_[step] == buckets_.size();
-  if (step_completed) {  // before the last PARAMS_READY: a client may read it then
-    updated_.erase(step);
-    clip_gates_.erase(step);
-    state_.header->completed_step.store(step);
-  }
+  const uint64_t completed_before = completed_;
+  AdvanceCompleted();  // before the last PARAMS_READY: a client may read it then
   PublishWeights(b, step);
   const std::chrono::duration<double> took = std::chrono::steady_clock::now() - progress.update_started;
-  NotifyCommit(Commit{.bucket = b, .step = step, .step_completed = step_completed, .update_seconds = took.count()});
+  NotifyCommit(Commit{.bucket = b,
+                      .step = step,
+                      .step_completed = completed_ >= step && completed_before < step,
+                      .update_seconds = took.count()});
+  StartPendingUpdates();
 }
 
 void StepEngine::NotifyCommit(Commit commit) {
@@ -547,9 +808,33 @@ void StepEngine::AnnounceCommitted() {
   Continue([this] {
     for (uint32_t b = 0; b < buckets_.size(); ++b) {
       if (loading_ || buckets_[b].updating) continue;
-      NotifyCommit(Commit{.bucket = b, .step = state_.bucket_state[b].applied_step.load(), .announced = true});
+      NotifyCommit(Commit{.bucket = b, .step = state_.bucket_state[b].Load().step, .announced = true});
     }
   });
+}
+
+// One half, after Resume: bucket b committed the step it collected (its update ran before a trainer
+// died mid-step, and the trainer replayed the step): its gradients are not applied again, its current
+// weights go back.
+void StepEngine::SkipReplayedStep(uint32_t b) {
+  BucketProgress& progress = buckets_[b];
+  const uint64_t step = progress.step;
+  progress.step = step + 1;
+  RestartBucket(b);
+  PublishWeights(b, step);
+}
+
+uint64_t StepEngine::CompletedStep() const {
+  uint64_t completed = std::numeric_limits<uint64_t>::max();
+  for (uint32_t b = 0; b < buckets_.size(); ++b) completed = std::min(completed, state_.bucket_state[b].Load().step);
+  return completed;
+}
+
+void StepEngine::AdvanceCompleted() {
+  const uint64_t completed = CompletedStep();
+  if (completed <= completed_) return;
+  completed_ = completed;
+  state_.header->completed_step.store(completed);
 }
 
 void StepEngine::OnLoadState(RankChannel& channel, const shm::Message& message) {
@@ -568,37 +853,37 @@ void StepEngine::OnLoadState(RankChannel& channel, const shm::Message& message) 
   channel.claims_on_gpu = -1;  // only a claim sent after this load counts for it
   auto remaining = std::make_shared<size_t>(buckets_.size());
   for (uint32_t b = 0; b < buckets_.size(); ++b) {
-    buckets_[b].phase = Phase::kBusy;
-    Schedule(
-        b, 0, [](uint32_t) { return true; },
-        [passes = &passes_](size_t, const Block& block) { passes->UploadMaster(block); },
-        [this, remaining, step, loader] {
-          if (--*remaining != 0) return;
-          for (uint32_t bucket = 0; bucket < buckets_.size(); ++bucket) {
-            state_.bucket_state[bucket].applied_step.store(step);
-            buckets_[bucket].step = step + 1;
-            buckets_[bucket].phase = Phase::kCollecting;
-          }
-          state_.header->completed_step.store(step);
-          state_.header->initialized = 1;
-          loading_ = false;
-          loaded_by_ = loader;
-          loaded_step_ = step;
-          for (const auto& channel : ranks_) {  // the GPUs' copies of the weights are stale now...
-            if (!channel) continue;
-            ++channel->push_generation;
-            std::fill(channel->pushed.begin(), channel->pushed.end(), -1);
-            // ...except the loader's, if it said its GPU holds what it loaded
-            channel->on_gpu = channel->rank == loader && channel->claims_on_gpu == static_cast<int64_t>(step)
-                                  ? static_cast<int64_t>(step)
-                                  : -1;
-          }
-          for (uint32_t bucket = buckets_.size(); bucket-- > 0;) PublishWeights(bucket, step);
-          for (uint32_t bucket = 0; bucket < buckets_.size(); ++bucket) {
-            NotifyCommit(Commit{
-                .bucket = bucket, .step = step, .step_completed = bucket + 1 == buckets_.size(), .loaded = true});
-          }
-        });
+    UploadCommitted(b, [this, remaining, step, loader] {
+      if (--*remaining != 0) return;
+      for (uint32_t bucket = 0; bucket < buckets_.size(); ++bucket) {
+        // The client wrote the committed half: it commits as `step` where it is.
+        state_.bucket_state[bucket].Store({.step = step, .half = state_.bucket_state[bucket].Load().half});
+        buckets_[bucket].step = step + 1;
+        buckets_[bucket].phase = Phase::kCollecting;
+        buckets_[bucket].pass = Pass::kNone;
+        buckets_[bucket].upload_dirty = false;
+      }
+      completed_ = step;
+      state_.header->completed_step.store(step);
+      state_.header->initialized = 1;
+      loading_ = false;
+      loaded_by_ = loader;
+      loaded_step_ = step;
+      for (const auto& channel : ranks_) {  // the GPUs' copies of the weights are stale now...
+        if (!channel) continue;
+        ++channel->push_generation;
+        std::fill(channel->pushed.begin(), channel->pushed.end(), -1);
+        // ...except the loader's, if it said its GPU holds what it loaded
+        channel->on_gpu = channel->rank == loader && channel->claims_on_gpu == static_cast<int64_t>(step)
+                              ? static_cast<int64_t>(step)
+                              : -1;
+      }
+      for (uint32_t bucket = buckets_.size(); bucket-- > 0;) PublishWeights(bucket, step);
+      for (uint32_t bucket = 0; bucket < buckets_.size(); ++bucket) {
+        NotifyCommit(
+            Commit{.bucket = bucket, .step = step, .step_completed = bucket + 1 == buckets_.size(), .loaded = true});
+      }
+    });
   }
 }
 
@@ -660,9 +945,9 @@ void StepEngine::OnWeightsWanted(const std::shared_ptr<RankChannel>& channel, co
 // Pushes bucket b's weights to a cuda-ipc rank if it wants them and they are final and not there yet.
 void StepEngine::MaybePush(const std::shared_ptr<RankChannel>& channel, uint32_t b) {
   BucketProgress& progress = buckets_[b];
-  const auto step = static_cast<int64_t>(state_.bucket_state[b].applied_step.load());
+  const auto step = static_cast<int64_t>(state_.bucket_state[b].Load().step);
   if (channel->failed || channel->pushing[b] || step > channel->weights_wanted || channel->pushed[b] >= step ||
-      loading_ || progress.updating || state_.header->initialized == 0) {
+      loading_ || progress.updating || progress.upload_dirty || state_.header->initialized == 0) {
     return;
   }
   const std::optional<uint64_t> offset = channel->transfer->ParamsOffset(b);
@@ -675,8 +960,9 @@ void StepEngine::MaybePush(const std::shared_ptr<RankChannel>& channel, uint32_t
         shm::Message{.kind = shm::MessageKind::kParamsReady, .bucket = b, .step = static_cast<uint64_t>(step)});
   }
   const shm::BucketLayout& bucket = layout_.buckets[b];
-  const void* source = bucket.uploads_from_master() ? static_cast<const void*>(state_.master + bucket.elem_offset)
-                                                    : static_cast<const void*>(state_.upload + bucket.upload_offset);
+  const void* source = bucket.uploads_from_master()
+                           ? static_cast<const void*>(state_.Committed(b).master + bucket.elem_offset)
+                           : static_cast<const void*>(state_.upload + bucket.upload_offset);
   channel->pushing[b] = 1;
   ++progress.pushes;
   ++inflight_;
@@ -693,8 +979,9 @@ void StepEngine::OnPushed(const std::shared_ptr<RankChannel>& channel, uint32_t 
                           const std::optional<Error>& error) {
   channel->pushing[b] = 0;
   BucketProgress& progress = buckets_[b];
-  if (--progress.pushes == 0 && progress.update_after_pushes) {
-    StartUpdate(b, *std::exchange(progress.update_after_pushes, std::nullopt));
+  if (--progress.pushes == 0) {
+    if (progress.pending) StartPendingUpdates();
+    RunResumes();
   }
   if (!Attached(channel)) return;
   if (error)

@@ -5,14 +5,23 @@
 // `world_size` ranks have delivered a bucket it schedules the bucket's element passes
 // (daemon/engine/bucket_passes.h) on the worker pool:
 //   micro-batch < k-1   -> accumulate into the fp32 accumulator, then SLOT_FREE to every rank;
-//   last micro-batch    -> (clipping: squared norm first; updates wait for every bucket's norm and then
-//                          run in forward order) fused AdamW update, then PARAMS_READY to every rank.
+//   last micro-batch    -> fused AdamW update from the bucket's committed state half into the other,
+//                          then the commit (one store of its BucketState) and PARAMS_READY to every rank;
+//                          with clipping: the squared norm first, and the updates wait for every bucket's
+//                          norm and then run in forward order; with speculative clipping (two halves) the
+//                          update runs at once with the norm in the same pass, and once every bucket's norm
+//                          is in, the step is committed as it is (coefficient 1) or redone from the
+//                          committed half with the coefficient (ClipGate).
 // Worker completions come back to the engine thread through a queue plus the same doorbell, so all
 // protocol state below is touched by the engine thread only; `mutex_` guards the rank table against
 // attach/detach from gRPC threads.
 //
 // Each bucket advances through steps on its own: a fast rank may deliver bucket b of step t+1 while
-// bucket c of step t is still updating.
+// bucket c of step t is still updating. But no bucket's update of step s starts before every bucket
+// has committed s-1, so the buckets' committed steps are at most one apart: the half a bucket's update
+// of s read keeps s-1 until its update of s+1, which only starts once the job completed s, so a bucket
+// one step ahead of the job can always be rolled back (Resume). The trainer's protocol keeps them that
+// close anyway (its forward of s+1 waits for every bucket's weights of s); the engine does not rely on it.
 //
 // cuda-ipc ranks (a RankTransfer): their GRAD_READY first copies the staging slot into the rank's
 // gradient slot (then STAGING_FREE), and their PARAMS_READY follows a push of the bucket's weights to
@@ -35,6 +44,7 @@
 
 #include "daemon/engine/all_reduce.h"
 #include "daemon/engine/bucket_passes.h"
+#include "daemon/engine/clip_gate.h"
 #include "daemon/engine/rank_channel.h"
 #include "daemon/engine/worker_pool.h"
 #include "shm/job_layout.h"
@@ -56,17 +66,21 @@ struct Commit {
 using CommitObserver = std::function<void(const Commit&)>;
 
 struct EngineStats {
-  uint64_t updates = 0;          // bucket updates completed
-  uint64_t nonfinite_steps = 0;  // steps whose gradient norm was inf/NaN
+  uint64_t updates = 0;            // bucket updates committed
+  uint64_t nonfinite_steps = 0;    // steps whose gradient norm was inf/NaN
+  uint64_t speculative_steps = 0;  // steps whose updates started before the norm was known
+  uint64_t redone_steps = 0;       // of those, the ones clipping (or an inf/NaN gradient) made redo
   std::vector<uint32_t> attached_ranks;
 };
 
 class StepEngine {
  public:
-  // `peers` sums the gradients over the daemons of a multi-node job (nullptr for one node);
+  // `peers` sums the gradients over the daemons of a multi-node job (nullptr for one node). `adopted`:
+  // the state is a dead daemon's, which may have been killed while it wrote the upload region.
   // `on_commit` hears of every commit of a bucket's state.
   StepEngine(std::string job_name, const shm::LayoutSpec& spec, const shm::JobLayout& layout, shm::StateView state,
-             uint64_t seed, WorkerPool& pool, AllReduce* peers = nullptr, CommitObserver on_commit = {});
+             uint64_t seed, WorkerPool& pool, AllReduce* peers = nullptr, bool adopted = false,
+             CommitObserver on_commit = {});
   ~StepEngine();  // stops the thread and waits for in-flight work
   StepEngine(const StepEngine&) = delete;
   StepEngine& operator=(const StepEngine&) = delete;
@@ -78,6 +92,15 @@ class StepEngine {
   // Takes a while for a large job: never call it under a shared lock.
   void PlaceState();
   void AddRank(std::shared_ptr<RankChannel> channel);
+  // Readies the job for a rank that attaches, and returns the step it resumes from: the job's completed
+  // step (every bucket committed it), each bucket collecting the next. Waits for the passes in flight;
+  // then a bucket one step ahead (its update of the resume step committed before the step was
+  // abandoned: a trainer died in its backward) is rolled back with two halves (its other half holds the
+  // resume step), and with one half it keeps its step and takes the replayed step's gradients without
+  // applying them again (its current weights go back: PARAMS_READY). The upload region of a bucket
+  // whose committed weights it may not hold (rolled back, a discarded speculation, an adopted job) is
+  // rewritten from the committed master weights. Thread-safe; blocks until the engine thread did it.
+  uint64_t Resume();
   // The rank's data moves through `transfer` from now on (before it sends any message).
   void SetTransfer(uint32_t rank, std::shared_ptr<RankTransfer> transfer);
   void RemoveRank(uint32_t rank);
@@ -94,23 +117,31 @@ class StepEngine {
 
  private:
   enum class Phase { kCollecting, kBusy, kAwaitingClip };
+  // What a busy bucket's pass is. A rank that leaves mid-step discards the passes of a step that can no
+  // longer complete (ResetCollecting): accumulation, norm and speculation; the rest have all their
+  // gradients and commit.
+  enum class Pass { kNone, kAccumulate, kReduce, kNorm, kSpeculate, kUpdate, kRedo, kUpload };
+  // An update and its per-parameter scalars, kept from a speculation to its redo.
+  struct UpdatePlan {
+    uint64_t step = 0;
+    uint32_t from = 0, to = 0;                  // state halves
+    std::vector<optimizer::AdamWStep> scalars;  // by parameter
+    std::vector<uint8_t> updated;               // by parameter: had a gradient (else carried)
+  };
   struct BucketProgress {
     uint64_t step = 1;  // the step being collected
     uint32_t micro = 0;
     std::vector<uint8_t> delivered;  // per rank, for (step, micro)
     uint32_t delivered_count = 0;
     Phase phase = Phase::kCollecting;
-    double sum_of_squares = 0;
-    bool nonfinite = false;
-    bool updating = false;                     // the update pass runs: master and upload change
-    uint32_t pushes = 0;                       // pushes to GPUs in flight: master and upload are read
-    std::optional<float> update_after_pushes;  // the clip coefficient of an update waiting for them
+    Pass pass = Pass::kNone;
+    bool discard = false;       // its pass runs for a step a rank abandoned: restart when it ends
+    bool updating = false;      // an update wrote master and upload and has not committed: not pushed
+    bool upload_dirty = false;  // the upload region may hold weights of an uncommitted step
+    uint32_t pushes = 0;        // pushes to GPUs in flight: master and upload are read
+    std::optional<std::pair<float, Pass>> pending;  // an update waiting for pushes or the skew bound
+    std::shared_ptr<const UpdatePlan> plan;         // the speculated update, for its redo
     std::chrono::steady_clock::time_point update_started;
-  };
-  struct ClipGate {  // per step, with clipping: buckets whose norm is known
-    uint32_t normed = 0;
-    double sum_of_squares = 0;
-    bool nonfinite = false;
   };
 
   void Loop();
@@ -136,15 +167,33 @@ class StepEngine {
   void StartReduce(uint32_t bucket);
   void AccumulateSlots(uint32_t bucket, std::function<void()> then);
   void AfterGradients(uint32_t bucket);
+  void Post(std::function<void()> work);
   void Continue(std::function<void()> continuation);
   void FailSessions(const std::string& message);  // requires mutex_
   void RestartBucket(uint32_t bucket);
+  void Abandon(uint32_t bucket);
   Sources GradientSlots();
   void StartNorm(uint32_t bucket);
-  void StartUpdate(uint32_t bucket, float clip_coefficient);
+  // `pass`: kUpdate (the step's only update), kSpeculate (with the norm, before it is known) or kRedo.
+  void StartUpdate(uint32_t bucket, float clip_coefficient, Pass pass);
+  void StartPendingUpdates();
+  [[nodiscard]] std::shared_ptr<const UpdatePlan> PlanUpdate(uint32_t bucket);
   void OnNormed(uint32_t bucket, double sum_of_squares, bool nonfinite);
-  void OnUpdated(uint32_t bucket, uint64_t step, bool nonfinite);
+  void OnSpeculated(uint32_t bucket, double sum_of_squares, bool nonfinite);
+  void ClipDecided(uint64_t step);
+  void OnUpdated(uint32_t bucket, uint64_t step, uint32_t half, bool nonfinite);
+  void CommitBucket(uint32_t bucket, uint64_t step, uint32_t half);
   void NotifyCommit(Commit commit);  // fills in the hyperparameters
+  // A pass of a step a rank abandoned ended: the bucket collects that step again. Returns whether it was.
+  bool Discarded(uint32_t bucket);
+  // One half, after Resume: bucket b committed the step it collects; its replayed gradients are not applied.
+  void SkipReplayedStep(uint32_t bucket);
+  void AdvanceCompleted();
+  [[nodiscard]] uint64_t CompletedStep() const;           // the lowest committed step of any bucket
+  [[nodiscard]] uint32_t OtherHalf(uint32_t half) const;  // the half an update of a bucket in `half` writes
+  [[nodiscard]] bool Settled() const;                     // no pass, push or load in flight
+  void RunResumes();
+  void ResumeNow(std::function<void(uint64_t)> reply);
   // Counts `step` once among the non-finite steps and tells every rank why.
   void ReportNonFinite(uint64_t step, const std::string& what);
   void PostToAll(const shm::Message& message);
@@ -159,6 +208,7 @@ class StepEngine {
   // the engine thread afterwards.
   template <typename Work, typename Include>
   void Schedule(uint32_t bucket, int64_t priority, Include include, Work work, std::function<void()> done);
+  void UploadCommitted(uint32_t bucket, std::function<void()> done);
 
   const std::string job_name_;
   const shm::LayoutSpec spec_;
@@ -179,7 +229,9 @@ class StepEngine {
   std::vector<BucketProgress> buckets_;
   std::vector<uint8_t> had_grad_;  // per parameter, for the step its bucket is collecting
   std::map<uint64_t, ClipGate> clip_gates_;
-  std::map<uint64_t, uint32_t> updated_;  // per step: buckets updated
+  std::vector<std::function<void(uint64_t)>> resumes_;  // Resume calls waiting for the job to settle
+  bool adopted_;                                        // until the first Resume
+  uint64_t completed_ = 0;                              // CompletedStep(), as the header has it
   bool loading_ = false;
   int64_t loaded_by_ = -1;  // the rank whose LOAD_STATE was the last one to complete
   uint64_t loaded_step_ = 0;
@@ -189,6 +241,8 @@ class StepEngine {
 
   std::atomic<uint64_t> updates_{0};
   std::atomic<uint64_t> nonfinite_steps_{0};
+  std::atomic<uint64_t> speculative_steps_{0};
+  std::atomic<uint64_t> redone_steps_{0};
   uint64_t last_nonfinite_step_ = 0;  // engine thread
   std::atomic<int64_t> inflight_{0};
   std::mutex inflight_mutex_;

@@ -7,6 +7,7 @@
 // Internal linkage (unnamed namespace) on purpose, as in float_convert.h: it is compiled once per ISA.
 #pragma once
 
+#include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -78,19 +79,20 @@ inline void StoreMomentElement(void* base, size_t i, float value, uint32_t rando
   }
 }
 
-// One element of AdamWUpdate; element i of the range, global index moments.element_base + i.
+// One element of AdamWUpdate; element i of the range, global index moments.element_base + i. Reads the
+// state from `in`, writes it to master and moments (the same memory in place). Returns the new weight.
 template <DType kGrad, DType kMoment, UploadKind kUpload, bool kDecoupled>
-inline void UpdateElement(const GradSources& grads, const StepConstants& c, float* master, const MomentBuffers& moments,
-                          const Upload& upload, size_t i) {
+inline float UpdateElement(const GradSources& grads, const StepConstants& c, const StateIn& in, float* master,
+                           const MomentBuffers& moments, const Upload& upload, size_t i) {
   float g = GradElement<kGrad>(grads, i);
-  float p = master[i];
+  float p = in.master[i];
   if constexpr (kDecoupled) {
     p *= c.decay;
   } else {
     g += c.weight_decay * p;
   }
-  float m = LoadElement<kMoment>(moments.exp_avg, i);
-  float v = LoadElement<kMoment>(moments.exp_avg_sq, i);
+  float m = LoadElement<kMoment>(in.exp_avg, i);
+  float v = LoadElement<kMoment>(in.exp_avg_sq, i);
   m += c.one_minus_beta1 * (g - m);
   v = v * c.beta2 + c.one_minus_beta2 * g * g;
   const float denom = std::sqrt(v) / c.bc2_sqrt + c.eps;
@@ -100,6 +102,14 @@ inline void UpdateElement(const GradSources& grads, const StepConstants& c, floa
   StoreMomentElement<kMoment>(moments.exp_avg, i, m, ExpAvgRandom(random));
   StoreMomentElement<kMoment>(moments.exp_avg_sq, i, v, ExpAvgSqRandom(random));
   StoreUploadElement<kUpload>(upload.data, i, p);
+  return p;
+}
+
+// |x|'s bits: at least kNonFiniteMagnitude exactly when x is inf or NaN. The update keeps the largest
+// of its new weights' (an unsigned max, cheap in vectors) to tell whether any is non-finite.
+constexpr uint32_t kNonFiniteMagnitude = 0x7f800000u;
+inline uint32_t MagnitudeBits(float x) {
+  return std::bit_cast<uint32_t>(x) & 0x7fffffffu;
 }
 
 // One element of Accumulate.

@@ -88,9 +88,9 @@ const KernelTable& ActiveKernels() {
   return active;
 }
 
-void AdamWUpdate(const GradSources& grads, const AdamWStep& step, float* master, const MomentBuffers& moments,
-                 const Upload& upload, size_t n) {
-  ActiveKernels().update(grads, step, master, moments, upload, n);
+bool AdamWUpdate(const GradSources& grads, const AdamWStep& step, const StateIn& in, float* master,
+                 const MomentBuffers& moments, const Upload& upload, size_t n) {
+  return ActiveKernels().update(grads, step, in, master, moments, upload, n);
 }
 
 double SumOfSquares(const GradSources& grads, size_t n, bool* nonfinite) {
@@ -103,17 +103,6 @@ void Accumulate(const GradSources& grads, float* accum, bool overwrite, size_t n
 
 void ConvertMaster(const float* master, const Upload& upload, size_t n) {
   ActiveKernels().convert_master(master, upload, n);
-}
-
-bool AnyNonFinite(const float* values, size_t n) {
-  constexpr uint32_t kExponent = 0x7f800000u;  // all ones: inf or NaN
-  uint32_t any = 0;
-  for (size_t i = 0; i < n; ++i) {  // integer compare-and-or: the compiler vectorizes it
-    uint32_t bits = 0;
-    std::memcpy(&bits, values + i, sizeof(bits));
-    any |= static_cast<uint32_t>((bits & kExponent) == kExponent);
-  }
-  return any != 0;
 }
 
 const char* ActiveKernelName() {

@@ -1,7 +1,9 @@
 // The optimizer kernels: one fused pass over a range of one parameter that sums the ranks' gradients,
 // scales them, applies Adam/AdamW to the fp32 master weights and moments, and writes the new weights in
-// the GPU's dtype into upload staging. Plus the cheap passes around it: squared norm (for clipping),
-// accumulation (for gradient accumulation) and master -> upload conversion.
+// the GPU's dtype into upload staging. The update reads the state where StateIn says and writes it where
+// it is told: the same memory (in place) or the other half of a double-buffered state (out of place). Plus the cheap
+// passes around it: squared norm (for clipping), accumulation (for gradient accumulation) and master -> upload
+// conversion.
 //
 // Semantics are torch.optim.AdamW / Adam (foreach=False), element by element:
 //   g  = scale * (accum + sum_r grad_r)            (fp32)
@@ -61,20 +63,32 @@ struct Upload {
   DType dtype = DType::kFloat32;
 };
 
-// The fused update of n elements.
-void AdamWUpdate(const GradSources& grads, const AdamWStep& step, float* master, const MomentBuffers& moments,
-                 const Upload& upload, size_t n);
+// Where an update reads the state of its range (each pointer at the range start). It writes the new
+// state to the master weights and MomentBuffers it is given: in place when this names that same memory,
+// out of place when it names the committed half of a double-buffered state and they the other half.
+// Out of place, the main loop writes the new state with non-temporal stores: ordinary stores would first
+// read the other half's cache lines (12 bytes per element more with fp32 moments), where in place the
+// lines are in cache from the loads.
+struct StateIn {
+  const float* master = nullptr;
+  const void* exp_avg = nullptr;
+  const void* exp_avg_sq = nullptr;
+  static StateIn InPlace(const float* master, const MomentBuffers& moments) {
+    return {master, moments.exp_avg, moments.exp_avg_sq};
+  }
+};
+
+// The fused update of n elements. Returns whether any new master weight is inf or NaN: a non-finite
+// gradient always leaves one (inf / inf in the update), so this detects it in the update pass, in
+// registers, without reading the gradients or the weights again.
+bool AdamWUpdate(const GradSources& grads, const AdamWStep& step, const StateIn& in, float* master,
+                 const MomentBuffers& moments, const Upload& upload, size_t n);
 
 // sum(g^2) of g = scale * (accum + sum_r grad_r), in double; sets *nonfinite if any g is inf/NaN.
 double SumOfSquares(const GradSources& grads, size_t n, bool* nonfinite);
 
 // accum = (overwrite ? 0 : accum) + scale * sum_r grad_r   (accum's own value is not scaled)
 void Accumulate(const GradSources& grads, float* accum, bool overwrite, size_t n);
-
-// Whether any of the n values is inf or NaN. Run over the master weights a block's update has just
-// written (still in cache): a non-finite gradient always leaves a non-finite weight (inf / inf = NaN
-// in the update), so this detects it in the update pass, without reading the gradients again.
-bool AnyNonFinite(const float* values, size_t n);
 
 // upload = master rounded to nearest even in the upload dtype.
 void ConvertMaster(const float* master, const Upload& upload, size_t n);

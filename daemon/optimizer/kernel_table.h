@@ -13,8 +13,8 @@ namespace trainstream::optimizer {
 
 struct KernelTable {
   const char* name;
-  void (*update)(const GradSources& grads, const AdamWStep& step, float* master, const MomentBuffers& moments,
-                 const Upload& upload, size_t n);
+  bool (*update)(const GradSources& grads, const AdamWStep& step, const StateIn& in, float* master,
+                 const MomentBuffers& moments, const Upload& upload, size_t n);
   double (*sum_of_squares)(const GradSources& grads, size_t n, bool* nonfinite);
   void (*accumulate)(const GradSources& grads, float* accum, bool overwrite, size_t n);
   void (*convert_master)(const float* master, const Upload& upload, size_t n);

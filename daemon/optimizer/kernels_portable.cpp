@@ -1,6 +1,7 @@
 // The portable variant: the scalar element definitions of adamw_element.h in a plain loop. It is the
 // reference the SIMD variants are tested against, and the fallback on CPUs without AVX2 (on ARM the
 // compiler auto-vectorizes its fp32 paths with NEON).
+#include <algorithm>
 #include <cmath>
 
 #include "daemon/optimizer/adamw_element.h"
@@ -9,13 +10,18 @@
 namespace trainstream::optimizer {
 namespace {
 
-void PortableUpdate(const GradSources& grads, const AdamWStep& step, float* master, const MomentBuffers& moments,
-                    const Upload& upload, size_t n) {
+bool PortableUpdate(const GradSources& grads, const AdamWStep& step, const StateIn& in, float* master,
+                    const MomentBuffers& moments, const Upload& upload, size_t n) {
   const StepConstants c(step, moments);
+  uint32_t largest = 0;
   DispatchUpdate(grads.dtype, moments.dtype, UploadKindOf(upload), step.decoupled,
                  [&]<DType kG, DType kM, UploadKind kU, bool kD>() {
-                   for (size_t i = 0; i < n; ++i) UpdateElement<kG, kM, kU, kD>(grads, c, master, moments, upload, i);
+                   for (size_t i = 0; i < n; ++i) {
+                     const float p = UpdateElement<kG, kM, kU, kD>(grads, c, in, master, moments, upload, i);
+                     largest = std::max(largest, MagnitudeBits(p));
+                   }
                  });
+  return largest >= kNonFiniteMagnitude;
 }
 
 double PortableSumOfSquares(const GradSources& grads, size_t n, bool* nonfinite) {

@@ -187,29 +187,83 @@ template <class Ops, bool kD>
   *p = Ops::Sub(*p, Ops::Mul(k.step_size, Ops::Div(*m, denom)));
 }
 
-// The pointers of one update, in locals (see GradReader).
+// The pointers of one update, in locals (see GradReader): where it reads the state (the same memory as
+// where it writes it, in place) and where it writes the state and the upload copy.
 struct UpdatePointers {
+  const float* master_in;
+  const void* exp_avg_in;
+  const void* exp_avg_sq_in;
   float* master;
   void* exp_avg;
   void* exp_avg_sq;
   void* upload;
 };
 
+// Which of an update's stores the main loop streams (see UpdatePeel).
+struct Streams {
+  bool upload = false;  // the upload copy: write-only here, read next by DMA
+  bool state = false;   // out of place: the new master weights and moments
+  [[nodiscard]] bool any() const { return upload || state; }
+};
+
+// How many leading elements to do before the main loop so that every stream it writes with
+// non-temporal stores is 64-byte aligned there, and which it streams (*streams): the upload copy as
+// StreamPeel decides, and out of place the new state as well, where one head aligns them all (it does
+// for the daemon's blocks, which start on 64-byte boundaries in every region). Where none does, the new
+// state alone (12 bytes per element of reads saved, against 2 for the upload). Small ranges stream
+// nothing.
+template <class Ops, DType kM, UploadKind kU>
+inline size_t UpdatePeel(const UpdatePointers& at, size_t n, Streams* streams) {
+  *streams = {};
+  bool upload = false;
+  const size_t upload_peel = StreamPeel<Ops, kU>(at.upload, n, &upload);
+  const bool out_of_place = at.master != at.master_in;
+  if (out_of_place && n * sizeof(float) >= kStreamMinBytes) {
+    constexpr size_t kMoment = kM == DType::kFloat32 ? 4 : 2;
+    constexpr size_t kUploadElement = kU == UploadKind::kFloat32 ? 4 : 2;
+    auto aligned = [](const void* p, size_t element, size_t i) {
+      return (reinterpret_cast<uintptr_t>(p) + i * element) % 64 == 0;
+    };
+    for (const bool with_upload : {upload, false}) {
+      for (size_t i = 0; i < 64; ++i) {
+        if (aligned(at.master, 4, i) && aligned(at.exp_avg, kMoment, i) && aligned(at.exp_avg_sq, kMoment, i) &&
+            (!with_upload || aligned(at.upload, kUploadElement, i))) {
+          *streams = {.upload = with_upload, .state = true};
+          return i;
+        }
+      }
+    }
+  }
+  streams->upload = upload;
+  return upload_peel;
+}
+
+// The largest |p| bits of the new weights seen so far, per lane (MagnitudeBits): non-finite if any lane
+// reaches kNonFiniteMagnitude.
+template <class Ops>
+struct Magnitudes {
+  typename Ops::I largest = Ops::SetI(0);
+  uint32_t scalar = 0;  // of the elements the scalar reference updated
+  [[nodiscard]] bool NonFinite() const { return std::max(Ops::MaxLane(largest), scalar) >= kNonFiniteMagnitude; }
+};
+
 // Elements [i, i + count) of a range, count <= kLanes, as one masked vector (Ops with masks only): the head
-// that aligns the streamed upload and the tails, without the scalar reference. Ordinary stores. bf16
-// moments: counter0 is the hash counter (index * kRandomWeyl) of element i, key the range's mixed key.
+// that aligns the streams and the tails, without the scalar reference. Ordinary stores. bf16 moments:
+// counter0 is the hash counter (index * kRandomWeyl) of element i, key the range's mixed key.
 template <class Ops, DType kG, DType kM, UploadKind kU, bool kD, class Grad>
 [[gnu::always_inline]] inline void UpdateMasked(const Grad& grad, const StepVectors<Ops>& k, const UpdatePointers& at,
-                                                size_t i, size_t count, uint32_t counter0, typename Ops::I key) {
+                                                size_t i, size_t count, uint32_t counter0, typename Ops::I key,
+                                                Magnitudes<Ops>* seen) {
   using F = typename Ops::F;
   using I = typename Ops::I;
   const auto mask = Ops::FirstN(count);
   const F g = grad.At(i, mask);
-  F p = Ops::LoadF32(at.master + i, mask);
-  F m = LoadV<Ops, kM>(at.exp_avg, i, mask);
-  F v = LoadV<Ops, kM>(at.exp_avg_sq, i, mask);
+  F p = Ops::LoadF32(at.master_in + i, mask);
+  F m = LoadV<Ops, kM>(at.exp_avg_in, i, mask);
+  F v = LoadV<Ops, kM>(at.exp_avg_sq_in, i, mask);
   AdamMath<Ops, kD>(k, g, &p, &m, &v);
   Ops::StoreF32(at.master + i, p, mask);
+  seen->largest = Ops::MaxMagnitude(seen->largest, p, mask);  // the masked-off lanes may hold 0/0
   if constexpr (kM == DType::kFloat32) {
     Ops::StoreF32(static_cast<float*>(at.exp_avg) + i, m, mask);
     Ops::StoreF32(static_cast<float*>(at.exp_avg_sq) + i, v, mask);
@@ -228,36 +282,52 @@ template <class Ops, DType kG, DType kM, UploadKind kU, bool kD, class Grad>
 template <class Ops, DType kG, DType kM, UploadKind kU, bool kD, class Grad>
 inline void UpdateRest(const Grad& grad, const StepVectors<Ops>& k, const UpdatePointers& at, const GradSources& grads,
                        const StepConstants& c, const MomentBuffers& moments, const Upload& upload, size_t i, size_t end,
-                       uint32_t key) {
+                       uint32_t key, Magnitudes<Ops>* seen) {
   if constexpr (Ops::kMasked) {
     const typename Ops::I key_v = Ops::MixKey(key);
     for (; i < end; i += Ops::kLanes) {
       const uint32_t counter0 = static_cast<uint32_t>(moments.element_base + i) * kRandomWeyl;
-      UpdateMasked<Ops, kG, kM, kU, kD>(grad, k, at, i, std::min(end - i, Ops::kLanes), counter0, key_v);
+      UpdateMasked<Ops, kG, kM, kU, kD>(grad, k, at, i, std::min(end - i, Ops::kLanes), counter0, key_v, seen);
     }
   } else {
-    for (; i < end; ++i) UpdateElement<kG, kM, kU, kD>(grads, c, at.master, moments, upload, i);
+    const StateIn in{at.master_in, at.exp_avg_in, at.exp_avg_sq_in};
+    for (; i < end; ++i) {
+      const float p = UpdateElement<kG, kM, kU, kD>(grads, c, in, at.master, moments, upload, i);
+      seen->scalar = std::max(seen->scalar, MagnitudeBits(p));
+    }
   }
+}
+
+// A whole fp32 vector at p, streamed or not.
+template <class Ops>
+[[gnu::always_inline]] inline void StoreStateV(float* p, typename Ops::F v, bool stream) {
+  stream ? Ops::StreamF32(p, v) : Ops::StoreF32(p, v);
 }
 
 // fp32 moments: one vector per iteration over [i, end); returns where it stopped (< kLanes before end).
 template <class Ops, DType kG, UploadKind kU, bool kD, class Grad>
 size_t UpdateVectorsF32(const Grad& grad, const StepVectors<Ops>& k, const UpdatePointers& at, size_t i, size_t end,
-                        bool stream) {
+                        Streams streams, Magnitudes<Ops>* seen) {
   using F = typename Ops::F;
+  const float* const master_in = at.master_in;
+  const auto* const exp_avg_in = static_cast<const float*>(at.exp_avg_in);
+  const auto* const exp_avg_sq_in = static_cast<const float*>(at.exp_avg_sq_in);
   float* const master = at.master;
   float* const exp_avg = static_cast<float*>(at.exp_avg);
   float* const exp_avg_sq = static_cast<float*>(at.exp_avg_sq);
   void* const upload = at.upload;
+  typename Ops::I largest = seen->largest;
   for (; i + Ops::kLanes <= end; i += Ops::kLanes) {
     const F g = grad.At(i);
-    F p = Ops::LoadF32(master + i), m = Ops::LoadF32(exp_avg + i), v = Ops::LoadF32(exp_avg_sq + i);
+    F p = Ops::LoadF32(master_in + i), m = Ops::LoadF32(exp_avg_in + i), v = Ops::LoadF32(exp_avg_sq_in + i);
     AdamMath<Ops, kD>(k, g, &p, &m, &v);
-    Ops::StoreF32(master + i, p);
-    Ops::StoreF32(exp_avg + i, m);
-    Ops::StoreF32(exp_avg_sq + i, v);
-    StoreUploadV<Ops, kU>(upload, i, p, stream);
+    StoreStateV<Ops>(master + i, p, streams.state);
+    StoreStateV<Ops>(exp_avg + i, m, streams.state);
+    StoreStateV<Ops>(exp_avg_sq + i, v, streams.state);
+    largest = Ops::MaxMagnitude(largest, p);
+    StoreUploadV<Ops, kU>(upload, i, p, streams.upload);
   }
+  seen->largest = largest;
   return i;
 }
 
@@ -268,10 +338,13 @@ size_t UpdateVectorsF32(const Grad& grad, const StepVectors<Ops>& k, const Updat
 // exp_avg, its high 16 bits exp_avg_sq).
 template <class Ops, DType kG, UploadKind kU, bool kD, class Grad>
 size_t UpdateVectorsBF16(const Grad& grad, const StepVectors<Ops>& k, const UpdatePointers& at, size_t i, size_t end,
-                         bool stream, uint32_t key, uint64_t element_base) {
+                         Streams streams, uint32_t key, uint64_t element_base, Magnitudes<Ops>* seen) {
   using F = typename Ops::F;
   using I = typename Ops::I;
   constexpr size_t kLanes = Ops::kLanes;
+  const float* const master_in = at.master_in;
+  const auto* const exp_avg_in = static_cast<const uint16_t*>(at.exp_avg_in);
+  const auto* const exp_avg_sq_in = static_cast<const uint16_t*>(at.exp_avg_sq_in);
   float* const master = at.master;
   auto* const exp_avg = static_cast<uint16_t*>(at.exp_avg);
   auto* const exp_avg_sq = static_cast<uint16_t*>(at.exp_avg_sq);
@@ -279,95 +352,108 @@ size_t UpdateVectorsBF16(const Grad& grad, const StepVectors<Ops>& k, const Upda
   const I key_v = Ops::MixKey(key), h1 = Ops::SetI(kRandomHash1), h2 = Ops::SetI(kRandomHash2);
   const I step = Ops::SetI(static_cast<uint32_t>(kLanes) * kRandomWeyl);
   I counter = Ops::WeylCounter(static_cast<uint32_t>(element_base + i) * kRandomWeyl, kRandomWeyl);
+  I largest = seen->largest;
   for (; i + 2 * kLanes <= end; i += 2 * kLanes) {
     F g0, g1, m0, m1, v0, v1;
     grad.At2(i, &g0, &g1);
-    F p0 = Ops::LoadF32(master + i), p1 = Ops::LoadF32(master + i + kLanes);
-    LoadV2<Ops, DType::kBFloat16>(exp_avg, i, &m0, &m1);
-    LoadV2<Ops, DType::kBFloat16>(exp_avg_sq, i, &v0, &v1);
+    F p0 = Ops::LoadF32(master_in + i), p1 = Ops::LoadF32(master_in + i + kLanes);
+    LoadV2<Ops, DType::kBFloat16>(exp_avg_in, i, &m0, &m1);
+    LoadV2<Ops, DType::kBFloat16>(exp_avg_sq_in, i, &v0, &v1);
     AdamMath<Ops, kD>(k, g0, &p0, &m0, &v0);
     AdamMath<Ops, kD>(k, g1, &p1, &m1, &v1);
-    Ops::StoreF32(master + i, p0);
-    Ops::StoreF32(master + i + kLanes, p1);
+    StoreStateV<Ops>(master + i, p0, streams.state);
+    StoreStateV<Ops>(master + i + kLanes, p1, streams.state);
+    largest = Ops::MaxMagnitude(Ops::MaxMagnitude(largest, p0), p1);
     I lo0, hi0, lo1, hi1;
     Ops::HashSplit(counter, key_v, h1, h2, &lo0, &hi0);
     Ops::HashSplit(Ops::AddI(counter, step), key_v, h1, h2, &lo1, &hi1);
     counter = Ops::AddI(counter, Ops::AddI(step, step));
-    Ops::StoreHigh16x2(exp_avg + i, Ops::StochasticWord(m0, lo0), Ops::StochasticWord(m1, lo1));
-    Ops::StoreHigh16x2(exp_avg_sq + i, Ops::StochasticWord(v0, hi0), Ops::StochasticWord(v1, hi1));
-    if constexpr (kU == UploadKind::kBFloat16) {
-      Ops::StoreBF16x2(static_cast<uint16_t*>(upload) + i, p0, p1, stream);
+    if (streams.state) {
+      Ops::StreamHigh16x2(exp_avg + i, Ops::StochasticWord(m0, lo0), Ops::StochasticWord(m1, lo1));
+      Ops::StreamHigh16x2(exp_avg_sq + i, Ops::StochasticWord(v0, hi0), Ops::StochasticWord(v1, hi1));
     } else {
-      StoreUploadV<Ops, kU>(upload, i, p0, stream);
-      StoreUploadV<Ops, kU>(upload, i + kLanes, p1, stream);
+      Ops::StoreHigh16x2(exp_avg + i, Ops::StochasticWord(m0, lo0), Ops::StochasticWord(m1, lo1));
+      Ops::StoreHigh16x2(exp_avg_sq + i, Ops::StochasticWord(v0, hi0), Ops::StochasticWord(v1, hi1));
+    }
+    if constexpr (kU == UploadKind::kBFloat16) {
+      Ops::StoreBF16x2(static_cast<uint16_t*>(upload) + i, p0, p1, streams.upload);
+    } else {
+      StoreUploadV<Ops, kU>(upload, i, p0, streams.upload);
+      StoreUploadV<Ops, kU>(upload, i + kLanes, p1, streams.upload);
     }
   }
   if constexpr (!Ops::kMasked) {  // one more whole vector, so at most kLanes - 1 are left to the scalar tail
     if (i + kLanes <= end) {
       const F g = grad.At(i);
-      F p = Ops::LoadF32(master + i), m = LoadV<Ops, DType::kBFloat16>(exp_avg, i),
-        v = LoadV<Ops, DType::kBFloat16>(exp_avg_sq, i);
+      F p = Ops::LoadF32(master_in + i), m = LoadV<Ops, DType::kBFloat16>(exp_avg_in, i),
+        v = LoadV<Ops, DType::kBFloat16>(exp_avg_sq_in, i);
       AdamMath<Ops, kD>(k, g, &p, &m, &v);
       Ops::StoreF32(master + i, p);
+      largest = Ops::MaxMagnitude(largest, p);
       I lo, hi;
       Ops::HashSplit(counter, key_v, h1, h2, &lo, &hi);
       Ops::StoreHigh16(exp_avg + i, Ops::StochasticWord(m, lo));
       Ops::StoreHigh16(exp_avg_sq + i, Ops::StochasticWord(v, hi));
-      StoreUploadV<Ops, kU>(upload, i, p, stream);
+      StoreUploadV<Ops, kU>(upload, i, p, streams.upload);
       i += kLanes;
     }
   }
+  seen->largest = largest;
   return i;
 }
 
 template <class Ops, DType kG, DType kM, UploadKind kU, bool kD, class Grad>
-void UpdateRange(const GradSources& grads, const StepConstants& c, float* master, const MomentBuffers& moments,
-                 const Upload& upload, size_t n) {
+bool UpdateRange(const GradSources& grads, const StepConstants& c, const StateIn& in, float* master,
+                 const MomentBuffers& moments, const Upload& upload, size_t n) {
   const Grad grad(grads);
   const StepVectors<Ops> k(c);
-  const UpdatePointers at{master, moments.exp_avg, moments.exp_avg_sq, upload.data};
-  bool stream = false;
-  size_t peel = StreamPeel<Ops, kU>(upload.data, n, &stream);
-  const bool fence = stream;
+  const UpdatePointers at{in.master,       in.exp_avg,         in.exp_avg_sq, master,
+                          moments.exp_avg, moments.exp_avg_sq, upload.data};
+  Magnitudes<Ops> seen;
+  Streams streams;
+  size_t peel = UpdatePeel<Ops, kM, kU>(at, n, &streams);
+  const bool fence = streams.any();
   if constexpr (kM == DType::kFloat32) {
-    UpdateRest<Ops, kG, kM, kU, kD>(grad, k, at, grads, c, moments, upload, 0, peel, 0);
-    const size_t i = UpdateVectorsF32<Ops, kG, kU, kD>(grad, k, at, peel, n, stream);
-    UpdateRest<Ops, kG, kM, kU, kD>(grad, k, at, grads, c, moments, upload, i, n, 0);
+    UpdateRest<Ops, kG, kM, kU, kD>(grad, k, at, grads, c, moments, upload, 0, peel, 0, &seen);
+    const size_t i = UpdateVectorsF32<Ops, kG, kU, kD>(grad, k, at, peel, n, streams, &seen);
+    UpdateRest<Ops, kG, kM, kU, kD>(grad, k, at, grads, c, moments, upload, i, n, 0, &seen);
   } else {
     // The hash key changes where the global index crosses a multiple of 2^32: one segment per key (in
-    // practice one). The streamed upload needs the alignment peel in the first segment; a segment's tail
-    // leaves the next one unaligned: no streaming after it.
+    // practice one). The streams need the alignment peel in the first segment; a segment's tail leaves
+    // the next one unaligned: no streaming after it.
     size_t i = 0;
     while (true) {
       const uint64_t index = moments.element_base + i;
       const uint64_t to_boundary = (uint64_t{1} << 32) - (index & 0xFFFFFFFFu);
       const size_t end = to_boundary < n - i ? i + static_cast<size_t>(to_boundary) : n;
       const uint32_t key = RandomKey(c.sr_seed, index >> 32);
-      if (peel > end - i) stream = false, peel = 0;  // the peel would cross the boundary: no streaming
-      UpdateRest<Ops, kG, kM, kU, kD>(grad, k, at, grads, c, moments, upload, i, i + peel, key);
-      i = UpdateVectorsBF16<Ops, kG, kU, kD>(grad, k, at, i + peel, end, stream, key, moments.element_base);
-      UpdateRest<Ops, kG, kM, kU, kD>(grad, k, at, grads, c, moments, upload, i, end, key);
+      if (peel > end - i) streams = {}, peel = 0;  // the peel would cross the boundary: no streaming
+      UpdateRest<Ops, kG, kM, kU, kD>(grad, k, at, grads, c, moments, upload, i, i + peel, key, &seen);
+      i = UpdateVectorsBF16<Ops, kG, kU, kD>(grad, k, at, i + peel, end, streams, key, moments.element_base, &seen);
+      UpdateRest<Ops, kG, kM, kU, kD>(grad, k, at, grads, c, moments, upload, i, end, key, &seen);
       i = end, peel = 0;
       if (end == n) break;
-      stream = false;
+      streams = {};
     }
   }
   if (fence) Ops::StreamFence();  // streamed stores are weakly ordered: publish before completion
+  return seen.NonFinite();
 }
 
 template <class Ops>
-void SimdUpdate(const GradSources& grads, const AdamWStep& step, float* master, const MomentBuffers& moments,
-                const Upload& upload, size_t n) {
+bool SimdUpdate(const GradSources& grads, const AdamWStep& step, const StateIn& in, float* master,
+                const MomentBuffers& moments, const Upload& upload, size_t n) {
   const StepConstants c(step, moments);
   const bool one = grads.slots.size() == 1 && grads.accum == nullptr;
+  bool nonfinite = false;
   DispatchUpdate(grads.dtype, moments.dtype, UploadKindOf(upload), step.decoupled,
                  [&]<DType kG, DType kM, UploadKind kU, bool kD>() {
-                   if (one) {
-                     UpdateRange<Ops, kG, kM, kU, kD, GradReader<Ops, kG, true>>(grads, c, master, moments, upload, n);
-                   } else {
-                     UpdateRange<Ops, kG, kM, kU, kD, GradReader<Ops, kG, false>>(grads, c, master, moments, upload, n);
-                   }
+                   nonfinite = one ? UpdateRange<Ops, kG, kM, kU, kD, GradReader<Ops, kG, true>>(grads, c, in, master,
+                                                                                                 moments, upload, n)
+                                   : UpdateRange<Ops, kG, kM, kU, kD, GradReader<Ops, kG, false>>(grads, c, in, master,
+                                                                                                  moments, upload, n);
                  });
+  return nonfinite;
 }
 
 template <class Ops>

@@ -70,6 +70,15 @@ struct Avx2Ops {
   }
   static I SetI(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }
   static I AddI(I a, I b) { return _mm256_add_epi32(a, b); }
+  // Per lane, the larger of `largest` and v's |bits| (MagnitudeBits).
+  static I MaxMagnitude(I largest, F v) {
+    return _mm256_max_epu32(largest, _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7fffffff)));
+  }
+  static uint32_t MaxLane(I v) {
+    const __m128i half = _mm_max_epu32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    const __m128i quarter = _mm_max_epu32(half, _mm_shuffle_epi32(half, _MM_SHUFFLE(1, 0, 3, 2)));
+    return static_cast<uint32_t>(_mm_cvtsi128_si32(_mm_max_epu32(quarter, _mm_shuffle_epi32(quarter, 1))));
+  }
   static I MixKey(uint32_t key) { return SetI(key ^ (key >> 16)); }  // see Avx512Ops::HashSplit
   static void HashSplit(I x, I mixed_key, I h1, I h2, I* low16, I* high16) {
     x = _mm256_xor_si256(_mm256_xor_si256(x, mixed_key), _mm256_srli_epi32(x, 16));

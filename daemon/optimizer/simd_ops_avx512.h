@@ -94,6 +94,16 @@ struct Avx512Ops {
   }
   static I SetI(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
   static I AddI(I a, I b) { return _mm512_add_epi32(a, b); }
+  // Per lane, the larger of `largest` and v's |bits| (MagnitudeBits); the masked form leaves the lanes
+  // outside the mask as they were.
+  static I MaxMagnitude(I largest, F v) {
+    return _mm512_max_epu32(largest, _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7fffffff)));
+  }
+  static I MaxMagnitude(I largest, F v, Mask m) {
+    return _mm512_mask_max_epu32(largest, m, largest,
+                                 _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7fffffff)));
+  }
+  static uint32_t MaxLane(I v) { return _mm512_reduce_max_epu32(v); }
   // The key as HashSplit takes it: x ^= key; x ^= x >> 16 is x ^ (x >> 16) ^ (key ^ key >> 16).
   static I MixKey(uint32_t key) { return SetI(key ^ (key >> 16)); }
   // RandomHash(x, key) per lane, split into its low 16 bits (exp_avg) and high 16 bits (exp_avg_sq);

@@ -1,7 +1,7 @@
 // Where a job's committed optimizer state lies in its state segment, for snapshots: the one place that
-// knows, so that a change of the state layout (e.g. double-buffered master weights and moments)
-// changes only this file. "Committed": what a bucket holds between two of its updates (the engine
-// reports each commit, daemon/engine/step_engine.h's Commit).
+// knows. "Committed": what a bucket holds between two of its updates (the engine reports each commit,
+// daemon/engine/step_engine.h's Commit); with two state halves, the half its BucketState names (the
+// other one may be mid-update or hold an uncommitted speculation).
 #pragma once
 
 #include <cstddef>

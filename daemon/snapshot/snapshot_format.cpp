@@ -68,7 +68,9 @@ std::string LayoutToJson(const shm::LayoutSpec& spec) {
                         {"world_size", spec.world_size},
                         {"max_grad_norm", spec.max_grad_norm},
                         {"peers", spec.peers},
-                        {"node_rank", spec.node_rank}}
+                        {"node_rank", spec.node_rank},
+                        {"state_halves", spec.state_halves},
+                        {"speculative_clipping", spec.speculative_clipping == shm::Speculation::kOn}}
       .dump();
 }
 
@@ -88,6 +90,10 @@ shm::LayoutSpec LayoutFromJson(const std::string& text) {
   spec.max_grad_norm = json.at("max_grad_norm").get<double>();
   spec.peers = json.at("peers").get<std::vector<std::string>>();
   spec.node_rank = json.at("node_rank").get<uint32_t>();
+  // A snapshot written before the state halves restores as a job of one half, without speculation.
+  spec.state_halves = json.value("state_halves", uint32_t{1});
+  spec.speculative_clipping =
+      json.value("speculative_clipping", false) ? shm::Speculation::kOn : shm::Speculation::kOff;
   return spec;
 }
 

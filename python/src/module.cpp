@@ -96,6 +96,10 @@ py::dict ToDict(const trainstream::StatsReport& report) {
     j["rank_bytes"] = job.rank_bytes;
     j["updates"] = job.updates;
     j["nonfinite_steps"] = job.nonfinite_steps;
+    j["state_halves"] = job.state_halves;
+    j["speculative_clipping"] = job.speculative_clipping;
+    j["speculative_steps"] = job.speculative_steps;
+    j["redone_steps"] = job.redone_steps;
     j["transports"] = job.transports;
     j["orphaned"] = job.orphaned;
     jobs.append(j);
@@ -131,7 +135,10 @@ std::vector<trainstream::shm::ParamSpec> MakeParams(const py::list& entries) {
 trainstream::shm::LayoutSpec MakeSpec(const py::list& params, const py::list& frozen, uint32_t num_groups,
                                       uint64_t bucket_bytes, int moment_dtype, int optimizer,
                                       uint32_t accumulation_steps, uint32_t world_size, double max_grad_norm,
-                                      std::vector<std::string> peers, uint32_t node_rank) {
+                                      std::vector<std::string> peers, uint32_t node_rank, uint32_t state_halves,
+                                      int speculative_clipping) {
+  TS_CHECK(speculative_clipping >= 0 && speculative_clipping <= 2, trainstream::Code::kInvalidArgument,
+           "speculative_clipping code {} (0 off, 1 on, 2 the daemon decides)", speculative_clipping);
   trainstream::shm::LayoutSpec spec;
   spec.params = MakeParams(params);
   spec.frozen = MakeParams(frozen);
@@ -144,7 +151,14 @@ trainstream::shm::LayoutSpec MakeSpec(const py::list& params, const py::list& fr
   spec.max_grad_norm = max_grad_norm;
   spec.peers = std::move(peers);
   spec.node_rank = node_rank;
+  spec.state_halves = state_halves;
+  spec.speculative_clipping = static_cast<trainstream::shm::Speculation>(speculative_clipping);
   return spec;
+}
+
+trainstream::shm::StateHalf Half(const RankSession& session, uint32_t half) {
+  TS_CHECK(half < 2, trainstream::Code::kInvalidArgument, "state half {} out of range (0 or 1)", half);
+  return session.state().halves[half];
 }
 
 py::list Buckets(const RankSession& session) {
@@ -219,10 +233,11 @@ PYBIND11_MODULE(_C, m) {
           [](Client& c, const std::string& job, uint32_t rank, const py::list& params, uint32_t num_groups,
              uint64_t bucket_bytes, int moment_dtype, int optimizer, uint32_t accumulation_steps, uint32_t world_size,
              double max_grad_norm, uint64_t seed, std::vector<std::string> peers, uint32_t node_rank,
-             const std::string& transport, const std::string& device, const py::list& frozen,
-             std::optional<double> wait_timeout_s) {
-            auto spec = MakeSpec(params, frozen, num_groups, bucket_bytes, moment_dtype, optimizer, accumulation_steps,
-                                 world_size, max_grad_norm, std::move(peers), node_rank);
+             const std::string& transport, const std::string& device, const py::list& frozen, uint32_t state_halves,
+             int speculative_clipping, std::optional<double> wait_timeout_s) {
+            auto spec =
+                MakeSpec(params, frozen, num_groups, bucket_bytes, moment_dtype, optimizer, accumulation_steps,
+                         world_size, max_grad_norm, std::move(peers), node_rank, state_halves, speculative_clipping);
             std::optional<std::chrono::milliseconds> wait_timeout;
             if (wait_timeout_s) wait_timeout = Milliseconds(*wait_timeout_s);
             py::gil_scoped_release release;
@@ -233,7 +248,8 @@ PYBIND11_MODULE(_C, m) {
           py::arg("moment_dtype"), py::arg("optimizer"), py::arg("accumulation_steps"), py::arg("world_size"),
           py::arg("max_grad_norm"), py::arg("seed"), py::arg("peers") = std::vector<std::string>(),
           py::arg("node_rank") = 0, py::arg("transport") = "host", py::arg("device") = "cpu",
-          py::arg("frozen") = py::list(), py::arg("wait_timeout_s") = py::none());
+          py::arg("frozen") = py::list(), py::arg("state_halves") = 0, py::arg("speculative_clipping") = 2,
+          py::arg("wait_timeout_s") = py::none());
 
   // Device memory for the cuda-ipc transport; torch.as_tensor(buffer, device=...) views it through
   // __cuda_array_interface__, and the tensor keeps the buffer alive.
@@ -264,25 +280,36 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("created", &RankSession::created)
       .def_property_readonly("initialized", &RankSession::initialized)
       .def_property_readonly("completed_step", &RankSession::completed_step)
+      .def_property_readonly("resume_step", &RankSession::resume_step)
       .def_property_readonly("buckets", &Buckets)
       .def_property_readonly("params", &Params)
       .def_property_readonly("total_elems", [](const RankSession& s) { return s.layout().total_elems; })
       .def_property_readonly("layout_hash", [](const RankSession& s) { return s.layout().hash; })
       .def("applied_step", &RankSession::applied_step)
-      .def("master",
-           [](const std::shared_ptr<RankSession>& s) {
-             return MakeRegion(s, s->state().master, s->layout().total_elems * sizeof(float));
-           })
-      .def("exp_avg",
-           [](const std::shared_ptr<RankSession>& s) {
-             return MakeRegion(s, s->state().exp_avg,
-                               s->layout().total_elems * trainstream::SizeOf(s->spec().moment_dtype));
-           })
-      .def("exp_avg_sq",
-           [](const std::shared_ptr<RankSession>& s) {
-             return MakeRegion(s, s->state().exp_avg_sq,
-                               s->layout().total_elems * trainstream::SizeOf(s->spec().moment_dtype));
-           })
+      // The state regions of one half (0 or 1; with one half, 1 names 0's memory): a bucket's weights
+      // are those of its committed half.
+      .def(
+          "master",
+          [](const std::shared_ptr<RankSession>& s, uint32_t half) {
+            return MakeRegion(s, Half(*s, half).master, s->layout().total_elems * sizeof(float));
+          },
+          py::arg("half") = 0)
+      .def(
+          "exp_avg",
+          [](const std::shared_ptr<RankSession>& s, uint32_t half) {
+            return MakeRegion(s, Half(*s, half).exp_avg,
+                              s->layout().total_elems * trainstream::SizeOf(s->spec().moment_dtype));
+          },
+          py::arg("half") = 0)
+      .def(
+          "exp_avg_sq",
+          [](const std::shared_ptr<RankSession>& s, uint32_t half) {
+            return MakeRegion(s, Half(*s, half).exp_avg_sq,
+                              s->layout().total_elems * trainstream::SizeOf(s->spec().moment_dtype));
+          },
+          py::arg("half") = 0)
+      .def_property_readonly("state_halves", [](const RankSession& s) { return s.layout().state_halves; })
+      .def("committed_half", &RankSession::committed_half, py::arg("bucket"))
       .def("upload",
            [](const std::shared_ptr<RankSession>& s) {
              return MakeRegion(s, s->state().upload, s->layout().upload_bytes);
@@ -298,11 +325,13 @@ PYBIND11_MODULE(_C, m) {
            [](const std::shared_ptr<RankSession>& s) {
              return MakeRegion(s, s->view().presence, s->spec().params.size());
            })
-      .def("param_steps",
-           [](const std::shared_ptr<RankSession>& s) {
-             return MakeRegion(s, s->state().param_state,
-                               s->spec().params.size() * sizeof(trainstream::shm::ParamState));
-           })
+      .def(
+          "param_steps",
+          [](const std::shared_ptr<RankSession>& s, uint32_t half) {
+            return MakeRegion(s, Half(*s, half).param_state,
+                              s->spec().params.size() * sizeof(trainstream::shm::ParamState));
+          },
+          py::arg("half") = 0)
       .def(
           "set_hparams",
           [](RankSession& s, uint64_t step, uint32_t group, double lr, double beta1, double beta2, double eps,

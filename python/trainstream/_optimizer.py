@@ -30,6 +30,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.state = {}
         self._inner_type = type(inner)
         self._rank = rank                            # the daemon's job while offloaded, else None
+        self._resume_step = rank.resume_step if rank is not None else 0
         self._stock: StockOptimizer | None = None    # the torch optimizer once the state left the daemon
         self.after_step: list[Callable[[], None]] = []  # what wrap's automatic modes measure after a step
         self._optimizer_step_pre_hooks = OrderedDict()
@@ -54,6 +55,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def stock(self) -> torch.optim.Optimizer | None:
         """The torch optimizer holding the state once it left the daemon."""
         return self._stock.optimizer if self._stock is not None else None
+
+    @property
+    def resume_step(self) -> int:
+        """The optimizer steps the job had completed when this process attached: 0 for a new job; for a
+        restarted process, how many batches to skip (and LR scheduler steps to take) to go on where the
+        job left off. It stays what it was when the state moves to torch (offload="auto"); 0 with
+        offload=False."""
+        return self._resume_step
 
     @torch.no_grad()
     def step(self, closure=None):

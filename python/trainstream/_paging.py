@@ -38,11 +38,17 @@ _ALIGN = 512  # bytes; every range starts aligned in its slot, so views of any d
 @dataclass
 class HostRange:
     """Bytes of one block's host copy that are copied in one piece, and where they go in its slot.
-    `source()` gives them at the time of the copy (uint8, contiguous: a view of the job's shared memory)."""
+    `source()` gives them at the time of the copy (uint8, contiguous: a view of the job's shared memory);
+    `copies()` every place source() may give over training (both state halves of fp32 master weights),
+    for page-locking."""
     source: Callable[[], torch.Tensor]
     nbytes: int
     slot_offset: int
     frozen: bool = False  # the job's frozen region (else a bucket's weights)
+    all_copies: Callable[[], list[torch.Tensor]] | None = None
+
+    def copies(self) -> list[torch.Tensor]:
+        return self.all_copies() if self.all_copies is not None else [self.source()]
 
 
 @dataclass
@@ -348,7 +354,8 @@ def block_copies(plan, regions) -> list[BlockCopy]:
         buckets = tuple(sorted({regions.bucket_of[index[id(p)]] for p in block.trainable}))
         for b in buckets:
             nbytes = regions.bucket_weights(b).numel()
-            ranges.append(HostRange(lambda b=b: regions.bucket_weights(b), nbytes, offset))
+            ranges.append(HostRange(lambda b=b: regions.bucket_weights(b), nbytes, offset,
+                                    all_copies=lambda b=b: regions.bucket_weight_copies(b)))
             for i in regions.bucket_params[b]:
                 p = regions.params[i]
                 tensors.append(PagedTensor(p, offset + regions.param_layout[i][1] * p.element_size()))

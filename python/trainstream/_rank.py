@@ -47,7 +47,8 @@ class Rank:
                  world_size: int, max_grad_norm: float | None, accumulation_steps: int, bucket_mb: float,
                  moment_dtype: str, seed: int, peers: list[str] | None = None, node_rank: int = 0,
                  paging=None, device: torch.device | None = None, page_prefetch: int = 2,
-                 page_pool_mb: float | None = None, wait_timeout: float | None = None):
+                 page_pool_mb: float | None = None, wait_timeout: float | None = None, state_halves="auto",
+                 speculative_clipping="auto"):
         if accumulation_steps < 1:
             raise TrainstreamError(f"accumulation_steps must be >= 1, not {accumulation_steps}")
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -61,6 +62,7 @@ class Rank:
         if not isinstance(bucket_mb, (int, float)) or not MIN_BUCKET_MB <= bucket_mb <= MAX_BUCKET_MB:  # nan too
             raise TrainstreamError(f"bucket_mb must be a number of MiB in [{MIN_BUCKET_MB}, {MAX_BUCKET_MB}] (4 KiB to "
                                    f"1 TiB), not {bucket_mb!r}")
+        halves, speculation = _state_options(state_halves, speculative_clipping, max_grad_norm)
         self.client = client
         self.model = model
         self.kind = _layout.optimizer_kind(optimizer)
@@ -81,7 +83,8 @@ class Rank:
             len(optimizer.param_groups), int(bucket_mb * (1 << 20)), _layout.MOMENT_DTYPES[moment_dtype], self.kind,
             accumulation_steps, world_size, float(max_grad_norm or 0.0), seed, list(peers or []), node_rank,
             transport_name(device), describe_device(device), frozen=_layout.frozen_entries(frozen),
-            wait_timeout_s=wait_timeout)
+            wait_timeout_s=wait_timeout, state_halves=halves, speculative_clipping=speculation)
+        self.resume_step = self.session.resume_step  # the optimizer steps the job had completed
         moments = torch.float32 if moment_dtype == "float32" else torch.bfloat16
         self.regions = Regions(self.session, self.params, moments, [p for _, p in frozen])
         self.buckets = self.regions.buckets  # the step protocol runs per bucket
@@ -128,20 +131,22 @@ class Rank:
         s = self.session
         if not s.initialized and rank == 0:
             paged = self.paging.paged_ids if self.paging else set()
-            with torch.no_grad(), _pinned_for_copies(self.device, s.master()):
+            with torch.no_grad(), _pinned_for_copies(self.device, s.master(0)):  # a new job's committed half
                 for i, p in enumerate(self.params):
                     self.regions.master_view(i).copy_(p.detach(), non_blocking=True)
                     if id(p) in paged:  # its own memory goes now: the model never exists twice in host RAM
-                        p.data = self.regions.upload_views[i]
+                        p.data = self.regions.upload_view(i)
                 for view, (_, p) in zip(self.regions.frozen_views, self.paging.frozen if self.paging else []):
                     view.copy_(p.detach())
                     p.data = view
             s.send_load_state(0)
             self._mark_all_stale(0, weights_on_gpu=True)
         elif s.initialized:
+            # Every bucket resumes after the job's completed step (the daemon rolled back, or with one
+            # state half skips, any bucket a step ahead): the trainer replays from there.
             for b in range(len(self.buckets)):
-                self._bucket_step[b] = s.applied_step(b) + 1
-                self._ready_step[b] = s.applied_step(b)
+                self._bucket_step[b] = self.resume_step + 1
+                self._ready_step[b] = self.resume_step
             self.stale = set(range(len(self.buckets)))
             self.transport.step_done(max(self._ready_step, default=0))
         else:
@@ -155,7 +160,7 @@ class Rank:
         if self.device.type == "cuda":
             # cuda-client-copy page-locks the upload region and fp32 master weights itself.
             frozen_only = self.transport.name == "cuda-client-copy"
-            groups = [[(r.source().data_ptr(), r.nbytes) for r in c.ranges if r.frozen or not frozen_only]
+            groups = [[(t.data_ptr(), r.nbytes) for r in c.ranges if r.frozen or not frozen_only for t in r.copies()]
                       for c in copies]
             pins = HostPins(self.device.index or 0, groups)
         pager = _paging.BlockPager(copies, self.device, _WeightGate(self), prefetch,
@@ -170,7 +175,7 @@ class Rank:
     def _paged_host_views(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
         """Each paged parameter with the job's host copy of its current weights."""
         index = {id(p): i for i, p in enumerate(self.params)}
-        views = [(p, self.regions.upload_views[index[id(p)]]) for b in self.paging.blocks for p in b.trainable]
+        views = [(p, self.regions.upload_view(index[id(p)])) for b in self.paging.blocks for p in b.trainable]
         return views + [(p, v) for (_, p), v in zip(self.paging.frozen, self.regions.frozen_views)]
 
     def _paged_state_dict(self, state_dict: dict, prefix: str) -> None:
@@ -467,6 +472,24 @@ class _WeightGate(_paging.WeightGate):
     def generation(self, buckets: tuple[int, ...]) -> int:
         rank = self.rank
         return hash((rank._loads, *(rank._ready_step[b] for b in buckets)))
+
+
+def _state_options(state_halves, speculative_clipping, max_grad_norm) -> tuple[int, int]:
+    """wrap()'s state_halves ("auto", 1, 2) and speculative_clipping ("auto", True, False) as the attach
+    codes: halves 0 (the daemon decides), 1, 2; speculation 0 off, 1 on, 2 the daemon decides."""
+    halves = {"auto": 0, 1: 1, 2: 2}.get(state_halves) if not isinstance(state_halves, bool) else None
+    if halves is None:
+        raise TrainstreamError(f"state_halves must be 'auto', 1 or 2, not {state_halves!r}")
+    speculation = {"auto": 2, True: 1, False: 0}.get(speculative_clipping) \
+        if isinstance(speculative_clipping, (bool, str)) else None
+    if speculation is None:
+        raise TrainstreamError(f"speculative_clipping must be 'auto', True or False, not {speculative_clipping!r}")
+    if speculation == 1 and max_grad_norm is None:
+        raise TrainstreamError("speculative_clipping=True needs max_grad_norm: there is no clipping to speculate about")
+    if speculation == 1 and halves == 1:
+        raise TrainstreamError("speculative_clipping=True needs state_halves=2 (or 'auto'): a redo starts again "
+                               "from the committed half")
+    return halves, speculation
 
 
 def default_job_name() -> str:

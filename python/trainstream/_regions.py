@@ -3,8 +3,14 @@
 `Regions` maps what the daemon's `attach` laid out: the buckets and each parameter's place (bucket,
 offset, elements); the job's master weights, moments, per-parameter step counts and this rank's
 gradient presence flags; each parameter's slot in this rank's gradient region (`grad_views`) and
-the new weights it takes (`upload_views`: the master weights themselves for float32 parameters).
+the new weights it takes (`upload_view`: the master weights themselves for float32 parameters).
 It only maps: who writes a view when is the step protocol's (_rank.py) and the transports' business.
+
+With two state halves (the daemon double-buffers master weights, moments and step counts), a
+bucket's state is in the half its last committed step went to: master_view, moment_views,
+param_step, upload_view (float32) and bucket_weights give that half, looked up when called, so take
+them when they are read (after the bucket's PARAMS_READY), not ahead. The daemon writes the other
+half only once every rank's next gradients of the bucket are in.
 
 Invariant: the views are the shared memory itself (no copies), shaped and typed as the parameters;
 each holds its region, and a region its session, so the mapping outlives every view.
@@ -21,6 +27,8 @@ class Regions:
     def __init__(self, session, params: list[torch.nn.Parameter], moment_dtype: torch.dtype,
                  frozen: list[torch.nn.Parameter] = ()):
         self.params = params
+        self.session = session
+        self.halves = session.state_halves
         self.buckets = session.buckets
         self.param_layout = session.params  # per parameter: (bucket, element offset in it, elements)
         self.bucket_of = [b for (b, _, _) in self.param_layout]
@@ -35,11 +43,12 @@ class Regions:
         self.frozen_views = [self._frozen[start:start + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
                              for start, p in zip(self.frozen_offsets, frozen)]
         self.presence = _bytes(session.presence())  # per parameter: 1 once it has its gradient of this micro-batch
-        self._steps = _bytes(session.param_steps()).view(torch.int64)
-        self._master = _bytes(session.master()).view(torch.float32)
-        self._exp_avg = _bytes(session.exp_avg()).view(moment_dtype)
-        self._exp_avg_sq = _bytes(session.exp_avg_sq()).view(moment_dtype)
-        self.grad_views, self.upload_views, self.elem_ranges = [], [], []
+        # Per state half (with one half, both name the same memory).
+        self._steps = [_bytes(session.param_steps(h)).view(torch.int64) for h in (0, 1)]
+        self._master = [_bytes(session.master(h)).view(torch.float32) for h in (0, 1)]
+        self._exp_avg = [_bytes(session.exp_avg(h)).view(moment_dtype) for h in (0, 1)]
+        self._exp_avg_sq = [_bytes(session.exp_avg_sq(h)).view(moment_dtype) for h in (0, 1)]
+        self.grad_views, self._upload_views, self.elem_ranges = [], [], []
         for i, p in enumerate(params):
             bucket_index, offset, numel = self.param_layout[i]
             bucket = self.buckets[bucket_index]
@@ -47,30 +56,48 @@ class Regions:
             self.elem_ranges.append((first, first + numel))
             start = bucket["grad_offset"] + offset * p.element_size()
             self.grad_views.append(grads[start:start + numel * p.element_size()].view(p.dtype).view(p.shape))
-            if p.dtype == torch.float32:  # the new weights are the master weights themselves
-                self.upload_views.append(self.master_view(i))
+            if p.dtype == torch.float32:  # the new weights are the master weights themselves (upload_view)
+                self._upload_views.append(None)
             else:
                 start = bucket["upload_offset"] + offset * p.element_size()
-                self.upload_views.append(upload[start:start + numel * p.element_size()].view(p.dtype).view(p.shape))
+                self._upload_views.append(upload[start:start + numel * p.element_size()].view(p.dtype).view(p.shape))
+
+    def _half(self, i: int) -> int:
+        """The state half of parameter i's bucket's last committed step."""
+        return self.session.committed_half(self.bucket_of[i])
 
     def master_view(self, i: int) -> torch.Tensor:
         first, last = self.elem_ranges[i]
-        return self._master[first:last].view(self.params[i].shape)
+        return self._master[self._half(i)][first:last].view(self.params[i].shape)
 
     def moment_views(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         first, last = self.elem_ranges[i]
-        shape = self.params[i].shape
-        return self._exp_avg[first:last].view(shape), self._exp_avg_sq[first:last].view(shape)
+        shape, half = self.params[i].shape, self._half(i)
+        return self._exp_avg[half][first:last].view(shape), self._exp_avg_sq[half][first:last].view(shape)
 
-    def bucket_weights(self, b: int) -> torch.Tensor:
+    def upload_view(self, i: int) -> torch.Tensor:
+        """The new weights parameter i takes, in its dtype: its bucket's upload copy (16-bit), or its
+        master weights (float32)."""
+        view = self._upload_views[i]
+        return self.master_view(i) if view is None else view
+
+    def bucket_weights(self, b: int, half: int | None = None) -> torch.Tensor:
         """The bytes bucket b's new weights are read from, in its dtype's layout: the upload region of a
-        16-bit bucket, the master weights of an fp32 one."""
+        16-bit bucket, the master weights of an fp32 one (in its committed half, or in `half`)."""
         bucket = self.buckets[b]
         if bucket["dtype"] == 0:
             first = bucket["elem_offset"]
-            return self._master[first:first + bucket["numel"]].view(torch.uint8)
+            half = self.session.committed_half(b) if half is None else half
+            return self._master[half][first:first + bucket["numel"]].view(torch.uint8)
         size = torch.empty(0, dtype=_layout.torch_dtype(bucket["dtype"])).element_size()
         return self._upload[bucket["upload_offset"]:bucket["upload_offset"] + bucket["numel"] * size]
+
+    def bucket_weight_copies(self, b: int) -> list[torch.Tensor]:
+        """Every place bucket b's weights are read from over training, for page-locking: both halves of an
+        fp32 bucket's master weights with two state halves."""
+        if self.buckets[b]["dtype"] == 0 and self.halves == 2:
+            return [self.bucket_weights(b, 0), self.bucket_weights(b, 1)]
+        return [self.bucket_weights(b)]
 
     def frozen_bytes(self, first: int, last: int) -> torch.Tensor:
         """The frozen region's bytes from frozen parameter `first` to the end of `last - 1`."""
@@ -79,10 +106,10 @@ class Regions:
         return self._frozen[self.frozen_offsets[first]:end]
 
     def param_step(self, i: int) -> int:
-        return int(self._steps[i])
+        return int(self._steps[self._half(i)][i])
 
     def set_param_step(self, i: int, steps: int) -> None:
-        self._steps[i] = steps
+        self._steps[self._half(i)][i] = steps
 
 
 def _bytes(region) -> torch.Tensor:

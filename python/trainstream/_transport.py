@@ -87,7 +87,7 @@ class HostTransport:
         pass
 
     def weights_in(self, i: int) -> None:
-        self.regions.params[i].copy_(self.regions.upload_views[i])
+        self.regions.params[i].copy_(self.regions.upload_view(i))
 
     def weights_done(self) -> None:
         pass
@@ -157,7 +157,7 @@ class CudaCopyTransport:
         if self._compute_done is not None:
             self.copy_stream.wait_event(self._compute_done)
         with torch.cuda.stream(self.copy_stream):
-            self.regions.params[i].copy_(self.regions.upload_views[i], non_blocking=True)
+            self.regions.params[i].copy_(self.regions.upload_view(i), non_blocking=True)
 
     def weights_done(self) -> None:
         """The compute stream waits (on the GPU) for the weights copied in so far."""
@@ -202,12 +202,13 @@ _PAGE = 4096
 
 def _ranges_to_pin(regions: Regions, session) -> list[tuple[int, int]]:
     """What DMA touches, as page-aligned, disjoint (address, bytes) ranges: this rank's gradient
-    region, the upload region, and the master weights of fp32 buckets (read in place); not the rest of
-    the master weights or the moments, which never cross PCIe."""
+    region, the upload region, and the master weights of fp32 buckets (read in place), in both state
+    halves if the job has two; not the rest of the master weights or the moments, which never cross
+    PCIe."""
     s = session
     ranges = [(s.grads().address, s.grads().nbytes), (s.upload().address, s.upload().nbytes)]
-    master = s.master().address
-    ranges += [(master + 4 * b["elem_offset"], 4 * b["numel"]) for b in regions.buckets if b["dtype"] == 0]
+    for master in {s.master(h).address for h in range(s.state_halves)}:
+        ranges += [(master + 4 * b["elem_offset"], 4 * b["numel"]) for b in regions.buckets if b["dtype"] == 0]
     pages = sorted((a // _PAGE * _PAGE, -(-(a + n) // _PAGE) * _PAGE) for a, n in ranges if n)
     merged: list[list[int]] = []
     for start, end in pages:

@@ -38,9 +38,10 @@ struct DaemonInfo {
 
 struct JobReport {
   std::string name, job_key;
-  uint32_t uid = 0, buckets = 0, world_size = 0;
+  uint32_t uid = 0, buckets = 0, world_size = 0, state_halves = 1;
   uint64_t params = 0, elements = 0, completed_step = 0, state_bytes = 0, rank_bytes = 0, updates = 0,
-           nonfinite_steps = 0;
+           nonfinite_steps = 0, speculative_steps = 0, redone_steps = 0;
+  bool speculative_clipping = false;
   std::vector<uint32_t> attached_ranks;
   std::map<uint32_t, std::string> transports;  // attached rank -> "transport on device"
   bool orphaned = false;                       // left by a daemon that died, not re-adopted yet
@@ -187,13 +188,16 @@ class RankSession {
   RankSession(const RankSession&) = delete;
   RankSession& operator=(const RankSession&) = delete;
 
+  // The job's layout, with what the daemon decided (state halves, speculation) filled in.
   [[nodiscard]] const shm::LayoutSpec& spec() const;
   [[nodiscard]] const shm::JobLayout& layout() const;
   [[nodiscard]] uint32_t rank() const;
-  [[nodiscard]] bool created() const;      // this attach created the job
-  [[nodiscard]] bool initialized() const;  // the job held weights when this rank attached
+  [[nodiscard]] bool created() const;          // this attach created the job
+  [[nodiscard]] bool initialized() const;      // the job held weights when this rank attached
+  [[nodiscard]] uint64_t resume_step() const;  // the job's completed step when this rank attached
   [[nodiscard]] uint64_t completed_step() const;
-  [[nodiscard]] uint64_t applied_step(uint32_t bucket) const;  // last step applied to a bucket
+  [[nodiscard]] uint64_t applied_step(uint32_t bucket) const;    // last step committed to a bucket
+  [[nodiscard]] uint32_t committed_half(uint32_t bucket) const;  // the state half that holds it
   [[nodiscard]] shm::StateView state() const;
   [[nodiscard]] shm::RankView view() const;
   [[nodiscard]] size_t state_bytes() const;

@@ -129,9 +129,12 @@ class TwoNodeJob {
   [[nodiscard]] const shm::JobLayout& layout() const { return layout_; }
   [[nodiscard]] StepEngine& engine() const { return *engine_; }
   [[nodiscard]] RecordingSink& sink(uint32_t rank) const { return *ranks_[rank].sink; }
-  [[nodiscard]] uint64_t applied_step(uint32_t bucket) const { return state_.bucket_state[bucket].applied_step; }
-  [[nodiscard]] float* Master(uint32_t p) const { return state_.master + Element(p); }
-  [[nodiscard]] const float* ExpAvg(uint32_t p) const { return static_cast<const float*>(state_.exp_avg) + Element(p); }
+  [[nodiscard]] uint64_t applied_step(uint32_t bucket) const { return state_.bucket_state[bucket].Load().step; }
+  [[nodiscard]] float* Master(uint32_t p) const { return Committed(p).master + Element(p); }
+  [[nodiscard]] const float* ExpAvg(uint32_t p) const {
+    return static_cast<const float*>(Committed(p).exp_avg) + Element(p);
+  }
+  [[nodiscard]] const shm::StateHalf& Committed(uint32_t p) const { return state_.Committed(layout_.params[p].bucket); }
   [[nodiscard]] float* Grad(uint32_t rank, uint32_t p) const {
     const shm::ParamLayout& param = layout_.params[p];
     return reinterpret_cast<float*>(ranks_[rank].channel->view.grads + layout_.buckets[param.bucket].grad_offset) +

@@ -38,6 +38,8 @@
 #include "shm/message.h"
 #include "shm/ring.h"
 #include "shm/segment.h"
+#include "tests/cpp/engine/adamw_reference.h"
+#include "tests/cpp/engine/rank_client.h"
 #include "tests/cpp/engine/recording_sink.h"
 #include "tests/cpp/shm/test_support.h"
 
@@ -48,225 +50,6 @@ using namespace std::chrono_literals;
 using shm::HParams;
 using shm::Message;
 using shm::MessageKind;
-
-constexpr auto kReplyTimeout = 5s;
-constexpr double kTolerance = 1e-6;
-
-// Two fp32 parameters that land in two buckets (bucket 0 holds "b", bucket 1 holds "w").
-shm::LayoutSpec TwoParamSpec(uint32_t world_size) {
-  shm::LayoutSpec spec;
-  spec.params = {shm::ParamSpec{.name = "w", .shape = {40, 25}, .dtype = DType::kFloat32, .group = 0},
-                 shm::ParamSpec{.name = "b", .shape = {300}, .dtype = DType::kFloat32, .group = 0}};
-  spec.bucket_bytes = 4096;
-  spec.world_size = world_size;
-  return spec;
-}
-
-HParams TestHParams(double lr = 0.1) {
-  return HParams{.lr = lr, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01};
-}
-
-float InitialWeight(uint32_t param, uint64_t i) {
-  return static_cast<float>(0.9 * std::sin(0.37 * i + param));
-}
-
-float Gradient(uint32_t param, uint32_t rank, uint64_t step, uint64_t i) {
-  const double g = 0.5 * std::cos(0.11 * i + 1.7 * rank + 0.9 * step + param);
-  return static_cast<float>(std::abs(g) < 1e-3 ? 0.01 : g);
-}
-
-// One rank's client side, made of shm:: parts only.
-class RankClient {
- public:
-  RankClient(Job& job, uint32_t rank, std::shared_ptr<RecordingSink> sink = std::make_shared<RecordingSink>())
-      : job_(job), rank_(rank), sink_(std::move(sink)) {
-    Attach();
-  }
-
-  // Attaches (again) with a fresh session and maps the segments the daemon names.
-  void Attach() {
-    attachment_ = job_.Attach(rank_, sink_);
-    state_segment_ = shm::Segment::Open(job_.state_segment_name());
-    rank_segment_ = shm::Segment::Open(attachment_.rank_segment);
-    shm::CheckStateSegment(state_segment_.data(), state_segment_.size(), layout());
-    shm::CheckRankSegment(rank_segment_.data(), rank_segment_.size(), layout(), rank_);
-    state_ = shm::ViewState(state_segment_.data(), layout(), job_.spec());
-    view_ = shm::ViewRank(rank_segment_.data(), layout());
-    requests_ = shm::RingProducer(view_.request_ring, &state_.header->doorbell);
-    completions_ = shm::RingConsumer(view_.completion_ring);
-  }
-  void Reattach(std::shared_ptr<RecordingSink> sink = std::make_shared<RecordingSink>()) {
-    job_.Detach(rank_);
-    sink_ = std::move(sink);
-    Attach();
-  }
-
-  [[nodiscard]] const shm::JobLayout& layout() const { return job_.layout(); }
-  [[nodiscard]] uint32_t rank() const { return rank_; }
-  [[nodiscard]] uint32_t buckets() const { return static_cast<uint32_t>(layout().buckets.size()); }
-  [[nodiscard]] const Job::Attachment& attachment() const { return attachment_; }
-  [[nodiscard]] RecordingSink& sink() const { return *sink_; }
-  [[nodiscard]] const shm::StateView& state() const { return state_; }
-  [[nodiscard]] const shm::RankView& view() const { return view_; }
-
-  // Parameter p's elements in the master weights, the upload staging, and this rank's gradient slot.
-  [[nodiscard]] std::span<float> Master(uint32_t p) const { return {state_.master + Element(p), Numel(p)}; }
-  [[nodiscard]] std::span<float> Upload(uint32_t p) const {
-    if (layout().buckets[layout().params[p].bucket].uploads_from_master()) return Master(p);  // fp32: in place
-    return {reinterpret_cast<float*>(state_.upload + Byte(p, /*upload=*/true)), Numel(p)};
-  }
-  [[nodiscard]] std::span<float> Grad(uint32_t p) const {
-    return {reinterpret_cast<float*>(view_.grads + Byte(p, /*upload=*/false)), Numel(p)};
-  }
-
-  void SetHParams(uint64_t step, const HParams& h) {
-    for (uint32_t g = 0; g < job_.spec().num_groups; ++g) view_.hparams[(step % 2) * job_.spec().num_groups + g] = h;
-  }
-  // Writes this rank's gradients of `step` for every parameter and marks them present.
-  void SetGradients(uint64_t step) {
-    for (uint32_t p = 0; p < layout().params.size(); ++p) {
-      std::span<float> grad = Grad(p);
-      for (uint64_t i = 0; i < grad.size(); ++i) grad[i] = Gradient(p, rank_, step, i);
-      view_.presence[p] = 1;
-    }
-  }
-
-  void Send(const Message& message) { ASSERT_TRUE(requests_.TryPush(message)) << "request ring full"; }
-  void SendGradReady(uint32_t bucket, uint64_t step) {
-    Send(Message{.kind = MessageKind::kGradReady, .flags = shm::kFinalMicro, .bucket = bucket, .step = step});
-  }
-  // Hyperparameters, gradients and GRAD_READY of every bucket for `step`, as a training step does.
-  void DeliverStep(uint64_t step, const HParams& h) {
-    SetHParams(step, h);
-    SetGradients(step);
-    for (uint32_t b = 0; b < buckets(); ++b) SendGradReady(b, step);
-  }
-
-  // The next completion if there is one, without waiting.
-  std::optional<Message> Poll() {
-    Message message;
-    if (completions_.TryPop(&message)) return message;
-    return std::nullopt;
-  }
-  // The next completion, waiting on the completion doorbell.
-  std::optional<Message> Receive(std::chrono::milliseconds timeout = kReplyTimeout) {
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
-    shm::Doorbell& doorbell = view_.header->completion_doorbell;
-    for (;;) {
-      const uint32_t seen = doorbell.Seq();
-      if (std::optional<Message> message = Poll()) return message;
-      const auto now = std::chrono::steady_clock::now();
-      if (now >= deadline) return std::nullopt;
-      doorbell.Wait(seen, std::min<std::chrono::microseconds>(
-                              std::chrono::duration_cast<std::chrono::microseconds>(deadline - now), 10ms));
-    }
-  }
-  // Expects PARAMS_READY{b, step} for every bucket b (in any order) and nothing else.
-  void ExpectParamsReady(uint64_t step) {
-    std::vector<int> seen(buckets(), 0);
-    for (uint32_t n = 0; n < buckets(); ++n) {
-      const std::optional<Message> message = Receive();
-      ASSERT_TRUE(message.has_value()) << "rank " << rank_ << ": no PARAMS_READY for step " << step;
-      ASSERT_EQ(message->kind, MessageKind::kParamsReady);
-      ASSERT_EQ(message->step, step);
-      ASSERT_LT(message->bucket, buckets());
-      ++seen[message->bucket];
-    }
-    for (uint32_t b = 0; b < buckets(); ++b) EXPECT_EQ(seen[b], 1) << "bucket " << b;
-  }
-  void ExpectNoCompletion(std::chrono::milliseconds wait) {
-    const std::optional<Message> message = Receive(wait);
-    EXPECT_FALSE(message.has_value()) << "unexpected completion kind " << static_cast<int>(message->kind) << " bucket "
-                                      << message->bucket << " step " << message->step;
-  }
-  // Rank 0's start: write the initial master weights and publish them as step 0.
-  void LoadInitialState() {
-    for (uint32_t p = 0; p < layout().params.size(); ++p) {
-      std::span<float> master = Master(p);
-      for (uint64_t i = 0; i < master.size(); ++i) master[i] = InitialWeight(p, i);
-    }
-    Send(Message{.kind = MessageKind::kLoadState, .step = 0});
-  }
-
- private:
-  [[nodiscard]] size_t Numel(uint32_t p) const { return layout().params[p].numel; }
-  [[nodiscard]] uint64_t Element(uint32_t p) const {
-    const shm::ParamLayout& param = layout().params[p];
-    return layout().buckets[param.bucket].elem_offset + param.offset_in_bucket;
-  }
-  [[nodiscard]] uint64_t Byte(uint32_t p, bool upload) const {
-    const shm::ParamLayout& param = layout().params[p];
-    const shm::BucketLayout& bucket = layout().buckets[param.bucket];
-    return (upload ? bucket.upload_offset : bucket.grad_offset) + param.offset_in_bucket * SizeOf(bucket.dtype);
-  }
-
-  Job& job_;
-  const uint32_t rank_;
-  std::shared_ptr<RecordingSink> sink_;
-  Job::Attachment attachment_;
-  shm::Segment state_segment_, rank_segment_;
-  shm::StateView state_{};
-  shm::RankView view_{};
-  shm::RingProducer requests_;
-  shm::RingConsumer completions_;
-};
-
-// torch.optim.AdamW, element by element in double, for every parameter of TwoParamSpec.
-class AdamWReference {
- public:
-  explicit AdamWReference(const shm::LayoutSpec& spec) : world_size_(spec.world_size) {
-    for (uint32_t p = 0; p < spec.params.size(); ++p) {
-      State& s = params_.emplace_back();
-      const uint64_t numel = spec.params[p].numel();
-      for (uint64_t i = 0; i < numel; ++i) s.p.push_back(InitialWeight(p, i));
-      s.m.assign(numel, 0);
-      s.v.assign(numel, 0);
-    }
-  }
-  // One step with the ranks' gradients of `step` averaged; `updated[p]` false skips parameter p.
-  void Step(uint64_t step, const HParams& h, const std::vector<bool>& updated = {}) {
-    for (uint32_t p = 0; p < params_.size(); ++p) {
-      if (!updated.empty() && !updated[p]) continue;
-      State& s = params_[p];
-      const uint64_t t = ++s.t;
-      const double bc1 = 1 - std::pow(h.beta1, static_cast<double>(t));
-      const double bc2 = 1 - std::pow(h.beta2, static_cast<double>(t));
-      for (uint64_t i = 0; i < s.p.size(); ++i) {
-        double g = 0;
-        for (uint32_t r = 0; r < world_size_; ++r) g += Gradient(p, r, step, i);
-        g /= world_size_;
-        s.p[i] *= 1 - h.lr * h.weight_decay;
-        s.m[i] = h.beta1 * s.m[i] + (1 - h.beta1) * g;
-        s.v[i] = h.beta2 * s.v[i] + (1 - h.beta2) * g * g;
-        s.p[i] -= h.lr / bc1 * s.m[i] / (std::sqrt(s.v[i]) / std::sqrt(bc2) + h.eps);
-      }
-    }
-  }
-  // The daemon's master weights and upload staging both hold the reference weights.
-  void ExpectMatches(const RankClient& client) const {
-    for (uint32_t p = 0; p < params_.size(); ++p) {
-      const std::span<float> master = client.Master(p), upload = client.Upload(p);
-      size_t off = 0, upload_off = 0;
-      double worst = 0;
-      for (uint64_t i = 0; i < master.size(); ++i) {
-        const double error = std::abs(master[i] - params_[p].p[i]);
-        worst = std::max(worst, error);
-        off += error > kTolerance;
-        upload_off += upload[i] != master[i];
-      }
-      EXPECT_EQ(off, 0u) << "param " << p << ": " << off << " master weights off, worst by " << worst;
-      EXPECT_EQ(upload_off, 0u) << "param " << p << ": upload differs from master";
-    }
-  }
-
- private:
-  struct State {
-    std::vector<double> p, m, v;
-    uint64_t t = 0;
-  };
-  uint32_t world_size_;
-  std::vector<State> params_;
-};
 
 class StepEngineTest : public ::testing::Test {
  protected:
@@ -316,7 +99,7 @@ TEST_F(StepEngineTest, StepsMatchAdamW) {
   reference.Step(2, TestHParams(0.05));
   reference.ExpectMatches(*clients[0]);
   for (uint32_t b = 0; b < clients[0]->buckets(); ++b) {
-    EXPECT_EQ(clients[0]->state().bucket_state[b].applied_step.load(), 2u);
+    EXPECT_EQ(clients[0]->state().bucket_state[b].Load().step, 2u);
   }
   EXPECT_EQ(job->Info().engine.updates, 4u);
   EXPECT_TRUE(clients[0]->sink().warnings().empty());
@@ -425,8 +208,8 @@ TEST_F(StepEngineTest, ParameterWithoutGradientIsLeftAlone) {
   client.ExpectParamsReady(1);
   reference.Step(1, TestHParams(), {true, false});
   reference.ExpectMatches(client);
-  EXPECT_EQ(client.state().param_state[0].step, 1u);
-  EXPECT_EQ(client.state().param_state[1].step, 0u);
+  EXPECT_EQ(client.state().Committed(client.layout().params[0].bucket).param_state[0].step, 1u);
+  EXPECT_EQ(client.state().Committed(client.layout().params[1].bucket).param_state[1].step, 0u);
 }
 
 // A client that has PARAMS_READY of every bucket of step t reads completed_step == t (the state segment is
@@ -512,8 +295,10 @@ TEST_F(StepEngineTest, TwoNumaNodesGiveTheSameUpdates) {
 }
 
 // A rank that detaches and re-attaches while an update that read its old gradients is still queued: the
-// old rank segment is released when that update finishes, and must not take the new segment's name along.
-TEST_F(StepEngineTest, ReattachDuringAnInFlightUpdateKeepsTheNewRankSegment) {
+// attach waits for that update (the step the rank resumes from must not move under it: the update
+// commits step 1, so the rank resumes after step 1), and the old rank segment, released when the update
+// finishes, must not take the new segment's name along.
+TEST_F(StepEngineTest, ReattachDuringAnInFlightUpdateWaitsForItAndKeepsTheNewRankSegment) {
   WorkerPool single(1, false);
   Job job("job", static_cast<uint32_t>(getuid()), TwoParamSpec(1), 7, single);
   std::vector<std::unique_ptr<RankClient>> clients;
@@ -536,13 +321,18 @@ TEST_F(StepEngineTest, ReattachDuringAnInFlightUpdateKeepsTheNewRankSegment) {
   const shm::RingHeader* requests = clients[0]->view().request_ring;
   ASSERT_TRUE(trainstream::testing::PollUntil([&] { return requests->tail.load() == requests->head.load(); }));
 
+  std::thread releaser([&] {
+    std::this_thread::sleep_for(100ms);  // the attach below is waiting by then (it cannot return before)
+    release.set_value();
+  });
   clients[0]->Reattach();
+  releaser.join();
+  EXPECT_EQ(clients[0]->attachment().completed_step, 1u);
   const std::string name = clients[0]->attachment().rank_segment;
-  release.set_value();
-  clients[0]->ExpectParamsReady(1);
   std::this_thread::sleep_for(100ms);
   EXPECT_TRUE(shm::Segment::Exists(name)) << "the re-attached rank's segment " << name << " was unlinked";
   EXPECT_NO_THROW(shm::Segment::Open(name));
+  RunStep(clients, 2, TestHParams());  // and it trains on
 }
 
 // A RankTransfer whose "GPU" is host memory: copies are memcpy on a thread of its own, in submission

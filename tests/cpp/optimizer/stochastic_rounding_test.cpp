@@ -44,7 +44,7 @@ TEST_P(StochasticRounding, MeanOfManyRoundingsIsTheFp32Value) {
   for (int trial = 0; trial < trials; ++trial) {
     std::fill(m.begin(), m.end(), uint16_t{0});
     MomentBuffers moments{m.data(), v.data(), DType::kBFloat16, 0x5EED0000ull + static_cast<uint64_t>(trial) * 7919, 0};
-    kernel.update(grads, step, master.data(), moments, Upload{}, n);
+    testing::UpdateInPlace(kernel, grads, step, master.data(), moments, Upload{}, n);
     for (size_t i = 0; i < n; ++i) mean[i] += BF16ToFloat(m[i]);
   }
   for (size_t i = 0; i < n; ++i) {
@@ -71,7 +71,7 @@ TEST_P(StochasticRounding, SameSeedAndElementGiveSameBitsWhateverTheRangeStart) 
       const void* slot = g.data() + begin;
       GradSources grads{std::span<const void* const>(&slot, 1), DType::kFloat32, nullptr, 1.0f};
       MomentBuffers moments{m.data() + begin, v.data() + begin, DType::kBFloat16, 99, 1000 + begin};
-      k.update(grads, step, master.data() + begin, moments, Upload{}, end - begin);
+      testing::UpdateInPlace(k, grads, step, master.data() + begin, moments, Upload{}, end - begin);
     }
   };
   std::vector<uint16_t> m_ref, v_ref;
@@ -114,7 +114,7 @@ TEST_P(StochasticRounding, MeanOverAdjacentElementsOfOneValueIsTheFp32Value) {
     GradSources grads{std::span<const void* const>(&slot, 1), DType::kFloat32, nullptr, 1.0f};
     const AdamWStep step = AdamWStep::For(0.0, 0.0, 0.0, 1e-8, 0.0, true, 1);
     MomentBuffers moments{m.data(), v.data(), DType::kBFloat16, StepSeed(0xABCDEF, 12), 777};
-    kernel.update(grads, step, master.data(), moments, Upload{}, n);
+    testing::UpdateInPlace(kernel, grads, step, master.data(), moments, Upload{}, n);
     const float square = value * value;
     for (auto [bits, exact] : {std::pair{&m, value}, std::pair{&v, square}}) {
       // The two bf16 neighbours of `exact` and the probability of rounding away from zero.
@@ -187,8 +187,8 @@ TEST_P(StochasticRounding, DifferentStepsRoundDifferently) {
   auto round = [&](uint64_t seed) {
     std::vector<uint16_t> m(n, 0), v(n, 0);
     std::vector<float> master(n, 0.0f);
-    kernel.update(grads, step, master.data(), MomentBuffers{m.data(), v.data(), DType::kBFloat16, seed, 5000}, Upload{},
-                  n);
+    testing::UpdateInPlace(kernel, grads, step, master.data(),
+                           MomentBuffers{m.data(), v.data(), DType::kBFloat16, seed, 5000}, Upload{}, n);
     m.insert(m.end(), v.begin(), v.end());
     return m;
   };
@@ -217,8 +217,9 @@ TEST_P(StochasticRounding, RangeAcrossTheKeyBoundaryMatchesTheReference) {
       std::vector<uint16_t> m(n, 0x3C00), v(n, 0x3A00), up(n + 64, 0);
       const void* slot = g.data();
       GradSources grads{std::span<const void* const>(&slot, 1), DType::kFloat32, nullptr, 1.0f};
-      k.update(grads, step, master.data(), MomentBuffers{m.data(), v.data(), DType::kBFloat16, 77, base},
-               Upload{up.data() + 3, DType::kBFloat16}, n);
+      testing::UpdateInPlace(k, grads, step, master.data(),
+                             MomentBuffers{m.data(), v.data(), DType::kBFloat16, 77, base},
+                             Upload{up.data() + 3, DType::kBFloat16}, n);
       m.insert(m.end(), v.begin(), v.end());
       m.insert(m.end(), up.begin(), up.end());
       return std::pair{m, master};

@@ -65,6 +65,12 @@ inline void FillUniform(Buffer& buffer, std::mt19937_64& rng, float lo, float hi
   for (size_t i = 0; i < buffer.size(); ++i) buffer.Set(i, dist(rng));
 }
 
+// The kernel's update in place: it reads the state where it writes it (StateIn::InPlace).
+inline bool UpdateInPlace(const KernelTable& kernel, const GradSources& grads, const AdamWStep& step, float* master,
+                          const MomentBuffers& moments, const Upload& upload, size_t n) {
+  return kernel.update(grads, step, StateIn::InPlace(master, moments), master, moments, upload, n);
+}
+
 // Names of the variants this CPU runs, best first ("avx512", "avx2", "portable").
 inline std::vector<std::string> SupportedKernelNames() {
   std::vector<std::string> names;

@@ -58,7 +58,7 @@ struct KernelAdam {
     GradSources grads{std::span<const void* const>(&slot, 1), DType::kFloat32, nullptr, 1.0f};
     const AdamWStep step = AdamWStep::For(lr, beta1, beta2, eps, weight_decay, decoupled, static_cast<uint64_t>(t));
     MomentBuffers moments{m.data(), v.data(), DType::kFloat32, 0, 0};
-    kernel.update(grads, step, p.data(), moments, Upload{}, p.size());
+    testing::UpdateInPlace(kernel, grads, step, p.data(), moments, Upload{}, p.size());
   }
 };
 

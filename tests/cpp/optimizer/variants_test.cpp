@@ -54,10 +54,18 @@ struct Grads {
   }
 };
 
+// How an update reaches its state: in place, or out of place (the update reads the state and writes
+// another one, the other half of a double buffer, at the given misalignment).
+struct Placement {
+  bool out_of_place = false;
+  size_t misalign = 0;
+};
+
 // The state one update touches, so two copies can run side by side and be compared.
 struct State {
   Buffer master, exp_avg, exp_avg_sq, upload;
   bool has_upload;
+  bool nonfinite = false;  // what the last update returned
 
   State(size_t n, DType moment, bool has_upload_, DType upload_dtype, size_t misalign, std::mt19937_64& rng)
       : master(DType::kFloat32, n, misalign),
@@ -73,10 +81,29 @@ struct State {
     State copy = *this;
     return copy;
   }
-  void Run(const KernelTable& kernel, const GradSources& grads, const AdamWStep& step, uint64_t seed, size_t n) {
-    MomentBuffers moments{exp_avg.data(), exp_avg_sq.data(), exp_avg.dtype(), seed, 1000003};
+  // Out of place the state read must stay as it was, and the state written (which starts as garbage)
+  // becomes this state.
+  void Run(const KernelTable& kernel, const GradSources& grads, const AdamWStep& step, uint64_t seed, size_t n,
+           Placement placement = {}) {
     Upload up{has_upload ? upload.data() : nullptr, upload.dtype()};
-    kernel.update(grads, step, master.f32(), moments, up, n);
+    if (!placement.out_of_place) {
+      MomentBuffers moments{exp_avg.data(), exp_avg_sq.data(), exp_avg.dtype(), seed, 1000003};
+      nonfinite = testing::UpdateInPlace(kernel, grads, step, master.f32(), moments, up, n);
+      return;
+    }
+    const State read = *this;
+    State written = *this;
+    for (Buffer* buffer : {&written.master, &written.exp_avg, &written.exp_avg_sq}) {
+      *buffer = buffer->CopyAt(placement.misalign);
+      if (buffer->bytes() != 0) std::memset(buffer->data(), 0xA5, buffer->bytes());
+    }
+    const StateIn in{master.f32(), exp_avg.data(), exp_avg_sq.data()};
+    MomentBuffers moments{written.exp_avg.data(), written.exp_avg_sq.data(), exp_avg.dtype(), seed, 1000003};
+    nonfinite = kernel.update(grads, step, in, written.master.f32(), moments, up, n);
+    EXPECT_TRUE(master.SameBytes(read.master) && exp_avg.SameBytes(read.exp_avg) &&
+                exp_avg_sq.SameBytes(read.exp_avg_sq))
+        << "the out-of-place update changed the state it read";
+    master = written.master, exp_avg = written.exp_avg, exp_avg_sq = written.exp_avg_sq;
   }
 };
 
@@ -96,7 +123,7 @@ void ExpectSameState(State& a, State& b, const std::string& what) {
 }
 
 void CheckUpdate(const KernelTable& kernel, size_t n, size_t misalign, DType grad, size_t ranks, bool accum,
-                 DType moment, int upload, bool decoupled, int* failures) {
+                 DType moment, int upload, bool decoupled, int* failures, Placement placement = {}) {
   std::mt19937_64 rng(n * 1315423911u + misalign * 7 + ranks * 131 + static_cast<size_t>(grad) * 17);
   Grads grads(grad, ranks, accum, n, misalign, rng);
   const bool has_upload = upload >= 0;
@@ -105,10 +132,11 @@ void CheckUpdate(const KernelTable& kernel, size_t n, size_t misalign, DType gra
   State actual = expected.Copy();
   const AdamWStep step = AdamWStep::For(1e-3, 0.9, 0.999, 1e-8, decoupled ? 0.01 : 0.1, decoupled, 7);
   expected.Run(PortableKernels(), grads.sources, step, 0xC0FFEE, n);
-  actual.Run(kernel, grads.sources, step, 0xC0FFEE, n);
-  const std::string what = ::testing::PrintToString(
-      std::make_tuple(n, misalign, NameOf(grad), ranks, accum, NameOf(moment), upload, decoupled));
+  actual.Run(kernel, grads.sources, step, 0xC0FFEE, n, placement);
+  const std::string what = ::testing::PrintToString(std::make_tuple(
+      n, misalign, NameOf(grad), ranks, accum, NameOf(moment), upload, decoupled, placement.out_of_place));
   ExpectSameState(expected, actual, what);
+  EXPECT_FALSE(actual.nonfinite) << what;
   if (::testing::Test::HasFailure()) ++*failures;
 }
 
@@ -123,6 +151,8 @@ TEST_P(VariantTest, UpdateMatchesReferenceBitForBit) {
             const bool accum = (n % 2) == 1;
             const bool decoupled = (n % 4) != 0;
             CheckUpdate(kernel(), n, misalign, grad, ranks, accum, moment, upload, decoupled, &failures);
+            CheckUpdate(kernel(), n, misalign, grad, ranks, accum, moment, upload, decoupled, &failures,
+                        {.out_of_place = true, .misalign = (n + 1) % 3});
             if (failures > 0) return;
           }
         }
@@ -132,14 +162,19 @@ TEST_P(VariantTest, UpdateMatchesReferenceBitForBit) {
 }
 
 TEST_P(VariantTest, UpdateMatchesReferenceOnStreamingSizes) {
-  // Large enough for non-temporal upload stores (>= 64 KiB), with an unaligned start and a tail.
+  // Large enough for non-temporal stores (>= 64 KiB of upload; out of place, of master weights too), with
+  // an unaligned start and a tail; out of place with the written state aligned like the read one or not.
   int failures = 0;
   for (size_t misalign : {0, 1, 7}) {
     for (DType moment : {DType::kFloat32, DType::kBFloat16}) {
-      for (int upload : {0, 1, 2}) {
-        CheckUpdate(kernel(), 40000 + 13, misalign, DType::kBFloat16, 2, false, moment, upload, true, &failures);
-        CheckUpdate(kernel(), 20000 + 5, misalign, DType::kFloat32, 1, true, moment, upload, false, &failures);
-        if (failures > 0) return;
+      for (int upload : {-1, 0, 1, 2}) {
+        for (Placement placement : {Placement{}, Placement{true, misalign}, Placement{true, misalign + 3}}) {
+          CheckUpdate(kernel(), 40000 + 13, misalign, DType::kBFloat16, 2, false, moment, upload, true, &failures,
+                      placement);
+          CheckUpdate(kernel(), 20000 + 5, misalign, DType::kFloat32, 1, true, moment, upload, false, &failures,
+                      placement);
+          if (failures > 0) return;
+        }
       }
     }
   }
@@ -147,43 +182,59 @@ TEST_P(VariantTest, UpdateMatchesReferenceOnStreamingSizes) {
 
 // The update writes exactly its range: the AVX-512 variants run heads and tails as masked vectors, and a
 // store past either end would corrupt the neighbouring block in the daemon. Every buffer gets guard elements
-// on both sides of the range; they must keep their bytes (also the upload's, ordinary and streamed).
+// on both sides of the range; they must keep their bytes (also the upload's, ordinary and streamed), in
+// place and out of place (where the state read must not change at all).
 TEST_P(VariantTest, UpdateTouchesNothingOutsideItsRange) {
   constexpr size_t kGuard = 40;
   std::vector<size_t> sizes = TestSizes();
-  sizes.push_back(40000 + 13);  // streamed upload, with the alignment head
+  sizes.push_back(40000 + 13);  // streamed stores, with the alignment head
   for (size_t n : sizes) {
     for (DType moment : {DType::kFloat32, DType::kBFloat16}) {
       for (int upload : {0, 1, 2}) {
         for (size_t ranks : {size_t{1}, size_t{2}}) {
-          const size_t misalign = n % 7;
-          std::mt19937_64 rng(n * 31 + ranks);
-          Grads grads(DType::kBFloat16, ranks, ranks == 2, n + 2 * kGuard, misalign, rng);
-          for (const void*& pointer : grads.pointers) pointer = static_cast<const uint16_t*>(pointer) + kGuard;
-          grads.sources.slots = grads.pointers;
-          if (grads.sources.accum != nullptr) grads.sources.accum += kGuard;
-          State state(n + 2 * kGuard, moment, true, static_cast<DType>(upload), misalign, rng);
-          const State before = state.Copy();
-          const size_t moment_bytes = SizeOf(moment), upload_bytes = SizeOf(static_cast<DType>(upload));
-          const AdamWStep step = AdamWStep::For(1e-3, 0.9, 0.999, 1e-8, 0.01, true, 7);
-          MomentBuffers moments{static_cast<char*>(state.exp_avg.data()) + kGuard * moment_bytes,
-                                static_cast<char*>(state.exp_avg_sq.data()) + kGuard * moment_bytes, moment, 99, 12345};
-          Upload up{static_cast<char*>(state.upload.data()) + kGuard * upload_bytes, static_cast<DType>(upload)};
-          kernel().update(grads.sources, step, state.master.f32() + kGuard, moments, up, n);
-          const std::string what = ::testing::PrintToString(std::make_tuple(n, NameOf(moment), upload, ranks));
-          for (auto [after, original] : {std::pair{&state.master, &before.master},
-                                         {&state.exp_avg, &before.exp_avg},
-                                         {&state.exp_avg_sq, &before.exp_avg_sq},
-                                         {&state.upload, &before.upload}}) {
-            const size_t bytes = SizeOf(after->dtype());
-            const auto* a = static_cast<const char*>(after->data());
-            const auto* b = static_cast<const char*>(original->data());
-            ASSERT_EQ(std::memcmp(a, b, kGuard * bytes), 0) << what << ": before the range";
-            ASSERT_EQ(std::memcmp(a + (kGuard + n) * bytes, b + (kGuard + n) * bytes, kGuard * bytes), 0)
-                << what << ": after the range";
-            if (after == &state.master) {  // and the range itself was updated
-              ASSERT_NE(std::memcmp(a + kGuard * bytes, b + kGuard * bytes, n * bytes), 0) << what << ": not updated";
+          for (bool out_of_place : {false, true}) {
+            const size_t misalign = n % 7;
+            std::mt19937_64 rng(n * 31 + ranks);
+            Grads grads(DType::kBFloat16, ranks, ranks == 2, n + 2 * kGuard, misalign, rng);
+            for (const void*& pointer : grads.pointers) pointer = static_cast<const uint16_t*>(pointer) + kGuard;
+            grads.sources.slots = grads.pointers;
+            if (grads.sources.accum != nullptr) grads.sources.accum += kGuard;
+            State state(n + 2 * kGuard, moment, true, static_cast<DType>(upload), misalign, rng);
+            const State before = state.Copy();
+            const State source = state.Copy();  // what an out-of-place update reads
+            const size_t moment_bytes = SizeOf(moment), upload_bytes = SizeOf(static_cast<DType>(upload));
+            const AdamWStep step = AdamWStep::For(1e-3, 0.9, 0.999, 1e-8, 0.01, true, 7);
+            auto at = [&](const Buffer& buffer, size_t element) {
+              return static_cast<char*>(const_cast<void*>(buffer.data())) + kGuard * element;
+            };
+            MomentBuffers moments{at(state.exp_avg, moment_bytes), at(state.exp_avg_sq, moment_bytes), moment, 99,
+                                  12345};
+            Upload up{at(state.upload, upload_bytes), static_cast<DType>(upload)};
+            float* master = state.master.f32() + kGuard;
+            const StateIn in = out_of_place
+                                   ? StateIn{reinterpret_cast<const float*>(at(source.master, 4)),
+                                             at(source.exp_avg, moment_bytes), at(source.exp_avg_sq, moment_bytes)}
+                                   : StateIn::InPlace(master, moments);
+            kernel().update(grads.sources, step, in, master, moments, up, n);
+            const std::string what =
+                ::testing::PrintToString(std::make_tuple(n, NameOf(moment), upload, ranks, out_of_place));
+            for (auto [after, original] : {std::pair{&state.master, &before.master},
+                                           {&state.exp_avg, &before.exp_avg},
+                                           {&state.exp_avg_sq, &before.exp_avg_sq},
+                                           {&state.upload, &before.upload}}) {
+              const size_t bytes = SizeOf(after->dtype());
+              const auto* a = static_cast<const char*>(after->data());
+              const auto* b = static_cast<const char*>(original->data());
+              ASSERT_EQ(std::memcmp(a, b, kGuard * bytes), 0) << what << ": before the range";
+              ASSERT_EQ(std::memcmp(a + (kGuard + n) * bytes, b + (kGuard + n) * bytes, kGuard * bytes), 0)
+                  << what << ": after the range";
+              if (after == &state.master) {  // and the range itself was updated
+                ASSERT_NE(std::memcmp(a + kGuard * bytes, b + kGuard * bytes, n * bytes), 0) << what << ": not updated";
+              }
             }
+            ASSERT_TRUE(source.master.SameBytes(before.master) && source.exp_avg.SameBytes(before.exp_avg) &&
+                        source.exp_avg_sq.SameBytes(before.exp_avg_sq))
+                << what << ": the state read changed";
           }
         }
       }
@@ -201,9 +252,9 @@ TEST_P(VariantTest, RepeatedStepsStayIdentical) {
     Grads grads(DType::kBFloat16, 2, false, n, 2, rng);
     const AdamWStep step = AdamWStep::For(1e-2, 0.9, 0.999, 1e-8, 0.01, true, t);
     expected.Run(PortableKernels(), grads.sources, step, 1000 + t, n);
-    actual.Run(kernel(), grads.sources, step, 1000 + t, n);
+    actual.Run(kernel(), grads.sources, step, 1000 + t, n, {.out_of_place = t % 2 == 0, .misalign = t % 3});
   }
-  ExpectSameState(expected, actual, "20 steps");
+  ExpectSameState(expected, actual, "20 steps, every other one out of place");
 }
 
 TEST_P(VariantTest, SumOfSquaresMatchesReference) {
@@ -370,23 +421,29 @@ TEST(Dispatch, ActiveKernelIsTheBestSupportedOrTheForcedOne) {
   EXPECT_EQ(std::string(SupportedKernels().back()->name), "portable");
 }
 
-TEST(AnyNonFinite, FindsInfAndNaNAnywhereAndNothingElse) {
-  for (const size_t n : {size_t{1}, size_t{7}, size_t{64}, size_t{1000}}) {
-    std::vector<float> values(n, 1.0f);
-    values[0] = std::numeric_limits<float>::max();
-    if (n > 1) values[1] = std::numeric_limits<float>::denorm_min();
-    if (n > 2) values[2] = -0.0f;
-    EXPECT_FALSE(AnyNonFinite(values.data(), n)) << n;
-    for (const float bad : {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
-                            std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::signaling_NaN()}) {
-      for (const size_t at : {size_t{0}, n / 2, n - 1}) {
-        std::vector<float> copy = values;
-        copy[at] = bad;
-        EXPECT_TRUE(AnyNonFinite(copy.data(), n)) << n << " at " << at;
+// The update's return value: whether a new master weight is inf or NaN, wherever it lies (vector body,
+// masked or scalar head and tail), in place and out of place, and nothing for large finite values.
+TEST_P(VariantTest, UpdateReportsNonFiniteWeightsAnywhere) {
+  const AdamWStep step = AdamWStep::For(1e-3, 0.9, 0.999, 0.0, 0.0, true, 1);  // eps 0: 0/0 where g = v = 0
+  for (const size_t n : {size_t{1}, size_t{7}, size_t{64}, size_t{1000}, size_t{40000 + 13}}) {
+    for (Placement placement : {Placement{}, Placement{true, 0}}) {
+      std::mt19937_64 rng(n);
+      Grads grads(DType::kFloat32, 1, false, n, 1, rng);
+      State clean(n, DType::kFloat32, false, DType::kFloat32, 1, rng);
+      clean.master.Set(0, 3.0e38f);
+      clean.Run(kernel(), grads.sources, step, 1, n, placement);
+      EXPECT_FALSE(clean.nonfinite) << n;
+      for (const float bad : {INFINITY, -INFINITY, NAN}) {
+        for (const size_t where : {size_t{0}, n / 2, n - 1}) {
+          Grads bad_grads(DType::kFloat32, 1, false, n, 1, rng);
+          bad_grads.slots[0].Set(where, bad);
+          State state(n, DType::kFloat32, false, DType::kFloat32, 1, rng);
+          state.Run(kernel(), bad_grads.sources, step, 1, n, placement);
+          EXPECT_TRUE(state.nonfinite) << n << " at " << where << " " << bad << " " << placement.out_of_place;
+        }
       }
     }
   }
-  EXPECT_FALSE(AnyNonFinite(nullptr, 0));
 }
 
 TEST(Dispatch, UnknownOrUnsupportedKernelIsAClearError) {

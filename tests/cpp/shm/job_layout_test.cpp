@@ -104,12 +104,22 @@ void ExpectConsistent(const LayoutSpec& spec, const JobLayout& layout) {
 
   const uint64_t moment_bytes = layout.total_elems * SizeOf(spec.moment_dtype);
   std::vector<Range> state = {
-      {layout.param_state_offset, layout.param_state_offset + sizeof(ParamState) * spec.params.size()},
       {layout.bucket_state_offset, layout.bucket_state_offset + sizeof(BucketState) * layout.buckets.size()},
-      {layout.master_offset, layout.master_offset + layout.total_elems * sizeof(float)},
-      {layout.exp_avg_offset, layout.exp_avg_offset + moment_bytes},
-      {layout.exp_avg_sq_offset, layout.exp_avg_sq_offset + moment_bytes},
       {layout.upload_offset, layout.upload_offset + layout.upload_bytes}};
+  EXPECT_EQ(layout.state_halves, spec.state_halves);
+  for (uint32_t h = 0; h < spec.state_halves; ++h) {  // with one half, [1] names [0]'s memory
+    state.emplace_back(layout.param_state_offset[h],
+                       layout.param_state_offset[h] + sizeof(ParamState) * spec.params.size());
+    state.emplace_back(layout.master_offset[h], layout.master_offset[h] + layout.total_elems * sizeof(float));
+    state.emplace_back(layout.exp_avg_offset[h], layout.exp_avg_offset[h] + moment_bytes);
+    state.emplace_back(layout.exp_avg_sq_offset[h], layout.exp_avg_sq_offset[h] + moment_bytes);
+  }
+  if (spec.state_halves == 1) {
+    EXPECT_EQ(layout.master_offset[1], layout.master_offset[0]);
+    EXPECT_EQ(layout.param_state_offset[1], layout.param_state_offset[0]);
+    EXPECT_EQ(layout.exp_avg_offset[1], layout.exp_avg_offset[0]);
+    EXPECT_EQ(layout.exp_avg_sq_offset[1], layout.exp_avg_sq_offset[0]);
+  }
   if (spec.accumulation_steps > 1) {
     state.emplace_back(layout.accum_offset, layout.accum_offset + layout.total_elems * sizeof(float));
   }
@@ -178,9 +188,35 @@ TEST(ComputeLayout, ParameterLargerThanABucketGetsItsOwnBucket) {
 }
 
 TEST(ComputeLayout, EveryRegionIsAlignedDisjointAndInside) {
-  for (const LayoutSpec& spec : {MixedSpec(), UniformSpec(1, 1, 4096), UniformSpec(100, 33, 1 << 16)}) {
-    SCOPED_TRACE(spec.params.size());
-    ExpectConsistent(spec, ComputeLayout(spec));
+  for (uint32_t halves : {1u, 2u}) {
+    for (LayoutSpec spec : {MixedSpec(), UniformSpec(1, 1, 4096), UniformSpec(100, 33, 1 << 16)}) {
+      SCOPED_TRACE(::testing::Message() << spec.params.size() << " params, " << halves << " halves");
+      spec.state_halves = halves;
+      ExpectConsistent(spec, ComputeLayout(spec));
+    }
+  }
+}
+
+// Two state halves double the master weights, the moments and the step counts, nothing else.
+TEST(ComputeLayout, TwoStateHalvesDoubleTheOptimizerStateOnly) {
+  LayoutSpec spec = MixedSpec();
+  const JobLayout one = ComputeLayout(spec);
+  spec.state_halves = 2;
+  const JobLayout two = ComputeLayout(spec);
+  const uint64_t half = one.total_elems * (sizeof(float) + 2 * SizeOf(spec.moment_dtype));
+  EXPECT_GE(two.state_bytes - one.state_bytes, half);
+  EXPECT_LE(two.state_bytes - one.state_bytes, half + sizeof(ParamState) * spec.params.size() + 4 * kAlign);
+  EXPECT_EQ(two.rank_bytes, one.rank_bytes);
+  EXPECT_EQ(two.upload_bytes, one.upload_bytes);
+}
+
+TEST(BucketCommit, StepHalfAndUpdatingShareOneWord) {
+  for (const BucketCommit commit : {BucketCommit{}, BucketCommit{.step = 7, .half = 1},
+                                    BucketCommit{.step = (uint64_t{1} << 62) - 1, .half = 0, .updating = true}}) {
+    EXPECT_EQ(BucketCommit::Of(commit.Word()), commit);
+    BucketState state;
+    state.Store(commit);
+    EXPECT_EQ(state.Load(), commit);
   }
 }
 
@@ -256,6 +292,9 @@ TEST(ComputeLayout, HashChangesWithEveryField) {
       {"optimizer", [](LayoutSpec& s) { s.optimizer = OptimizerKind::kAdam; }},
       {"partition", [](LayoutSpec& s) { s.params[1].partition = 3; }},
       {"a frozen parameter", [](LayoutSpec& s) { s.frozen.push_back(Param("base", {8}, DType::kBFloat16)); }},
+      {"state halves", [](LayoutSpec& s) { s.state_halves = 2; }},
+      {"speculative clipping",
+       [](LayoutSpec& s) { s.state_halves = 2, s.max_grad_norm = 1.0, s.speculative_clipping = Speculation::kOn; }},
   };
   const uint64_t base = ComputeLayout(MixedSpec()).hash;
   for (const auto& [what, change] : changes) {
@@ -263,6 +302,11 @@ TEST(ComputeLayout, HashChangesWithEveryField) {
     change(spec);
     EXPECT_NE(ComputeLayout(spec).hash, base) << "hash ignores " << what;
   }
+  LayoutSpec two = MixedSpec();
+  two.state_halves = 2, two.max_grad_norm = 1.0;
+  LayoutSpec speculative = two;
+  speculative.speculative_clipping = Speculation::kOn;
+  EXPECT_NE(ComputeLayout(two).hash, ComputeLayout(speculative).hash);
 }
 
 TEST(ComputeLayout, InvalidSpecsAreRejectedNamingTheProblem) {
@@ -308,6 +352,17 @@ TEST(ComputeLayout, InvalidSpecsAreRejectedNamingTheProblem) {
        "frozen parameter 0 (base) has dimension -3"},
       {"frozen unknown dtype", [](LayoutSpec& s) { s.frozen = {Param("base", {4}, static_cast<DType>(7))}; },
        "frozen parameter 0 (base) has an unknown dtype"},
+      {"3 state halves", [](LayoutSpec& s) { s.state_halves = 3; }, "state_halves 3 must be 1 or 2"},
+      {"state halves undecided", [](LayoutSpec& s) { s.state_halves = 0; }, "state_halves 0 must be 1 or 2"},
+      {"speculation undecided",
+       [](LayoutSpec& s) { s.state_halves = 2, s.max_grad_norm = 1, s.speculative_clipping = Speculation::kAuto; },
+       "speculative_clipping 2 must be off (0), on (1)"},
+      {"speculation without clipping",
+       [](LayoutSpec& s) { s.state_halves = 2, s.speculative_clipping = Speculation::kOn; },
+       "max_grad_norm is 0: there is no clipping to speculate about"},
+      {"speculation with one half",
+       [](LayoutSpec& s) { s.max_grad_norm = 1, s.speculative_clipping = Speculation::kOn; },
+       "speculative_clipping needs two state halves"},
   };
   for (const auto& [what, change, needle] : cases) {
     SCOPED_TRACE(what);
@@ -315,6 +370,25 @@ TEST(ComputeLayout, InvalidSpecsAreRejectedNamingTheProblem) {
     change(spec);
     TS_EXPECT_ERROR(ComputeLayout(spec), Code::kInvalidArgument, needle);
   }
+}
+
+// An attach request may leave to the daemon what it decides (state halves 0, speculation kAuto); the
+// rest is validated as in ComputeLayout.
+TEST(ValidateRequest, AllowsWhatTheDaemonDecidesOnly) {
+  LayoutSpec spec = MixedSpec();
+  spec.state_halves = 0;
+  spec.max_grad_norm = 1.0;
+  spec.speculative_clipping = Speculation::kAuto;
+  EXPECT_NO_THROW(ValidateRequest(spec));
+  spec.speculative_clipping = Speculation::kOn;
+  EXPECT_NO_THROW(ValidateRequest(spec));  // 0 halves may become 2
+  spec.state_halves = 1;
+  TS_EXPECT_ERROR(ValidateRequest(spec), Code::kInvalidArgument, "needs two state halves");
+  spec.state_halves = 3;
+  TS_EXPECT_ERROR(ValidateRequest(spec), Code::kInvalidArgument, "(or 0: the daemon decides)");
+  spec = MixedSpec();
+  spec.world_size = 0;
+  TS_EXPECT_ERROR(ValidateRequest(spec), Code::kInvalidArgument, "world_size");
 }
 
 // A segment created and initialized for `layout`, as the daemon does.
