@@ -102,7 +102,23 @@ py::dict ToDict(const trainstream::StatsReport& report) {
     j["redone_steps"] = job.redone_steps;
     j["transports"] = job.transports;
     j["orphaned"] = job.orphaned;
+    j["steps"] = job.steps;  // since the daemon took the job, as update_seconds
+    j["update_seconds"] = job.update_seconds;
+    j["last_update_unix_ms"] = job.last_update_unix_ms;
+    j["last_step_unix_ms"] = job.last_step_unix_ms;
+    j["host_bytes"] = job.host_bytes;
+    j["pinned_bytes"] = job.pinned_bytes;
+    j["last_snapshot"] = job.last_snapshot;
+    j["last_snapshot_step"] = job.last_snapshot_step;
     jobs.append(j);
+  }
+  py::list gpus;
+  for (const auto& gpu : report.gpus) {
+    py::dict g;
+    g["gpu"] = gpu.gpu;
+    g["to_host_bytes"] = gpu.to_host_bytes;
+    g["to_device_bytes"] = gpu.to_device_bytes;
+    gpus.append(g);
   }
   py::dict d;
   d["jobs"] = jobs;
@@ -110,6 +126,13 @@ py::dict ToDict(const trainstream::StatsReport& report) {
   d["rss_bytes"] = report.rss_bytes;
   d["worker_threads"] = report.worker_threads;
   d["kernel"] = report.kernel;
+  d["daemon_version"] = report.daemon_version;
+  d["pid"] = report.pid;
+  d["uptime_seconds"] = report.uptime_seconds;
+  d["pinned_bytes"] = report.pinned_bytes;
+  d["max_host_bytes"] = report.max_host_bytes;
+  d["max_jobs"] = report.max_jobs;
+  d["gpus"] = gpus;
   return d;
 }
 

@@ -59,6 +59,22 @@ def test_jobs_shows_owner_ranks_step_and_memory(daemon):
     assert "idle" in ctl(daemon.socket, "jobs").stdout
 
 
+def test_python_stats_report_what_trainstreamctl_shows(daemon):
+    model, opt = wrapped(daemon, "both")
+    train(model, opt, 2)
+    trainstream.synchronize(model)
+    stats = daemon.client().stats()
+    [job] = stats["jobs"]
+    [shown] = ctl_json(daemon.socket, "jobs")
+    for key in ("steps", "host_bytes", "pinned_bytes", "last_step_unix_ms", "last_update_unix_ms",
+                "last_snapshot_step"):
+        assert job[key] == shown[key], key
+    assert job["steps"] == 2 and job["update_seconds"] > 0 and job["last_snapshot"] == ""
+    assert stats["pid"] == daemon.process.pid and stats["daemon_version"] == trainstream.__version__
+    assert stats["max_jobs"] == 64 and stats["uptime_seconds"] > 0 and stats["gpus"] == []
+    trainstream.unwrap(model)
+
+
 def test_the_socket_comes_from_the_environment_with_or_without_unix_prefix(daemon):
     for address in (daemon.socket, "unix:" + daemon.socket):
         env = {**os.environ, "TRAINSTREAM_ADDRESS": address}
