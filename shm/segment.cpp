@@ -53,11 +53,6 @@ Code CodeOf(const bip::interprocess_exception& e) {
     default: return Code::kInternal;
   }
 }
-uint64_t AvailableInDevShm() {
-  struct statvfs shm {};
-  return statvfs("/dev/shm", &shm) == 0 ? uint64_t{shm.f_bavail} * shm.f_frsize : 0;
-}
-
 [[noreturn]] void ThrowCannotBack(const std::string& name, size_t bytes, int error) {
   Throw(error == ENOSPC || error == EFBIG || error == ENOMEM || error == EFAULT ? Code::kResourceExhausted
                                                                                 : Code::kInternal,
@@ -145,6 +140,11 @@ bool Segment::Exists(const std::string& name) {
   } catch (const bip::interprocess_exception&) {
     return false;
   }
+}
+
+uint64_t AvailableInDevShm() {
+  struct statvfs shm {};
+  return statvfs("/dev/shm", &shm) == 0 ? uint64_t{shm.f_bavail} * shm.f_frsize : 0;
 }
 
 }  // namespace trainstream::shm

@@ -17,6 +17,9 @@ namespace trainstream::shm {
 
 std::string SegmentName(uint32_t uid, const std::string& job_key, const std::string& part);
 
+// Bytes free for new segments in /dev/shm (0 if it cannot say).
+uint64_t AvailableInDevShm();
+
 class Segment {
  public:
   Segment() = default;

@@ -1,7 +1,6 @@
 #include "daemon/control/job_registry.h"
 
 #include <spdlog/spdlog.h>
-#include <sys/statvfs.h>
 
 #include <algorithm>
 #include <limits>
@@ -10,6 +9,7 @@
 #include <vector>
 
 #include "shm/error.h"
+#include "shm/segment.h"
 
 namespace trainstream::daemon {
 
@@ -69,13 +69,6 @@ shm::LayoutSpec Inherit(shm::LayoutSpec request, uint32_t state_halves, bool spe
   return request;
 }
 
-// Bytes free for new files in /dev/shm (0 if it cannot say).
-uint64_t ShmFreeBytes() {
-  struct statvfs info {};
-  if (statvfs("/dev/shm", &info) != 0) return 0;
-  return static_cast<uint64_t>(info.f_bavail) * info.f_frsize;
-}
-
 void CheckJobName(const std::string& name) {
   TS_CHECK(!name.empty() && name.size() <= shm::kMaxJobName, Code::kInvalidArgument,
            "job name must have 1 to {} characters", shm::kMaxJobName);
@@ -95,7 +88,7 @@ shm::LayoutSpec JobRegistry::Decide(const std::string& name, shm::LayoutSpec req
       two.speculative_clipping = shm::Speculation::kOff;
       const shm::JobLayout layout = shm::ComputeLayout(two);
       const uint64_t needed = layout.state_bytes + uint64_t{request.world_size} * layout.rank_bytes;
-      const uint64_t shm_free = ShmFreeBytes();
+      const uint64_t shm_free = shm::AvailableInDevShm();
       const uint64_t quota_left = config_.max_host_bytes == 0
                                       ? std::numeric_limits<uint64_t>::max()
                                       : config_.max_host_bytes - std::min(used, config_.max_host_bytes);
