@@ -57,6 +57,20 @@ for what in "$@"; do
       timeout 200 python3 benchmarks/train_gpt/train_gpt.py --config 124m --modes gpu-only,stock,trainstream,auto \
         --adamw-json benchmarks/results/adamw_h200-16core.json --json "$OUT/gpt_124m_auto.json" 2>&1 | tail -1
       ;;
+    clipping)
+      stage clipping  # the redo rate over 200+ steps of the 124M; the 1.86B clipped against unclipped, fp32 and bf16 weights
+      timeout 150 python3 benchmarks/clipping/redo_rate.py --device cuda --steps ${REDO_STEPS:-220} \
+        --json "$OUT/clipping_redo_rate_124m.json" 2>&1 | tail -4
+      for weights in ${CLIP_WEIGHTS:-fp32 bf16}; do
+        flags=""; [[ $weights == bf16 ]] && flags="--bf16-weights --moment-dtype bfloat16"
+        for norm in none 1.0; do
+          clip=""; [[ $norm != none ]] && clip="--max-grad-norm $norm"
+          timeout 120 python3 benchmarks/train_gpt/train_gpt.py --config 1.86b --vram-cap-gib 24 --steps ${STEPS:-6} \
+            --warmup 2 --modes trainstream $flags $clip --adamw-json benchmarks/results/adamw_h200-16core.json \
+            --json "$OUT/gpt_1.86b_cap24_${weights}_clip$norm.json" 2>&1 | tail -1 | sed "s|^|[$weights clip $norm] |"
+        done
+      done
+      ;;
     pack)
       stage pack  # everything under $OUT in one file: the device tool returns at most 8 files
       (cd "$OUT" && tar -czf /tmp/results.tgz --exclude=results.tgz . && rm -rf ./* && mv /tmp/results.tgz .)
@@ -89,8 +103,8 @@ for what in "$@"; do
       ;;
     test-paging-cuda)
       stage test-paging-cuda
-      timeout 400 python3 -m pytest -q -p no:cacheprovider tests/python/test_paging_cuda.py tests/python/test_cuda.py \
-        ${PYTEST_ARGS:-} >"$OUT/pytest_cuda.log" 2>&1
+      timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider tests/python/test_paging_cuda.py \
+        tests/python/test_cuda.py tests/python/test_cuda_auto.py ${PYTEST_ARGS:-} >"$OUT/pytest_cuda.log" 2>&1
       tail -15 "$OUT/pytest_cuda.log"
       ;;
     host-register)
