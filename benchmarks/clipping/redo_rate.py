@@ -13,7 +13,9 @@ gradient norm moves as in real training (large early, under the limit later, wit
   CPU (a small GPT, runs anywhere): python benchmarks/clipping/redo_rate.py --config tiny --steps 200
 
 The speculation cost on the common path is the second state half's memory; its time cost is a second
-update pass over the buckets of the redone steps (the step times show both)."""
+update pass over the buckets of the redone steps (the step times show both). After three clipped
+steps in a row the job waits for the norm until a step does not clip (daemon/engine/step_engine.h):
+those steps are neither speculative nor redone."""
 
 from __future__ import annotations
 
@@ -148,6 +150,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "args": vars(args),
         "redo_rate": spec["redone_steps"] / max(1, spec["speculative_steps"]),
+        "waited_steps": args.steps - spec["speculative_steps"],  # after runs of clipped steps
         "redo_rate_after_warmup": redone_after / max(1, args.steps - args.warmup_steps),
         "second_half_bytes": 12 * spec["params"],
         "step_ms_speculative": spec["median_step_ms"],
@@ -155,7 +158,8 @@ def main() -> None:
         "runs": runs,
     }
     print(f"{args.config} on {result['device']}, {args.steps} steps, max_grad_norm {args.max_grad_norm}: "
-          f"{spec['redone_steps']} of {spec['speculative_steps']} speculative steps redone "
+          f"{spec['redone_steps']} of {spec['speculative_steps']} speculative steps redone, "
+          f"{result['waited_steps']} waited for the norm after clipped steps "
           f"(redo rate {result['redo_rate']:.3f}; {result['redo_rate_after_warmup']:.3f} after the "
           f"{args.warmup_steps}-step warm-up); loss {spec['loss_first']:.2f} -> {spec['loss_last']:.2f}")
     print(f"median step: {spec['median_step_ms']:.1f} ms speculative, {wait['median_step_ms']:.1f} ms waiting for "

@@ -255,7 +255,7 @@ def run(args, mode: str) -> dict:
             result["gpu_buffers_gib"] = getattr(transport, "device_bytes", 0) / GIB
             if args.vram_cap_gib:
                 cap_torch(args, getattr(transport, "device_bytes", 0) + context_bytes)
-            pager = rank.pager
+            pager, job = rank.pager, rank.job
             del rank, transport  # auto's switch frees the transport's GPU buffers: no reference may keep them
 
             def step(tokens, targets):
@@ -284,6 +284,10 @@ def run(args, mode: str) -> dict:
             result["daemon_rss_gib"] = stats["rss_bytes"] / GIB
             result["daemon_segments_gib"] = stats["host_bytes"] / GIB
             result["kernel"] = stats["kernel"]
+            if args.max_grad_norm and opt.offloaded:  # how many steps clipped, and so were redone or waited
+                trainstream.synchronize(model)
+                counts = next(j for j in client.stats()["jobs"] if j["name"] == job)
+                result["clipping"] = {k: counts[k] for k in ("completed_step", "speculative_steps", "redone_steps")}
             torch.cuda.set_per_process_memory_fraction(1.0)  # cuda-ipc: the parameters move back into torch
             if pager is not None:
                 result["page_loads_per_step"] = pager.loads / (args.warmup + args.steps)

@@ -86,12 +86,12 @@ Job::Job(std::string name, uint32_t uid, const shm::LayoutSpec& spec, uint64_t s
   snapshots_->Connect(SnapshotHooks{.attached_ranks = [this] { return attached_ranks(); },
                                     .announce = [this] { engine_->AnnounceCommitted(); }});
   spdlog::info(
-      "job '{}' {}: {} parameters in {} buckets, {} state bytes ({} state half{}{}), key {}", name_,
+      "job '{}' {}: {} parameters in {} buckets, {} state bytes ({} state {}{}), key {}", name_,
       adopted != nullptr    ? fmt::format("re-adopted at step {}", adopted->completed_step)
       : restored != nullptr ? fmt::format("restored from {} at step {}", restored->path(), restored->meta().step)
                             : "created",
       spec_.params.size(), layout_.buckets.size(), layout_.state_bytes, spec_.state_halves,
-      spec_.state_halves == 2 ? "ves" : "", layout_.speculative_clipping ? ", speculative clipping" : "", key_);
+      spec_.state_halves == 2 ? "halves" : "half", layout_.speculative_clipping ? ", speculative clipping" : "", key_);
 }
 
 void Job::StampSocket(uint64_t socket_hash) {

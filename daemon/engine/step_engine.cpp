@@ -577,8 +577,23 @@ void StepEngine::StartReduce(uint32_t b) {
 
 void StepEngine::AfterGradients(uint32_t b) {
   if (spec_.max_grad_norm == 0) return StartUpdate(b, 1.0f, Pass::kUpdate);
-  if (layout_.speculative_clipping) return StartUpdate(b, 1.0f, Pass::kSpeculate);
+  if (GateOf(buckets_[b].step).speculative()) return StartUpdate(b, 1.0f, Pass::kSpeculate);
   StartNorm(b);
+}
+
+// The step's first bucket with all its gradients decides for every bucket of the step: it speculates
+// unless the last kClippedRunToWait steps all clipped. In a run of clipped steps each speculation is
+// redone after the whole speculative pass, which costs more than waiting for the norm (one H200, 1.86B
+// GPT clipping every step: 604 ms a step speculating, 425 ms unclipped; waiting for the norm measured
+// 524 against 393 ms earlier); an isolated clipped step still speculates, as most steps after it will
+// not clip (the 124M GPT on structured data: 10 of 220 steps clipped, speculation 8% faster).
+ClipGate& StepEngine::GateOf(uint64_t step) {
+  const bool speculate = layout_.speculative_clipping && clipped_run_ < kClippedRunToWait;
+  return clip_gates_.try_emplace(step, buckets_.size(), speculate).first->second;
+}
+
+void StepEngine::CountClipped(double coefficient) {
+  clipped_run_ = coefficient != 1.0 ? clipped_run_ + 1 : 0;
 }
 
 void StepEngine::AccumulateSlots(uint32_t b, std::function<void()> then) {
@@ -613,13 +628,14 @@ void StepEngine::OnNormed(uint32_t b, double sum_of_squares, bool nonfinite) {
   progress.phase = Phase::kAwaitingClip;
   progress.pass = Pass::kNone;
   const uint64_t step = progress.step;
-  ClipGate& gate = clip_gates_.try_emplace(step, buckets_.size()).first->second;
+  ClipGate& gate = GateOf(step);
   if (!gate.Add(b, sum_of_squares, nonfinite)) return;
   // Every bucket's norm is in: torch's clip_grad_norm_ coefficient, then updates in forward order
   // (the highest bucket holds the first parameters, which the next forward needs first).
   const double coefficient = gate.Coefficient(spec_.max_grad_norm);
   if (gate.nonfinite()) ReportNonFinite(step, "gradients contain inf or NaN");
   clip_gates_.erase(step);
+  CountClipped(coefficient);
   for (uint32_t bucket = static_cast<uint32_t>(buckets_.size()); bucket-- > 0;) {
     StartUpdate(bucket, static_cast<float>(coefficient), Pass::kUpdate);
   }
@@ -632,9 +648,7 @@ void StepEngine::OnSpeculated(uint32_t b, double sum_of_squares, bool nonfinite)
   BucketProgress& progress = buckets_[b];
   progress.phase = Phase::kAwaitingClip;
   const uint64_t step = progress.step;
-  if (clip_gates_.try_emplace(step, buckets_.size()).first->second.Add(b, sum_of_squares, nonfinite)) {
-    ClipDecided(step);
-  }
+  if (GateOf(step).Add(b, sum_of_squares, nonfinite)) ClipDecided(step);
 }
 
 // The norm of a speculated step is known. A coefficient of exactly 1 is what the updates were written
@@ -647,6 +661,7 @@ void StepEngine::ClipDecided(uint64_t step) {
   const double coefficient = gate.Coefficient(spec_.max_grad_norm);
   if (gate.nonfinite()) ReportNonFinite(step, "gradients contain inf or NaN");
   clip_gates_.erase(step);
+  CountClipped(coefficient);
   ++speculative_steps_;
   const bool redo = coefficient != 1.0;
   if (redo) ++redone_steps_;

@@ -11,7 +11,8 @@
 //                          norm and then run in forward order; with speculative clipping (two halves) the
 //                          update runs at once with the norm in the same pass, and once every bucket's norm
 //                          is in, the step is committed as it is (coefficient 1) or redone from the
-//                          committed half with the coefficient (ClipGate).
+//                          committed half with the coefficient (ClipGate); after a run of clipped
+//                          steps the next steps wait for the norm until one does not clip (GateOf).
 // Worker completions come back to the engine thread through a queue plus the same doorbell, so all
 // protocol state below is touched by the engine thread only; `mutex_` guards the rank table against
 // attach/detach from gRPC threads.
@@ -180,6 +181,10 @@ class StepEngine {
   [[nodiscard]] std::shared_ptr<const UpdatePlan> PlanUpdate(uint32_t bucket);
   void OnNormed(uint32_t bucket, double sum_of_squares, bool nonfinite);
   void OnSpeculated(uint32_t bucket, double sum_of_squares, bool nonfinite);
+  // The clip gate of `step`, made (and whether the step speculates decided) by its first bucket.
+  ClipGate& GateOf(uint64_t step);
+  // A step's norm is decided: it clipped (coefficient below 1, an inf norm) or not.
+  void CountClipped(double coefficient);
   void ClipDecided(uint64_t step);
   void OnUpdated(uint32_t bucket, uint64_t step, uint32_t half, bool nonfinite);
   void CommitBucket(uint32_t bucket, uint64_t step, uint32_t half);
@@ -229,6 +234,8 @@ class StepEngine {
   std::vector<BucketProgress> buckets_;
   std::vector<uint8_t> had_grad_;  // per parameter, for the step its bucket is collecting
   std::map<uint64_t, ClipGate> clip_gates_;
+  static constexpr uint32_t kClippedRunToWait = 3;      // clipped steps in a row after which steps wait (GateOf)
+  uint32_t clipped_run_ = 0;                            // the steps decided last that clipped, in a row
   std::vector<std::function<void(uint64_t)>> resumes_;  // Resume calls waiting for the job to settle
   bool adopted_;                                        // until the first Resume
   uint64_t completed_ = 0;                              // CompletedStep(), as the header has it

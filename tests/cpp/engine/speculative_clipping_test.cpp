@@ -3,7 +3,8 @@
 // clipping, or redone from the committed half with the clip coefficient. Driven through Jobs in-process
 // over real shared memory, a speculating job and one that waits for the norm side by side on the same
 // gradients: their state must be equal bit for bit, whether clipping applies or not, with parameters
-// without gradients and with inf/NaN gradients, and the redos are counted.
+// without gradients and with inf/NaN gradients, and the redos are counted; after a run of clipped steps
+// the job waits for the norm until a step does not clip.
 #include <gtest/gtest.h>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
@@ -104,27 +105,44 @@ TEST_F(SpeculationTest, WithoutClippingTheSpeculativeUpdatesAreCommittedAsTheyAr
   EXPECT_EQ(Speculating().updates, 6u);                      // one commit per bucket and step
 }
 
-// 20 steps whose gradients are scaled so that the norm is over the limit on some steps and under it
-// on others: the clipped steps are redone, and the result is the waiting job's bit for bit.
+// 20 steps whose gradients are scaled so that the norm is over the limit on every third step and under
+// it on the others: the clipped steps are redone, and the result is the waiting job's bit for bit.
 TEST_F(SpeculationTest, ClippedStepsAreRedoneAndEveryStepEqualsTheUpdateThatWaited) {
   constexpr double kMaxNorm = 12.0;  // the unscaled gradients' norm is about 11.5
   Start(kMaxNorm);
   AdamWReference reference(jobs_[0]->spec());
   uint64_t clipped = 0;
   for (uint64_t step = 1; step <= 20; ++step) {
-    const float scale = step % 3 == 0 ? 2.0f : (step % 4 == 0 ? 0.5f : 1.0f);
+    const float scale = step % 3 == 0 ? 2.0f : 0.5f;
     Step(step, scale);
     ExpectSameState();
   }
   for (uint64_t step = 1; step <= 20; ++step) {  // how many steps a reference clips
     AdamWReference probe(jobs_[0]->spec());
-    probe.Step(step, TestHParams(0.05), {}, kMaxNorm / (step % 3 == 0 ? 2.0 : (step % 4 == 0 ? 0.5 : 1.0)));
+    probe.Step(step, TestHParams(0.05), {}, kMaxNorm / (step % 3 == 0 ? 2.0 : 0.5));
     clipped += probe.last_clip() < 1.0;
   }
   EXPECT_GT(clipped, 0u);
   EXPECT_LT(clipped, 20u);
   EXPECT_EQ(Speculating().speculative_steps, 20u);
   EXPECT_EQ(Speculating().redone_steps, clipped);
+}
+
+// A run of clipped steps: the first three speculate and are redone, the later ones wait for the norm;
+// the first of them that does not clip lets the next step speculate again. Equal bit for bit throughout.
+TEST_F(SpeculationTest, AfterThreeClippedStepsInARowTheStepsWaitUntilOneDoesNotClip) {
+  Start(/*max_grad_norm=*/3.0);  // gradients scaled by 1 have a norm of about 11.5: they clip
+  for (uint64_t step = 1; step <= 6; ++step) Step(step, 1.0f);
+  EXPECT_EQ(Speculating().speculative_steps, 3u);
+  EXPECT_EQ(Speculating().redone_steps, 3u);
+  Step(7, 0.05f);  // waits for the norm, which does not clip
+  EXPECT_EQ(Speculating().speculative_steps, 3u);
+  Step(8, 0.05f);  // speculates again, and commits as speculated
+  Step(9, 1.0f);   // an isolated clipped step still speculates
+  Step(10, 0.05f);
+  EXPECT_EQ(Speculating().speculative_steps, 6u);
+  EXPECT_EQ(Speculating().redone_steps, 4u);
+  ExpectSameState();
 }
 
 TEST_F(SpeculationTest, AParameterWithoutAGradientIsCarriedWhetherTheStepIsRedoneOrNot) {
