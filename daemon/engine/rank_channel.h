@@ -27,7 +27,8 @@ struct RankChannel {
         staged(layout.buckets.size(), 0),
         pulled(layout.buckets.size(), 0),
         pushing(layout.buckets.size(), 0),
-        pushed(layout.buckets.size(), -1) {}
+        pushed(layout.buckets.size(), -1),
+        speculated(layout.buckets.size(), -1) {}
   // No copy can touch the segment any more (copies hold a reference): it may stop being page-locked.
   ~RankChannel() {
     if (transfer) transfer->ReleaseHost(segment.data(), segment.size());
@@ -60,6 +61,9 @@ struct RankChannel {
   std::vector<uint32_t> staged, pulled;
   std::vector<uint8_t> pushing;  // per bucket: its weights are being copied to the GPU
   std::vector<int64_t> pushed;   // per bucket: the step whose weights the GPU holds (-1: none)
+  // Per bucket: the step whose speculated weights (written, not committed: speculative clipping) the GPU
+  // holds, -1 when none or when they were redone; they count as pushed once the step commits.
+  std::vector<int64_t> speculated;
   int64_t weights_wanted = -1;   // the latest step whose weights the rank asked for (kWeightsWanted)
   int64_t claims_on_gpu = -1;    // kWeightsOnGpu: the step the rank says its GPU holds (its own load)
   int64_t on_gpu = -1;           // the step whose weights the GPU holds without a push (claim checked)

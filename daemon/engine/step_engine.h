@@ -27,7 +27,9 @@
 // cuda-ipc ranks (a RankTransfer): their GRAD_READY first copies the staging slot into the rank's
 // gradient slot (then STAGING_FREE), and their PARAMS_READY follows a push of the bucket's weights to
 // the GPU, once the rank asked for that step's weights (kWeightsWanted, sent by optimizer.step()). A
-// bucket is never updated while a push reads it, nor pushed while it updates.
+// bucket is never updated while a push reads it, nor pushed while it updates. A speculated bucket is
+// pushed before its step's norm is known; its PARAMS_READY waits for the commit, and a redo pushes
+// again.
 #pragma once
 
 #include <atomic>
@@ -158,8 +160,15 @@ class StepEngine {
   // The weights of `bucket` after `step` are final: PARAMS_READY, after a push for cuda-ipc ranks.
   void PublishWeights(uint32_t bucket, uint64_t step);
   void MaybePush(const std::shared_ptr<RankChannel>& channel, uint32_t bucket);
+  // Speculative clipping: a bucket whose speculated update is written, waiting for the step's norm.
+  [[nodiscard]] bool Speculated(uint32_t bucket) const;
+  void PushSpeculated(const std::shared_ptr<RankChannel>& channel, uint32_t bucket);
+  // The GPUs' copies of the bucket's speculated weights are void (redone, abandoned).
+  void ForgetSpeculated(uint32_t bucket);
+  void Push(const std::shared_ptr<RankChannel>& channel, uint32_t bucket, int64_t step, const void* source,
+            bool speculative);
   void OnPushed(const std::shared_ptr<RankChannel>& channel, uint32_t bucket, uint64_t step, uint64_t generation,
-                const std::optional<Error>& error);
+                bool speculative, const std::optional<Error>& error);
   [[nodiscard]] bool Attached(const std::shared_ptr<RankChannel>& channel) const;
   void PostTo(RankChannel& channel, const shm::Message& message);
   void FailRank(RankChannel& channel, const std::string& message);

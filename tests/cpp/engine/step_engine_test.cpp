@@ -449,13 +449,14 @@ class FakeGpu final : public RankTransfer {
 class CudaIpcStagesTest : public StepEngineTest {
  protected:
   void SetUp() override {
-    job_ = MakeJob();
+    job_ = std::make_unique<Job>("job", static_cast<uint32_t>(getuid()), Spec(), /*seed=*/7, pool_);
     client_ = std::make_unique<RankClient>(*job_, 0);
     size_t largest = 0;
     for (const shm::BucketLayout& bucket : layout().buckets) largest = std::max<size_t>(largest, bucket.bytes());
     gpu_ = std::make_shared<FakeGpu>(layout().grad_bytes, kSlots, SlotBytes(largest), ParamOffsets());
     job_->SetTransfer(0, gpu_, "fake-gpu");
   }
+  [[nodiscard]] virtual shm::LayoutSpec Spec() const { return TwoParamSpec(1); }
   [[nodiscard]] virtual size_t SlotBytes(size_t largest_bucket) const { return largest_bucket; }
   // Where the rank keeps each bucket on its GPU: by default at its offset in the gradient region.
   [[nodiscard]] virtual std::vector<std::optional<uint64_t>> ParamOffsets() const {
@@ -472,28 +473,29 @@ class CudaIpcStagesTest : public StepEngineTest {
   // the last pieces are left for ReceiveFrees().
   void StageStep(uint64_t step) {
     client_->SetHParams(step, TestHParams());
-    for (uint32_t b = 0; b < client_->buckets(); ++b) {
-      const shm::BucketLayout& bucket = layout().buckets[b];
-      std::vector<float> gradients(bucket.bytes() / sizeof(float));
-      for (uint32_t p : bucket.params) {
-        const shm::ParamLayout& param = layout().params[p];
-        for (uint64_t i = 0; i < param.numel; ++i) gradients[param.offset_in_bucket + i] = Gradient(p, 0, step, i);
-        client_->view().presence[p] = 1;
-      }
-      const auto* bytes = reinterpret_cast<const std::byte*>(gradients.data());
-      for (uint32_t piece = 0; piece * gpu_->slot_bytes() < bucket.bytes(); ++piece) {
-        if (unfreed_ == kSlots) ReceiveFrees(1);
-        const uint32_t slot = next_slot_++ % kSlots;
-        const uint64_t offset = piece * gpu_->slot_bytes();
-        std::memcpy(gpu_->Slot(slot), bytes + offset, std::min(gpu_->slot_bytes(), bucket.bytes() - offset));
-        client_->Send(Message{.kind = MessageKind::kGradReady,
-                              .flags = shm::kFinalMicro,
-                              .bucket = b,
-                              .step = step,
-                              .slot = slot,
-                              .piece = piece});
-        ++unfreed_;
-      }
+    for (uint32_t b = 0; b < client_->buckets(); ++b) StageBucket(step, b);
+  }
+  void StageBucket(uint64_t step, uint32_t b) {
+    const shm::BucketLayout& bucket = layout().buckets[b];
+    std::vector<float> gradients(bucket.bytes() / sizeof(float));
+    for (uint32_t p : bucket.params) {
+      const shm::ParamLayout& param = layout().params[p];
+      for (uint64_t i = 0; i < param.numel; ++i) gradients[param.offset_in_bucket + i] = Gradient(p, 0, step, i);
+      client_->view().presence[p] = 1;
+    }
+    const auto* bytes = reinterpret_cast<const std::byte*>(gradients.data());
+    for (uint32_t piece = 0; piece * gpu_->slot_bytes() < bucket.bytes(); ++piece) {
+      if (unfreed_ == kSlots) ReceiveFrees(1);
+      const uint32_t slot = next_slot_++ % kSlots;
+      const uint64_t offset = piece * gpu_->slot_bytes();
+      std::memcpy(gpu_->Slot(slot), bytes + offset, std::min(gpu_->slot_bytes(), bucket.bytes() - offset));
+      client_->Send(Message{.kind = MessageKind::kGradReady,
+                            .flags = shm::kFinalMicro,
+                            .bucket = b,
+                            .step = step,
+                            .slot = slot,
+                            .piece = piece});
+      ++unfreed_;
     }
   }
   // STAGING_FREE for `count` pieces still in the slots (default: all of them).
@@ -575,6 +577,47 @@ TEST_F(CudaIpcStagesTest, WeightsReachTheGpuOnlyOnceWanted) {
 TEST_F(CudaIpcStagesTest, StepsMatchAdamWThroughTheGpuBuffers) {
   ExpectStepsMatchAdamW();
 }
+
+// Speculative clipping through the GPU buffers: a bucket whose speculated update is written goes to the
+// GPU before the step's norm is known, and is announced only once the step commits. Without clipping
+// that push is the bucket's only one; with clipping the redone weights are pushed again.
+class CudaIpcSpeculationTest : public CudaIpcStagesTest, public ::testing::WithParamInterface<double> {
+ protected:
+  [[nodiscard]] shm::LayoutSpec Spec() const override {
+    shm::LayoutSpec spec = TwoParamSpec(1, /*state_halves=*/2);
+    spec.max_grad_norm = GetParam();
+    spec.speculative_clipping = shm::Speculation::kOn;
+    return spec;
+  }
+};
+
+TEST_P(CudaIpcSpeculationTest, ASpeculatedBucketReachesTheGpuBeforeTheNormAndIsAnnouncedAtItsCommit) {
+  const bool clips = GetParam() < 1.0;  // the gradients' norm is about 12
+  client_->LoadInitialState();
+  WantWeights(0);
+  client_->ExpectParamsReady(0);
+  const int initial_pushes = gpu_->pushes;
+  client_->SetHParams(1, TestHParams());
+  StageBucket(1, 0);
+  WantWeights(1);
+  // Bucket 0 speculated and is on the GPU; the norm still waits for bucket 1, and so does its PARAMS_READY.
+  EXPECT_TRUE(trainstream::testing::PollUntil([&] { return gpu_->pushes == initial_pushes + 1; }));
+  ReceiveFrees();
+  client_->ExpectNoCompletion(100ms);
+  StageBucket(1, 1);
+  ReceiveFrees();
+  client_->ExpectParamsReady(1);
+  EXPECT_EQ(gpu_->pushes, initial_pushes + (clips ? 3 : 2));  // bucket 0 again after its redo
+  AdamWReference reference(job_->spec());
+  reference.Step(1, TestHParams(), {}, GetParam());
+  EXPECT_EQ(reference.last_clip() < 1.0, clips);
+  reference.ExpectMatches(*client_);
+  ExpectGpuHoldsMaster();
+  EXPECT_EQ(job_->Info().engine.redone_steps, clips ? 1u : 0u);
+  EXPECT_TRUE(client_->sink().failures().empty());
+}
+
+INSTANTIATE_TEST_SUITE_P(MaxGradNorm, CudaIpcSpeculationTest, ::testing::Values(1e6, 0.5));
 
 // Weight paging keeps a bucket off the GPU: the daemon announces its weights without pushing them, and
 // pushes the others as usual.
