@@ -72,6 +72,14 @@ for what in "$@"; do
         done
       done
       ;;
+    gpt-halves)
+      stage gpt-halves  # forced offload of the 124M with one and two state halves (58.6 ms on 2026-12-02, 46.7 ms a day earlier)
+      for halves in 1 2; do
+        timeout 120 python3 benchmarks/train_gpt/train_gpt.py --config 124m --modes trainstream --steps 40 --state-halves $halves \
+          --adamw-json benchmarks/results/adamw_h200-16core.json --json "$OUT/gpt_124m_halves$halves.json" 2>&1 | tail -1 \
+          | sed "s|^|[$halves halves] |"
+      done
+      ;;
     pack)
       stage pack  # everything under $OUT in one file: the device tool returns at most 8 files
       (cd "$OUT" && tar -czf /tmp/results.tgz --exclude=results.tgz . && rm -rf ./* && mv /tmp/results.tgz .)

@@ -240,7 +240,8 @@ def run(args, mode: str) -> dict:
             model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-4),
                                           client=client, moment_dtype=args.moment_dtype, bucket_mb=args.bucket_mb,
                                           max_grad_norm=args.max_grad_norm, offload="auto" if mode == "auto" else True,
-                                          **paging)
+                                          state_halves=args.state_halves if args.state_halves == "auto"
+                                          else int(args.state_halves), **paging)
             result["wrap_seconds"] = time.perf_counter() - start
             rank = trainstream._wrap._rank_of(model)
             result["wrap_phases_s"] = dict(rank.timings)
@@ -280,14 +281,16 @@ def run(args, mode: str) -> dict:
         result["torch_peak_plus_buffers_gib"] = result["torch_peak_gib"] + result.get("gpu_buffers_gib", 0)
         result["host_rss_gib"] = rss_bytes() / GIB
         if mode in ("trainstream", "auto"):
+            if opt.offloaded:  # else auto switched to stock and dropped the job
+                trainstream.synchronize(model)
             stats = client.stats()
             result["daemon_rss_gib"] = stats["rss_bytes"] / GIB
             result["daemon_segments_gib"] = stats["host_bytes"] / GIB
             result["kernel"] = stats["kernel"]
-            if args.max_grad_norm and opt.offloaded:  # how many steps clipped, and so were redone or waited
-                trainstream.synchronize(model)
-                counts = next(j for j in client.stats()["jobs"] if j["name"] == job)
-                result["clipping"] = {k: counts[k] for k in ("completed_step", "speculative_steps", "redone_steps")}
+            for counts in (j for j in stats["jobs"] if j["name"] == job):
+                result["state_halves"] = counts["state_halves"]
+                if args.max_grad_norm:  # how many steps clipped, and so were redone or waited for the norm
+                    result["clipping"] = {k: counts[k] for k in ("completed_step", "speculative_steps", "redone_steps")}
             torch.cuda.set_per_process_memory_fraction(1.0)  # cuda-ipc: the parameters move back into torch
             if pager is not None:
                 result["page_loads_per_step"] = pager.loads / (args.warmup + args.steps)
@@ -339,6 +342,8 @@ def main() -> None:
     parser.add_argument("--bf16-weights", action="store_true", help="bf16 parameters on the GPU (else fp32 + autocast)")
     parser.add_argument("--moment-dtype", default="float32")
     parser.add_argument("--bucket-mb", type=float, default=32)
+    parser.add_argument("--state-halves", default="auto", choices=["auto", "1", "2"],
+                        help="trainstream modes: copies of the optimizer state in the daemon (wrap's state_halves)")
     parser.add_argument("--activation-paging", action="store_true",
                         help="trainstream mode: saved activations in pinned host memory (activation_paging)")
     parser.add_argument("--paging-gib", type=float, default=0,
