@@ -197,19 +197,20 @@ def test_paged_parameters_leave_their_memory_and_state_dicts_hold_their_weights(
 
 
 def test_unwrap_releases_the_pool_at_once(client):
-    """The pool of block slots (GPU memory on the GPU) goes when unwrap() returns, not when a garbage
-    collection finds the Rank: the pager's gate refers back to the Rank, a cycle that kept a 75 MB pool
-    allocated into the next test on the GPU machine."""
+    """The pool of block slots (GPU memory on the GPU) goes when unwrap() returns, and the Rank with its
+    transport's buffers, not when a garbage collection finds them: the pager's gate refers back to the
+    Rank, a cycle that kept a 75 MB pool allocated into the next test on the GPU machine."""
     model = TinyGPT()
     model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), client=client, device="cpu",
                                   param_offload=True)
     model(tokens(0)).backward()
     opt.step()
-    pool = weakref.ref(trainstream._wrap._rank_of(model).pager.pool)
+    rank = weakref.ref(trainstream._wrap._rank_of(model))
+    pool = weakref.ref(rank().pager.pool)
     gc.disable()
     try:
         trainstream.unwrap(model)
-        assert pool() is None
+        assert pool() is None and rank() is None
     finally:
         gc.enable()
 
