@@ -416,7 +416,10 @@ class Rank:
             with torch.no_grad():
                 for p, host in self._paged_host_views():
                     p.data = host.to(device or "cpu", copy=True)
-            self.pager = None  # its pool's GPU memory goes now, not when a garbage collection finds the Rank
+            # The pager and its hooks go now, and with them the pool's GPU memory: the pager's gate
+            # refers back to this Rank, so while the Rank kept either, the pool lasted until a garbage
+            # collection found the cycle (the next test on the GPU machine found a 75 MB pool still allocated).
+            self.pager = self._paging_hooks = None
         self.transport.close()
         self.session.close()
         if drop:

@@ -81,6 +81,9 @@ def test_half_after_wrap_keeps_the_fp32_master_weights(client):
     model = mlp()
     model, opt = trainstream.wrap(model, adamw(model.parameters()), client=client)
     train(model, opt, 3)
+    # The third update may still be running (cuda-ipc waits for nothing after optimizer.step()): the
+    # committed state read now can be the second step's, while .half() waits for the third.
+    trainstream.synchronize(model)
     rank = trainstream._wrap._rank_of(model)
     master = [rank.regions.master_view(i).clone() for i in range(len(rank.params))]
     model.half()
@@ -89,6 +92,7 @@ def test_half_after_wrap_keeps_the_fp32_master_weights(client):
         assert p.dtype == torch.float16 and p.is_cuda
         assert torch.equal(rank.regions.master_view(i), master[i])
         assert torch.equal(p.detach().cpu(), master[i].half())
+        assert rank.regions.param_step(i) == 3  # no update lost or added by the conversion
     train(model, opt, 3, first=3, dtype=torch.float16)
     trainstream.unwrap(model)
 
@@ -103,6 +107,10 @@ def test_a_cpu_model_moved_to_the_gpu_after_wrap(client):
     assert trainstream._wrap._rank_of(model).transport.name == os.environ["TRAINSTREAM_TRANSPORT"]
     train(model, opt, 5)
     train(reference, ref_opt, 5)
+    # The fifth step's weights reach the parameters at the next forward or synchronize(): with
+    # cuda-client-copy this process copies them in, so until then they hold the fourth step's (cuda-ipc's
+    # daemon pushes them on its own, and had by the time it was read).
+    trainstream.synchronize(model)
     assert max_difference(model, reference) <= 1e-5
     trainstream.unwrap(model)
 
