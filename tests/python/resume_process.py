@@ -1,6 +1,7 @@
 """A training process for the crash-consistency tests: trains a small MLP of several buckets through
 trainstreamd on deterministic batches (batch N comes from seed N), starting at `optimizer.resume_step`
-the way docs/usage.md shows, and prints "resumed N" at attach and "step N" after each step.
+the way docs/usage.md shows, and prints "resumed N" at attach and "step N loss L" after each step (L
+exactly, as repr() writes the float: the tests compare attempts bit for bit).
 
 --die-at STEP:K SIGKILLs the process from inside backward: in the gradient hook of the K-th parameter
 (in backward order) of step STEP, after the gradients of the parameters before it left. At the end
@@ -71,10 +72,11 @@ def main() -> None:
     print(f"resumed {opt.resume_step}", flush=True)
     for step in range(opt.resume_step, args.steps):
         step_box[0] = step
-        loss_of(model, step).backward()
+        loss = loss_of(model, step)
+        loss.backward()
         opt.step()
         opt.zero_grad()
-        print(f"step {step}", flush=True)
+        print(f"step {step} loss {loss.item()!r}", flush=True)
     trainstream.synchronize(model)
     if args.out:
         torch.save({"model": {k: v.clone() for k, v in model.state_dict().items()},
