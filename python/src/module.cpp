@@ -184,6 +184,11 @@ trainstream::shm::StateHalf Half(const RankSession& session, uint32_t half) {
   return session.state().halves[half];
 }
 
+// One moment (exp_avg or exp_avg_sq) of every parameter, in the job's moment dtype.
+Region MomentRegion(const std::shared_ptr<RankSession>& session, void* data) {
+  return MakeRegion(session, data, session->layout().total_elems * trainstream::SizeOf(session->spec().moment_dtype));
+}
+
 py::list Buckets(const RankSession& session) {
   py::list out;
   for (const auto& bucket : session.layout().buckets) {
@@ -319,16 +324,12 @@ PYBIND11_MODULE(_C, m) {
           py::arg("half") = 0)
       .def(
           "exp_avg",
-          [](const std::shared_ptr<RankSession>& s, uint32_t half) {
-            return MakeRegion(s, Half(*s, half).exp_avg,
-                              s->layout().total_elems * trainstream::SizeOf(s->spec().moment_dtype));
-          },
+          [](const std::shared_ptr<RankSession>& s, uint32_t half) { return MomentRegion(s, Half(*s, half).exp_avg); },
           py::arg("half") = 0)
       .def(
           "exp_avg_sq",
           [](const std::shared_ptr<RankSession>& s, uint32_t half) {
-            return MakeRegion(s, Half(*s, half).exp_avg_sq,
-                              s->layout().total_elems * trainstream::SizeOf(s->spec().moment_dtype));
+            return MomentRegion(s, Half(*s, half).exp_avg_sq);
           },
           py::arg("half") = 0)
       .def_property_readonly("state_halves", [](const RankSession& s) { return s.layout().state_halves; })

@@ -53,18 +53,25 @@ class CrashResumeTest : public ::testing::Test {
     ASSERT_EQ(ready->step, step);
   }
 
+  // Step 1 through both buckets (and `reference`), then step 2 of bucket 0 alone, which commits; the
+  // trainer dies and a new one re-attaches.
+  std::unique_ptr<RankClient> ReattachedWithBucketZeroAhead(Job& job, AdamWReference& reference) {
+    auto client = StartRank(job);
+    RunStep(*client, 1);
+    reference.Step(1, TestHParams());
+    DeliverBucketZeroOnly(*client, 2);
+    EXPECT_EQ(client->state().bucket_state[0].Load().step, 2u);
+    client->Reattach();
+    return client;
+  }
+
   WorkerPool pool_{2, /*pin_threads=*/false};
 };
 
 TEST_F(CrashResumeTest, TwoHalvesABucketAheadOfTheJobIsRolledBackAndTheStepIsReplayedExactly) {
   Job job("ahead", kUid, TwoParamSpec(1, 2), 7, pool_);
-  auto client = StartRank(job);
   AdamWReference reference(job.spec());
-  RunStep(*client, 1);
-  reference.Step(1, TestHParams());
-  DeliverBucketZeroOnly(*client, 2);  // bucket 0 committed step 2; the trainer dies
-  ASSERT_EQ(client->state().bucket_state[0].Load().step, 2u);
-  client->Reattach();
+  auto client = ReattachedWithBucketZeroAhead(job, reference);
   EXPECT_EQ(client->attachment().completed_step, 1u);  // where the restarted trainer resumes
   EXPECT_EQ(client->state().bucket_state[0].Load(), client->state().bucket_state[1].Load());
   reference.ExpectMatches(*client);  // bucket 0 holds step 1 again
@@ -76,12 +83,8 @@ TEST_F(CrashResumeTest, TwoHalvesABucketAheadOfTheJobIsRolledBackAndTheStepIsRep
 
 TEST_F(CrashResumeTest, OneHalfABucketAheadKeepsItsStepAndTakesTheReplayedGradientsWithoutApplyingThem) {
   Job job("ahead", kUid, TwoParamSpec(1, 1), 7, pool_);
-  auto client = StartRank(job);
   AdamWReference reference(job.spec());
-  RunStep(*client, 1);
-  reference.Step(1, TestHParams());
-  DeliverBucketZeroOnly(*client, 2);
-  client->Reattach();
+  auto client = ReattachedWithBucketZeroAhead(job, reference);
   EXPECT_EQ(client->attachment().completed_step, 1u);
   EXPECT_EQ(client->state().bucket_state[0].Load().step, 2u);  // kept: it cannot go back
   const uint64_t updates = job.Info().engine.updates;
