@@ -72,6 +72,22 @@ for what in "$@"; do
         done
       done
       ;;
+    populate)
+      stage populate  # how fast the kernel backs shared memory: one file or many, 4 KiB or huge pages (fast start)
+      (cd benchmarks/transfer && timeout 90 python3 populate.py --gib ${POPULATE_GIB:-4} --threads 1,4,16 \
+        --json "$OUT/populate.json" 2>&1 | tail -16)
+      ;;
+    shm-huge=*)
+      stage "$what"  # /dev/shm's huge page policy: never, advise (the segments ask: shm/segment.cpp), within_size
+      mount -o remount,huge=${what#shm-huge=} /dev/shm && grep /dev/shm /proc/mounts
+      ;;
+    gpt-start)
+      stage gpt-start  # wrap() to the end of the first step of the 1.86B (fp32 weights, two steps), under this shm policy
+      policy=$(grep -o 'huge=[a-z_]*' <(grep /dev/shm /proc/mounts) || echo huge=never)
+      timeout 120 python3 benchmarks/train_gpt/train_gpt.py --config 1.86b --vram-cap-gib 24 --steps 2 --warmup 1 \
+        --modes trainstream --adamw-json benchmarks/results/adamw_h200-16core.json \
+        --json "$OUT/gpt_1.86b_start_${policy#huge=}.json" 2>&1 | tail -1 | sed "s|^|[$policy] |"
+      ;;
     gpt-halves)
       stage gpt-halves  # forced offload of the 124M with one and two state halves (58.6 ms on 2026-12-02, 46.7 ms a day earlier)
       for halves in 1 2; do

@@ -17,6 +17,7 @@ import atexit
 import functools
 import logging
 import random
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Callable
@@ -132,6 +133,7 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
     if offload is False:
         return _wrap_in_torch(model, optimizer, max_grad_norm, accumulation_steps, param_offload, blocks, device,
                               activation_offload)
+    started = time.perf_counter()
     given_node_rank = node_rank
     peers, node_rank = _peers.resolve(peers, node_rank)
     placed = _distributed.place(distributed, rank, world_size, job, client)
@@ -167,7 +169,9 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
         moment_dtype=moment_dtype, seed=random.getrandbits(63) if seed is None else seed, peers=peers,
         node_rank=node_rank, page_prefetch=page_prefetch, page_pool_mb=page_pool_mb, wait_timeout=wait_timeout,
         state_halves=state_halves, speculative_clipping=speculative_clipping)
+    placed_s = time.perf_counter() - started  # placement, the daemon's start or connection, the group's agreement
     r = attach(paging=paging, device=device)
+    r.timings = {"place and connect": placed_s, **r.timings}
     wrapped = OffloadedOptimizer(optimizer, r)
     w = Wrapped(model, wrapped, attach, auto_named, world_size * max(1, len(peers)), max_grad_norm)
     _wrapped[model] = w
