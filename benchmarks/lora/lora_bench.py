@@ -12,7 +12,9 @@ out-of-memory, crash or timeout is recorded as that mode's error and the others 
                    accelerate.cpu_offload (weights in host memory, copied in at each forward, so twice
                    a step with checkpointing), the rest on the GPU, under the cap
   deepspeed-zero3  the stock Trainer with deepspeed= ZeRO-3, parameters and optimizer offloaded to pinned
-                   host memory, bf16, under the cap (skipped, with the reason, where deepspeed is missing)
+                   host memory, bf16, under the cap (benchmarks/train_gpt/deepspeed_modes.py's configuration
+                   and one-process NCCL group; skipped, with the reason, without CUDA or deepspeed). Checked
+                   off the GPU machine only with DeepSpeed 0.19.8's CPU accelerator (gloo, fp32, torch AdamW)
 
 The parent prints one JSON line (and writes --json): per mode the median step after --warmup steps, step
 times, losses, torch peak, the process's GPU memory, peak host RSS, build and setup seconds, or the error;
@@ -39,6 +41,9 @@ import tempfile
 import time
 
 import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "train_gpt"))
+import deepspeed_modes  # noqa: E402  (imports without DeepSpeed: it is imported where used)
 
 GIB = 1 << 30
 SHAPES = {  # Qwen2.5 configurations (hidden, intermediate, layers, heads, kv heads, vocab)
@@ -162,32 +167,12 @@ def offload_base_linears(model, device: torch.device) -> int:
     return offloaded
 
 
-def deepspeed_config(batch: int, lr: float) -> dict:
-    offload = {"device": "cpu", "pin_memory": True}
-    return {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
-            "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0}},
-            "zero_optimization": {"stage": 3, "offload_param": dict(offload), "offload_optimizer": dict(offload),
-                                  "overlap_comm": True, "contiguous_gradients": True},
-            "wall_clock_breakdown": False}
-
-
-def init_single_process_distributed() -> None:
-    """DeepSpeed's process group as one rank (as benchmarks/train_gpt/deepspeed_modes.py does)."""
-    import socket
-    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
-        os.environ.setdefault(name, value)
-    if "MASTER_PORT" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-
-
 def run_mode(mode: str, args) -> dict:
     """One mode, in this process: builds, trains --warmup + --steps steps, measures."""
     import transformers
     cuda = torch.cuda.is_available()
     if mode == "deepspeed-zero3":
-        init_single_process_distributed()
+        deepspeed_modes.init_distributed()
     if mode != "gpu-only":
         cap_gpu(args.vram_cap_gib)
     started = time.perf_counter()
@@ -223,11 +208,12 @@ def run_mode(mode: str, args) -> dict:
         def place_model_on_device(self):  # the accelerate mode placed the model itself
             return False if mode == "accelerate" else super().place_model_on_device
 
-    extra = {"deepspeed": deepspeed_config(args.batch, 1e-4)} if mode == "deepspeed-zero3" else {}
+    # weight decay 0.01 in every mode: the Trainer refuses a deepspeed= config that disagrees with its arguments
+    extra = {"deepspeed": deepspeed_modes.zero3_config(1e-4, args.batch, 1.0)} if mode == "deepspeed-zero3" else {}
     training = Arguments(
         output_dir=tempfile.mkdtemp(prefix="lora-bench-"), max_steps=steps, per_device_train_batch_size=args.batch,
-        learning_rate=1e-4, bf16=cuda, gradient_checkpointing=True, report_to=[], save_strategy="no",
-        logging_steps=1, disable_tqdm=True, use_cpu=not cuda, **extra)
+        learning_rate=1e-4, weight_decay=0.01, max_grad_norm=1.0, bf16=cuda, gradient_checkpointing=True,
+        report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True, use_cpu=not cuda, **extra)
     if mode == "trainstream":
         from trainstream.hf import TrainstreamTrainer
         options = {} if cuda else {"trainstream": {"device": "cpu", "param_offload": True}}
