@@ -125,6 +125,8 @@ def main() -> None:
         report["stock"] = run(transformers.Trainer, args, data, on_gpu)
         print(f"stock Trainer: {report['stock']['step_s']:.3f} s/step")
     if args.cap_gib and on_gpu:
+        gc.collect()
+        torch.cuda.empty_cache()  # the stock runs' cached blocks would otherwise count against the cap
         cap_gpu(args.cap_gib)
     options = {"trainstream": {"device": "cpu", "param_offload": True}} if args.cpu and args.paged else {}
     report["trainstream"] = run(TrainstreamTrainer, args, data, on_gpu and not args.paged, **options)

@@ -47,11 +47,11 @@ for what in "$@"; do
     lora)
       stage lora  # LoRA r=16 on Qwen2.5-shaped bases bigger than the cap: trainstream beside the stock Trainer
       # (GPU-only uncapped, accelerate's CPU offload, DeepSpeed ZeRO-3: LORA_MODES), each mode its own process
-      # within LORA_MODE_TIMEOUT seconds (N, or N,MODE=N,...)
+      # within LORA_MODE_TIMEOUT seconds (N, or N,MODE=N,...); one shape per device call fits its 10 minutes
       install_wheels
       for spec in ${LORA_SHAPES:-14b:8 32b:12}; do
         shape=${spec%%:*} cap=${spec##*:}
-        timeout "${LORA_TIMEOUT:-600}" python3 benchmarks/lora/lora_bench.py --shape "$shape" --vram-cap-gib "$cap" \
+        timeout "${LORA_TIMEOUT:-540}" python3 benchmarks/lora/lora_bench.py --shape "$shape" --vram-cap-gib "$cap" \
           --modes "${LORA_MODES:-trainstream,gpu-only,accelerate}" --mode-timeout "${LORA_MODE_TIMEOUT:-150}" \
           --steps ${STEPS:-4} --warmup ${WARMUP:-2} --json "$OUT/lora_${shape}_cap${cap}.json" 2>&1 | tail -1
       done
