@@ -58,7 +58,7 @@ for what in "$@"; do
       ;;
     hf-full)
       stage hf-full  # the Qwen2.5-1.5B shape fully fine-tuned through TrainstreamTrainer under a 24 GiB cap,
-      # beside the stock Trainer uncapped (it is out of memory under the cap)
+      # beside the stock Trainer under the cap (out of memory on 2026-12-01, recorded as its error) and uncapped
       timeout "${HF_FULL_TIMEOUT:-300}" python3 examples/hf_finetune.py --shape 1.5b --cap-gib "${HF_CAP:-24}" \
         --steps ${HF_STEPS:-8} --compare-stock ${HF_ARGS:-} --json "$OUT/hf_full_1.5b_cap${HF_CAP:-24}.json" 2>&1 | tail -4
       ;;

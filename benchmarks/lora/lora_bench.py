@@ -281,6 +281,9 @@ def run_child(mode: str, args, timeout_s: float) -> dict:
         os.killpg(process.pid, signal.SIGKILL)
         log, _ = process.communicate()
         error = f"timed out after {timeout_s:g} s"
+    except BaseException:  # this run stopped (SIGTERM from an outer timeout, ^C): the mode's group with it
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
     result = {"wall_s": time.perf_counter() - started}
     with contextlib.suppress(OSError, ValueError):
         with open(out) as f:
@@ -319,6 +322,7 @@ def main() -> None:
     if unknown or not modes:
         parser.error(f"--modes {args.modes!r}: unknown {unknown}; allowed: {', '.join(MODES)}")
     timeouts = mode_timeouts(args.mode_timeout, parser)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so run_child ends the running mode's group
     results = {mode: run_child(mode, args, timeouts.get(mode, timeouts[""])) for mode in modes}
     base = base_bytes_of(args.shape)
     report = {"shape": args.shape, "base_bytes": base, "base_gib": base / GIB, "batch": args.batch, "seq": args.seq,
