@@ -2,13 +2,20 @@
 the stock Trainer: AdamW runs in trainstreamd, the loss is computed in chunks (the logits of a 152k
 vocabulary never exist whole), and a model given on the CPU has its decoder layers paged.
 
-    python3 examples/hf_finetune.py --shape 1.5b --cap-gib 24 --compare-stock
+    python3 examples/hf_finetune.py --shape 1.5b --cap-gib 24 --compare-stock --json out.json
     python3 examples/hf_finetune.py --shape tiny --cpu                      # runs anywhere
+
+With --compare-stock the stock Trainer runs first under the cap (where it runs out of memory, the error is
+recorded), then uncapped. --json writes each run's median step after the first two, its losses and its
+torch peak.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import json
+import statistics
 import time
 
 import torch
@@ -39,20 +46,59 @@ class Progress(transformers.TrainerCallback):
             print(f"step {state.global_step}: loss {logs['loss']:.4f}{memory}", flush=True)
 
 
-def run(trainer_class, args, data, on_gpu: bool, **options):
+class StepTimer(transformers.TrainerCallback):
+    def __init__(self):
+        self.times: list[float] = []
+
+    def on_step_begin(self, *a, **k):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.started = time.perf_counter()
+
+    def on_step_end(self, *a, **k):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.times.append(time.perf_counter() - self.started)
+
+
+def cap_gpu(cap_gib: float) -> None:
+    """Caps this process's torch allocations at `cap_gib` (0: the whole GPU)."""
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GIB / total) if cap_gib else 1.0)
+
+
+def run(trainer_class, args, data, on_gpu: bool, **options) -> dict:
+    """One training run: its median step after the first two, its losses and its torch peak."""
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     training = transformers.TrainingArguments(
         output_dir="/tmp/hf-finetune", max_steps=args.steps, per_device_train_batch_size=args.batch,
         learning_rate=1e-5, bf16=not args.cpu, max_grad_norm=1.0, report_to=[], save_strategy="no",
         logging_steps=1, use_cpu=args.cpu, disable_tqdm=False)
     model = model_of(args.shape, on_gpu)
-    trainer = trainer_class(model=model, args=training, train_dataset=data, callbacks=[Progress()], **options)
-    start = time.perf_counter()
+    timer = StepTimer()
+    trainer = trainer_class(model=model, args=training, train_dataset=data, callbacks=[Progress(), timer], **options)
     trainer.train()
-    seconds = (time.perf_counter() - start) / args.steps
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    result = {"step_s": statistics.median(timer.times[2:] or timer.times), "step_times_s": timer.times,
+              "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h]}
+    if torch.cuda.is_available():
+        result["torch_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
     if trainer_class is TrainstreamTrainer:
         trainstream.unwrap(model)
-    return seconds, losses
+    return result
+
+
+def run_stock_capped(args, data) -> dict:
+    """The stock Trainer under the cap: its result, or the out-of-memory error it stopped with."""
+    cap_gpu(args.cap_gib)
+    try:
+        return run(transformers.Trainer, args, data, True)
+    except torch.cuda.OutOfMemoryError as e:
+        return {"error": f"out of memory under {args.cap_gib:g} GiB: {str(e).splitlines()[0]}"}
+    finally:
+        gc.collect()
+        torch.cuda.empty_cache()
+        cap_gpu(0)
 
 
 def main() -> None:
@@ -65,23 +111,34 @@ def main() -> None:
     parser.add_argument("--paged", action="store_true", help="build the model on the CPU: its layers are paged")
     parser.add_argument("--compare-stock", action="store_true")
     parser.add_argument("--cpu", action="store_true")
+    parser.add_argument("--json", help="write the runs' results here")
     args = parser.parse_args()
     vocab = SHAPES[args.shape][5]
     tokens = torch.randint(0, vocab, (args.batch * args.steps, args.seq), generator=torch.Generator().manual_seed(0))
     data = [{"input_ids": t, "labels": t} for t in tokens]
     on_gpu = not args.cpu
+    report = {"shape": args.shape, "batch": args.batch, "seq": args.seq, "steps": args.steps, "cap_gib": args.cap_gib}
     if args.compare_stock:
-        stock, stock_losses = run(transformers.Trainer, args, data, on_gpu)
-        print(f"stock Trainer: {stock:.3f} s/step")
+        if args.cap_gib and on_gpu:
+            capped = report["stock_capped"] = run_stock_capped(args, data)
+            print("stock Trainer under the cap:", capped.get("error") or f"{capped['step_s']:.3f} s/step")
+        report["stock"] = run(transformers.Trainer, args, data, on_gpu)
+        print(f"stock Trainer: {report['stock']['step_s']:.3f} s/step")
     if args.cap_gib and on_gpu:
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * GIB / total))
+        gc.collect()
+        torch.cuda.empty_cache()  # the stock runs' cached blocks would otherwise count against the cap
+        cap_gpu(args.cap_gib)
     options = {"trainstream": {"device": "cpu", "param_offload": True}} if args.cpu and args.paged else {}
-    ours, losses = run(TrainstreamTrainer, args, data, on_gpu and not args.paged, **options)
-    print(f"trainstream: {ours:.3f} s/step" + (f" under a {args.cap_gib:g} GiB cap" if args.cap_gib else ""))
+    report["trainstream"] = run(TrainstreamTrainer, args, data, on_gpu and not args.paged, **options)
+    print(f"trainstream: {report['trainstream']['step_s']:.3f} s/step"
+          + (f" under a {args.cap_gib:g} GiB cap" if args.cap_gib else ""))
     if args.compare_stock:
-        difference = max(abs(a - b) for a, b in zip(losses, stock_losses))
-        print(f"largest loss difference from the stock Trainer: {difference:.2e}")
+        pairs = zip(report["trainstream"]["losses"], report["stock"]["losses"])
+        report["max_loss_difference"] = max(abs(a - b) for a, b in pairs)
+        print(f"largest loss difference from the stock Trainer: {report['max_loss_difference']:.2e}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
 
 
 if __name__ == "__main__":
