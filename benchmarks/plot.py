@@ -6,8 +6,9 @@
 - train_gpt.png: per GPT size, the training step time and the GPU memory of trainstream against its
   peers (torchao's CPUOffloadOptimizer, DeepSpeed ZeRO-2/3 offload where a result file has them, and
   stock fused AdamW on the GPU), each from train_gpt_*.json. Several files measure the same model in
-  different settings (VRAM cap, weight dtype, activation paging): a size's panel shows the setting
-  with the most peers measured, and within it the run of the file that measured the most peers side by
+  different settings (VRAM cap, weight dtype, activation paging, clipping): a size's panel shows the
+  setting with the most peers measured (and a further panel for a setting that measured a peer it
+  lacks), and within it the run of the file that measured the most peers side by
   side (ties: the newest commit, then PREFERRED), other files of that setting filling in the peers it
   lacks (named under the figure). A peer that ran out of memory is marked so; one never run, "not run".
 - adamw_<name>.png for each adamw_<name>.json: host AdamW throughput of every kernel variant against
@@ -94,7 +95,7 @@ def setting(meta: dict) -> tuple:
     paging = bool(meta.get("activation_paging", False))
     return (meta["config"], meta.get("batch"), meta.get("seq"), meta.get("vram_cap_gib", 0),
             meta.get("bf16_weights", False), meta.get("moment_dtype", "float32"), paging,
-            meta.get("paging_gib", 0) if paging else 0)
+            meta.get("paging_gib", 0) if paging else 0, meta.get("max_grad_norm") or 0)
 
 
 def panel_for(files: list[ResultFile]) -> Panel:
@@ -110,19 +111,27 @@ def panel_for(files: list[ResultFile]) -> Panel:
 
 
 def choose_panels(files: list[ResultFile]) -> list[Panel]:
-    """Per config, the setting with the most peers measured (ties: the most files), smallest model first."""
+    """Per config, the setting with the most peers measured (ties: the most files), then any other
+    setting that measured a peer the config's panels lack (DeepSpeed beside a clipped run); smallest
+    model first."""
     by_setting: dict[tuple, list[ResultFile]] = {}
     for f in files:
         by_setting.setdefault(setting(f.meta), []).append(f)
-    best: dict[str, Panel] = {}
+    candidates: dict[str, list[Panel]] = {}
     for group in by_setting.values():
         panel = panel_for(group)
-        score = (len([m for m in PEER_MODES if m in panel.runs]), len(group))
-        current = best.get(panel.config)
-        if current is None or score > current.score:
-            panel.score = score
-            best[panel.config] = panel
-    return sorted(best.values(), key=lambda p: params_of(p) or 0)
+        panel.score = (len([m for m in PEER_MODES if m in panel.runs]), len(group))
+        candidates.setdefault(panel.config, []).append(panel)
+    chosen = []
+    for panels in candidates.values():
+        best, *others = sorted(panels, key=lambda p: p.score, reverse=True)
+        chosen.append(best)
+        shown = set(best.runs)
+        for panel in others:
+            if set(panel.runs) & set(PEER_MODES) - shown:
+                chosen.append(panel)
+                shown |= set(panel.runs)
+    return sorted(chosen, key=lambda p: params_of(p) or 0)
 
 
 def params_of(panel: Panel) -> int | None:
@@ -155,8 +164,9 @@ def panel_title(panel: Panel) -> str:
     paging = ""
     if m.get("activation_paging"):
         paging = f", activation paging {m['paging_gib']:g} GiB" if m.get("paging_gib") else ", activations paged"
+    clipped = f", clipped at {m['max_grad_norm']:g}" if m.get("max_grad_norm") else ""
     return (f"GPT {m['config']} ({fmt_params(params_of(panel))} params): {weights}{moments}, "
-            f"batch {m.get('batch')}x{m.get('seq')}, {cap}{paging}")
+            f"batch {m.get('batch')}x{m.get('seq')}, {cap}{paging}{clipped}")
 
 
 def _machine_field(key: str, value) -> str:

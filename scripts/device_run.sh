@@ -98,6 +98,14 @@ for what in "$@"; do
         --modes trainstream --adamw-json benchmarks/results/adamw_h200-16core.json \
         --json "$OUT/gpt_1.86b_start_${policy#huge=}.json" 2>&1 | tail -1 | sed "s|^|[$policy] |"
       ;;
+    gpt-peers)
+      stage gpt-peers  # the 1.86B, bf16 weights and moments, clipped at 1.0, 24 GiB cap: trainstream beside DeepSpeed ZeRO-2/3
+      install_wheels
+      timeout "${PEERS_TIMEOUT:-300}" python3 benchmarks/train_gpt/train_gpt.py --config 1.86b --vram-cap-gib 24 \
+        --steps ${STEPS:-4} --warmup 2 --bf16-weights --moment-dtype bfloat16 --max-grad-norm 1.0 \
+        --modes "${GPT_MODES:-trainstream,deepspeed-zero2,deepspeed-zero3}" --adamw-json benchmarks/results/adamw_h200-16core.json \
+        --json "$OUT/gpt_1.86b_cap24_bf16_clip1.0_peers.json" 2>&1 | tail -1
+      ;;
     gpt-halves)
       stage gpt-halves  # forced offload of the 124M with one and two state halves (58.6 ms on 2026-12-02, 46.7 ms a day earlier)
       for halves in 1 2; do

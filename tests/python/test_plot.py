@@ -49,6 +49,20 @@ def test_a_size_shows_the_file_with_most_peers_filled_in_from_the_others(tmp_pat
     assert os.path.getsize(plot.plot_train_gpt(plot.load_train_gpt(str(tmp_path)), str(out))) > 0
 
 
+def test_a_second_setting_of_a_size_shows_only_when_it_measured_a_peer_the_first_lacks(tmp_path):
+    measured = dict(step_ms=500.0, torch_peak_gib=20.0, driver_peak_gib=22.0)
+    write(tmp_path, "train_gpt_1b_torchao.json", [run("trainstream", **measured), run("torchao", **measured),
+                                                  run("stock", oom=True)])
+    write(tmp_path, "train_gpt_1b_clipped.json", [run("trainstream", **measured), run("deepspeed-zero2", **measured)],
+          max_grad_norm=1.0)
+    write(tmp_path, "train_gpt_1b_paged.json", [run("trainstream", **measured), run("torchao", **measured)],
+          activation_paging=True)
+    panels = plot.choose_panels(plot.load_train_gpt(str(tmp_path)))
+    assert [sorted(p.runs) for p in panels] == [["stock", "torchao", "trainstream"],
+                                                ["deepspeed-zero2", "trainstream"]]
+    assert "clipped at 1" in plot.panel_title(panels[1])
+
+
 def test_a_run_that_ran_out_of_memory_after_its_timed_steps_counts_as_measured():
     assert plot.measured(run("trainstream", step_ms=1247.0, oom=True))
     assert not plot.measured(run("stock", oom=True))
