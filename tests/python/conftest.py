@@ -62,6 +62,14 @@ def ctl_json(socket: str | None, *args: str, **kwargs):
     return lines[0] if len(lines) == 1 else lines
 
 
+_DAEMON_DIRS: list[str] = []  # removed when the session ends: a successor daemon may reuse one's socket
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for folder in _DAEMON_DIRS:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 class Daemon:
     """A trainstreamd on its own socket, stopped (SIGTERM, then SIGKILL) at teardown."""
 
@@ -69,6 +77,7 @@ class Daemon:
         """`prefix` wraps the command, e.g. ("ip", "netns", "exec", NAME) to run it in a namespace;
         `socket` defaults to a new one (a daemon restarted on an old one is its successor)."""
         self.dir = tempfile.mkdtemp(prefix="ts-test-")
+        _DAEMON_DIRS.append(self.dir)
         self.socket = socket or os.path.join(self.dir, "d.sock")
         self.log = open(os.path.join(self.dir, "log"), "w+b")
         self.process = subprocess.Popen([*prefix, daemon_binary(), "--socket", self.socket, "--threads", str(threads),
