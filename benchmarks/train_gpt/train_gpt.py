@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -110,13 +111,26 @@ def batches(args, device):
         yield tokens[:, :-1], tokens[:, 1:]
 
 
-def timed_steps(args, step_fn, memory: Memory, losses: list | None = None) -> list[float]:
-    """The step times after the warm-up; memory.first_step_s is the first step's."""
+def daemon_waits(model) -> tuple[float, float]:
+    """Seconds a trainstream model has waited for the daemon so far: for new weights (forward, the
+    host update behind) and for free staging slots (backward, the gradient copies behind); zeros
+    once offload="auto" switched to stock AdamW."""
+    try:
+        rank = trainstream._wrap._rank_of(model)
+    except trainstream.TrainstreamError:
+        return 0.0, 0.0
+    return rank.weights_wait_s, getattr(rank.transport, "slot_wait_s", 0.0)
+
+
+def timed_steps(args, step_fn, memory: Memory, losses: list | None = None, waits=None) -> tuple[list, list]:
+    """The step times after the warm-up (memory.first_step_s is the first step's) and, with `waits`
+    (daemon_waits of the model), each timed step's seconds waiting for weights and for slots."""
     data = batches(args, "cuda")
-    times = []
+    times, waited = [], []
     for i in range(args.warmup + args.steps):
         tokens, targets = next(data)
         torch.cuda.synchronize()
+        before = waits() if waits else (0.0, 0.0)
         start = time.perf_counter()
         loss = step_fn(tokens, targets)
         torch.cuda.synchronize()
@@ -127,7 +141,9 @@ def timed_steps(args, step_fn, memory: Memory, losses: list | None = None) -> li
             memory.first_step_s = time.perf_counter() - start
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
-    return times
+            after = waits() if waits else (0.0, 0.0)
+            waited.append((after[0] - before[0], after[1] - before[1]))
+    return times, waited
 
 
 def pinned_h2d_gbs(gib: float = 1.0) -> float:
@@ -264,7 +280,13 @@ def run(args, mode: str) -> dict:
                 opt.step()
                 return loss
         memory = Memory(daemon_pid)  # the peaks of the training steps, not of building the model
-        times = timed_steps(args, step, memory, losses)
+        offloaded = mode in ("trainstream", "auto")
+        waits = functools.partial(daemon_waits, model) if offloaded else None
+        times, waited = timed_steps(args, step, memory, losses, waits)
+        result["step_times_ms"] = [1000 * t for t in times]
+        if offloaded:  # where a step's time beyond the GPU's went: the trainer waiting for the daemon
+            result["weights_wait_ms"] = [1000 * w for w, _ in waited]
+            result["slot_wait_ms"] = [1000 * s for _, s in waited]
         if "wrap_seconds" in result:  # from wrap() to the end of the first step
             result["wrap_to_first_step_seconds"] = result["wrap_seconds"] + memory.first_step_s
         result["losses"] = losses

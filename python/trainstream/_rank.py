@@ -77,6 +77,7 @@ class Rank:
         self.job = job
         frozen = paging.frozen if paging else []
         self.timings: dict[str, float] = {}  # seconds each phase of wrap() took (benchmarks report them)
+        self.weights_wait_s = 0.0  # time the model waited for the daemon's new weights (benchmarks read it)
         started = time.perf_counter()
         self.session = client._native.attach(
             job, rank, _layout.layout_entries(model, optimizer, self.params, paging.partition if paging else None),
@@ -214,7 +215,9 @@ class Rank:
                 for b in buckets:
                     if b not in self.stale:
                         continue
+                    started = time.perf_counter()
                     self.session.wait_params_ready(b, self._ready_step[b])
+                    self.weights_wait_s += time.perf_counter() - started
                     if b not in self.regions.paged_buckets:  # the pager copies paged ones when it loads them
                         with torch.no_grad():
                             for i in self.regions.bucket_params[b]:
