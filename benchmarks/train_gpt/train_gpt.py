@@ -81,7 +81,7 @@ class Memory:
 
     def __init__(self, daemon_pid: int | None = None):
         torch.cuda.reset_peak_memory_stats()
-        self.driver_peak = 0
+        self.driver_peak = self.driver_last = 0
         self.trainer_peak = 0
         self.daemon_peak = 0
         self.daemon_pid = daemon_pid
@@ -90,13 +90,15 @@ class Memory:
     def sample(self):
         free, total = torch.cuda.mem_get_info()
         self.driver_peak = max(self.driver_peak, total - free)
+        self.driver_last = total - free  # after the last step: auto's steady state, its daemon stopped
         per_process = process_gpu_bytes()
         self.trainer_peak = max(self.trainer_peak, per_process.get(os.getpid(), 0))
         if self.daemon_pid:
             self.daemon_peak = max(self.daemon_peak, per_process.get(self.daemon_pid, 0))
 
     def report(self) -> dict:
-        report = {"torch_peak_gib": torch.cuda.max_memory_allocated() / GIB, "driver_peak_gib": self.driver_peak / GIB}
+        report = {"torch_peak_gib": torch.cuda.max_memory_allocated() / GIB, "driver_peak_gib": self.driver_peak / GIB,
+                  "driver_last_gib": self.driver_last / GIB}
         if self.trainer_peak:
             report["trainer_process_peak_gib"] = self.trainer_peak / GIB
         if self.daemon_peak:
@@ -254,7 +256,9 @@ def run(args, mode: str) -> dict:
             paging = {"device": "cuda", "param_offload": param_offload(args.param_offload),
                       "page_prefetch": args.page_prefetch} if args.param_offload else {}
             model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-4),
-                                          client=client, moment_dtype=args.moment_dtype, bucket_mb=args.bucket_mb,
+                                          # auto: wrap's own connection, whose private daemon stops at the switch
+                                          client=None if mode == "auto" else client,
+                                          moment_dtype=args.moment_dtype, bucket_mb=args.bucket_mb,
                                           max_grad_norm=args.max_grad_norm, offload="auto" if mode == "auto" else True,
                                           state_halves=args.state_halves if args.state_halves == "auto"
                                           else int(args.state_halves), **paging)
@@ -302,9 +306,12 @@ def run(args, mode: str) -> dict:
         result.update(memory.report())
         result["torch_peak_plus_buffers_gib"] = result["torch_peak_gib"] + result.get("gpu_buffers_gib", 0)
         result["host_rss_gib"] = rss_bytes() / GIB
-        if mode in ("trainstream", "auto"):
-            if opt.offloaded:  # else auto switched to stock and dropped the job
-                trainstream.synchronize(model)
+        if mode == "auto" and not opt.offloaded:  # switched: the job dropped, the private daemon stopped
+            private = client.private_daemon
+            result["daemon_stopped"] = private is not None and private.process.poll() is not None
+            trainstream.unwrap(model)
+        elif mode in ("trainstream", "auto"):
+            trainstream.synchronize(model)
             stats = client.stats()
             result["daemon_rss_gib"] = stats["rss_bytes"] / GIB
             result["daemon_segments_gib"] = stats["host_bytes"] / GIB

@@ -18,7 +18,7 @@ from test_parity import STEPS, adamw, max_difference, mlp, train_both
 from test_parity import mse_step as loss_of
 
 import trainstream
-from trainstream import TrainstreamError, _activation_offload, _blocks, _offload_auto
+from trainstream import TrainstreamError, _activation_offload, _blocks, _connect, _offload_auto
 from trainstream._budget import Budget
 
 
@@ -59,6 +59,27 @@ def test_auto_switches_to_stock_adamw_when_it_fits_and_keeps_parity(client, memo
     opt.step()
     assert all(p.grad is None for p in model.parameters())  # cleared by step(), as the offloaded optimizer does
     trainstream.unwrap(model)
+
+
+def test_auto_stops_the_private_daemon_it_started_once_it_switched(memory_budget, monkeypatch, tmp_path, caplog):
+    monkeypatch.delenv("TRAINSTREAM_ADDRESS", raising=False)
+    monkeypatch.setattr(_connect, "SERVICE_SOCKET", str(tmp_path / "no-service.sock"))
+    monkeypatch.setattr(_connect, "_private_daemon", None)
+    memory_budget(1 << 20)
+    caplog.set_level(logging.INFO, logger="trainstream")
+    model, opt, reference, _ = train_against_torch(None, offload="auto")  # wrap() starts a private daemon
+    first = _connect._private_daemon
+    assert not opt.offloaded and first.process.poll() is not None  # switched, and the daemon has exited
+    assert any("private trainstreamd stopped" in r.getMessage() for r in caplog.records)
+    assert max_difference(model, reference) <= 1e-6
+    trainstream.unwrap(model)
+    again = mlp()
+    model, opt = trainstream.wrap(again, torch.optim.AdamW(again.parameters()))  # another private daemon starts
+    assert _connect._private_daemon is not first and opt.offloaded
+    loss_of(model, 0).backward()
+    opt.step()
+    trainstream.unwrap(model)
+    _connect._private_daemon.stop()
 
 
 def test_state_dict_across_the_switch_is_torchs(client, memory_budget):
