@@ -63,7 +63,9 @@ Job::Job(std::string name, uint32_t uid, const shm::LayoutSpec& spec, uint64_t s
     // A new job's frozen region, at the end, is backed as the clients write it (shm::Segment::Create
     // says why); a restored job's is written by this daemon from the snapshot, so backed now.
     const size_t reserved = !fresh_ ? shm::Segment::kReserveAll : pool.nodes() == 1 ? layout_.frozen_offset : 0;
+    const auto creating = std::chrono::steady_clock::now();
     state_ = shm::Segment::Create(shm::SegmentName(uid_, key_, "state"), layout_.state_bytes, uid_, reserved);
+    backed_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - creating).count();
     shm::InitStateSegment(state_.data(), layout_);
     auto* header = static_cast<shm::StateHeader*>(state_.data());
     header->owner = SelfAsOwner();
@@ -86,12 +88,13 @@ Job::Job(std::string name, uint32_t uid, const shm::LayoutSpec& spec, uint64_t s
   snapshots_->Connect(SnapshotHooks{.attached_ranks = [this] { return attached_ranks(); },
                                     .announce = [this] { engine_->AnnounceCommitted(); }});
   spdlog::info(
-      "job '{}' {}: {} parameters in {} buckets, {} state bytes ({} state {}{}), key {}", name_,
+      "job '{}' {}: {} parameters in {} buckets, {} state bytes ({} state {}{}{}), key {}", name_,
       adopted != nullptr    ? fmt::format("re-adopted at step {}", adopted->completed_step)
       : restored != nullptr ? fmt::format("restored from {} at step {}", restored->path(), restored->meta().step)
                             : "created",
       spec_.params.size(), layout_.buckets.size(), layout_.state_bytes, spec_.state_halves,
-      spec_.state_halves == 2 ? "halves" : "half", layout_.speculative_clipping ? ", speculative clipping" : "", key_);
+      spec_.state_halves == 2 ? "halves" : "half", layout_.speculative_clipping ? ", speculative clipping" : "",
+      adopted != nullptr ? "" : fmt::format("; backed in {:.2f} s", backed_seconds_), key_);
 }
 
 void Job::StampSocket(uint64_t socket_hash) {

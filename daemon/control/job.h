@@ -108,6 +108,7 @@ class Job {
   shm::Segment state_;
   std::unique_ptr<PeerAllReduce> peers_;  // multi-node jobs only; outlives the engine that uses it
   const bool fresh_;                      // its state was created empty (not adopted, not restored)
+  double backed_seconds_ = 0;             // creating (backing) the state segment: most of a new job's attach
   JobCounters counters_;
   std::unique_ptr<JobSnapshots> snapshots_;  // fed by the engine's commits; stopped before it
   std::unique_ptr<StepEngine> engine_;
