@@ -203,6 +203,53 @@ std::string CpuModel() {
 // for comparison, one element off (no head aligns them: ordinary stores, which read the lines first).
 enum class Placement { kInPlace, kOtherHalf, kOtherHalfMisaligned };
 
+// `data` moved on by `at` elements of `dtype`.
+const void* Advance(const void* data, ts::DType dtype, size_t at) {
+  return static_cast<const std::byte*>(data) + at * ts::SizeOf(dtype);
+}
+void* Advance(void* data, ts::DType dtype, size_t at) {
+  return static_cast<std::byte*>(data) + at * ts::SizeOf(dtype);
+}
+
+// An optimization barrier: the compiler must assume `value` is used.
+void Keep(double value) {
+  asm volatile("" : : "r,m"(value) : "memory");
+}
+
+// Speculative clipping's pass also sums the gradients' squares: as a pass of its own before each of the
+// engine's blocks' update (what it did until 2026-12-02), or inside the update (update_with_norm).
+enum class Norm { kNone, kFirst, kFused };
+constexpr size_t kEngineBlock = size_t{1} << 16;  // daemon/engine/step_engine.cpp's kBlockElements
+
+// The update of `count` elements block by block as the engine runs it, each block's squared norm with it.
+void UpdateWithNorms(const opt::KernelTable& k, Norm norm, const opt::GradSources& grads, const opt::AdamWStep& step,
+                     const opt::StateIn& in, float* master, const opt::MomentBuffers& moments,
+                     const opt::Upload& upload, size_t count) {
+  const size_t block = kEngineBlock;
+  const void* slots[8];
+  for (size_t at = 0; at < count; at += block) {
+    const size_t n = std::min(block, count - at);
+    for (size_t r = 0; r < grads.slots.size(); ++r) slots[r] = Advance(grads.slots[r], grads.dtype, at);
+    const opt::GradSources part{std::span<const void* const>(slots, grads.slots.size()), grads.dtype, nullptr,
+                                grads.scale};
+    bool bad = false;
+    double sum = 0;
+    const opt::StateIn from{in.master + at, Advance(in.exp_avg, moments.dtype, at),
+                            Advance(in.exp_avg_sq, moments.dtype, at)};
+    const opt::MomentBuffers to{Advance(moments.exp_avg, moments.dtype, at),
+                                Advance(moments.exp_avg_sq, moments.dtype, at), moments.dtype, moments.sr_seed,
+                                moments.element_base + at};
+    const opt::Upload up{upload.data != nullptr ? Advance(upload.data, upload.dtype, at) : nullptr, upload.dtype};
+    if (norm == Norm::kFirst) {
+      sum = k.sum_of_squares(part, n, &bad);
+      k.update(part, step, from, master + at, to, up, n);
+    } else {
+      k.update_with_norm(part, step, from, master + at, to, up, n, &sum, &bad);
+    }
+    Keep(sum);  // the engine adds it to the step's norm
+  }
+}
+
 struct Config {
   const char* name;
   ts::DType grad;
@@ -210,6 +257,7 @@ struct Config {
   ts::DType moment;
   bool upload;  // bf16 upload copy
   Placement placement = Placement::kInPlace;
+  Norm norm = Norm::kNone;
 };
 
 }  // namespace
@@ -307,6 +355,14 @@ int Run(int argc, char** argv) {
        Placement::kOtherHalf},
       {"bf16 grad, bf16 moments, bf16 upload, other half", ts::DType::kBFloat16, 1, ts::DType::kBFloat16, true,
        Placement::kOtherHalf},
+      {"fp32 grad, fp32 moments, other half, norm first", ts::DType::kFloat32, 1, ts::DType::kFloat32, false,
+       Placement::kOtherHalf, Norm::kFirst},
+      {"fp32 grad, fp32 moments, other half, norm fused", ts::DType::kFloat32, 1, ts::DType::kFloat32, false,
+       Placement::kOtherHalf, Norm::kFused},
+      {"bf16 grad, bf16 moments, bf16 upload, other half, norm first", ts::DType::kBFloat16, 1, ts::DType::kBFloat16,
+       true, Placement::kOtherHalf, Norm::kFirst},
+      {"bf16 grad, bf16 moments, bf16 upload, other half, norm fused", ts::DType::kBFloat16, 1, ts::DType::kBFloat16,
+       true, Placement::kOtherHalf, Norm::kFused},
   };
 
   std::vector<Result> results;
@@ -345,7 +401,11 @@ int Run(int argc, char** argv) {
         }
         const opt::MomentBuffers moments{m, v, c.moment, 0x1234, begin};
         const opt::Upload up{c.upload ? upload.as<uint16_t>() + begin : nullptr, ts::DType::kBFloat16};
-        k.update(grads, step, in, p, moments, up, count);
+        if (c.norm == Norm::kNone) {
+          k.update(grads, step, in, p, moments, up, count);
+        } else {
+          UpdateWithNorms(k, c.norm, grads, step, in, p, moments, up, count);
+        }
       });
     });
     const double bytes =

@@ -71,6 +71,12 @@ std::byte* BucketPasses::Moment(void* region, const Block& block) const {
 
 bool BucketPasses::Update(const Block& block, const Sources& sources, float scale, const optimizer::AdamWStep& step,
                           uint64_t sr_seed, const shm::StateHalf& from, const shm::StateHalf& to) const {
+  return UpdateWithNorm(block, sources, scale, step, sr_seed, from, to, nullptr, nullptr);
+}
+
+bool BucketPasses::UpdateWithNorm(const Block& block, const Sources& sources, float scale,
+                                  const optimizer::AdamWStep& step, uint64_t sr_seed, const shm::StateHalf& from,
+                                  const shm::StateHalf& to, double* sum_of_squares, bool* nonfinite) const {
   const shm::BucketLayout& bucket = BucketOf(block);
   const SlotList slots = Slots(bucket, block.param, ByteInBucket(block), sources);
   const uint64_t element = Element(block);
@@ -88,7 +94,11 @@ bool BucketPasses::Update(const Block& block, const Sources& sources, float scal
                                          // boundary of its parameter, as the kernels require of the high index bits.
                                          .element_base = (uint64_t{block.param} << 40) + block.begin};
   const optimizer::StateIn in{from.master + element, Moment(from.exp_avg, block), Moment(from.exp_avg_sq, block)};
-  return optimizer::AdamWUpdate(grads, step, in, to.master + element, moments, Upload(block), block.count);
+  if (sum_of_squares == nullptr) {
+    return optimizer::AdamWUpdate(grads, step, in, to.master + element, moments, Upload(block), block.count);
+  }
+  return optimizer::AdamWUpdateWithNorm(grads, step, in, to.master + element, moments, Upload(block), block.count,
+                                        sum_of_squares, nonfinite);
 }
 
 void BucketPasses::Carry(const Block& block, const shm::StateHalf& from, const shm::StateHalf& to) const {

@@ -48,6 +48,11 @@ class BucketPasses {
   // buckets into the upload region. Returns whether the new master weights hold inf or NaN.
   bool Update(const Block& block, const Sources& sources, float scale, const optimizer::AdamWStep& step,
               uint64_t sr_seed, const shm::StateHalf& from, const shm::StateHalf& to) const;
+  // Update, and SumOfSquares of the same g (scale included) into *sum_of_squares, from the update's own
+  // reads (speculative clipping: optimizer::AdamWUpdateWithNorm says why).
+  bool UpdateWithNorm(const Block& block, const Sources& sources, float scale, const optimizer::AdamWStep& step,
+                      uint64_t sr_seed, const shm::StateHalf& from, const shm::StateHalf& to, double* sum_of_squares,
+                      bool* nonfinite) const;
   // The master weights and moments from `from` into `to`, unchanged: a parameter without a gradient in
   // a step keeps its state in the half that step commits.
   void Carry(const Block& block, const shm::StateHalf& from, const shm::StateHalf& to) const;

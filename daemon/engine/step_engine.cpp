@@ -706,10 +706,12 @@ std::shared_ptr<const StepEngine::UpdatePlan> StepEngine::PlanUpdate(uint32_t b)
 
 // Reads bucket b's committed half and writes the other (the same half, in place, with one half): the
 // parameters with a gradient get their update, the others their state carried over unchanged (with one
-// half there is nothing to carry). kSpeculate also sums the squares of each block's gradients right
-// before its update (the second read hits the cache: cheaper than a pass of its own, measured in
-// benchmarks/adamw). The update waits while a GPU still reads the bucket's weights of the last step, and
-// until every bucket has committed the step before (the skew bound, see the header).
+// half there is nothing to carry). kSpeculate also sums the squares of each block's gradients, inside
+// the update from the gradients it reads (a norm pass before each block's update made the update
+// 1.31-1.54x slower in fp32 on the dev box, the fused sum 1.04-1.09x: benchmarks/adamw "norm first"/
+// "norm fused"; the speculated steps of the 1.86B were 1.26-1.30x the unclipped ones on the GPU machine).
+// The update waits while a GPU still reads the bucket's weights of the last step, and until every bucket
+// has committed the step before (the skew bound, see the header).
 void StepEngine::StartUpdate(uint32_t b, float clip_coefficient, Pass pass) {
   BucketProgress& progress = buckets_[b];
   if (state_.bucket_state[b].Load().step >= progress.step) return SkipReplayedStep(b);
@@ -743,14 +745,16 @@ void StepEngine::StartUpdate(uint32_t b, float clip_coefficient, Pass pass) {
        from = &state_.halves[plan->from], to = &state_.halves[plan->to],
        sources = GradientSlots()](size_t i, const Block& block) {
         if (plan->updated[block.param] == 0) return passes->Carry(block, *from, *to);
-        if (!partial->empty()) {
-          bool bad = false;
-          (*partial)[i] = passes->SumOfSquares(block, sources, norm_scale, &bad);
-          if (bad) norm_nonfinite->store(true);
+        bool bad_weights = false;
+        if (partial->empty()) {
+          bad_weights = passes->Update(block, sources, scale, plan->scalars[block.param], sr_seed, *from, *to);
+        } else {  // speculating: the coefficient is 1, so the update's g is the norm's
+          bool bad_gradients = false;
+          bad_weights = passes->UpdateWithNorm(block, sources, norm_scale, plan->scalars[block.param], sr_seed, *from,
+                                               *to, &(*partial)[i], &bad_gradients);
+          if (bad_gradients) norm_nonfinite->store(true);
         }
-        if (passes->Update(block, sources, scale, plan->scalars[block.param], sr_seed, *from, *to)) {
-          nonfinite->store(true);
-        }
+        if (bad_weights) nonfinite->store(true);
       },
       [this, b, plan, speculative, partial, nonfinite, norm_nonfinite] {
         if (speculative) return OnSpeculated(b, Total(*partial), norm_nonfinite->load());

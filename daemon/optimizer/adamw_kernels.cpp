@@ -97,6 +97,12 @@ double SumOfSquares(const GradSources& grads, size_t n, bool* nonfinite) {
   return ActiveKernels().sum_of_squares(grads, n, nonfinite);
 }
 
+bool AdamWUpdateWithNorm(const GradSources& grads, const AdamWStep& step, const StateIn& in, float* master,
+                         const MomentBuffers& moments, const Upload& upload, size_t n, double* sum_of_squares,
+                         bool* nonfinite) {
+  return ActiveKernels().update_with_norm(grads, step, in, master, moments, upload, n, sum_of_squares, nonfinite);
+}
+
 void Accumulate(const GradSources& grads, float* accum, bool overwrite, size_t n) {
   ActiveKernels().accumulate(grads, accum, overwrite, n);
 }

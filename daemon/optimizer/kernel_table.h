@@ -16,6 +16,9 @@ struct KernelTable {
   bool (*update)(const GradSources& grads, const AdamWStep& step, const StateIn& in, float* master,
                  const MomentBuffers& moments, const Upload& upload, size_t n);
   double (*sum_of_squares)(const GradSources& grads, size_t n, bool* nonfinite);
+  bool (*update_with_norm)(const GradSources& grads, const AdamWStep& step, const StateIn& in, float* master,
+                           const MomentBuffers& moments, const Upload& upload, size_t n, double* sum_of_squares,
+                           bool* nonfinite);
   void (*accumulate)(const GradSources& grads, float* accum, bool overwrite, size_t n);
   void (*convert_master)(const float* master, const Upload& upload, size_t n);
 };

@@ -37,6 +37,14 @@ double PortableSumOfSquares(const GradSources& grads, size_t n, bool* nonfinite)
   return sum;
 }
 
+// The reference: the norm pass, then the update.
+bool PortableUpdateWithNorm(const GradSources& grads, const AdamWStep& step, const StateIn& in, float* master,
+                            const MomentBuffers& moments, const Upload& upload, size_t n, double* sum_of_squares,
+                            bool* nonfinite) {
+  *sum_of_squares = PortableSumOfSquares(grads, n, nonfinite);
+  return PortableUpdate(grads, step, in, master, moments, upload, n);
+}
+
 void PortableAccumulate(const GradSources& grads, float* accum, bool overwrite, size_t n) {
   DispatchGrad(grads.dtype, [&]<DType kG>() {
     for (size_t i = 0; i < n; ++i) AccumulateElement<kG>(grads, accum, overwrite, i);
@@ -52,8 +60,9 @@ void PortableConvertMaster(const float* master, const Upload& upload, size_t n) 
 }  // namespace
 
 const KernelTable& PortableKernels() {
-  static const KernelTable table{"portable", &PortableUpdate, &PortableSumOfSquares, &PortableAccumulate,
-                                 &PortableConvertMaster};
+  static const KernelTable table{
+      "portable",          &PortableUpdate,       &PortableSumOfSquares, &PortableUpdateWithNorm,
+      &PortableAccumulate, &PortableConvertMaster};
   return table;
 }
 

@@ -403,9 +403,8 @@ size_t UpdateVectorsBF16(const Grad& grad, const StepVectors<Ops>& k, const Upda
 }
 
 template <class Ops, DType kG, DType kM, UploadKind kU, bool kD, class Grad>
-bool UpdateRange(const GradSources& grads, const StepConstants& c, const StateIn& in, float* master,
+bool UpdateRange(const Grad& grad, const GradSources& grads, const StepConstants& c, const StateIn& in, float* master,
                  const MomentBuffers& moments, const Upload& upload, size_t n) {
-  const Grad grad(grads);
   const StepVectors<Ops> k(c);
   const UpdatePointers at{in.master,       in.exp_avg,         in.exp_avg_sq, master,
                           moments.exp_avg, moments.exp_avg_sq, upload.data};
@@ -440,38 +439,109 @@ bool UpdateRange(const GradSources& grads, const StepConstants& c, const StateIn
   return seen.NonFinite();
 }
 
-template <class Ops>
-bool SimdUpdate(const GradSources& grads, const AdamWStep& step, const StateIn& in, float* master,
-                const MomentBuffers& moments, const Upload& upload, size_t n) {
+// The squared norm of [0, n) as SimdSumOfSquares defines it, bit for bit: whole vectors from element 0
+// into `acc` in order, its total, then the remaining elements one by one. `acc` may hold the vectors
+// before `i` already (an update's reads, NormingReader); this adds the rest.
+template <class Ops, DType kG>
+double FinishSquares(const GradSources& grads, size_t n, typename Ops::SquareSum acc, size_t i, bool* nonfinite) {
+  const GradReader<Ops, kG, false> grad(grads);
+  for (; i + Ops::kLanes <= n; i += Ops::kLanes) Ops::AddSquares(acc, grad.At(i));
+  double sum = Ops::Total(acc);
+  for (; i < n; ++i) {
+    const double g = GradElement<kG>(grads, i);
+    sum += g * g;
+  }
+  // A non-finite g makes the sum non-finite, and finite squares cannot overflow a double sum.
+  if (!(sum - sum == 0) && nonfinite != nullptr) *nonfinite = true;
+  return sum;
+}
+
+// A GradReader whose whole-vector reads, while they run in order from element 0 (the update's main loop
+// where its stores need no alignment peel), also add their squares as FinishSquares would; a masked or
+// out-of-order read stops the adding, and FinishSquares does the rest from next().
+template <class Ops, class Inner>
+class NormingReader {
+ public:
+  using F = typename Ops::F;
+  explicit NormingReader(const GradSources& grads) : inner_(grads) {}
+  [[gnu::always_inline]] F At(size_t i) const {
+    const F g = inner_.At(i);
+    Note(i, g);
+    return g;
+  }
+  template <class Mask>
+  [[gnu::always_inline]] F At(size_t i, Mask mask) const {
+    return inner_.At(i, mask);
+  }
+  [[gnu::always_inline]] void At2(size_t i, F* a, F* b) const {
+    inner_.At2(i, a, b);
+    Note(i, *a);
+    Note(i + Ops::kLanes, *b);
+  }
+  [[nodiscard]] size_t next() const { return next_; }
+  [[nodiscard]] const typename Ops::SquareSum& squares() const { return squares_; }
+
+ private:
+  [[gnu::always_inline]] void Note(size_t i, F g) const {
+    if (i != next_) return;
+    Ops::AddSquares(squares_, g);
+    next_ += Ops::kLanes;
+  }
+  Inner inner_;
+  mutable typename Ops::SquareSum squares_;
+  mutable size_t next_ = 0;
+};
+
+// The update with g read by `Reader<kG, one source>`: GradReader, or NormingReader around it.
+template <class Ops, template <DType, bool> class Reader, class After>
+bool SimdUpdateWith(const GradSources& grads, const AdamWStep& step, const StateIn& in, float* master,
+                    const MomentBuffers& moments, const Upload& upload, size_t n, After after) {
   const StepConstants c(step, moments);
   const bool one = grads.slots.size() == 1 && grads.accum == nullptr;
   bool nonfinite = false;
   DispatchUpdate(grads.dtype, moments.dtype, UploadKindOf(upload), step.decoupled,
                  [&]<DType kG, DType kM, UploadKind kU, bool kD>() {
-                   nonfinite = one ? UpdateRange<Ops, kG, kM, kU, kD, GradReader<Ops, kG, true>>(grads, c, in, master,
-                                                                                                 moments, upload, n)
-                                   : UpdateRange<Ops, kG, kM, kU, kD, GradReader<Ops, kG, false>>(grads, c, in, master,
-                                                                                                  moments, upload, n);
+                   auto run = [&](const auto& grad) {
+                     nonfinite = UpdateRange<Ops, kG, kM, kU, kD>(grad, grads, c, in, master, moments, upload, n);
+                     after.template operator()<kG>(grad);
+                   };
+                   one ? run(Reader<kG, true>(grads)) : run(Reader<kG, false>(grads));
                  });
   return nonfinite;
 }
 
 template <class Ops>
+struct PlainReader {
+  template <DType kG, bool kOne>
+  using Type = GradReader<Ops, kG, kOne>;
+};
+template <class Ops>
+struct SquaringReader {
+  template <DType kG, bool kOne>
+  using Type = NormingReader<Ops, GradReader<Ops, kG, kOne>>;
+};
+
+template <class Ops>
+bool SimdUpdate(const GradSources& grads, const AdamWStep& step, const StateIn& in, float* master,
+                const MomentBuffers& moments, const Upload& upload, size_t n) {
+  return SimdUpdateWith<Ops, PlainReader<Ops>::template Type>(grads, step, in, master, moments, upload, n,
+                                                              []<DType>(const auto&) {});
+}
+
+template <class Ops>
+bool SimdUpdateWithNorm(const GradSources& grads, const AdamWStep& step, const StateIn& in, float* master,
+                        const MomentBuffers& moments, const Upload& upload, size_t n, double* sum_of_squares,
+                        bool* nonfinite) {
+  return SimdUpdateWith<Ops, SquaringReader<Ops>::template Type>(
+      grads, step, in, master, moments, upload, n, [&]<DType kG>(const auto& reader) {
+        *sum_of_squares = FinishSquares<Ops, kG>(grads, n, reader.squares(), reader.next(), nonfinite);
+      });
+}
+
+template <class Ops>
 double SimdSumOfSquares(const GradSources& grads, size_t n, bool* nonfinite) {
   double sum = 0;
-  DispatchGrad(grads.dtype, [&]<DType kG>() {
-    const GradReader<Ops, kG, false> grad(grads);
-    typename Ops::SquareSum acc;
-    size_t i = 0;
-    for (; i + Ops::kLanes <= n; i += Ops::kLanes) Ops::AddSquares(acc, grad.At(i));
-    sum = Ops::Total(acc);
-    for (; i < n; ++i) {
-      const double g = GradElement<kG>(grads, i);
-      sum += g * g;
-    }
-  });
-  // A non-finite g makes the sum non-finite, and finite squares cannot overflow a double sum.
-  if (!(sum - sum == 0) && nonfinite != nullptr) *nonfinite = true;
+  DispatchGrad(grads.dtype, [&]<DType kG>() { sum = FinishSquares<Ops, kG>(grads, n, {}, 0, nonfinite); });
   return sum;
 }
 
@@ -508,7 +578,11 @@ void SimdConvertMaster(const float* master, const Upload& upload, size_t n) {
 
 template <class Ops>
 const KernelTable& SimdKernelTable(const char* name) {
-  static const KernelTable table{name, &SimdUpdate<Ops>, &SimdSumOfSquares<Ops>, &SimdAccumulate<Ops>,
+  static const KernelTable table{name,
+                                 &SimdUpdate<Ops>,
+                                 &SimdSumOfSquares<Ops>,
+                                 &SimdUpdateWithNorm<Ops>,
+                                 &SimdAccumulate<Ops>,
                                  &SimdConvertMaster<Ops>};
   return table;
 }

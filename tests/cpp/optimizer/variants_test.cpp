@@ -257,6 +257,62 @@ TEST_P(VariantTest, RepeatedStepsStayIdentical) {
   ExpectSameState(expected, actual, "20 steps, every other one out of place");
 }
 
+// Speculative clipping's pass: the update of update_with_norm equals update's, and its squared norm equals
+// sum_of_squares's, bit for bit (the engine compares a speculated step with one that waited for the norm),
+// in the fused case (stores aligned: no peel, the main loop's reads summed as they come) and every other
+// (misaligned, tails, several sources and an accumulator, streamed stores, a non-finite gradient).
+void CheckUpdateWithNorm(const KernelTable& kernel, size_t n, size_t misalign, DType grad, size_t ranks, DType moment,
+                         bool poisoned, int* failures) {
+  std::mt19937_64 rng(n * 2654435761u + misalign * 7 + ranks);
+  Grads grads(grad, ranks, ranks > 1, n, misalign, rng);
+  if (poisoned) grads.slots[0].Set(n / 2, INFINITY);
+  State plain(n, moment, true, DType::kBFloat16, misalign, rng);
+  State fused = plain.Copy();
+  const AdamWStep step = AdamWStep::For(1e-3, 0.9, 0.999, 1e-8, 0.01, true, 7);
+  auto buffers = [&](State& state) {
+    return MomentBuffers{state.exp_avg.data(), state.exp_avg_sq.data(), moment, 0xC0FFEE, 1000003};
+  };
+  MomentBuffers m = buffers(plain);
+  plain.nonfinite = kernel.update(grads.sources, step, StateIn::InPlace(plain.master.f32(), m), plain.master.f32(), m,
+                                  Upload{plain.upload.data(), DType::kBFloat16}, n);
+  m = buffers(fused);
+  double sum = 0;
+  bool bad = false;
+  fused.nonfinite =
+      kernel.update_with_norm(grads.sources, step, StateIn::InPlace(fused.master.f32(), m), fused.master.f32(), m,
+                              Upload{fused.upload.data(), DType::kBFloat16}, n, &sum, &bad);
+  bool expected_bad = false;
+  const double expected = kernel.sum_of_squares(grads.sources, n, &expected_bad);
+  const std::string what =
+      ::testing::PrintToString(std::make_tuple(n, misalign, NameOf(grad), ranks, NameOf(moment), poisoned));
+  ExpectSameState(plain, fused, what);
+  EXPECT_EQ(plain.nonfinite, fused.nonfinite) << what;
+  EXPECT_EQ(std::bit_cast<uint64_t>(sum), std::bit_cast<uint64_t>(expected))
+      << what << ": " << sum << " vs " << expected;
+  EXPECT_EQ(bad, expected_bad) << what;
+  EXPECT_EQ(bad, poisoned) << what;
+  if (::testing::Test::HasFailure()) ++*failures;
+}
+
+TEST_P(VariantTest, UpdateWithNormEqualsTheUpdateAndTheNormPass) {
+  int failures = 0;
+  std::vector<size_t> sizes = TestSizes();
+  sizes.insert(sizes.end(), {20000 + 5, 40000 + 13, size_t{1} << 16});  // streamed stores; the engine's block
+  for (size_t n : sizes) {
+    for (DType grad : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+      for (DType moment : {DType::kFloat32, DType::kBFloat16}) {
+        for (size_t ranks : {1, 2}) {
+          for (size_t misalign : {size_t{0}, n % 5 + 1}) {
+            CheckUpdateWithNorm(kernel(), n, misalign, grad, ranks, moment, /*poisoned=*/n == 37 || n == 40013,
+                                &failures);
+            if (failures > 0) return;
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST_P(VariantTest, SumOfSquaresMatchesReference) {
   for (size_t n : TestSizes()) {
     for (DType grad : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
