@@ -708,7 +708,7 @@ std::shared_ptr<const StepEngine::UpdatePlan> StepEngine::PlanUpdate(uint32_t b)
 // parameters with a gradient get their update, the others their state carried over unchanged (with one
 // half there is nothing to carry). kSpeculate also sums the squares of each block's gradients, inside
 // the update from the gradients it reads (a norm pass before each block's update made the update
-// 1.31-1.54x slower in fp32 on the dev box, the fused sum 1.04-1.09x: benchmarks/adamw "norm first"/
+// 1.29-1.54x slower in fp32 on the dev box, the fused sum 1.00-1.16x: benchmarks/adamw "norm first"/
 // "norm fused"; the speculated steps of the 1.86B were 1.26-1.30x the unclipped ones on the GPU machine).
 // The update waits while a GPU still reads the bucket's weights of the last step, and until every bucket
 // has committed the step before (the skew bound, see the header).

@@ -402,9 +402,12 @@ size_t UpdateVectorsBF16(const Grad& grad, const StepVectors<Ops>& k, const Upda
   return i;
 }
 
+// `reader` is copied in and back out: a local reader, whose address does not escape, keeps its fields in
+// registers across the loop's stores (the vector types may alias anything).
 template <class Ops, DType kG, DType kM, UploadKind kU, bool kD, class Grad>
-bool UpdateRange(const Grad& grad, const GradSources& grads, const StepConstants& c, const StateIn& in, float* master,
+bool UpdateRange(Grad& reader, const GradSources& grads, const StepConstants& c, const StateIn& in, float* master,
                  const MomentBuffers& moments, const Upload& upload, size_t n) {
+  const Grad grad = reader;
   const StepVectors<Ops> k(c);
   const UpdatePointers at{in.master,       in.exp_avg,         in.exp_avg_sq, master,
                           moments.exp_avg, moments.exp_avg_sq, upload.data};
@@ -436,6 +439,7 @@ bool UpdateRange(const Grad& grad, const GradSources& grads, const StepConstants
     }
   }
   if (fence) Ops::StreamFence();  // streamed stores are weakly ordered: publish before completion
+  reader = grad;
   return seen.NonFinite();
 }
 
@@ -501,11 +505,12 @@ bool SimdUpdateWith(const GradSources& grads, const AdamWStep& step, const State
   bool nonfinite = false;
   DispatchUpdate(grads.dtype, moments.dtype, UploadKindOf(upload), step.decoupled,
                  [&]<DType kG, DType kM, UploadKind kU, bool kD>() {
-                   auto run = [&](const auto& grad) {
+                   auto run = [&]<bool kOne>() {
+                     Reader<kG, kOne> grad(grads);
                      nonfinite = UpdateRange<Ops, kG, kM, kU, kD>(grad, grads, c, in, master, moments, upload, n);
                      after.template operator()<kG>(grad);
                    };
-                   one ? run(Reader<kG, true>(grads)) : run(Reader<kG, false>(grads));
+                   one ? run.template operator()<true>() : run.template operator()<false>();
                  });
   return nonfinite;
 }
