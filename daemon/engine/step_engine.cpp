@@ -988,7 +988,7 @@ void StepEngine::MaybePush(const std::shared_ptr<RankChannel>& channel, uint32_t
         shm::Message{.kind = shm::MessageKind::kParamsReady, .bucket = b, .step = static_cast<uint64_t>(step)});
   }
   const shm::BucketLayout& bucket = layout_.buckets[b];
-  Push(channel, b, step,
+  Push(channel, b, step, *offset,
        bucket.uploads_from_master() ? static_cast<const void*>(state_.Committed(b).master + bucket.elem_offset)
                                     : static_cast<const void*>(state_.upload + bucket.upload_offset),
        /*speculative=*/false);
@@ -1009,7 +1009,7 @@ void StepEngine::PushSpeculated(const std::shared_ptr<RankChannel>& channel, uin
   const std::optional<uint64_t> offset = channel->transfer->ParamsOffset(b);
   if (!offset || step > channel->weights_wanted || channel->speculated[b] >= step) return;
   const shm::BucketLayout& bucket = layout_.buckets[b];
-  Push(channel, b, step,
+  Push(channel, b, step, *offset,
        bucket.uploads_from_master()
            ? static_cast<const void*>(state_.halves[progress.plan->to].master + bucket.elem_offset)
            : static_cast<const void*>(state_.upload + bucket.upload_offset),
@@ -1025,16 +1025,15 @@ void StepEngine::ForgetSpeculated(uint32_t b) {
   }
 }
 
-void StepEngine::Push(const std::shared_ptr<RankChannel>& channel, uint32_t b, int64_t step, const void* source,
-                      bool speculative) {
+void StepEngine::Push(const std::shared_ptr<RankChannel>& channel, uint32_t b, int64_t step, uint64_t offset,
+                      const void* source, bool speculative) {
   const shm::BucketLayout& bucket = layout_.buckets[b];
   channel->pushing[b] = 1;
   ++buckets_[b].pushes;
   ++inflight_;
   const uint64_t generation = channel->push_generation;
   channel->transfer->PushWeights(
-      *channel->transfer->ParamsOffset(b), source, bucket.bytes(),
-      [this, channel, b, step, generation, speculative](std::optional<Error> error) {
+      offset, source, bucket.bytes(), [this, channel, b, step, generation, speculative](std::optional<Error> error) {
         Continue([this, channel, b, step, generation, speculative, error = std::move(error)] {
           OnPushed(channel, b, static_cast<uint64_t>(step), generation, speculative, error);
         });

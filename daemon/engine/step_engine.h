@@ -165,8 +165,9 @@ class StepEngine {
   void PushSpeculated(const std::shared_ptr<RankChannel>& channel, uint32_t bucket);
   // The GPUs' copies of the bucket's speculated weights are void (redone, abandoned).
   void ForgetSpeculated(uint32_t bucket);
-  void Push(const std::shared_ptr<RankChannel>& channel, uint32_t bucket, int64_t step, const void* source,
-            bool speculative);
+  // Copies `source` (the bucket's weights of `step`) to the rank's GPU at its parameter buffer's `offset`.
+  void Push(const std::shared_ptr<RankChannel>& channel, uint32_t bucket, int64_t step, uint64_t offset,
+            const void* source, bool speculative);
   void OnPushed(const std::shared_ptr<RankChannel>& channel, uint32_t bucket, uint64_t step, uint64_t generation,
                 bool speculative, const std::optional<Error>& error);
   [[nodiscard]] bool Attached(const std::shared_ptr<RankChannel>& channel) const;
