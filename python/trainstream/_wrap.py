@@ -304,13 +304,12 @@ def _switch(w: Wrapped) -> None:
 
 
 def _stop_unused_private_daemon(client: Client) -> None:
-    """Stops the private daemon `client` reaches once no wrapped model uses it and it holds no job: its
+    """Stops the private daemon `client` reaches once it holds no job (so no wrapped model uses it): its
     CUDA context would otherwise stay on the GPU for the rest of training (0.51 GiB on an H200, where the
     124M GPT after auto's switch held 1.10x stock's device memory, 2026-12-02). A later connect() or
     wrap() starts another."""
     daemon = client.private_daemon
-    if daemon is None or any(o.optimizer._rank is not None and o.optimizer._rank.client.private_daemon is daemon
-                             for o in _wrapped.values()):
+    if daemon is None:
         return
     try:
         if client.stats()["jobs"]:

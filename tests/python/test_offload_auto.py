@@ -82,6 +82,23 @@ def test_auto_stops_the_private_daemon_it_started_once_it_switched(memory_budget
     _connect._private_daemon.stop()
 
 
+def test_auto_keeps_a_private_daemon_another_wrapped_model_uses(memory_budget, monkeypatch, tmp_path):
+    monkeypatch.delenv("TRAINSTREAM_ADDRESS", raising=False)
+    monkeypatch.setattr(_connect, "SERVICE_SOCKET", str(tmp_path / "no-service.sock"))
+    monkeypatch.setattr(_connect, "_private_daemon", None)
+    memory_budget(1 << 20)
+    other = mlp()
+    other, other_opt = trainstream.wrap(other, torch.optim.AdamW(other.parameters()))  # starts the daemon
+    daemon = _connect._private_daemon
+    model, opt, _, _ = train_against_torch(None, offload="auto")
+    assert not opt.offloaded and daemon.process.poll() is None  # switched; the other model's job keeps it
+    loss_of(other, 0).backward()
+    other_opt.step()
+    trainstream.unwrap(other)
+    trainstream.unwrap(model)
+    daemon.stop()
+
+
 def test_state_dict_across_the_switch_is_torchs(client, memory_budget):
     memory_budget(1 << 20)
     model, opt, reference, ref_opt = train_against_torch(client, offload="auto")
