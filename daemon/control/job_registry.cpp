@@ -95,9 +95,9 @@ shm::LayoutSpec JobRegistry::Decide(const std::string& name, shm::LayoutSpec req
       const bool fits = needed <= shm_free / 4 * 3 && needed <= quota_left / 4 * 3;
       request.state_halves = fits ? 2 : 1;
       spdlog::info(
-          "job '{}': {} state half{}: with two it needs {} bytes; {} bytes free in /dev/shm, {} (two halves "
+          "job '{}': {} state {}: with two it needs {} bytes; {} bytes free in /dev/shm, {} (two halves "
           "when they need at most 3/4 of each)",
-          name, request.state_halves, fits ? "ves" : "", needed, shm_free,
+          name, request.state_halves, fits ? "halves" : "half", needed, shm_free,
           config_.max_host_bytes == 0 ? std::string("no max_host_bytes quota")
                                       : fmt::format("{} bytes left of max_host_bytes", quota_left));
     }

@@ -25,9 +25,12 @@ CopyQueue::~CopyQueue() {
   issued_.notify_all();
   issuer_.join();
   completer_.join();
-  cuda::ScopedContext scope(driver_, context_);
-  for (cuda::CUevent event : all_events_) driver_.cuEventDestroy(event);
-  driver_.cuStreamDestroy(stream_);
+  // At process exit the driver may already be unloading (a daemon stopped by SIGTERM after its last
+  // job: cuCtxPushCurrent failed there and the throw out of this destructor aborted the daemon).
+  cuda::ReleaseInContext(driver_, context_, [&] {
+    for (cuda::CUevent event : all_events_) driver_.cuEventDestroy(event);
+    driver_.cuStreamDestroy(stream_);
+  });
 }
 
 void CopyQueue::Submit(Issue issue, Done done, Gate gate) {

@@ -147,6 +147,17 @@ def test_two_processes_one_gpu_two_jobs(daemon):
     assert jobs["gpu0"]["completed_step"] == 20 and jobs["gpu1"]["completed_step"] == 20
 
 
+def test_daemon_exits_cleanly_after_gpu_jobs(daemon):
+    """SIGTERM after a job that copied through the daemon's GPU streams: the daemon exits 0 (its copy
+    queues were once released after the driver had gone, and the throw aborted it)."""
+    trainer = subprocess.run([sys.executable, os.path.join(HERE, "trainer_process.py"), "--socket", daemon.socket,
+                              "--steps", "3", "--device", "cuda", "--job", "exits"], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, timeout=120)
+    assert trainer.returncode == 0, trainer.stdout
+    assert daemon.stop() == 0, daemon.output()[-2000:]
+    assert "terminate called" not in daemon.output()
+
+
 def test_trainer_killed_before_its_gradients_were_ready(daemon):
     """A trainer dies with GRAD_READY sent for gradients its GPU never computed: the daemon's copies
     for other trainers on the same GPU must not wait for them."""
