@@ -194,12 +194,17 @@ for what in "$@"; do
       done
       ;;
     gpt-paging)
-      stage gpt-paging  # the 1.86B GPT bigger than a 4 GiB cap: paged, against the GPU-only step and DeepSpeed ZeRO-3
+      stage gpt-paging  # a GPT bigger than the cap, paged (PAGED_CONFIG, default the 1.86B under 4 GiB; WEIGHTS=bf16
+      # for bf16 weights, as DeepSpeed's bf16 runs), against the GPU-only step and DeepSpeed ZeRO-3 (GPT_MODES)
       install_wheels
-      timeout 480 python3 benchmarks/train_gpt/train_gpt.py --config 1.86b --vram-cap-gib "${CAP:-4}" --steps ${STEPS:-4} \
-        --warmup 2 --param-offload true --checkpoint-blocks --chunked-loss --moment-dtype bfloat16 \
-        --uncapped-reference --modes "${GPT_MODES:-gpu-only,trainstream}" ${GPT_ARGS:-} \
-        --adamw-json benchmarks/results/adamw_h200-16core.json --json "$OUT/gpt_1.86b_cap${CAP:-4}_paged.json" 2>&1 | tail -6
+      config=${PAGED_CONFIG:-1.86b} weights=${WEIGHTS:-fp32}
+      flags=""; [[ $weights == bf16 ]] && flags="--bf16-weights"
+      timeout "${PAGED_TIMEOUT:-480}" python3 benchmarks/train_gpt/train_gpt.py --config "$config" --vram-cap-gib "${CAP:-4}" \
+        --steps ${STEPS:-4} --warmup 2 --param-offload true --checkpoint-blocks --chunked-loss --moment-dtype bfloat16 \
+        --uncapped-reference --modes "${GPT_MODES:-gpu-only,trainstream}" $flags ${GPT_ARGS:-} \
+        --adamw-json benchmarks/results/adamw_h200-16core.json \
+        --json "$OUT/gpt_${config}_cap${CAP:-4}_${weights}_paged.json" 2>&1 | tail -6
+      free -g | head -2
       ;;
     build)
       stage build

@@ -43,6 +43,7 @@ Segment::~Segment() {
 }
 
 namespace {
+constexpr size_t kPage = 4096;
 Code CodeOf(const bip::interprocess_exception& e) {
   switch (e.get_error_code()) {
     case bip::not_found_error: return Code::kNotFound;
@@ -76,13 +77,14 @@ void AdviseHugePages(void* data, size_t bytes) {
   if (bytes >= kHugePage) (void)madvise(data, bytes, MADV_HUGEPAGE);  // EINVAL: a kernel without THP; fine
 }
 
-// Backs every page of a mapped segment now, on several threads. Zero-filling tmpfs pages ran at
-// about 4.5 GiB/s on one thread on the GPU machine (8 GiB in 1.76 s), and posix_fallocate, one thread,
-// took 9 to 11 s for the 28 GB of a 1.86B-parameter job: most of its wrap(). MADV_POPULATE_WRITE faults
-// the pages in as writes would, but reports a page tmpfs cannot back as an error, not a SIGBUS.
-// Kernels before 5.14 lack it (EINVAL): posix_fallocate does it there.
-void Populate(std::byte* data, size_t bytes, int fd, const std::string& name) {
-  constexpr size_t kPage = 4096, kPerThread = size_t{1} << 30;
+// Backs every page of [begin, end) of a mapped segment now, on several threads. Zero-filling tmpfs
+// pages ran at about 4.5 GiB/s on one thread on the GPU machine (8 GiB in 1.76 s), and posix_fallocate,
+// one thread, took 9 to 11 s for the 28 GB of a 1.86B-parameter job: most of its wrap().
+// MADV_POPULATE_WRITE faults the pages in as writes would, but reports a page tmpfs cannot back as an
+// error, not a SIGBUS. Kernels before 5.14 lack it (EINVAL): posix_fallocate does it there.
+void Populate(std::byte* data, size_t begin, size_t end, int fd, const std::string& name) {
+  constexpr size_t kPerThread = size_t{1} << 30;
+  const size_t bytes = end - begin;
   const size_t threads =
       std::clamp<size_t>(bytes / kPerThread, 1, std::clamp<size_t>(std::thread::hardware_concurrency(), 1, 16));
   const size_t share = (bytes / threads + kPage - 1) / kPage * kPage;
@@ -90,19 +92,37 @@ void Populate(std::byte* data, size_t bytes, int fd, const std::string& name) {
   std::vector<std::thread> workers;
   for (size_t t = 0; t < threads; ++t) {
     workers.emplace_back([&, t] {
-      const size_t begin = std::min(bytes, t * share), end = std::min(bytes, begin + share);
-      if (begin < end && madvise(data + begin, end - begin, MADV_POPULATE_WRITE) != 0) errors[t] = errno;
+      const size_t from = std::min(end, begin + t * share), to = std::min(end, from + share);
+      if (from < to && madvise(data + from, to - from, MADV_POPULATE_WRITE) != 0) errors[t] = errno;
     });
   }
   for (std::thread& worker : workers) worker.join();
   int error = 0;
   for (int e : errors) error = error != 0 ? error : e;
-  if (error == EINVAL) error = posix_fallocate(fd, 0, static_cast<off_t>(bytes));  // bytes: a prefix of the file
+  if (error == EINVAL) error = posix_fallocate(fd, static_cast<off_t>(begin), static_cast<off_t>(bytes));
   if (error != 0) ThrowCannotBack(name, bytes, error);
+}
+
+// The page-aligned stretches of [0, bytes) outside `unbacked`: a page partly inside an unbacked range
+// is backed.
+std::vector<std::pair<size_t, size_t>> BackedStretches(size_t bytes, std::vector<Segment::Range> unbacked) {
+  std::sort(unbacked.begin(), unbacked.end(), [](const auto& a, const auto& b) { return a.offset < b.offset; });
+  std::vector<std::pair<size_t, size_t>> stretches;
+  size_t at = 0;
+  for (const Segment::Range& range : unbacked) {
+    const size_t first = (range.offset + kPage - 1) / kPage * kPage;  // whole pages inside the range
+    const size_t last = std::min(bytes, (range.offset + range.bytes) / kPage * kPage);
+    if (first >= last) continue;
+    if (at < first) stretches.emplace_back(at, first);
+    at = std::max(at, last);
+  }
+  if (at < bytes) stretches.emplace_back(at, bytes);
+  return stretches;
 }
 }  // namespace
 
-Segment Segment::Create(const std::string& name, size_t bytes, std::optional<uint32_t> owner_uid, size_t reserved) {
+Segment Segment::Create(const std::string& name, size_t bytes, std::optional<uint32_t> owner_uid,
+                        const std::vector<Range>& unbacked) {
   Segment segment;
   segment.name_ = name;
   try {
@@ -117,9 +137,8 @@ Segment Segment::Create(const std::string& name, size_t bytes, std::optional<uin
     CheckRoom(name, bytes);
     segment.region_ = bip::mapped_region(object, bip::read_write);
     AdviseHugePages(segment.data(), bytes);
-    reserved = std::min(reserved, bytes);
-    if (reserved != 0) {
-      Populate(static_cast<std::byte*>(segment.data()), reserved, object.get_mapping_handle().handle, name);
+    for (const auto& [begin, end] : BackedStretches(bytes, unbacked)) {
+      Populate(static_cast<std::byte*>(segment.data()), begin, end, object.get_mapping_handle().handle, name);
     }
     segment.remove_on_destroy_ = false;
   } catch (const bip::interprocess_exception& e) {

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace trainstream::shm {
 
@@ -28,16 +29,20 @@ class Segment {
   ~Segment();
 
   // Creates a new zero-filled segment of `bytes`; fails if the name exists, and with
-  // kResourceExhausted where /dev/shm has less room. The first `reserved` bytes (all by default) are
-  // backed now, so that /dev/shm filling up later cannot make the first touch of a page there a
-  // SIGBUS; a segment whose pages must be first touched by the threads of their NUMA node passes 0
-  // (allocation places a page on the allocating thread's node), and a job's state leaves out its
-  // frozen region, which only clients write (a LoRA base copied in tensor by tensor while the model's
-  // own copy is freed: both whole at once would not fit beside each other). With `owner_uid`, the
-  // segment is given to that uid (a root daemon creating a job's memory for its user).
-  static constexpr size_t kReserveAll = ~size_t{0};
+  // kResourceExhausted where /dev/shm has less room. Every page is backed now, so that /dev/shm filling
+  // up later cannot make the first touch of a page there a SIGBUS, except the pages inside `unbacked`:
+  // a segment whose pages must be first touched by the threads of their NUMA node leaves all of it
+  // (allocation places a page on the allocating thread's node), and a new job's state leaves the regions
+  // its first client fills while it frees the model's own copy (the master weights it seeds, a LoRA
+  // base's frozen weights): both whole at once would not fit beside each other for a model near the
+  // host's memory. With `owner_uid`, the segment is given to that uid (a root daemon creating a job's
+  // memory for its user).
+  struct Range {
+    size_t offset = 0;
+    size_t bytes = 0;
+  };
   static Segment Create(const std::string& name, size_t bytes, std::optional<uint32_t> owner_uid = std::nullopt,
-                        size_t reserved = kReserveAll);
+                        const std::vector<Range>& unbacked = {});
   // Maps an existing segment read/write; fails with kNotFound if missing, kPermissionDenied if the
   // caller may not open it.
   static Segment Open(const std::string& name);

@@ -23,6 +23,7 @@ CONFIGS = {  # name: (layers, heads, width)
     "7b": (32, 32, 4096),  # 6.66B parameters: LLaMA-7B's shape
     "7.05b": (34, 32, 4096),  # the smallest of this family at or above 7.0B
     "10b": (48, 40, 4096),  # 9.87B parameters
+    "10.1b": (49, 32, 4096),  # 10.08B: its job (12 B/param, bf16 weights and moments) fits a 125 GiB host
     "10.3b": (50, 32, 4096),  # 10.28B: the smallest of the 4096-wide family above 10B
 }
 

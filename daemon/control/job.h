@@ -99,6 +99,7 @@ class Job {
   void OnCommit(const Commit& commit);                       // the engine thread
   [[nodiscard]] uint64_t PinnedBytes();
   [[nodiscard]] shm::StateView ViewState() const;
+  [[nodiscard]] std::vector<shm::Segment::Range> LeftToFirstTouch(size_t numa_nodes) const;
 
   const std::string name_;
   const uint32_t uid_;

@@ -90,7 +90,7 @@ class StepEngine {
 
   // Thread-safe. AddRank fails (kAlreadyExists) if the rank is attached.
   // First touch, with several NUMA nodes: the state's pages are faulted in by the threads that will
-  // update them (the job leaves them unreserved for this: shm::Segment::Create). Call before the
+  // update them (the job leaves them unbacked for this: Job::LeftToFirstTouch). Call before the
   // first rank attaches (no client may have written the state yet); later calls return at once.
   // Takes a while for a large job: never call it under a shared lock.
   void PlaceState();

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import glob
 import os
 import subprocess
 import sys
@@ -194,6 +195,31 @@ def test_paged_parameters_leave_their_memory_and_state_dicts_hold_their_weights(
     trainstream.unwrap(model)
     for p in model.parameters():  # unwrap brings the weights back, on the CPU
         assert p.device.type == "cpu" and p.untyped_storage().nbytes() == p.numel() * p.element_size()
+
+
+def test_a_new_jobs_master_weights_are_backed_as_the_trainer_seeds_them(client, monkeypatch):
+    """The daemon leaves the master weights of a new job's state unbacked and the trainer's seeding
+    backs them while it frees the paged parameters: a model near the host's memory never exists beside
+    its whole job (the 10B under an 8 GiB cap on a 125 GiB host)."""
+    model = nn.Sequential(*(nn.Linear(512, 512, bias=False) for _ in range(8)))  # 8 MiB of master weights
+    master_bytes = sum(p.numel() for p in model.parameters()) * 4
+    before = set(glob.glob(f"/dev/shm/trainstream.{os.getuid()}.*.state"))
+    backed = {}
+    seed = trainstream._rank.Rank._seed_weights
+
+    def seed_and_measure(rank, *args):
+        (segment,) = set(glob.glob(f"/dev/shm/trainstream.{os.getuid()}.*.state")) - before
+        backed["before"] = os.stat(segment).st_blocks * 512, os.stat(segment).st_size
+        seed(rank, *args)
+        backed["after"] = os.stat(segment).st_blocks * 512
+
+    monkeypatch.setattr(trainstream._rank.Rank, "_seed_weights", seed_and_measure)
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters()), client=client, state_halves=1,
+                                  device="cpu", param_offload=True, blocks=list(model))
+    allocated, size = backed["before"]
+    assert allocated <= size - master_bytes + 64 * 1024
+    assert backed["after"] >= allocated + master_bytes - 64 * 1024  # pages it shares with backed ranges
+    trainstream.unwrap(model)
 
 
 def test_unwrap_releases_the_pool_at_once(client):

@@ -97,27 +97,36 @@ TEST(Segment, CreateBacksEveryPage) {
   EXPECT_GE(StatOf(name.str()).st_blocks * 512, 1 << 20);  // not sparse
 }
 
-TEST(Segment, CreateWithoutReserveLeavesPagesToTheFirstTouch) {
+TEST(Segment, CreateLeavesUnbackedRangesToTheFirstTouch) {
   ScopedSegmentName name;
-  const Segment segment = Segment::Create(name.str(), size_t{1} << 20, std::nullopt, /*reserved=*/0);
+  const Segment segment = Segment::Create(name.str(), size_t{1} << 20, std::nullopt, {{.offset = 0, .bytes = 1 << 20}});
   EXPECT_EQ(StatOf(name.str()).st_blocks, 0);
 }
 
-TEST(Segment, CreateCanBackAPrefixOnly) {  // a job's state without its frozen region
+TEST(Segment, CreateBacksWhatLiesAroundUnbackedRanges) {  // a new job's state without its master weights
   ScopedSegmentName name;
-  const Segment segment = Segment::Create(name.str(), size_t{4} << 20, std::nullopt, /*reserved=*/size_t{1} << 20);
-  const auto backed = StatOf(name.str()).st_blocks * 512;
-  EXPECT_GE(backed, 1 << 20);
-  EXPECT_LT(backed, 2 << 20);
+  constexpr size_t kMiB = size_t{1} << 20;
+  // Two ranges, out of order, ends not on pages: the pages they only partly cover are backed.
+  const Segment segment =
+      Segment::Create(name.str(), 8 * kMiB, std::nullopt,
+                      {{.offset = 5 * kMiB + 100, .bytes = 2 * kMiB}, {.offset = 1 * kMiB, .bytes = 2 * kMiB - 1}});
+  const auto backed = static_cast<size_t>(StatOf(name.str()).st_blocks) * 512;
+  EXPECT_GE(backed, 4 * kMiB);  // [0,1) [3,5) [7,8) MiB and the two partial pages
+  EXPECT_LT(backed, 4 * kMiB + 65536);
+  auto* bytes = static_cast<std::byte*>(segment.data());
+  bytes[2 * kMiB] = std::byte{1};  // the first touch backs a page of a range
+  EXPECT_GE(static_cast<size_t>(StatOf(name.str()).st_blocks) * 512, 4 * kMiB + 4096);
 }
 
 TEST(Segment, CreateBeyondWhatDevShmHoldsFailsWithResourceExhausted) {
   struct statvfs shm {};
   ASSERT_EQ(statvfs("/dev/shm", &shm), 0);
   const size_t beyond = static_cast<size_t>(shm.f_blocks) * shm.f_frsize + (size_t{1} << 20);
-  for (const size_t reserved : {Segment::kReserveAll, size_t{0}}) {
+  for (const bool backed : {true, false}) {
     ScopedSegmentName name;
-    TS_EXPECT_ERROR(Segment::Create(name.str(), beyond, std::nullopt, reserved), Code::kResourceExhausted,
+    const std::vector<Segment::Range> unbacked =
+        backed ? std::vector<Segment::Range>{} : std::vector<Segment::Range>{{.offset = 0, .bytes = beyond}};
+    TS_EXPECT_ERROR(Segment::Create(name.str(), beyond, std::nullopt, unbacked), Code::kResourceExhausted,
                     "available in /dev/shm");
     EXPECT_FALSE(Segment::Exists(name.str()));
   }
