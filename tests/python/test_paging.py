@@ -201,7 +201,7 @@ def test_a_new_jobs_master_weights_are_backed_as_the_trainer_seeds_them(client, 
     """The daemon leaves the master weights of a new job's state unbacked and the trainer's seeding
     backs them while it frees the paged parameters: a model near the host's memory never exists beside
     its whole job (the 10B under an 8 GiB cap on a 125 GiB host)."""
-    model = nn.Sequential(*(nn.Linear(512, 512, bias=False) for _ in range(8)))  # 8 MiB of master weights
+    model = nn.Sequential(*(nn.Linear(512, 512, bias=False) for _ in range(16)))  # 16 MiB of master weights
     master_bytes = sum(p.numel() for p in model.parameters()) * 4
     before = set(glob.glob(f"/dev/shm/trainstream.{os.getuid()}.*.state"))
     backed = {}
@@ -217,8 +217,9 @@ def test_a_new_jobs_master_weights_are_backed_as_the_trainer_seeds_them(client, 
     model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters()), client=client, state_halves=1,
                                   device="cpu", param_offload=True, blocks=list(model))
     allocated, size = backed["before"]
-    assert allocated <= size - master_bytes + 64 * 1024
-    assert backed["after"] >= allocated + master_bytes - 64 * 1024  # pages it shares with backed ranges
+    edges = 2 * (2 << 20)  # the pages the master weights share with backed ranges (huge ones where allowed)
+    assert allocated <= size - master_bytes + edges
+    assert backed["after"] >= allocated + master_bytes - edges
     trainstream.unwrap(model)
 
 

@@ -105,17 +105,18 @@ TEST(Segment, CreateLeavesUnbackedRangesToTheFirstTouch) {
 
 TEST(Segment, CreateBacksWhatLiesAroundUnbackedRanges) {  // a new job's state without its master weights
   ScopedSegmentName name;
-  constexpr size_t kMiB = size_t{1} << 20;
-  // Two ranges, out of order, ends not on pages: the pages they only partly cover are backed.
+  constexpr size_t kMiB = size_t{1} << 20, kHugePage = 2 * kMiB;
+  // Two ranges, out of order, the second's ends not on pages: a page it only partly covers is backed
+  // (a 2 MiB one where /dev/shm gives huge pages).
   const Segment segment =
-      Segment::Create(name.str(), 8 * kMiB, std::nullopt,
-                      {{.offset = 5 * kMiB + 100, .bytes = 2 * kMiB}, {.offset = 1 * kMiB, .bytes = 2 * kMiB - 1}});
-  const auto backed = static_cast<size_t>(StatOf(name.str()).st_blocks) * 512;
-  EXPECT_GE(backed, 4 * kMiB);  // [0,1) [3,5) [7,8) MiB and the two partial pages
-  EXPECT_LT(backed, 4 * kMiB + 65536);
-  auto* bytes = static_cast<std::byte*>(segment.data());
-  bytes[2 * kMiB] = std::byte{1};  // the first touch backs a page of a range
-  EXPECT_GE(static_cast<size_t>(StatOf(name.str()).st_blocks) * 512, 4 * kMiB + 4096);
+      Segment::Create(name.str(), 32 * kMiB, std::nullopt,
+                      {{.offset = 20 * kMiB + 100, .bytes = 8 * kMiB - 101}, {.offset = 4 * kMiB, .bytes = 8 * kMiB}});
+  const auto backed = [&] { return static_cast<size_t>(StatOf(name.str()).st_blocks) * 512; };
+  const size_t at_creation = backed();
+  EXPECT_GE(at_creation, 16 * kMiB);  // [0,4) [12,20) [28,32) MiB
+  EXPECT_LE(at_creation, 16 * kMiB + 2 * kHugePage);
+  static_cast<std::byte*>(segment.data())[6 * kMiB] = std::byte{1};  // the first touch backs a page of a range
+  EXPECT_GT(backed(), at_creation);
 }
 
 TEST(Segment, CreateBeyondWhatDevShmHoldsFailsWithResourceExhausted) {
