@@ -23,6 +23,7 @@
 #include "daemon/control/control_service.h"
 #include "daemon/control/control_socket.h"
 #include "daemon/control/job_registry.h"
+#include "daemon/control/orphaned_jobs.h"
 #include "daemon/metrics/metrics_server.h"
 #include "daemon/optimizer/adamw_kernels.h"
 #include "daemon/peer/peer_service.h"
@@ -161,6 +162,7 @@ int Serve(const Config& config) {
   PeerMailbox mailbox;
   PeerPlane peers = StartPeerPlane(config, mailbox);
   JobRegistry registry(config, pool, peers.jobs);
+  RemoveDeadPrivateJobs();
   if (config.parent_pid == 0) registry.ClaimOrphans();  // a private daemon's socket is new every time
   std::unique_ptr<ControlSocket> socket;                // reset only once the server has stopped calling handlers
   ControlService service(

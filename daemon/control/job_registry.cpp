@@ -140,7 +140,7 @@ JobRegistry::Found JobRegistry::FindOrCreate(const std::string& name, uint32_t u
     return {job, false};
   }
   auto job = std::make_shared<Job>(name, uid, spec, seed, pool_, peer_config_, nullptr, nullptr, Schedule());
-  job->StampSocket(SocketHash(config_.socket));
+  job->StampSocket(SocketWord());
   jobs_.emplace(id, job);
   return {job, true};
 }
@@ -200,16 +200,20 @@ std::shared_ptr<Job> JobRegistry::Restore(const std::string& name, uint32_t owne
   // Filled outside the lock (a large state takes a while); the name is checked again before it counts.
   auto job = std::make_shared<Job>(name, owner, spec, snapshot.meta().seed, pool_, peer_config_, nullptr, &snapshot,
                                    Schedule());
-  job->StampSocket(SocketHash(config_.socket));
+  job->StampSocket(SocketWord());
   std::lock_guard lock(mutex_);
   check_free();
   jobs_.emplace(id, job);
   return job;
 }
 
+uint64_t JobRegistry::SocketWord() const {
+  return config_.parent_pid != 0 ? kPrivateDaemonSocket : SocketHash(config_.socket);
+}
+
 size_t JobRegistry::ClaimOrphans() {
   std::lock_guard lock(mutex_);
-  for (OrphanedJob& orphan : ClaimOrphanedJobs(SocketHash(config_.socket))) {
+  for (OrphanedJob& orphan : ClaimOrphanedJobs(SocketWord())) {
     JobId id{orphan.uid, orphan.name};
     if (jobs_.contains(id) || orphans_.contains(id)) {
       spdlog::warn("removing job '{}' (uid {}, step {}) left by a dead trainstreamd: another job has its name",

@@ -56,16 +56,41 @@ std::optional<std::string> StateSegmentKey(const std::string& file, uint32_t uid
   return file.substr(head.size(), file.size() - head.size() - tail.size());
 }
 
-std::optional<OrphanedJob> Claim(const std::string& file, uint32_t uid, const std::string& key, uint64_t socket_hash) {
-  shm::Segment segment = shm::Segment::Open(file);
-  if (segment.size() < sizeof(shm::StateHeader)) return std::nullopt;
+// Makes this daemon the owner of the job in `segment` if its daemon listened on `socket_hash`'s socket
+// and is gone; false if it is not one of those, or another daemon took it first.
+bool TakeOver(const shm::Segment& segment, uint64_t socket_hash) {
+  if (segment.size() < sizeof(shm::StateHeader)) return false;
   auto* header = static_cast<shm::StateHeader*>(segment.data());
   if (header->magic != shm::StateHeader::kMagic || header->version != shm::kSegmentVersion ||
       header->daemon_socket != socket_hash) {
-    return std::nullopt;
+    return false;
   }
   uint64_t owner = header->owner.load();
-  if (OwnerAlive(owner) || !header->owner.compare_exchange_strong(owner, SelfAsOwner())) return std::nullopt;
+  return !OwnerAlive(owner) && header->owner.compare_exchange_strong(owner, SelfAsOwner());
+}
+
+// Runs `visit(file, uid, key)` for every state segment in /dev/shm named for the uid that owns it.
+template <typename Visit>
+void ForEachStateSegment(Visit&& visit) {
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator(kShmDir, error)) {
+    const std::string file = entry.path().filename().string();
+    struct stat info {};
+    if (!file.starts_with("trainstream.") || stat(entry.path().c_str(), &info) != 0) continue;
+    const auto key = StateSegmentKey(file, info.st_uid);
+    if (!key) continue;
+    try {
+      visit(file, info.st_uid, *key);
+    } catch (const Error& e) {  // not ours to open: another user's, while not running as root
+      spdlog::debug("leaving {} alone: {}", file, e.what());
+    }
+  }
+}
+
+std::optional<OrphanedJob> Claim(const std::string& file, uint32_t uid, const std::string& key, uint64_t socket_hash) {
+  shm::Segment segment = shm::Segment::Open(file);
+  if (!TakeOver(segment, socket_hash)) return std::nullopt;
+  auto* header = static_cast<shm::StateHeader*>(segment.data());
   const std::string name(header->job_name, strnlen(header->job_name, sizeof(header->job_name)));
   if (name.empty()) return std::nullopt;
   return OrphanedJob{
@@ -96,20 +121,25 @@ uint64_t SelfAsOwner() {
 
 std::vector<OrphanedJob> ClaimOrphanedJobs(uint64_t socket_hash) {
   std::vector<OrphanedJob> orphans;
-  std::error_code error;
-  for (const auto& entry : std::filesystem::directory_iterator(kShmDir, error)) {
-    const std::string file = entry.path().filename().string();
-    struct stat info {};
-    if (!file.starts_with("trainstream.") || stat(entry.path().c_str(), &info) != 0) continue;
-    const auto key = StateSegmentKey(file, info.st_uid);
-    if (!key) continue;  // not a state segment, or not named for the uid that owns it
-    try {
-      if (auto orphan = Claim(file, info.st_uid, *key, socket_hash)) orphans.push_back(std::move(*orphan));
-    } catch (const Error& e) {  // not ours to open: another user's, while not running as root
-      spdlog::debug("not claiming {}: {}", file, e.what());
-    }
-  }
+  ForEachStateSegment([&](const std::string& file, uint32_t uid, const std::string& key) {
+    if (auto orphan = Claim(file, uid, key, socket_hash)) orphans.push_back(std::move(*orphan));
+  });
   return orphans;
+}
+
+size_t RemoveDeadPrivateJobs() {
+  size_t removed = 0;
+  ForEachStateSegment([&](const std::string& file, uint32_t uid, const std::string& key) {
+    const shm::Segment segment = shm::Segment::Open(file);
+    if (!TakeOver(segment, kPrivateDaemonSocket)) return;
+    spdlog::warn(
+        "removing the segments of a job (uid {}, key {}, {} bytes of state) left by a private trainstreamd "
+        "that died without removing them (killed, e.g. by the kernel's OOM killer)",
+        uid, key, segment.size());
+    RemoveJobSegments(uid, key);
+    ++removed;
+  });
+  return removed;
 }
 
 void RemoveJobSegments(uint32_t uid, const std::string& key) {

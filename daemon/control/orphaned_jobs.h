@@ -9,6 +9,7 @@
 // on that word). Segments of another format or unreadable to this daemon's uid are left alone.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -34,6 +35,14 @@ struct OrphanedJob {
 
 // Claims every job in /dev/shm whose owning daemon, which listened on `socket_hash`'s socket, is gone.
 std::vector<OrphanedJob> ClaimOrphanedJobs(uint64_t socket_hash);
+
+// The daemon_socket word of a private daemon's jobs (trainstreamd --parent-pid, started by wrap()): its
+// jobs end with it, so no daemon is its successor. A private daemon removes them when it stops; one
+// that was killed leaves them behind, and the next daemon of any kind removes them at its start (a
+// 10B job's 112 GiB on the GPU machine, after the kernel's OOM killer, made the next jobs fail to fit).
+inline constexpr uint64_t kPrivateDaemonSocket = 0x7072697661746521ull;  // "private!"
+// Removes every job in /dev/shm (of any uid this daemon may open) whose private daemon is gone.
+size_t RemoveDeadPrivateJobs();
 
 // Unlinks every segment of the job (state and ranks).
 void RemoveJobSegments(uint32_t uid, const std::string& key);

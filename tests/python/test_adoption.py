@@ -37,10 +37,11 @@ def segments_of(key: str) -> list[str]:
     return [f for f in os.listdir("/dev/shm") if f.startswith("trainstream.") and f".{key}." in f]
 
 
-def crashed_daemon_with_job(tmp_path, job: str, steps: int = 4):
-    """A daemon on tmp_path/d.sock that trained `job` for `steps` steps and was then SIGKILLed."""
+def crashed_daemon_with_job(tmp_path, job: str, steps: int = 4, extra: tuple[str, ...] = ()):
+    """A daemon on tmp_path/d.sock (started with `extra` arguments) that trained `job` for `steps` steps
+    and was then SIGKILLed."""
     socket = str(tmp_path / "d.sock")
-    first = Daemon(socket=socket)
+    first = Daemon(*extra, socket=socket)
     torch.manual_seed(0)
     model, opt = wrap(make_model(), first, job)
     train(model, opt, range(steps))
@@ -120,3 +121,16 @@ def test_other_sockets_and_live_daemons_are_left_alone(tmp_path, daemon):
     successor.client().drop_job("elsewhere")
     successor.stop()
     assert not segments_of(key)
+
+
+def test_a_killed_private_daemons_jobs_are_removed_by_the_next_daemon(tmp_path):
+    """A private daemon (wrap()'s, --parent-pid) has no successor: one that was killed (the OOM killer)
+    leaves its jobs' segments behind, and the next daemon of any kind, on any socket, removes them."""
+    _, key = crashed_daemon_with_job(tmp_path, "private", extra=("--parent-pid", str(os.getpid())))
+    assert segments_of(key)
+    other = Daemon()
+    try:
+        assert not segments_of(key)
+        assert "left by a private trainstreamd" in other.output()
+    finally:
+        other.stop()
