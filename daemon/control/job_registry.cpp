@@ -208,7 +208,7 @@ std::shared_ptr<Job> JobRegistry::Restore(const std::string& name, uint32_t owne
 }
 
 uint64_t JobRegistry::SocketWord() const {
-  return config_.parent_pid != 0 ? kPrivateDaemonSocket : SocketHash(config_.socket);
+  return config_.parent_pid != 0 ? PrivateDaemonSocket() : SocketHash(config_.socket);
 }
 
 size_t JobRegistry::ClaimOrphans() {

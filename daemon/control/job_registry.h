@@ -64,7 +64,7 @@ class JobRegistry {
   // bytes the other jobs hold. Requires mutex_.
   [[nodiscard]] shm::LayoutSpec Decide(const std::string& name, shm::LayoutSpec request, uint64_t used) const;
   [[nodiscard]] uint64_t UsedHostBytes() const;  // by the jobs (requires mutex_)
-  // The daemon_socket word its jobs carry: its socket's hash, or kPrivateDaemonSocket (orphaned_jobs.h).
+  // The daemon_socket word its jobs carry: its socket's hash, or PrivateDaemonSocket() (orphaned_jobs.h).
   [[nodiscard]] uint64_t SocketWord() const;
   // A new job of this layout fits in max_jobs and max_host_bytes, and a multi-node one's name is free
   // among the multi-node jobs (requires mutex_).

@@ -35,6 +35,12 @@ std::optional<uint32_t> StartTimeOf(int64_t pid) {
   return std::nullopt;
 }
 
+uint64_t Fnv1a(const std::string& text) {
+  uint64_t hash = 0xcbf29ce484222325ull;
+  for (const char c : text) hash = (hash ^ static_cast<unsigned char>(c)) * 0x100000001b3ull;
+  return hash;
+}
+
 uint64_t OwnerWord(int64_t pid, uint32_t start) {
   return (uint64_t{start} << 32) | static_cast<uint32_t>(pid);
 }
@@ -108,10 +114,16 @@ std::optional<OrphanedJob> Claim(const std::string& file, uint32_t uid, const st
 }  // namespace
 
 uint64_t SocketHash(const std::string& socket_path) {
-  const std::string path = std::filesystem::absolute(socket_path).lexically_normal().string();
-  uint64_t hash = 0xcbf29ce484222325ull;  // FNV-1a
-  for (const char c : path) hash = (hash ^ static_cast<unsigned char>(c)) * 0x100000001b3ull;
-  return hash;
+  return Fnv1a(std::filesystem::absolute(socket_path).lexically_normal().string());
+}
+
+uint64_t PrivateDaemonSocket() {
+  static const uint64_t word = [] {
+    std::error_code error;
+    const std::string ns = std::filesystem::read_symlink("/proc/self/ns/pid", error).string();  // "pid:[N]"
+    return Fnv1a("private trainstreamd in " + (error ? std::string("an unknown pid namespace") : ns));
+  }();
+  return word;
 }
 
 uint64_t SelfAsOwner() {
@@ -131,7 +143,7 @@ size_t RemoveDeadPrivateJobs() {
   size_t removed = 0;
   ForEachStateSegment([&](const std::string& file, uint32_t uid, const std::string& key) {
     const shm::Segment segment = shm::Segment::Open(file);
-    if (!TakeOver(segment, kPrivateDaemonSocket)) return;
+    if (!TakeOver(segment, PrivateDaemonSocket())) return;
     spdlog::warn(
         "removing the segments of a job (uid {}, key {}, {} bytes of state) left by a private trainstreamd "
         "that died without removing them (killed, e.g. by the kernel's OOM killer)",

@@ -40,8 +40,11 @@ std::vector<OrphanedJob> ClaimOrphanedJobs(uint64_t socket_hash);
 // jobs end with it, so no daemon is its successor. A private daemon removes them when it stops; one
 // that was killed leaves them behind, and the next daemon of any kind removes them at its start (a
 // 10B job's 112 GiB on the GPU machine, after the kernel's OOM killer, made the next jobs fail to fit).
-inline constexpr uint64_t kPrivateDaemonSocket = 0x7072697661746521ull;  // "private!"
-// Removes every job in /dev/shm (of any uid this daemon may open) whose private daemon is gone.
+// The word names the pid namespace: only there does a dead owner's pid mean it is dead (containers
+// that share /dev/shm each have their own).
+uint64_t PrivateDaemonSocket();
+// Removes every job in /dev/shm (of any uid this daemon may open) whose private daemon, of this pid
+// namespace, is gone. Returns how many.
 size_t RemoveDeadPrivateJobs();
 
 // Unlinks every segment of the job (state and ranks).
