@@ -190,12 +190,17 @@ JobLayout ComputeLayout(const LayoutSpec& spec) {
     bucket.numel += numel;
   }
 
+  const bool one_slot_reader = spec.world_size == 1 && !spec.uses_accumulator() &&
+                               spec.speculative_clipping == Speculation::kOff;  // a redo reads them again
   for (BucketLayout& bucket : layout.buckets) {
     bucket.numel = AlignUp(bucket.numel, kAlign / SizeOf(bucket.dtype));
     bucket.elem_offset = layout.total_elems;
     layout.total_elems = AlignUp(layout.total_elems + bucket.numel, 32);  // 64 B in fp32 and in bf16 moments
-    bucket.grad_offset = layout.grad_bytes;
-    layout.grad_bytes = AlignUp(layout.grad_bytes + bucket.bytes(), kAlign);
+    bucket.grads_in_upload = one_slot_reader && bucket.partition != 0 && !bucket.uploads_from_master();
+    if (!bucket.grads_in_upload) {
+      bucket.grad_offset = layout.grad_bytes;
+      layout.grad_bytes = AlignUp(layout.grad_bytes + bucket.bytes(), kAlign);
+    }
     if (!bucket.uploads_from_master()) {
       bucket.upload_offset = layout.upload_bytes;
       layout.upload_bytes = AlignUp(layout.upload_bytes + bucket.bytes(), kAlign);
@@ -269,6 +274,10 @@ RankView ViewRank(void* base, const JobLayout& layout) {
       .presence = reinterpret_cast<uint8_t*>(bytes + layout.presence_offset),
       .grads = bytes + layout.grads_offset,
   };
+}
+
+std::byte* GradsOf(const BucketLayout& bucket, const StateView& state, const RankView& rank) {
+  return bucket.grads_in_upload ? state.upload + bucket.upload_offset : rank.grads + bucket.grad_offset;
 }
 
 void InitStateSegment(void* base, const JobLayout& layout) {

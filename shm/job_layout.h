@@ -17,6 +17,12 @@
 // weights are its master weights, read in place (no second copy to write, store or pin). The frozen
 // region holds parameters outside the optimizer that the trainer pages (a LoRA base's weights), in
 // their own dtype, one after another: the daemon keeps them for the ranks and never touches them.
+// A paged 16-bit bucket of a job with one rank, no accumulator and no speculation takes its gradients in
+// its own upload copy (`grads_in_upload`): once the bucket's block has run its backward nothing reads
+// that copy until the update overwrites it with the new weights, element by element after reading the
+// gradient there, so a separate gradient slot would only cost host memory (2 bytes per parameter: a
+// 10B model's job did not fit the GPU machine's 125 GiB with it). The copy can always be rebuilt from
+// the committed master weights, which a resumed job does for these buckets.
 // Rank segment ("rank<r>", one per attached rank):
 //   RankHeader | request ring | completion ring | HParams[2][G] | presence u8[P] | grads
 //
@@ -39,7 +45,7 @@
 
 namespace trainstream::shm {
 
-constexpr uint32_t kSegmentVersion = 7;
+constexpr uint32_t kSegmentVersion = 8;
 constexpr size_t kMaxJobName = 256;
 constexpr uint32_t kRingCapacity = 1024;
 constexpr size_t kAlign = 64;
@@ -90,7 +96,8 @@ struct BucketLayout {
   uint64_t numel = 0;            // elements including alignment padding
   uint64_t elem_offset = 0;      // into master / moments / accum (elements)
   uint64_t upload_offset = 0;    // bytes into the upload region (16-bit buckets only)
-  uint64_t grad_offset = 0;      // bytes into a rank's grad region
+  uint64_t grad_offset = 0;      // bytes into a rank's grad region (unless grads_in_upload)
+  bool grads_in_upload = false;  // the gradients land in the upload copy (see the header comment)
   [[nodiscard]] uint64_t bytes() const { return numel * SizeOf(dtype); }
   // New weights are read from the master weights themselves (fp32 parameters).
   [[nodiscard]] bool uploads_from_master() const { return dtype == DType::kFloat32; }
@@ -222,6 +229,8 @@ struct RankView {
 
 StateView ViewState(void* base, const JobLayout& layout, const LayoutSpec& spec);
 RankView ViewRank(void* base, const JobLayout& layout);
+// Where a rank's gradients of `bucket` lie: its gradient slot, or the bucket's upload copy.
+std::byte* GradsOf(const BucketLayout& bucket, const StateView& state, const RankView& rank);
 
 // Initializes freshly created (zeroed) segments: headers, rings.
 void InitStateSegment(void* base, const JobLayout& layout);

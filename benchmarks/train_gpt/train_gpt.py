@@ -325,8 +325,12 @@ def run(args, mode: str) -> dict:
                     result["clipping"] = {k: counts[k] for k in ("completed_step", "speculative_steps", "redone_steps")}
             torch.cuda.set_per_process_memory_fraction(1.0)  # cuda-ipc: the parameters move back into torch
             if pager is not None:
+                # Not unwrapped: unwrap() copies the paged weights and the optimizer state into this
+                # process (torch holds them from then on), which for the 10.1B is 60 GB beside its job's
+                # 94 GiB on a 125 GiB host (the OOM killer took the process). Its job goes at exit.
                 result["page_loads_per_step"] = pager.loads / (args.warmup + args.steps)
-            trainstream.unwrap(model)
+            else:
+                trainstream.unwrap(model)
     except torch.OutOfMemoryError as e:
         result["oom"] = True
         result["error"] = str(e).splitlines()[0]

@@ -15,11 +15,12 @@ struct SlotList {
   [[nodiscard]] std::span<const void* const> span() const { return {pointers.data(), count}; }
 };
 
-SlotList Slots(const shm::BucketLayout& bucket, uint32_t param, uint64_t byte_in_bucket, const Sources& sources) {
+SlotList Slots(const shm::BucketLayout& bucket, uint32_t param, uint64_t byte_in_bucket, const shm::StateView& state,
+               const Sources& sources) {
   SlotList list;
   for (const auto& channel : sources) {
     if (channel && channel->view.presence[param] != 0) {
-      list.pointers[list.count++] = channel->view.grads + bucket.grad_offset + byte_in_bucket;
+      list.pointers[list.count++] = shm::GradsOf(bucket, state, channel->view) + byte_in_bucket;
     }
   }
   return list;
@@ -49,7 +50,7 @@ optimizer::Upload BucketPasses::Upload(const Block& block) const {
 
 void BucketPasses::Accumulate(const Block& block, const Sources& sources, bool overwrite) const {
   const shm::BucketLayout& bucket = BucketOf(block);
-  const SlotList slots = Slots(bucket, block.param, ByteInBucket(block), sources);
+  const SlotList slots = Slots(bucket, block.param, ByteInBucket(block), state_, sources);
   if (slots.count == 0 && !overwrite) return;
   const optimizer::GradSources grads{.slots = slots.span(), .dtype = bucket.dtype, .accum = nullptr, .scale = 1.0f};
   optimizer::Accumulate(grads, state_.accum + Element(block), overwrite, block.count);
@@ -57,7 +58,7 @@ void BucketPasses::Accumulate(const Block& block, const Sources& sources, bool o
 
 double BucketPasses::SumOfSquares(const Block& block, const Sources& sources, float scale, bool* nonfinite) const {
   const shm::BucketLayout& bucket = BucketOf(block);
-  const SlotList slots = Slots(bucket, block.param, ByteInBucket(block), sources);
+  const SlotList slots = Slots(bucket, block.param, ByteInBucket(block), state_, sources);
   const optimizer::GradSources grads{.slots = slots.span(),
                                      .dtype = bucket.dtype,
                                      .accum = state_.accum != nullptr ? state_.accum + Element(block) : nullptr,
@@ -78,7 +79,7 @@ bool BucketPasses::UpdateWithNorm(const Block& block, const Sources& sources, fl
                                   const optimizer::AdamWStep& step, uint64_t sr_seed, const shm::StateHalf& from,
                                   const shm::StateHalf& to, double* sum_of_squares, bool* nonfinite) const {
   const shm::BucketLayout& bucket = BucketOf(block);
-  const SlotList slots = Slots(bucket, block.param, ByteInBucket(block), sources);
+  const SlotList slots = Slots(bucket, block.param, ByteInBucket(block), state_, sources);
   const uint64_t element = Element(block);
   const optimizer::GradSources grads{.slots = slots.span(),
                                      .dtype = bucket.dtype,

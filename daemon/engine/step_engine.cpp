@@ -155,7 +155,9 @@ void StepEngine::ResumeNow(std::function<void(uint64_t)> reply) {
   for (uint32_t b = 0; b < buckets_.size(); ++b) {
     BucketProgress& progress = buckets_[b];
     const shm::BucketCommit commit = state_.bucket_state[b].Load();
-    if (adopted_) progress.upload_dirty = true;  // the dead daemon may have been writing it
+    // The dead daemon may have been writing it; a trainer that went away, its gradients into it.
+    const bool had_gradients = layout_.buckets[b].grads_in_upload && state_.header->initialized != 0;
+    if (adopted_ || had_gradients) progress.upload_dirty = true;
     if (commit.step == completed) continue;
     if (spec_.state_halves == 2) {
       state_.bucket_state[b].Store({.step = completed, .half = OtherHalf(commit.half)});
@@ -414,7 +416,7 @@ void StepEngine::PullThenDeliver(const std::shared_ptr<RankChannel>& channel, ui
   const uint64_t offset = piece * channel->transfer->slot_bytes();
   ++inflight_;
   channel->transfer->PullGradients(
-      slot, channel->view.grads + bucket.grad_offset + offset,
+      slot, shm::GradsOf(bucket, state_, channel->view) + offset,
       std::min(channel->transfer->slot_bytes(), bucket.bytes() - offset),
       [this, channel, b, slot, step, micro](std::optional<Error> error) {
         Continue([this, channel, b, slot, step, micro, error = std::move(error)] {

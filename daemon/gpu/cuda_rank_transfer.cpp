@@ -31,7 +31,9 @@ std::vector<std::optional<uint64_t>> ParamOffsets(const shm::CudaIpcExport& expo
     TS_CHECK(exported.params_bytes >= layout.grad_bytes, Code::kInvalidArgument,
              "cuda-ipc: the parameter buffer has {} bytes, the job's buckets need {}", exported.params_bytes,
              layout.grad_bytes);
-    for (const shm::BucketLayout& bucket : layout.buckets) offsets.emplace_back(bucket.grad_offset);
+    for (const shm::BucketLayout& bucket : layout.buckets) {
+      offsets.push_back(bucket.grads_in_upload ? std::nullopt : std::optional<uint64_t>(bucket.grad_offset));
+    }
     return offsets;
   }
   TS_CHECK(exported.param_offsets.size() == layout.buckets.size(), Code::kInvalidArgument,

@@ -200,6 +200,7 @@ py::list Buckets(const RankSession& session) {
     d["elem_offset"] = bucket.elem_offset;
     d["upload_offset"] = bucket.upload_offset;
     d["grad_offset"] = bucket.grad_offset;
+    d["grads_in_upload"] = bucket.grads_in_upload;
     out.append(d);
   }
   return out;

@@ -222,12 +222,16 @@ def _holders(model: nn.Module) -> dict[int, list[nn.Module]]:
     return holders
 
 
-def host_bytes_per_parameter(dtype: torch.dtype, moment_dtype: torch.dtype, trainable: bool, ranks: int = 1) -> int:
+def host_bytes_per_parameter(dtype: torch.dtype, moment_dtype: torch.dtype, trainable: bool, ranks: int = 1,
+                             grads_in_upload: bool = False) -> int:
     """Host memory one element takes in the daemon: trainable, fp32 master weights, two moments, the
-    upload copy of a 16-bit weight and each rank's gradient slot; frozen, one copy in its dtype."""
+    upload copy of a 16-bit weight and each rank's gradient slot, or none where the gradients land in
+    the upload copy (a paged 16-bit weight of a job with one rank, no accumulation and no speculative
+    clipping: shm/job_layout.h); frozen, one copy in its dtype."""
     size = torch.empty(0, dtype=dtype).element_size()
     if not trainable:
         return size
     moments = torch.empty(0, dtype=moment_dtype).element_size()
     upload = size if dtype != torch.float32 else 0
-    return 4 + 2 * moments + upload + ranks * size
+    slots = 0 if grads_in_upload and upload else ranks * size
+    return 4 + 2 * moments + upload + slots

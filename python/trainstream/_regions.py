@@ -2,7 +2,8 @@
 
 `Regions` maps what the daemon's `attach` laid out: the buckets and each parameter's place (bucket,
 offset, elements); the job's master weights, moments, per-parameter step counts and this rank's
-gradient presence flags; each parameter's slot in this rank's gradient region (`grad_views`) and
+gradient presence flags; each parameter's slot in this rank's gradient region (`grad_views`: for
+a paged block's 16-bit parameter of a job with one rank, its upload copy) and
 the new weights it takes (`upload_view`: the master weights themselves for float32 parameters).
 It only maps: who writes a view when is the step protocol's (_rank.py) and the transports' business.
 
@@ -54,8 +55,12 @@ class Regions:
             bucket = self.buckets[bucket_index]
             first = bucket["elem_offset"] + offset
             self.elem_ranges.append((first, first + numel))
-            start = bucket["grad_offset"] + offset * p.element_size()
-            self.grad_views.append(grads[start:start + numel * p.element_size()].view(p.dtype).view(p.shape))
+            # A paged 16-bit bucket of a job with one rank takes its gradients in its upload copy
+            # (shm/job_layout.h says when and why).
+            in_upload = bucket["grads_in_upload"]
+            region, base = (upload, bucket["upload_offset"]) if in_upload else (grads, bucket["grad_offset"])
+            start = base + offset * p.element_size()
+            self.grad_views.append(region[start:start + numel * p.element_size()].view(p.dtype).view(p.shape))
             if p.dtype == torch.float32:  # the new weights are the master weights themselves (upload_view)
                 self._upload_views.append(None)
             else:

@@ -5,7 +5,8 @@ exactly, as repr() writes the float: the tests compare attempts bit for bit).
 
 --die-at STEP:K SIGKILLs the process from inside backward: in the gradient hook of the K-th parameter
 (in backward order) of step STEP, after the gradients of the parameters before it left. At the end
-(--steps steps done) it saves the model's weights and the optimizer's state dict to --out."""
+(--steps steps done) it saves the model's weights and the optimizer's state dict to --out. --paged:
+bf16 weights and moments, the hidden layers paged through CPU slots."""
 
 import argparse
 import os
@@ -29,10 +30,10 @@ def make_optimizer(model, **kw) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05, **kw)
 
 
-def loss_of(model, step: int) -> torch.Tensor:
+def loss_of(model, step: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     g = torch.Generator().manual_seed(step)
     x, y = torch.randn(16, model[0].in_features, generator=g), torch.randn(16, 4, generator=g)
-    return torch.nn.functional.mse_loss(model(x), y)
+    return torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y)
 
 
 def die_in_backward(model, step_box, die_step: int, k: int) -> None:
@@ -61,10 +62,16 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--bucket-mb", type=float, default=0.01)
+    parser.add_argument("--paged", action="store_true")
     args = parser.parse_args()
-    model = make_model(args.width)
+    model, paging, dtype = make_model(args.width), {}, torch.float32
+    if args.paged:
+        dtype = torch.bfloat16
+        model = model.to(dtype)
+        paging = {"device": "cpu", "param_offload": True, "blocks": list(model)[:8:2], "moment_dtype": "bfloat16",
+                  "seed": 1}  # bf16 moments round stochastically: the same seed in every job
     model, opt = trainstream.wrap(model, make_optimizer(model), client=trainstream.connect(args.socket),
-                                  job=args.job, bucket_mb=args.bucket_mb, state_halves=args.state_halves)
+                                  job=args.job, bucket_mb=args.bucket_mb, state_halves=args.state_halves, **paging)
     step_box = [opt.resume_step]
     if args.die_at:
         die_step, k = (int(v) for v in args.die_at.split(":"))
@@ -72,7 +79,7 @@ def main() -> None:
     print(f"resumed {opt.resume_step}", flush=True)
     for step in range(opt.resume_step, args.steps):
         step_box[0] = step
-        loss = loss_of(model, step)
+        loss = loss_of(model, step, dtype)
         loss.backward()
         opt.step()
         opt.zero_grad()

@@ -97,6 +97,24 @@ def test_trainer_killed_in_backward_many_times_resumes_exactly(daemon, tmp_path)
     assert_equals_uninterrupted(out, steps)
 
 
+def test_trainer_killed_in_backward_of_paged_bf16_blocks_resumes_exactly(daemon, tmp_path):
+    """Paged bf16 blocks of a one-rank job take their gradients in their upload copy, where the pager
+    reads their weights (shm/job_layout.h): a trainer killed after some of them arrived must not find
+    them there as weights when it resumes. Bit for bit against the same training without kills."""
+    steps, log = 8, []
+    reference, out = str(tmp_path / "reference.pt"), str(tmp_path / "final.pt")
+    assert finish(start(daemon.socket, "paged-whole", steps, "--paged", "--out", reference), log) == 0, "".join(log)
+    for die_at in ("2:2", "4:5", "5:9"):  # after a paged block's gradients, or the head's and some blocks'
+        process = start(daemon.socket, "paged-crashy", steps, "--paged", "--die-at", die_at)
+        assert finish(process, log) == -9, "".join(log)
+    assert finish(start(daemon.socket, "paged-crashy", steps, "--paged", "--out", out), log) == 0, "".join(log)
+    resumed = [int(line.split()[1]) for line in log if line.startswith("resumed")]
+    assert resumed[1:5] == [0, 2, 4, 5], "".join(log)
+    expected, got = torch.load(reference), torch.load(out)
+    for name, value in expected["model"].items():
+        assert torch.equal(got["model"][name], value), name
+
+
 def big_job(state_halves: int) -> tuple[str, ...]:
     """Options of a job whose updates take a while (4M parameters in 2 MiB buckets)."""
     return "--state-halves", str(state_halves), "--width", "1024", "--bucket-mb", "2"

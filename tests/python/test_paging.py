@@ -339,6 +339,25 @@ def test_host_bytes_per_parameter():
     assert _blocks.host_bytes_per_parameter(torch.bfloat16, torch.bfloat16, trainable=True) == 4 + 4 + 2 + 2
     assert _blocks.host_bytes_per_parameter(torch.bfloat16, torch.bfloat16, trainable=True, ranks=2) == 14
     assert _blocks.host_bytes_per_parameter(torch.bfloat16, torch.float32, trainable=False) == 2
+    assert _blocks.host_bytes_per_parameter(torch.bfloat16, torch.bfloat16, trainable=True, grads_in_upload=True) == 10
+    assert _blocks.host_bytes_per_parameter(torch.float32, torch.bfloat16, trainable=True, grads_in_upload=True) == 12
+
+
+def test_paged_bf16_blocks_of_one_rank_take_their_gradients_in_the_upload_copy(client):
+    """Their gradient slots leave the rank segment: 2 bytes per paged parameter (its bytes, padding aside)."""
+    def rank_bytes(job, **paging):
+        torch.manual_seed(0)
+        model = TinyGPT(dtype=torch.bfloat16)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, opt = trainstream.wrap(model, opt, client=client, job=job, **paging)
+        found = next(j for j in client.stats()["jobs"] if j["name"] == job)
+        trainstream.unwrap(model)
+        client.drop_job(job)
+        return found["rank_bytes"], [p.numel() * 2 for p in model.blocks.parameters()]
+
+    unpaged, block_bytes = rank_bytes("slots-for-all")
+    paged, _ = rank_bytes("slots-outside-blocks", device="cpu", param_offload=True)
+    assert sum(block_bytes) <= unpaged - paged <= sum(block_bytes) + 64 * len(block_bytes)
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -89,8 +89,10 @@ void ExpectConsistent(const LayoutSpec& spec, const JobLayout& layout) {
     EXPECT_EQ(bucket.elem_offset * 2 % kAlign, 0u);  // bf16 moments too
     EXPECT_LE(bucket.elem_offset + bucket.numel, layout.total_elems);
     bucket_elems.emplace_back(bucket.elem_offset, bucket.elem_offset + bucket.numel);
-    EXPECT_EQ(bucket.grad_offset % kAlign, 0u);
-    EXPECT_LE(bucket.grad_offset + bucket.bytes(), layout.grad_bytes);
+    if (!bucket.grads_in_upload) {
+      EXPECT_EQ(bucket.grad_offset % kAlign, 0u);
+      EXPECT_LE(bucket.grad_offset + bucket.bytes(), layout.grad_bytes);
+    }
     EXPECT_EQ(bucket.uploads_from_master(), bucket.dtype == DType::kFloat32);
     if (!bucket.uploads_from_master()) {  // fp32 buckets are read from the master weights
       EXPECT_EQ(bucket.upload_offset % kAlign, 0u);
@@ -232,6 +234,44 @@ TEST(ComputeLayout, PartitionsNeverShareABucket) {
   EXPECT_EQ(layout.buckets[2].params, (std::vector<uint32_t>{1, 0}));
   EXPECT_EQ(layout.buckets[2].partition, 0u);
   ExpectConsistent(spec, layout);
+}
+
+// A paged 16-bit bucket's gradients land in its upload copy when nothing else reads them (one rank, no
+// accumulator, no speculative redo): the rank segment then holds only the other buckets' slots.
+TEST(ComputeLayout, PagedSixteenBitBucketsOfOneRankTakeTheirGradientsInTheUploadCopy) {
+  LayoutSpec spec = UniformSpec(4, 100, 1 << 20);
+  for (uint32_t i = 0; i < 4; ++i) {
+    spec.params[i].partition = i;                                        // 0: resident, 1-3: paged blocks
+    spec.params[i].dtype = i == 3 ? DType::kFloat32 : DType::kBFloat16;  // fp32: no upload copy to use
+  }
+  const JobLayout layout = ComputeLayout(spec);
+  ASSERT_EQ(layout.buckets.size(), 4u);  // partitions 3, 2, 1, 0
+  EXPECT_FALSE(layout.buckets[0].grads_in_upload);
+  EXPECT_TRUE(layout.buckets[1].grads_in_upload);
+  EXPECT_TRUE(layout.buckets[2].grads_in_upload);
+  EXPECT_FALSE(layout.buckets[3].grads_in_upload);
+  EXPECT_EQ(layout.grad_bytes, 448u + 256u);  // fp32 and resident bf16 slots, 64-byte aligned
+  ExpectConsistent(spec, layout);
+
+  const std::vector<std::pair<std::string, std::function<void(LayoutSpec&)>>> shared_readers = {
+      {"two ranks", [](LayoutSpec& s) { s.world_size = 2; }},
+      {"accumulation", [](LayoutSpec& s) { s.accumulation_steps = 2; }},
+      {"two nodes",
+       [](LayoutSpec& s) {
+         s.peers = {"a:1", "b:1"};
+       }},
+      {"speculation", [](LayoutSpec& s) {
+         s.max_grad_norm = 1.0;
+         s.state_halves = 2;
+         s.speculative_clipping = Speculation::kOn;
+       }}};
+  for (const auto& [what, change] : shared_readers) {
+    LayoutSpec other = spec;
+    change(other);
+    const JobLayout apart = ComputeLayout(other);
+    for (const BucketLayout& bucket : apart.buckets) EXPECT_FALSE(bucket.grads_in_upload) << what;
+    EXPECT_EQ(apart.grad_bytes, layout.grad_bytes + 2 * 256u) << what;
+  }
 }
 
 // Frozen parameters (a LoRA base) take no bucket and no optimizer state: only their own bytes, one
