@@ -82,15 +82,25 @@ def fill_random(model: torch.nn.Module, seed: int = 0) -> None:
     pool = (torch.randn(POOL, generator=g) * 0.02).to(torch.bfloat16)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.fill_(1.0 if "norm" in name else 0.0)
-                continue
-            flat, start = p.view(-1), int(torch.randint(0, POOL, (1,), generator=g))
-            done = 0
-            while done < flat.numel():
-                n = min(POOL - start, flat.numel() - done)
-                flat[done:done + n].copy_(pool[start:start + n])
-                done, start = done + n, 0
+            with _gathered(p):
+                if p.dim() == 1:
+                    p.fill_(1.0 if "norm" in name else 0.0)
+                    continue
+                flat, start = p.view(-1), int(torch.randint(0, POOL, (1,), generator=g))
+                done = 0
+                while done < flat.numel():
+                    n = min(POOL - start, flat.numel() - done)
+                    flat[done:done + n].copy_(pool[start:start + n])
+                    done, start = done + n, 0
+
+
+def _gathered(p: torch.nn.Parameter):
+    """A parameter that ZeRO-3 partitioned as it was built (zero.Init) whole while it is written, then
+    partitioned again; any other parameter as it is."""
+    if not hasattr(p, "ds_numel"):
+        return contextlib.nullcontext()
+    import deepspeed
+    return deepspeed.zero.GatheredParameters([p], modifier_rank=0)
 
 
 def build(shape: str, fast: bool = True):
@@ -167,6 +177,17 @@ def offload_base_linears(model, device: torch.device) -> int:
     return offloaded
 
 
+def _arguments_class(mode: str):
+    import transformers
+
+    class Arguments(transformers.TrainingArguments):
+        @property
+        def place_model_on_device(self):  # the accelerate mode placed the model itself
+            return False if mode == "accelerate" else super().place_model_on_device
+
+    return Arguments
+
+
 def run_mode(mode: str, args) -> dict:
     """One mode, in this process: builds, trains --warmup + --steps steps, measures."""
     import transformers
@@ -175,6 +196,16 @@ def run_mode(mode: str, args) -> dict:
         deepspeed_modes.init_distributed()
     if mode != "gpu-only":
         cap_gpu(args.vram_cap_gib)
+    # weight decay 0.01 in every mode: the Trainer refuses a deepspeed= config that disagrees with its arguments
+    extra = {"deepspeed": deepspeed_modes.zero3_config(1e-4, args.batch, 1.0)} if mode == "deepspeed-zero3" else {}
+    # Before the model, as Hugging Face's recipe for ZeRO-3 says: arguments with a ZeRO-3 config make
+    # from_config build under deepspeed.zero.Init, each module partitioned into host memory as it is
+    # built (the whole base on the GPU first was out of memory under the 14B's 8 GiB cap).
+    training = _arguments_class(mode)(
+        output_dir=tempfile.mkdtemp(prefix="lora-bench-"), max_steps=args.warmup + args.steps,
+        per_device_train_batch_size=args.batch, learning_rate=1e-4, weight_decay=0.01, max_grad_norm=1.0, bf16=cuda,
+        gradient_checkpointing=True, report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True,
+        use_cpu=not cuda, **extra)
     started = time.perf_counter()
     model = build(args.shape)
     result = {"build_s": time.perf_counter() - started}
@@ -203,17 +234,6 @@ def run_mode(mode: str, args) -> dict:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - self.t)
 
-    class Arguments(transformers.TrainingArguments):
-        @property
-        def place_model_on_device(self):  # the accelerate mode placed the model itself
-            return False if mode == "accelerate" else super().place_model_on_device
-
-    # weight decay 0.01 in every mode: the Trainer refuses a deepspeed= config that disagrees with its arguments
-    extra = {"deepspeed": deepspeed_modes.zero3_config(1e-4, args.batch, 1.0)} if mode == "deepspeed-zero3" else {}
-    training = Arguments(
-        output_dir=tempfile.mkdtemp(prefix="lora-bench-"), max_steps=steps, per_device_train_batch_size=args.batch,
-        learning_rate=1e-4, weight_decay=0.01, max_grad_norm=1.0, bf16=cuda, gradient_checkpointing=True,
-        report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True, use_cpu=not cuda, **extra)
     if mode == "trainstream":
         from trainstream.hf import TrainstreamTrainer
         options = {} if cuda else {"trainstream": {"device": "cpu", "param_offload": True}}
