@@ -221,7 +221,9 @@ def test_float64_and_logit_dtype():
     hidden, weight, _, targets = make()
     loss = chunked_cross_entropy(hidden, weight, targets, chunk_size=5, logit_dtype=torch.float64)
     assert loss.dtype == torch.float64
-    torch.testing.assert_close(loss, full(hidden, weight, targets, logit_dtype=torch.float64), rtol=1e-12, atol=0)
+    # The logits themselves come from a float32 matmul, whose rounding depends on how many rows it
+    # gets at once (on an AVX2-only machine the 5-row chunks and the whole batch differ by 7e-9).
+    torch.testing.assert_close(loss, full(hidden, weight, targets, logit_dtype=torch.float64), rtol=1e-6, atol=0)
 
 
 def test_large_logits_are_stable():
