@@ -104,7 +104,7 @@ def test_trainer_killed_in_backward_of_paged_bf16_blocks_resumes_exactly(daemon,
     steps, log = 8, []
     reference, out = str(tmp_path / "reference.pt"), str(tmp_path / "final.pt")
     assert finish(start(daemon.socket, "paged-whole", steps, "--paged", "--out", reference), log) == 0, "".join(log)
-    for die_at in ("2:2", "4:5", "5:9"):  # after a paged block's gradients, or the head's and some blocks'
+    for die_at in ("2:2", "4:5", "5:9"):  # after the (resident) head's gradients; after theirs and some blocks'
         process = start(daemon.socket, "paged-crashy", steps, "--paged", "--die-at", die_at)
         assert finish(process, log) == -9, "".join(log)
     assert finish(start(daemon.socket, "paged-crashy", steps, "--paged", "--out", out), log) == 0, "".join(log)
