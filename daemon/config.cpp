@@ -95,6 +95,7 @@ void LoadConfigFile(const std::string& path, Config& config) {
   }
   static const std::vector<std::string> kKnown = {"socket",
                                                   "threads",
+                                                  "worker_nice",
                                                   "log_level",
                                                   "socket_mode",
                                                   "job_ttl_seconds",
@@ -116,6 +117,7 @@ void LoadConfigFile(const std::string& path, Config& config) {
   }
   ReadKey(table, "socket", config.socket);
   ReadKey(table, "threads", config.threads);
+  ReadKey(table, "worker_nice", config.worker_nice);
   ReadKey(table, "log_level", config.log_level);
   TS_CHECK(std::find(kLogLevels.begin(), kLogLevels.end(), config.log_level) != kLogLevels.end(),
            Code::kInvalidArgument, "config key 'log_level' is '{}'; expected one of {}", config.log_level,
@@ -144,11 +146,13 @@ std::optional<Config> ParseConfig(int argc, char** argv) {
   app.add_option("--config", config_file, "TOML file with the same keys as these flags");
   // Flags are parsed into optionals so that a flag overrides the file only when given.
   std::optional<std::string> socket, log_level;
-  std::optional<uint32_t> threads, max_jobs, max_unattached, max_unattached_per_uid;
+  std::optional<uint32_t> threads, worker_nice, max_jobs, max_unattached, max_unattached_per_uid;
   std::optional<uint64_t> ttl, max_host_bytes;
   std::optional<int64_t> parent_pid;
   app.add_option("--socket", socket, "Unix socket to listen on (default " + defaults.socket + ")");
   app.add_option("--threads", threads, "optimizer worker threads (default: one per core)");
+  app.add_option("--worker-nice", worker_nice,
+                 "nice value of the worker threads, 0-19 (default 10): they yield a shared core to the trainers");
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error")->check(CLI::IsMember(kLogLevels));
   app.add_option("--job-ttl", ttl, "seconds a job with no attached rank is kept (default 3600)");
   app.add_option("--max-jobs", max_jobs, "maximum number of jobs (default 64)");
@@ -191,6 +195,7 @@ std::optional<Config> ParseConfig(int argc, char** argv) {
   }
   if (socket) config.socket = *socket;
   if (threads) config.threads = *threads;
+  if (worker_nice) config.worker_nice = *worker_nice;
   if (log_level) config.log_level = *log_level;
   if (ttl) config.job_ttl_seconds = *ttl;
   if (max_jobs) config.max_jobs = *max_jobs;
@@ -206,6 +211,7 @@ std::optional<Config> ParseConfig(int argc, char** argv) {
   if (metrics_listen) config.metrics_listen = *metrics_listen;
   if (snapshot_dir) config.snapshot_dir = *snapshot_dir;
   if (snapshot_every) config.snapshot_every = *snapshot_every;
+  TS_CHECK(config.worker_nice <= 19, Code::kInvalidArgument, "worker_nice is {}; expected 0 to 19", config.worker_nice);
   CheckPeerSettings(config);
   CheckSessionLimits(config);
   CheckOperationsSettings(config);

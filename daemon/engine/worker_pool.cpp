@@ -2,6 +2,9 @@
 
 #include <pthread.h>
 #include <sched.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -63,7 +66,7 @@ uint32_t NodeOfCpu(int cpu) {
   return 0;
 }
 
-WorkerPool::WorkerPool(size_t threads, bool pin_threads, std::vector<uint32_t> thread_nodes) {
+WorkerPool::WorkerPool(size_t threads, bool pin_threads, std::vector<uint32_t> thread_nodes, int nice) {
   if (threads == 0) threads = 1;
   const std::vector<int> cpus = AllowedCpus();
   // Pinned only when every thread gets a CPU of its own: sharing would only add migrations.
@@ -80,7 +83,7 @@ WorkerPool::WorkerPool(size_t threads, bool pin_threads, std::vector<uint32_t> t
   for (size_t i = 0; i < threads; ++i) {
     const auto node =
         static_cast<uint32_t>(std::lower_bound(dense.begin(), dense.end(), thread_nodes[i]) - dense.begin());
-    threads_.emplace_back([this, node] { Run(node); });
+    threads_.emplace_back([this, node, nice] { Run(node, nice); });
     if (pin) {
       cpu_set_t set;
       CPU_ZERO(&set);
@@ -129,7 +132,9 @@ void WorkerPool::Submit(size_t blocks, Work work, std::function<void()> on_done,
   wake_.notify_all();
 }
 
-void WorkerPool::Run(uint32_t node) {
+void WorkerPool::Run(uint32_t node, int nice) {
+  // Linux keeps a nice value per thread; raising one's own needs no privilege.
+  if (nice != 0) setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), nice);
   for (;;) {
     std::shared_ptr<Batch> batch;
     size_t block = 0;

@@ -35,7 +35,9 @@ class WorkerPool {
   using Home = std::function<uint32_t(size_t block)>;  // the NUMA node whose memory a block touches
 
   // `thread_nodes` overrides the node of each thread (tests); by default, the node of its pinned CPU.
-  explicit WorkerPool(size_t threads, bool pin_threads = true, std::vector<uint32_t> thread_nodes = {});
+  // `nice` (0-19) lowers the threads' scheduling priority, so that a trainer's thread sharing a core
+  // with one preempts it.
+  explicit WorkerPool(size_t threads, bool pin_threads = true, std::vector<uint32_t> thread_nodes = {}, int nice = 0);
   ~WorkerPool();
   WorkerPool(const WorkerPool&) = delete;
   WorkerPool& operator=(const WorkerPool&) = delete;
@@ -57,7 +59,7 @@ class WorkerPool {
     }
   };
 
-  void Run(uint32_t node);
+  void Run(uint32_t node, int nice);
 
   std::mutex mutex_;
   std::condition_variable wake_;

@@ -24,8 +24,8 @@ from trainstream._connect import daemon_binary
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE_CONFIG = os.path.join(REPO, "deploy", "trainstreamd.toml")
-FLAGS = ["--help", "--version", "--config", "--socket", "--threads", "--log-level", "--job-ttl", "--max-jobs",
-         "--max-host-bytes", "--parent-pid"]
+FLAGS = ["--help", "--version", "--config", "--socket", "--threads", "--worker-nice", "--log-level", "--job-ttl",
+         "--max-jobs", "--max-host-bytes", "--parent-pid"]
 
 
 def run_daemon(*args: str, timeout: float = 10) -> subprocess.CompletedProcess:
@@ -132,6 +132,26 @@ def test_example_config_is_accepted(tmp):
         assert info["daemon_version"] == trainstream.__version__
         # socket_mode from the example file (0o660) is applied to the socket.
         assert os.stat(socket).st_mode & 0o777 == 0o660
+    finally:
+        assert d.stop() == 0
+
+
+def _nice_of_threads(pid: int) -> list[int]:
+    """The nice value of each thread of a process (field 19 of /proc/PID/task/TID/stat)."""
+    values = []
+    for stat in glob.glob(f"/proc/{pid}/task/*/stat"):
+        with open(stat) as f:
+            values.append(int(f.read().rsplit(")", 1)[1].split()[16]))
+    return values
+
+
+def test_worker_threads_run_at_worker_nice_and_the_others_do_not(tmp):
+    own = os.nice(0)
+    d = Daemon("--worker-nice", "13", threads=3)
+    try:
+        nice = _nice_of_threads(d.process.pid)
+        assert nice.count(13) == 3, nice  # the three workers
+        assert nice.count(own) == len(nice) - 3, nice  # main, gRPC and engine threads keep the process's
     finally:
         assert d.stop() == 0
 

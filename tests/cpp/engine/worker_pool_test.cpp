@@ -1,8 +1,13 @@
 // Tests of the optimizer worker pool (daemon/engine/worker_pool.h): each block runs once, the completion
-// callback runs once after every block, concurrent submitters, priority order, and NUMA homes.
+// callback runs once after every block, concurrent submitters, priority order, NUMA homes, and the
+// threads' nice value.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <future>
@@ -185,6 +190,28 @@ TEST(WorkerPool, EqualPriorityRunsInSubmissionOrder) {
   for (int id = 0; id < 5; ++id) recorder.Submit(pool, id, 3);
   blocker.Release();
   EXPECT_EQ(recorder.WaitForOrder(5), (std::vector<int>{0, 1, 2, 3, 4}));
+}
+
+TEST(WorkerPool, ThreadsRunAtTheirNiceValue) {
+  constexpr int kNice = 7;
+  errno = 0;
+  const int own = getpriority(PRIO_PROCESS, 0);
+  if (own > kNice) GTEST_SKIP() << "this process already runs at nice " << own;
+  WorkerPool pool(2, false, {}, kNice);
+  std::mutex mutex;
+  std::set<int> seen;
+  DoneCounter done;
+  pool.Submit(
+      64,
+      [&](size_t) {
+        const int nice = getpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)));
+        std::lock_guard lock(mutex);
+        seen.insert(nice);
+      },
+      done.Callback());
+  ASSERT_TRUE(done.WaitFor(1));
+  EXPECT_EQ(seen, std::set<int>{kNice});
+  EXPECT_EQ(getpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid))), own);  // the caller's unchanged
 }
 
 TEST(WorkerPool, ZeroThreadsMeansOne) {
