@@ -59,8 +59,14 @@ for what in "$@"; do
     hf-full)
       stage hf-full  # the Qwen2.5-1.5B shape fully fine-tuned through TrainstreamTrainer under a 24 GiB cap,
       # beside the stock Trainer under the cap (out of memory on 2026-12-01, recorded as its error) and uncapped
-      timeout "${HF_FULL_TIMEOUT:-300}" python3 examples/hf_finetune.py --shape 1.5b --cap-gib "${HF_CAP:-24}" \
-        --steps ${HF_STEPS:-8} --compare-stock ${HF_ARGS:-} --json "$OUT/hf_full_1.5b_cap${HF_CAP:-24}.json" 2>&1 | tail -4
+      timeout "${HF_FULL_TIMEOUT:-300}" python3 examples/hf_finetune.py --shape "${HF_SHAPE:-1.5b}" --cap-gib "${HF_CAP:-24}" \
+        --steps ${HF_STEPS:-8} --compare-stock ${HF_ARGS:-} \
+        --host-gbs "$(python3 -c "import json; print(json.load(open('benchmarks/results/adamw_h200-16core.json'))['triad']['gb_per_s'])")" \
+        --json "$OUT/hf_full_${HF_SHAPE:-1.5b}_cap${HF_CAP:-24}.json" 2>&1 | grep -v "^step \|it/s\]" | tail -6
+      if [[ -n ${HF_PROFILE:-} ]]; then  # trainstream alone, a timeline of its last two of six steps
+        timeout 120 python3 examples/hf_finetune.py --shape "${HF_SHAPE:-1.5b}" --cap-gib "${HF_CAP:-24}" --steps 6 \
+          --profile "$OUT/trace_hf_${HF_SHAPE:-1.5b}.json" >/dev/null 2>&1; gzip -f "$OUT/trace_hf_${HF_SHAPE:-1.5b}.json"
+      fi
       ;;
     gpt-auto)
       stage gpt-auto  # the 124M GPT: stock fused AdamW, offload="auto", forced offload (40 steps: medians of 8
@@ -92,18 +98,21 @@ for what in "$@"; do
       mount -o remount,huge=${what#shm-huge=} /dev/shm && grep /dev/shm /proc/mounts
       ;;
     gpt-start)
-      stage gpt-start  # wrap() to the end of the first step of the 1.86B (fp32 weights, two steps), under this shm
-      # policy: how long a private daemon takes to serve, then the run against a daemon logging at info (its
-      # job line says how long backing the state took), whose log comes back
+      stage gpt-start  # wrap() to the end of the first step of START_CONFIG (the 1.86B; fp32 weights unless
+      # START_ARGS say otherwise; two steps), under this shm policy: how long a private daemon takes to serve,
+      # then the run against a daemon logging at info (its job line says how long backing the state took),
+      # whose log comes back
       policy=$(grep -o 'huge=[a-z_]*' <(grep /dev/shm /proc/mounts) || echo huge=never) && policy=${policy#huge=}
       python3 -c "import time; from trainstream._connect import PrivateDaemon as P; t = time.perf_counter(); d = P(); \
         print(f'private daemon serving after {time.perf_counter() - t:.2f} s'); d.stop()"
       socket=/tmp/ts-start.sock && rm -f $socket
       build/daemon/trainstreamd --socket $socket --log-level info >"$OUT/daemon_start_$policy.log" 2>&1 & daemon=$!
       for _ in $(seq 200); do [[ -S $socket ]] && break; sleep 0.05; done
-      TRAINSTREAM_ADDRESS=unix:$socket timeout 120 python3 benchmarks/train_gpt/train_gpt.py --config 1.86b \
-        --vram-cap-gib 24 --steps 2 --warmup 1 --modes trainstream --adamw-json benchmarks/results/adamw_h200-16core.json \
-        --json "$OUT/gpt_1.86b_start_$policy.json" 2>&1 | tail -1 | sed "s|^|[$policy] |"
+      config=${START_CONFIG:-1.86b}
+      TRAINSTREAM_ADDRESS=unix:$socket timeout 180 python3 benchmarks/train_gpt/train_gpt.py --config "$config" \
+        --vram-cap-gib 24 --steps 2 --warmup 1 --modes trainstream ${START_ARGS:-} \
+        --adamw-json benchmarks/results/adamw_h200-16core.json \
+        --json "$OUT/gpt_${config}_start_$policy.json" 2>&1 | tail -1 | sed "s|^|[$policy] |"
       kill $daemon; wait $daemon; grep -h "created" "$OUT/daemon_start_$policy.log"
       ;;
     gpt-peers)
@@ -114,6 +123,23 @@ for what in "$@"; do
         --modes "${GPT_MODES:-trainstream,deepspeed-zero2,deepspeed-zero3}" --adamw-json benchmarks/results/adamw_h200-16core.json \
         --json "$OUT/gpt_1.86b_cap24_bf16_clip1.0_peers.json" 2>&1 | tail -1
       ;;
+    gpt-threads)
+      stage gpt-threads  # the 124M's forced offload against the daemon's worker threads and their nice value
+      # (THREAD_RUNS: threads:nice ..., "default" for the daemon's), each step's phases as the trainer saw
+      # them; the GPU-only step beside
+      brief() { python3 -c "import json, sys; r = json.load(open(sys.argv[1]))['runs'][0]; \
+        print(r['mode'], r.get('error') or f\"{r['step_ms']:.1f} ms\", {k: round(v, 1) for k, v in r.get('phases_ms', {}).items()}, \
+        {k: round(v, 2) for k, v in r.get('busy_cores', {}).items()})" "$1"; }
+      timeout 90 python3 benchmarks/train_gpt/train_gpt.py --config 124m --modes gpu-only --steps 40 \
+        --json "$OUT/gpt_124m_gpu-only.json" >/dev/null 2>&1; brief "$OUT/gpt_124m_gpu-only.json"
+      for run in ${THREAD_RUNS:-16:0 14:0 12:0 16:10}; do
+        threads=${run%%:*} nice=${run##*:} json="$OUT/gpt_124m_threads${run%%:*}_nice${run##*:}.json"
+        flags=""; [[ $nice != default ]] && flags="--daemon-nice $nice"
+        timeout 90 python3 benchmarks/train_gpt/train_gpt.py --config 124m --modes trainstream --steps 40 \
+          --daemon-threads "$threads" $flags --adamw-json benchmarks/results/adamw_h200-16core.json \
+          --json "$json" >/dev/null 2>&1; brief "$json" | sed "s|^|[$threads threads, nice $nice] |"
+      done
+      ;;
     gpt-halves)
       stage gpt-halves  # forced offload of the 124M with one and two state halves (58.6 ms on 2026-12-02, 46.7 ms a day earlier)
       for halves in 1 2; do
@@ -123,9 +149,17 @@ for what in "$@"; do
       done
       ;;
     pack)
-      stage pack  # everything under $OUT in one file: the device tool returns at most 8 files
-      (cd "$OUT" && tar -czf /tmp/results.tgz --exclude=results.tgz . && rm -rf ./* && mv /tmp/results.tgz .)
+      stage pack  # what is under $OUT so far in one file, results-N.tgz (the device tool returns at most 8 files)
+      (cd "$OUT" && n=$(find . -maxdepth 1 -name 'results-*.tgz' | wc -l) \
+        && tar -czf /tmp/results.tgz --exclude='./results-*.tgz' --exclude=./bin . \
+        && find . -mindepth 1 -maxdepth 1 ! -name 'results-*.tgz' -exec rm -rf {} + && mv /tmp/results.tgz "results-$n.tgz")
       ls -la "$OUT"
+      ;;
+    gpt-profile)
+      stage gpt-profile  # a torch.profiler timeline of three forced-offload steps of the 124M (gzipped)
+      timeout 90 python3 benchmarks/train_gpt/train_gpt.py --config 124m --modes trainstream --steps 3 \
+        --profile "$OUT/trace_124m_trainstream.json" --json "$OUT/gpt_124m_profiled.json" >/dev/null 2>&1
+      gzip -f "$OUT/trace_124m_trainstream.json"; ls -la "$OUT"/trace_124m_trainstream.json.gz
       ;;
     use-bin)
       stage use-bin  # binaries a build-fast of the same sources returned earlier, carried in .device/bin

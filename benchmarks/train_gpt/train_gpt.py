@@ -42,6 +42,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import trainstream  # noqa: E402
 from gpt import build  # noqa: E402
+from trainstream._connect import PrivateDaemon  # noqa: E402
 
 GIB = 1 << 30
 
@@ -63,15 +64,62 @@ def host_triad_gbs(threads: int, gib: float = 1.0) -> float:
     return best
 
 
-def process_gpu_bytes() -> dict[int, int]:
-    """GPU memory per process (pid -> bytes) from NVML, {} where NVML is unavailable."""
+@functools.cache
+def _nvml_device():
+    """NVML's handle of this process's GPU, initialized once (each step samples it), None without NVML."""
     try:
         import pynvml
         pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-        return {p.pid: p.usedGpuMemory or 0 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
+        return pynvml, pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
     except Exception:
+        return None
+
+
+def process_gpu_bytes() -> dict[int, int]:
+    """GPU memory per process (pid -> bytes) from NVML, {} where NVML is unavailable."""
+    device = _nvml_device()
+    if device is None:
         return {}
+    pynvml, handle = device
+    try:
+        return {p.pid: p.usedGpuMemory or 0 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
+    except pynvml.NVMLError:
+        return {}
+
+
+def cpu_seconds(pid: int | str = "self") -> float:
+    """User + system CPU time of a process so far (all its threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Phases:
+    """Where a step's wall time goes, as the trainer's thread sees it: the forward up to the loss (with
+    trainstream: waiting for weights), backward (sending gradients, waiting for slots), the optimizer's
+    step(), then waiting for the GPU and sampling memory. Medians per phase over the timed steps."""
+
+    def __init__(self):
+        self.steps: list[dict[str, float]] = []
+        self._last = 0.0
+
+    def start(self) -> None:
+        self.steps.append({})
+        self._last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        if self.steps:
+            self.steps[-1][phase] = self.steps[-1].get(phase, 0.0) + now - self._last
+        self._last = now
+
+    def medians_ms(self, skip: int) -> dict[str, float]:
+        timed = self.steps[skip:]
+        phases = timed[0] if timed else {}
+        return {phase: 1000 * statistics.median(s.get(phase, 0.0) for s in timed) for phase in phases}
+
+
+PHASES = Phases()
 
 
 class Memory:
@@ -124,19 +172,31 @@ def daemon_waits(model) -> tuple[float, float]:
     return rank.weights_wait_s, getattr(rank.transport, "slot_wait_s", 0.0)
 
 
-def timed_steps(args, step_fn, memory: Memory, losses: list | None = None, waits=None) -> tuple[list, list]:
-    """The step times after the warm-up (memory.first_step_s is the first step's) and, with `waits`
-    (daemon_waits of the model), each timed step's seconds waiting for weights and for slots."""
+def timed_steps(args, step_fn, memory: Memory, losses: list | None = None, waits=None) -> tuple[list, list, dict]:
+    """The step times after the warm-up (memory.first_step_s is the first step's), with `waits`
+    (daemon_waits of the model) each timed step's seconds waiting for weights and for slots, and how many
+    cores the trainer and the daemon (memory.daemon_pid) kept busy over the timed steps."""
     data = batches(args, "cuda")
     times, waited = [], []
+    cpu_before = (0.0, 0.0, 0.0)
+    profiler = torch.profiler.profile(with_stack=True) if args.profile else None
     for i in range(args.warmup + args.steps):
         tokens, targets = next(data)
         torch.cuda.synchronize()
+        if i == args.warmup:
+            daemon = cpu_seconds(memory.daemon_pid) if memory.daemon_pid else 0.0
+            cpu_before = (time.perf_counter(), cpu_seconds(), daemon)
+            if profiler:  # a timeline of the timed steps (which it slows) for chrome://tracing or Perfetto
+                profiler.start()
         before = waits() if waits else (0.0, 0.0)
         start = time.perf_counter()
+        PHASES.start()
         loss = step_fn(tokens, targets)
+        PHASES.mark("optimizer")
         torch.cuda.synchronize()
+        PHASES.mark("gpu")
         memory.sample()
+        PHASES.mark("memory sample")
         if losses is not None and loss is not None:
             losses.append(float(loss))
         if i == 0:
@@ -145,7 +205,14 @@ def timed_steps(args, step_fn, memory: Memory, losses: list | None = None, waits
             times.append(time.perf_counter() - start)
             after = waits() if waits else (0.0, 0.0)
             waited.append((after[0] - before[0], after[1] - before[1]))
-    return times, waited
+    wall = time.perf_counter() - cpu_before[0]
+    if profiler:
+        profiler.stop()
+        profiler.export_chrome_trace(args.profile)
+    cores = {"trainer": (cpu_seconds() - cpu_before[1]) / wall}
+    if memory.daemon_pid:
+        cores["daemon"] = (cpu_seconds(memory.daemon_pid) - cpu_before[2]) / wall
+    return times, waited, cores
 
 
 def pinned_h2d_gbs(gib: float = 1.0) -> float:
@@ -167,7 +234,9 @@ def forward_backward(model, tokens, targets, autocast: bool, paging: bool = Fals
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast), \
             trainstream.activation_paging(max_bytes=max_bytes) if paging else contextlib.nullcontext():
         loss = model(tokens, targets)
+    PHASES.mark("forward")
     loss.backward()
+    PHASES.mark("backward")
     return loss.detach()
 
 
@@ -254,7 +323,11 @@ def run(args, mode: str) -> dict:
             # dev box), a cost of every torch program, not of wrap().
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
             start = time.perf_counter()
-            client = trainstream.connect()
+            if (args.daemon_threads or args.daemon_nice is not None) and mode == "trainstream":
+                private = PrivateDaemon(threads=args.daemon_threads, worker_nice=args.daemon_nice)
+                client = trainstream.connect(f"unix:{private.socket_path}")
+            else:
+                client = trainstream.connect()
             daemon_pid = client.ping()["pid"]
             paging = {"device": "cuda", "param_offload": param_offload(args.param_offload),
                       "page_prefetch": args.page_prefetch} if args.param_offload else {}
@@ -289,8 +362,10 @@ def run(args, mode: str) -> dict:
         memory = Memory(daemon_pid)  # the peaks of the training steps, not of building the model
         offloaded = mode in ("trainstream", "auto")
         waits = functools.partial(daemon_waits, model) if offloaded else None
-        times, waited = timed_steps(args, step, memory, losses, waits)
+        times, waited, cores = timed_steps(args, step, memory, losses, waits)
         result["step_times_ms"] = [1000 * t for t in times]
+        result["phases_ms"] = PHASES.medians_ms(args.warmup)
+        result["busy_cores"] = cores
         if offloaded:  # where a step's time beyond the GPU's went: the trainer waiting for the daemon
             result["weights_wait_ms"] = [1000 * w for w, _ in waited]
             result["slot_wait_ms"] = [1000 * s for _, s in waited]
@@ -394,7 +469,12 @@ def main() -> None:
     parser.add_argument("--max-grad-norm", type=float, default=None)
     parser.add_argument("--uncapped-reference", action="store_true",
                         help="the gpu-only reference runs without --vram-cap-gib (a model that does not fit under it)")
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="the torch triad's threads")
+    parser.add_argument("--daemon-threads", type=int, default=0,
+                        help="mode trainstream: a private daemon with this many worker threads (default: 1 per core)")
+    parser.add_argument("--daemon-nice", type=int,
+                        help="mode trainstream: a private daemon whose worker threads run at this nice value")
+    parser.add_argument("--profile", help="a torch.profiler trace of the timed steps into this file (for one mode)")
     parser.add_argument("--adamw-json", help="benchmarks/adamw result of this machine, for the triad bandwidth")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--single-mode", help=argparse.SUPPRESS)
@@ -419,6 +499,7 @@ def main() -> None:
                "activation_paging": args.activation_paging, "paging_gib": args.paging_gib,
                "bf16_weights": args.bf16_weights, "moment_dtype": args.moment_dtype,
                "gpu": torch.cuda.get_device_name(0), "host": platform.node(), "threads": args.threads,
+               "daemon_threads": args.daemon_threads or os.cpu_count(), "daemon_worker_nice": args.daemon_nice,
                "host_bandwidth_gbs": triad, "host_bandwidth_source": triad_source, "runs": []}
     for mode in args.modes.split(","):
         r = run_in_subprocess(mode)
