@@ -4,6 +4,7 @@ vocabulary never exist whole), and a model given on the CPU has its decoder laye
 
     python3 examples/hf_finetune.py --shape 1.5b --cap-gib 24 --compare-stock --json out.json
     python3 examples/hf_finetune.py --shape tiny --cpu                      # runs anywhere
+    python3 examples/hf_finetune.py --shape 7b --paged --cap-gib 24 --moment-dtype bfloat16 --gradient-checkpointing
 
 With --compare-stock the stock Trainer runs first under the cap (where it runs out of memory, the error is
 recorded), then uncapped. --json writes each run's median step after the first two, its losses, gradient
@@ -98,8 +99,9 @@ def run(trainer_class, args, data, on_gpu: bool, callbacks=(), **options) -> dic
     training = transformers.TrainingArguments(
         output_dir="/tmp/hf-finetune", max_steps=args.steps, per_device_train_batch_size=args.batch,
         learning_rate=1e-5, bf16=not args.cpu, max_grad_norm=1.0, report_to=[], save_strategy="no",
-        logging_steps=1, use_cpu=args.cpu, disable_tqdm=False)
-    model = model_of(args.shape, on_gpu, init_on_gpu=torch.cuda.is_available() and not args.cpu and not args.paged)
+        logging_steps=1, use_cpu=args.cpu, disable_tqdm=False, gradient_checkpointing=args.gradient_checkpointing)
+    gpu = torch.cuda.is_available() and not args.cpu
+    model = model_of(args.shape, on_gpu, init_on_gpu=gpu and (args.init_on_gpu or not args.paged))
     timer = StepTimer()
     trainer = trainer_class(model=model, args=training, train_dataset=data, callbacks=[Progress(), timer, *callbacks],
                             **options)
@@ -114,7 +116,9 @@ def run(trainer_class, args, data, on_gpu: bool, callbacks=(), **options) -> dic
         trainstream.synchronize(model)
         for job in (j for j in trainstream.connect().stats()["jobs"] if j["name"] == JOB):
             result["clipping"] = {k: job[k] for k in ("completed_step", "speculative_steps", "redone_steps")}
-        trainstream.unwrap(model)
+            result["job_host_gib"] = job["host_bytes"] / GIB
+        if not args.paged:  # unwrap() would copy the paged weights and the optimizer state into this process
+            trainstream.unwrap(model)
     return result
 
 
@@ -145,6 +149,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--cap-gib", type=float, default=0, help="GPU memory cap for trainstream's run")
     parser.add_argument("--paged", action="store_true", help="build the model on the CPU: its layers are paged")
+    parser.add_argument("--init-on-gpu", action="store_true",
+                        help="with --paged: initialize the weights on the GPU (faster, where they fit), then move them")
+    parser.add_argument("--moment-dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--compare-stock", action="store_true")
     parser.add_argument("--cpu", action="store_true")
     parser.add_argument("--profile", help="a torch.profiler timeline of trainstream's last two steps into this file")
@@ -169,10 +177,11 @@ def main() -> None:
     paging = {"device": "cpu", "param_offload": True} if args.cpu and args.paged else {}
     profile = [Profile(args.profile, args.steps)] if args.profile else []
     ours = report["trainstream"] = run(TrainstreamTrainer, args, data, on_gpu and not args.paged, profile,
-                                       trainstream={"job": JOB, **paging})
+                                       trainstream={"job": JOB, "moment_dtype": args.moment_dtype, **paging})
     print(f"trainstream: {ours['step_s']:.3f} s/step" + (f" under a {args.cap_gib:g} GiB cap" if args.cap_gib else ""))
-    if args.host_gbs:  # bf16 weights (model_of), fp32 moments (TrainstreamTrainer's default)
-        per_param = host_update_bytes_per_param(weight_bytes=2)
+    if args.host_gbs:  # bf16 weights (model_of)
+        moment_bytes = 2 if args.moment_dtype == "bfloat16" else 4
+        per_param = host_update_bytes_per_param(weight_bytes=2, moment_bytes=moment_bytes)
         bound = report["host_update_bound_s"] = ours["params"] * per_param / (args.host_gbs * 1e9)
         report["trainstream_vs_host_bound"] = ours["step_s"] / bound
         print(f"host update bound {bound:.3f} s ({per_param} B/param at {args.host_gbs:g} GB/s): "

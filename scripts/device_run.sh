@@ -68,6 +68,15 @@ for what in "$@"; do
           --profile "$OUT/trace_hf_${HF_SHAPE:-1.5b}.json" >/dev/null 2>&1; gzip -f "$OUT/trace_hf_${HF_SHAPE:-1.5b}.json"
       fi
       ;;
+    hf-paged)
+      stage hf-paged  # a full fine-tune of HF_SHAPE (the Qwen2.5-7B shape) through TrainstreamTrainer, its layers
+      # paged, under HF_CAP GiB (24), bf16 moments, checkpointed layers; initialized on the GPU, then moved
+      timeout "${HF_PAGED_TIMEOUT:-240}" python3 examples/hf_finetune.py --shape "${HF_SHAPE:-7b}" --paged --init-on-gpu \
+        --cap-gib "${HF_CAP:-24}" --steps ${HF_STEPS:-6} --moment-dtype bfloat16 --gradient-checkpointing \
+        --host-gbs "$(python3 -c "import json; print(json.load(open('benchmarks/results/adamw_h200-16core.json'))['triad']['gb_per_s'])")" \
+        --json "$OUT/hf_paged_${HF_SHAPE:-7b}_cap${HF_CAP:-24}.json" 2>&1 | grep -v "^step \|it/s\]" | tail -4
+      free -g | head -2
+      ;;
     gpt-auto)
       stage gpt-auto  # the 124M GPT: stock fused AdamW, offload="auto", forced offload (40 steps: medians of 8
       # differed by 10% between the GPU-only mode and stock on 2026-12-02, more than auto's 1.05x target)
