@@ -35,8 +35,9 @@ SHAPES = {"tiny": (64, 128, 2, 4, 2, 512), "1.5b": (1536, 8960, 28, 12, 2, 15193
 
 
 def model_of(shape: str, on_gpu: bool, init_on_gpu: bool):
-    """The model with random weights, initialized on the GPU where every run's model goes there (the
-    1.5B's initialization takes about a minute on the CPU), else on the CPU: every run starts alike."""
+    """The model with random weights, initialized on the GPU if `init_on_gpu` (the 1.5B's initialization
+    takes about a minute on the CPU), then placed on the GPU, or on the CPU for paging. Runs that
+    initialize alike start from the same weights."""
     hidden, intermediate, layers, heads, kv, vocab = SHAPES[shape]
     config = transformers.Qwen2Config(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                                       num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab)

@@ -30,6 +30,11 @@ install_wheels() {
 }
 export PYTHONPATH=$PYTHONPATH:/tmp/site
 
+# The host's memory bandwidth the bounds use: the STREAM triad of the machine's benchmarks/adamw result.
+triad_gbs() {
+  python3 -c "import json; print(json.load(open('benchmarks/results/adamw_h200-16core.json'))['triad']['gb_per_s'])"
+}
+
 for what in "$@"; do
   case $what in
     build-fast)
@@ -58,10 +63,11 @@ for what in "$@"; do
       ;;
     hf-full)
       stage hf-full  # the Qwen2.5-1.5B shape fully fine-tuned through TrainstreamTrainer under a 24 GiB cap,
-      # beside the stock Trainer under the cap (out of memory on 2026-12-01, recorded as its error) and uncapped
+      # beside the stock Trainer under the cap (out of memory there on 2026-12-01: its error is recorded; it fit on
+      # 2026-12-02) and uncapped
       timeout "${HF_FULL_TIMEOUT:-300}" python3 examples/hf_finetune.py --shape "${HF_SHAPE:-1.5b}" --cap-gib "${HF_CAP:-24}" \
         --steps ${HF_STEPS:-8} --compare-stock ${HF_ARGS:-} \
-        --host-gbs "$(python3 -c "import json; print(json.load(open('benchmarks/results/adamw_h200-16core.json'))['triad']['gb_per_s'])")" \
+        --host-gbs "$(triad_gbs)" \
         --json "$OUT/hf_full_${HF_SHAPE:-1.5b}_cap${HF_CAP:-24}.json" 2>&1 | grep -v "^step \|it/s\]" | tail -6
       if [[ -n ${HF_PROFILE:-} ]]; then  # trainstream alone, a timeline of its last two of six steps
         timeout 120 python3 examples/hf_finetune.py --shape "${HF_SHAPE:-1.5b}" --cap-gib "${HF_CAP:-24}" --steps 6 \
@@ -73,7 +79,7 @@ for what in "$@"; do
       # paged, under HF_CAP GiB (24), bf16 moments, checkpointed layers; initialized on the GPU, then moved
       timeout "${HF_PAGED_TIMEOUT:-240}" python3 examples/hf_finetune.py --shape "${HF_SHAPE:-7b}" --paged --init-on-gpu \
         --cap-gib "${HF_CAP:-24}" --steps ${HF_STEPS:-6} --moment-dtype bfloat16 --gradient-checkpointing \
-        --host-gbs "$(python3 -c "import json; print(json.load(open('benchmarks/results/adamw_h200-16core.json'))['triad']['gb_per_s'])")" \
+        --host-gbs "$(triad_gbs)" \
         --json "$OUT/hf_paged_${HF_SHAPE:-7b}_cap${HF_CAP:-24}.json" 2>&1 | grep -v "^step \|it/s\]" | tail -4
       free -g | head -2
       ;;
