@@ -82,6 +82,8 @@ def commit_time(path: str) -> int:
 def load_train_gpt(results: str) -> list[ResultFile]:
     files = []
     for path in sorted(glob.glob(os.path.join(results, "train_gpt_*.json"))):
+        if "_start" in os.path.basename(path):  # start-time runs: two steps, the first one's warm-up in them
+            continue
         with open(path) as f:
             data = json.load(f)
         meta = {k: v for k, v in data.items() if k != "runs"}
