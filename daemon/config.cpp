@@ -59,6 +59,10 @@ void CheckPeerSettings(const Config& config) {
 }
 
 // Zero would refuse every session.
+void CheckWorkerSettings(const Config& config) {
+  TS_CHECK(config.worker_nice <= 19, Code::kInvalidArgument, "worker_nice is {}; expected 0 to 19", config.worker_nice);
+}
+
 void CheckSessionLimits(const Config& config) {
   TS_CHECK(config.max_unattached_sessions >= 1, Code::kInvalidArgument,
            "max_unattached_sessions is 0; expected at least 1");
@@ -211,7 +215,7 @@ std::optional<Config> ParseConfig(int argc, char** argv) {
   if (metrics_listen) config.metrics_listen = *metrics_listen;
   if (snapshot_dir) config.snapshot_dir = *snapshot_dir;
   if (snapshot_every) config.snapshot_every = *snapshot_every;
-  TS_CHECK(config.worker_nice <= 19, Code::kInvalidArgument, "worker_nice is {}; expected 0 to 19", config.worker_nice);
+  CheckWorkerSettings(config);
   CheckPeerSettings(config);
   CheckSessionLimits(config);
   CheckOperationsSettings(config);

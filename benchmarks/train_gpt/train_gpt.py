@@ -471,7 +471,7 @@ def main() -> None:
                         help="the gpu-only reference runs without --vram-cap-gib (a model that does not fit under it)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="the torch triad's threads")
     parser.add_argument("--daemon-threads", type=int, default=0,
-                        help="mode trainstream: a private daemon with this many worker threads (default: 1 per core)")
+                        help="mode trainstream: a private daemon with this many worker threads (default: 1 per CPU)")
     parser.add_argument("--daemon-nice", type=int,
                         help="mode trainstream: a private daemon whose worker threads run at this nice value")
     parser.add_argument("--profile", help="a torch.profiler trace of the timed steps into this file (for one mode)")
@@ -499,7 +499,8 @@ def main() -> None:
                "activation_paging": args.activation_paging, "paging_gib": args.paging_gib,
                "bf16_weights": args.bf16_weights, "moment_dtype": args.moment_dtype,
                "gpu": torch.cuda.get_device_name(0), "host": platform.node(), "threads": args.threads,
-               "daemon_threads": args.daemon_threads or os.cpu_count(), "daemon_worker_nice": args.daemon_nice,
+               "daemon_threads": args.daemon_threads or len(os.sched_getaffinity(0)),
+               "daemon_worker_nice": args.daemon_nice,
                "host_bandwidth_gbs": triad, "host_bandwidth_source": triad_source, "runs": []}
     for mode in args.modes.split(","):
         r = run_in_subprocess(mode)

@@ -30,14 +30,14 @@ TOLERANCE = 1e-6
 # width 1024, the weights equal to the model's bit for bit before and after, every later forward of the
 # same weights the usual loss), and 0 of 24 with one thread; the daemon's seeding pass runs on the other
 # core then. So the trainers also run their torch ops on one thread.
-REPRODUCIBLE_MKL = {"MKL_CBWR": "AUTO,STRICT", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+REPRODUCIBLE_ARITHMETIC = {"MKL_CBWR": "AUTO,STRICT", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def start(socket: str, job: str, steps: int, *extra: str) -> subprocess.Popen:
     argv = [sys.executable, os.path.join(HERE, "resume_process.py"), "--socket", socket, "--job", job,
             "--steps", str(steps), *extra]
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1", **REPRODUCIBLE_MKL))
+                            env=dict(os.environ, PYTHONUNBUFFERED="1", **REPRODUCIBLE_ARITHMETIC))
 
 
 def read_until(process: subprocess.Popen, prefix: str, log: list[str]) -> str | None:

@@ -7,7 +7,6 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <future>
@@ -194,7 +193,6 @@ TEST(WorkerPool, EqualPriorityRunsInSubmissionOrder) {
 
 TEST(WorkerPool, ThreadsRunAtTheirNiceValue) {
   constexpr int kNice = 7;
-  errno = 0;
   const int own = getpriority(PRIO_PROCESS, 0);
   if (own > kNice) GTEST_SKIP() << "this process already runs at nice " << own;
   WorkerPool pool(2, false, {}, kNice);
