@@ -13,7 +13,10 @@ Invariants of a plan:
   no optimizer state;
 - blocks keep their order (forward runs them in it), and each paged block's trainable parameters form
   buckets of their own (their layout partition is 1 + the block's index), so that a block's weights
-  are published, and copied to the GPU, bucket by bucket.
+  are published, and copied to the GPU, bucket by bucket;
+- with `page_dtype`, a paged float32 parameter pages in that 16-bit dtype only where autocast would cast
+  it so anyway: the weight or bias of a plain nn.Linear (whose forward is F.linear, which autocast runs
+  in its dtype) and of nothing else. Its master weights stay float32.
 """
 
 from __future__ import annotations
@@ -128,28 +131,68 @@ class PagingPlan:
     partition: dict[int, int]       # id(trainable paged parameter) -> its layout partition
     frozen: list[tuple[str, nn.Parameter]]  # every paged frozen parameter, block by block, with its name
     resident_shared: list[str]      # parameters of paged blocks kept resident because they are shared
+    page_dtype: torch.dtype | None = None    # the autocast dtype the blocks' forward must run under
+    paged_as: dict[int, torch.dtype] = field(default_factory=dict)  # id(float32 parameter) -> page_dtype
+
+    def job_dtype(self, p: nn.Parameter) -> torch.dtype:
+        """The dtype the job keeps parameter p's weights and gradients in: page_dtype or its own."""
+        return self.paged_as.get(id(p), p.dtype)
 
     @property
     def paged_ids(self) -> set[int]:
         return {id(p) for b in self.blocks for p in (*b.trainable, *b.frozen)}
 
 
+PAGE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def check_page_dtype(page_dtype) -> torch.dtype | None:
+    """wrap()'s page_dtype: None, or the name of the 16-bit dtype of the blocks' autocast."""
+    if page_dtype is None:
+        return None
+    if not isinstance(page_dtype, str) or page_dtype not in PAGE_DTYPES:
+        raise TrainstreamError(f"page_dtype={page_dtype!r}: use None (each weight pages in its own dtype), "
+                               "'bfloat16' or 'float16' (the dtype of the torch.autocast the blocks run under)")
+    return PAGE_DTYPES[page_dtype]
+
+
+def refuse_options_without_paging(blocks, page_dtype) -> None:
+    given = [name for name, value in (("blocks=", blocks), ("page_dtype=", page_dtype)) if value is not None]
+    if given:
+        raise TrainstreamError(f"{' and '.join(given)} given but param_offload is off: pass param_offload=True (or a "
+                               "share)")
+
+
 def plan_paging(model: nn.Module, trainable: list[nn.Parameter], param_offload, blocks=None,
-                device: torch.device | None = None, budget: int | None = None) -> PagingPlan | None:
+                device: torch.device | None = None, budget: int | None = None,
+                page_dtype: str | None = None) -> PagingPlan | None:
     """What pages for `param_offload` (see select_blocks), None when nothing does. `trainable` is the
     optimizer's parameters; `device` where the blocks compute, and `budget` the memory "auto" plans for
-    there (default: _budget.available(device); on the CPU "auto" pages nothing)."""
+    there (default: _budget.available(device); on the CPU "auto" pages nothing). `page_dtype`: see the
+    invariants above."""
+    dtype = check_page_dtype(page_dtype)
     if param_offload is None or param_offload is False:
-        if blocks is not None:
-            raise TrainstreamError("blocks= is given but param_offload is off: pass param_offload=True (or a share)")
+        refuse_options_without_paging(blocks, page_dtype)
         return None
     if isinstance(param_offload, str) and param_offload != "auto" or not isinstance(
             param_offload, (bool, int, float, str, list, tuple, range)):
         raise _unknown(param_offload)  # before looking for blocks
     if isinstance(param_offload, str) and param_offload == "auto":
-        return _plan_auto(model, trainable, blocks, device, budget)
-    names, modules = resolve_blocks(model, blocks)
-    return _plan(model, trainable, names, modules, select_blocks(param_offload, len(modules)))
+        plan = _plan_auto(model, trainable, blocks, device, budget)
+    else:
+        names, modules = resolve_blocks(model, blocks)
+        plan = _plan(model, trainable, names, modules, select_blocks(param_offload, len(modules)))
+    if plan is not None and dtype is not None:
+        _page_linears_in(plan, dtype, _holders(model))
+    return plan
+
+
+def _page_linears_in(plan: PagingPlan, dtype: torch.dtype, holders: dict[int, list[nn.Module]]) -> None:
+    plan.page_dtype = dtype
+    for block in plan.blocks:
+        for p in block.trainable:
+            if p.dtype == torch.float32 and all(type(m).forward is nn.Linear.forward for m in holders[id(p)]):
+                plan.paged_as[id(p)] = dtype
 
 
 def _plan_auto(model, trainable, blocks, device, budget) -> PagingPlan | None:

@@ -83,14 +83,15 @@ def parameters_of(optimizer: torch.optim.Optimizer, paged: set[int] = frozenset(
 
 
 def layout_entries(model: torch.nn.Module, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
-                   partition: dict[int, int] | None = None) -> list[tuple]:
+                   dtypes: list[torch.dtype], partition: dict[int, int] | None = None) -> list[tuple]:
     """(name, shape, dtype code, group, partition) for each parameter, as _C.Client.attach takes them;
-    `partition` maps the ids of paged parameters to their block's partition (others: 0)."""
+    `dtypes` are the dtypes the job keeps them in (_blocks.PagingPlan.job_dtype), `partition` maps the
+    ids of paged parameters to their block's partition (others: 0)."""
     names = {id(p): name for name, p in model.named_parameters()}
     group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
     partition = partition or {}
-    return [(names.get(id(p), f"param{i}"), list(p.shape), DTYPE_CODES[p.dtype], group_of[id(p)],
-             partition.get(id(p), 0)) for i, p in enumerate(params)]
+    return [(names.get(id(p), f"param{i}"), list(p.shape), DTYPE_CODES[dtype], group_of[id(p)],
+             partition.get(id(p), 0)) for i, (p, dtype) in enumerate(zip(params, dtypes))]
 
 
 def frozen_entries(frozen: list[tuple[str, torch.nn.Parameter]]) -> list[tuple]:

@@ -147,10 +147,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         index = {id(p): i for i, p in enumerate(self._rank.params)}
         state = {}
         for p, saved in self.daemon_state().items():
+            dtype = self._rank.model_dtype(p)
             state[index[id(p)]] = {
                 "step": torch.tensor(saved["step"], dtype=torch.float32),
-                "exp_avg": saved["exp_avg"].to(dtype=p.dtype, device=p.device, copy=True),
-                "exp_avg_sq": saved["exp_avg_sq"].to(dtype=p.dtype, device=p.device, copy=True),
+                "exp_avg": saved["exp_avg"].to(dtype=dtype, device=p.device, copy=True),
+                "exp_avg_sq": saved["exp_avg_sq"].to(dtype=dtype, device=p.device, copy=True),
             }
         groups, first = [], 0
         for group in self.param_groups:

@@ -11,7 +11,8 @@ one block at a time, in a bounded pool of slots (the design document, "Weight pa
 
 Invariants:
 - a paged parameter's `.data` is a view of its block's slot while the block is loaded, else a
-  placeholder of its shape and dtype (one element, expanded); everything that reads paged weights goes
+  placeholder of its shape (one element, expanded), both in its job dtype (`PagedTensor.dtype`: its own,
+  or autocast's for a float32 Linear weight paged with page_dtype); everything that reads paged weights goes
   through `use()` first (block hooks, the read guard, saved-tensor unpacking, state_dict);
 - a slot is overwritten only after the kernels queued so far that read it have run: eviction records
   an event on the compute stream, and the copy stream waits for it before the next load;
@@ -55,6 +56,7 @@ class HostRange:
 class PagedTensor:
     param: nn.Parameter
     slot_offset: int  # bytes into the block's slot
+    dtype: torch.dtype  # in the slot: the job's (autocast's for a float32 weight paged in it)
 
 
 @dataclass
@@ -67,6 +69,7 @@ class BlockCopy:
     ranges: list[HostRange]
     tensors: list[PagedTensor]
     buckets: tuple[int, ...]
+    autocast_dtype: torch.dtype | None = None  # its forward must run under it: it holds weights paged in it
 
     @property
     def nbytes(self) -> int:
@@ -132,18 +135,18 @@ class BlockPager:
         self._typed_pool: dict[torch.dtype, torch.Tensor] = {}
         for b in blocks:
             for t in b.tensors:
-                t.param.data = self._placeholder(t.param)
+                t.param.data = self._placeholder(t)
 
     # ----- what blocks hold -----
 
     def block_of(self, param: torch.Tensor) -> int | None:
         return self._param_block.get(id(param))
 
-    def _placeholder(self, p: torch.Tensor) -> torch.Tensor:
-        one = self._placeholders.get(p.dtype)
+    def _placeholder(self, t: PagedTensor) -> torch.Tensor:
+        one = self._placeholders.get(t.dtype)
         if one is None:
-            one = self._placeholders[p.dtype] = torch.zeros(1, dtype=p.dtype, device=self.device)
-        return one.expand(p.shape)
+            one = self._placeholders[t.dtype] = torch.zeros(1, dtype=t.dtype, device=self.device)
+        return one.expand(t.param.shape)
 
     def _slot_view(self, slot: int, offset: int, dtype: torch.dtype, size, stride) -> torch.Tensor:
         typed = self._typed_pool.get(dtype)
@@ -233,7 +236,7 @@ class BlockPager:
         self.loaded_generation[k] = self.gate.generation(block.buckets)
         for t in block.tensors:
             p = t.param
-            p.data = self._slot_view(slot, t.slot_offset, p.dtype, p.shape, _contiguous_strides(p.shape))
+            p.data = self._slot_view(slot, t.slot_offset, t.dtype, p.shape, _contiguous_strides(p.shape))
         self.loads += 1
         self.loaded_bytes += block.nbytes
 
@@ -259,7 +262,7 @@ class BlockPager:
         if k is None:
             return
         for t in self.blocks[k].tensors:
-            t.param.data = self._placeholder(t.param)
+            t.param.data = self._placeholder(t)
         del self.slot_of[k]
         self.in_slot[slot] = None
         self.loaded_event.pop(k, None)
@@ -284,14 +287,28 @@ class BlockPager:
         self.evict_all()
         for block in self.blocks.values():
             for t in block.tensors:
-                t.param.data = self._placeholder(t.param)
+                t.param.data = self._placeholder(t)
 
     # ----- block hooks -----
 
     def enter(self, k: int) -> None:
+        self._check_autocast(self.blocks[k])
         self.use(k)
         self.entered.append(k)
         self.prefetch_after(k, backward=_in_backward())
+
+    def _check_autocast(self, block: BlockCopy) -> None:
+        """A float32 weight paged in autocast's dtype gives the results of the float32 one only where
+        autocast casts it so: under any other mode its forward would compute something else."""
+        wanted, kind = block.autocast_dtype, self.device.type
+        if wanted is None or torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind) == wanted:
+            return
+        running = f"under torch.autocast({kind!r}, dtype={torch.get_autocast_dtype(kind)})" \
+            if torch.is_autocast_enabled(kind) else "without autocast"
+        dtype = str(wanted).removeprefix("torch.")
+        raise TrainstreamError(f"block {block.index} ({block.name}) runs {running}, but page_dtype={dtype!r} pages "
+                               f"its Linear weights in {dtype}: run its forward under torch.autocast({kind!r}, "
+                               f"dtype=torch.{dtype}), or wrap without page_dtype")
 
     def leave(self, k: int) -> None:
         if self.entered and self.entered[-1] == k:
@@ -357,8 +374,9 @@ def block_copies(plan, regions) -> list[BlockCopy]:
             ranges.append(HostRange(lambda b=b: regions.bucket_weights(b), nbytes, offset,
                                     all_copies=lambda b=b: regions.bucket_weight_copies(b)))
             for i in regions.bucket_params[b]:
-                p = regions.params[i]
-                tensors.append(PagedTensor(p, offset + regions.param_layout[i][1] * p.element_size()))
+                dtype = regions.dtypes[i]
+                tensors.append(PagedTensor(regions.params[i], offset + regions.param_layout[i][1] * dtype.itemsize,
+                                           dtype))
             offset = align(offset + nbytes)
         if block.frozen:
             first = frozen_index[id(block.frozen[0])]
@@ -367,8 +385,10 @@ def block_copies(plan, regions) -> list[BlockCopy]:
             ranges.append(HostRange(lambda f=first, t=last: regions.frozen_bytes(f, t), nbytes, offset, frozen=True))
             base = regions.frozen_offsets[first]
             for j in range(first, last):
-                tensors.append(PagedTensor(plan.frozen[j][1], offset + regions.frozen_offsets[j] - base))
-        copies.append(BlockCopy(block.index, block.name, block.module, ranges, tensors, buckets))
+                p = plan.frozen[j][1]
+                tensors.append(PagedTensor(p, offset + regions.frozen_offsets[j] - base, p.dtype))
+        autocast = plan.page_dtype if any(id(p) in plan.paged_as for p in block.trainable) else None
+        copies.append(BlockCopy(block.index, block.name, block.module, ranges, tensors, buckets, autocast))
     return copies
 
 

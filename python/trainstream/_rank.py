@@ -76,18 +76,22 @@ class Rank:
         self.accumulation_steps = accumulation_steps
         self.job = job
         frozen = paging.frozen if paging else []
+        # float32 weights the job keeps in autocast's dtype (page_dtype): they show as such on the GPU
+        self.paged_as = paging.paged_as if paging else {}
+        dtypes = [paging.job_dtype(p) if paging else p.dtype for p in self.params]
         self.timings: dict[str, float] = {}  # seconds each phase of wrap() took (benchmarks report them)
         self.weights_wait_s = 0.0  # time the model waited for the daemon's new weights (benchmarks read it)
         started = time.perf_counter()
         self.session = client._native.attach(
-            job, rank, _layout.layout_entries(model, optimizer, self.params, paging.partition if paging else None),
+            job, rank, _layout.layout_entries(model, optimizer, self.params, dtypes,
+                                           paging.partition if paging else None),
             len(optimizer.param_groups), int(bucket_mb * (1 << 20)), _layout.MOMENT_DTYPES[moment_dtype], self.kind,
             accumulation_steps, world_size, float(max_grad_norm or 0.0), seed, list(peers or []), node_rank,
             transport_name(device), describe_device(device), frozen=_layout.frozen_entries(frozen),
             wait_timeout_s=wait_timeout, state_halves=halves, speculative_clipping=speculation)
         self.resume_step = self.session.resume_step  # the optimizer steps the job had completed
         moments = torch.float32 if moment_dtype == "float32" else torch.bfloat16
-        self.regions = Regions(self.session, self.params, moments, [p for _, p in frozen])
+        self.regions = Regions(self.session, self.params, moments, [p for _, p in frozen], dtypes)
         self.buckets = self.regions.buckets  # the step protocol runs per bucket
         started = self._timed("attach", started)
         self.transport: Transport = transport_for(self.regions, self.session, device)
@@ -174,10 +178,17 @@ class Rank:
                              if id(p) in paged]
         return pager
 
+    def model_dtype(self, p: torch.nn.Parameter) -> torch.dtype:
+        """The dtype parameter p has for the user (its state dicts' and optimizer state's), which a weight
+        paged in autocast's dtype shows only on the GPU."""
+        return torch.float32 if id(p) in self.paged_as else p.dtype
+
     def _paged_host_views(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
-        """Each paged parameter with the job's host copy of its current weights."""
+        """Each paged parameter with the job's host copy of its current weights in its model dtype (the
+        master weights of one paged in autocast's dtype)."""
         index = {id(p): i for i, p in enumerate(self.params)}
-        views = [(p, self.regions.upload_view(index[id(p)])) for b in self.paging.blocks for p in b.trainable]
+        views = [(p, self.regions.master_view(index[id(p)]) if id(p) in self.paged_as else
+                  self.regions.upload_view(index[id(p)])) for b in self.paging.blocks for p in b.trainable]
         return views + [(p, v) for (_, p), v in zip(self.paging.frozen, self.regions.frozen_views)]
 
     def _paged_state_dict(self, state_dict: dict, prefix: str) -> None:

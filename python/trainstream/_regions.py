@@ -26,8 +26,11 @@ from trainstream import _layout
 
 class Regions:
     def __init__(self, session, params: list[torch.nn.Parameter], moment_dtype: torch.dtype,
-                 frozen: list[torch.nn.Parameter] = ()):
+                 frozen: list[torch.nn.Parameter] = (), dtypes: list[torch.dtype] | None = None):
+        """`dtypes`: the dtype the job keeps each parameter's weights and gradients in, where it is not the
+        parameter's own (a float32 weight paged in autocast's dtype: _blocks.PagingPlan.paged_as)."""
         self.params = params
+        self.dtypes = dtypes or [p.dtype for p in params]
         self.session = session
         self.halves = session.state_halves
         self.buckets = session.buckets
@@ -50,22 +53,23 @@ class Regions:
         self._exp_avg = [_bytes(session.exp_avg(h)).view(moment_dtype) for h in (0, 1)]
         self._exp_avg_sq = [_bytes(session.exp_avg_sq(h)).view(moment_dtype) for h in (0, 1)]
         self.grad_views, self._upload_views, self.elem_ranges = [], [], []
-        for i, p in enumerate(params):
+        for i, (p, dtype) in enumerate(zip(params, self.dtypes)):
             bucket_index, offset, numel = self.param_layout[i]
             bucket = self.buckets[bucket_index]
             first = bucket["elem_offset"] + offset
             self.elem_ranges.append((first, first + numel))
+            size = dtype.itemsize
             # A paged 16-bit bucket of a job with one rank takes its gradients in its upload copy
             # (shm/job_layout.h says when and why).
             in_upload = bucket["grads_in_upload"]
             region, base = (upload, bucket["upload_offset"]) if in_upload else (grads, bucket["grad_offset"])
-            start = base + offset * p.element_size()
-            self.grad_views.append(region[start:start + numel * p.element_size()].view(p.dtype).view(p.shape))
-            if p.dtype == torch.float32:  # the new weights are the master weights themselves (upload_view)
+            start = base + offset * size
+            self.grad_views.append(region[start:start + numel * size].view(dtype).view(p.shape))
+            if dtype == torch.float32:  # the new weights are the master weights themselves (upload_view)
                 self._upload_views.append(None)
             else:
-                start = bucket["upload_offset"] + offset * p.element_size()
-                self._upload_views.append(upload[start:start + numel * p.element_size()].view(p.dtype).view(p.shape))
+                start = bucket["upload_offset"] + offset * size
+                self._upload_views.append(upload[start:start + numel * size].view(dtype).view(p.shape))
 
     def _half(self, i: int) -> int:
         """The state half of parameter i's bucket's last committed step."""
@@ -81,7 +85,7 @@ class Regions:
         return self._exp_avg[half][first:last].view(shape), self._exp_avg_sq[half][first:last].view(shape)
 
     def upload_view(self, i: int) -> torch.Tensor:
-        """The new weights parameter i takes, in its dtype: its bucket's upload copy (16-bit), or its
+        """The new weights parameter i takes, in its job dtype: its bucket's upload copy (16-bit), or its
         master weights (float32)."""
         view = self._upload_views[i]
         return self.master_view(i) if view is None else view

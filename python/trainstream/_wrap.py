@@ -61,7 +61,7 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
          seed: int | None = None, peers: list[str] | None = None,
          node_rank: int | None = None, device: str | torch.device | None = None, param_offload=False,
          blocks=None, page_prefetch: int = 2,
-         page_pool_mb: float | None = None, offload=True, activation_offload=False,
+         page_pool_mb: float | None = None, page_dtype: str | None = None, offload=True, activation_offload=False,
          distributed="auto", wait_timeout: float | None = None, state_halves="auto",
          speculative_clipping="auto") -> tuple[torch.nn.Module, OffloadedOptimizer]:
     """Offloads `optimizer` (torch.optim.AdamW or Adam) of `model` to trainstreamd.
@@ -101,7 +101,12 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
     need the GPU whole). The GPU holds `page_prefetch` + 1 blocks (or `page_pool_mb` MiB of them): the
     block computing now and the next ones, copied while it computes. Each paged weight crosses PCIe
     twice per step (forward and backward). Frozen parameters (requires_grad=False) of paged blocks, a
-    LoRA base, are kept once in host memory in their dtype, with no optimizer state.
+    LoRA base, are kept once in host memory in their dtype, with no optimizer state. `page_dtype`
+    ("bfloat16" or "float16") pages the float32 weights and biases of the paged blocks' nn.Linear layers
+    in that dtype, for forwards under torch.autocast of it (which casts them so anyway): half the bytes
+    across PCIe and through host memory, the same results; their fp32 master weights stay in the daemon
+    (state dicts hold them), and on the GPU they show as tensors of that dtype. A paged block's forward
+    without that autocast is refused.
 
     `activation_offload` runs the model's forward inside trainstream.activation_paging(): True pages
     every saved activation, a fraction in (0, 1] that share of the bytes the first step saved, "auto"
@@ -133,7 +138,7 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
     _check_parameters_are_the_models(model, optimizer)
     if offload is False:
         return _wrap_in_torch(model, optimizer, max_grad_norm, accumulation_steps, param_offload, blocks, device,
-                              activation_offload)
+                              activation_offload, page_dtype)
     started = time.perf_counter()
     own_client = client is None
     given_node_rank = node_rank
@@ -148,7 +153,7 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
         raise TrainstreamError("ranks of a job with world_size > 1 or several nodes must pass the same job name")
     target = torch.device(device) if device is not None else _parameters_device(model)
     paging = _blocks.plan_paging(model, [p for g in optimizer.param_groups for p in g["params"]], param_offload,
-                                 blocks, device=_with_index(target))
+                                 blocks, device=_with_index(target), page_dtype=page_dtype)
     if device is not None:
         device = _place(model, torch.device(device), paging.paged_ids if paging else set())
     elif paging is not None:
@@ -194,7 +199,7 @@ def _check_choice(option: str, value, choices: tuple, allowed: str) -> None:
 
 
 def _wrap_in_torch(model, optimizer, max_grad_norm, accumulation_steps, param_offload, blocks, device,
-                   activation_offload) -> tuple[torch.nn.Module, OffloadedOptimizer]:
+                   activation_offload, page_dtype) -> tuple[torch.nn.Module, OffloadedOptimizer]:
     """offload=False: the optimizer runs in torch from the start (fused where torch has the kernels), with
     wrap's contract: clipping by max_grad_norm, p.grad emptied after each step."""
     if isinstance(param_offload, str) and param_offload == "auto":
@@ -202,8 +207,7 @@ def _wrap_in_torch(model, optimizer, max_grad_norm, accumulation_steps, param_of
     elif param_offload is not None and param_offload is not False:
         raise TrainstreamError(f"param_offload={param_offload!r} needs offload=True or 'auto': the paged weights live "
                                "in the daemon's job")
-    if blocks is not None:
-        raise TrainstreamError("blocks= is given but param_offload is off: pass param_offload=True (or a share)")
+    _blocks.refuse_options_without_paging(blocks, page_dtype)
     if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
         raise TrainstreamError(f"accumulation_steps must be >= 1, not {accumulation_steps}")
     if max_grad_norm is not None and not max_grad_norm > 0:

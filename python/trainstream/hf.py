@@ -18,6 +18,9 @@ layers (the model's block stack: model.model.layers, and peft's wrapped equivale
 host memory (`param_offload=True`, `device=` the Trainer's device), and the rest goes to the GPU; a
 LoRA base's frozen weights then live once in host memory in their dtype, with no optimizer state. Pass
 `trainstream={"param_offload": ...}` to choose otherwise (False moves the model to the GPU as usual).
+With `bf16=True` the Trainer runs the forward under bf16 autocast, so the paged layers' float32 Linear
+weights page in bf16 (`page_dtype="bfloat16"`: half the bytes, the same results; `page_dtype=None`
+pages them in float32).
 
 Causal language models (see _causal_lm_loss.py for which) compute their training loss with
 trainstream.chunked_cross_entropy from the last hidden state and the output projection, so the full
@@ -77,6 +80,8 @@ class TrainstreamTrainer(transformers.Trainer):
             return False
         if device is not None:
             self.trainstream_options.setdefault("device", device)
+        if getattr(args, "bf16", False):
+            self.trainstream_options.setdefault("page_dtype", "bfloat16")
         return True
 
     def _move_model_to_device(self, model, device):

@@ -147,3 +147,29 @@ def test_a_base_loaded_from_disk_pages_without_a_second_copy(client, tmp_path):
         storage = p.untyped_storage()
         assert storage.nbytes() == p.element_size() or storage.data_ptr() == pool
     trainstream.unwrap(model)
+
+
+def test_a_bf16_full_fine_tune_pages_fp32_linears_in_bf16_with_the_same_results(client, tmp_path):
+    """bf16=True: the Trainer's forward runs under bf16 autocast, which casts the float32 Linear weights to
+    bf16 anyway; TrainstreamTrainer pages them so, and trains exactly as with them paged in float32."""
+    def run(options):
+        model = base()
+        args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4,
+                                              learning_rate=1e-3, max_grad_norm=1.0, report_to=[], use_cpu=True,
+                                              bf16=True, seed=0, disable_tqdm=True, logging_steps=1,
+                                              save_strategy="no")
+        losses = Losses()
+        trainer = TrainstreamTrainer(model=model, args=args, train_dataset=dataset(), callbacks=[losses],
+                                     trainstream={"client": client, "device": "cpu", "param_offload": True, **options})
+        trainer.create_optimizer()
+        layer = model.model.layers[0]
+        dtypes = (layer.self_attn.q_proj.weight.dtype, layer.input_layernorm.weight.dtype)
+        trainer.train()
+        trainstream.unwrap(model)
+        return losses.values, dtypes, [p.detach().clone() for p in model.parameters()]
+
+    bf16, bf16_dtypes, bf16_weights = run({})
+    fp32, fp32_dtypes, fp32_weights = run({"page_dtype": None})
+    assert bf16_dtypes == (torch.bfloat16, torch.float32) and fp32_dtypes == (torch.float32, torch.float32)
+    assert len(bf16) == 4 and bf16 == fp32
+    assert all(torch.equal(a, b) for a, b in zip(bf16_weights, fp32_weights))

@@ -41,17 +41,22 @@ class Block(nn.Module):
 
 class TinyGPT(nn.Module):
     """Embedding, a stack of blocks, a tied head. `twice`: block 1 runs twice; `peek`: the model reads
-    block 2's weight directly, outside its forward; `ckpt`: None, or use_reentrant for checkpointed blocks."""
+    block 2's weight directly, outside its forward; `ckpt`: None, or use_reentrant for checkpointed blocks;
+    `autocast`: the forward runs under torch.autocast of that dtype."""
 
-    def __init__(self, layers: int = 5, dtype=torch.float32, twice=False, peek=False, ckpt=None):
+    def __init__(self, layers: int = 5, dtype=torch.float32, twice=False, peek=False, ckpt=None, autocast=None):
         super().__init__()
         self.wte = nn.Embedding(VOCAB, WIDTH)
         self.blocks = nn.ModuleList(Block() for _ in range(layers))
         self.ln = nn.LayerNorm(WIDTH)
-        self.twice, self.peek, self.ckpt = twice, peek, ckpt
+        self.twice, self.peek, self.ckpt, self.autocast = twice, peek, ckpt, autocast
         self.to(dtype)
 
     def forward(self, tokens):
+        with torch.autocast("cpu", dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
+            return self._loss(tokens)
+
+    def _loss(self, tokens):
         x = self.wte(tokens)
         for i, block in enumerate(self.blocks):
             x = block(x) if self.ckpt is None else checkpoint(block, x, use_reentrant=self.ckpt)
@@ -443,3 +448,85 @@ def test_optimizer_state_dict_round_trip_keeps_paged_master_weights(client):
         return [p.detach().clone() for p in model.parameters()]
 
     assert all(torch.equal(a, b) for a, b in zip(run(True), run(False)))
+
+
+# ----- float32 weights paged in autocast's dtype (page_dtype) -----
+
+def autocast_gpt(**variant):
+    return TinyGPT(autocast=torch.bfloat16, **variant)
+
+
+@pytest.mark.parametrize("options", [{}, {"max_grad_norm": 0.3}, {"accumulation_steps": 2}],
+                         ids=["plain", "clipping", "accumulation"])
+def test_fp32_linears_paged_in_autocasts_dtype_equal_unpaged_fp32(client, options):
+    """Autocast casts a float32 Linear weight to bf16 before it computes, and its bf16 gradient back: a
+    weight paged in bf16 from the fp32 master weights computes the same bits."""
+    unpaged = train(client, autocast_gpt, **options)
+    paged = train(client, autocast_gpt, paged=True, page_dtype="bfloat16", **options)
+    assert_identical(paged, unpaged)
+    assert all(p.dtype == torch.float32 for p in paged[1])  # unwrap brings back the master weights
+
+
+def test_checkpointed_blocks_page_in_autocasts_dtype(client):
+    make = lambda: autocast_gpt(ckpt=False)  # noqa: E731
+    assert_identical(train(client, make, paged=True, page_dtype="bfloat16"), train(client, make))
+
+
+def test_only_plain_linears_page_in_autocasts_dtype():
+    class OwnLinear(nn.Linear):
+        def forward(self, x):  # reads its weight in an op autocast does not cast
+            return super().forward(x) + self.weight.sum()
+
+    model = TinyGPT()
+    model.blocks[0].down = OwnLinear(3 * WIDTH, WIDTH)
+    model.blocks[1].up.requires_grad_(False)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    plan = _blocks.plan_paging(model, trainable, True, page_dtype="bfloat16")
+    as_bf16 = {n for n, p in model.named_parameters() if plan.job_dtype(p) == torch.bfloat16}
+    linears = {f"blocks.{k}.{n}" for k in range(5) for n in ("up.weight", "up.bias", "down.weight")}
+    assert as_bf16 == linears - {"blocks.0.down.weight", "blocks.1.up.weight", "blocks.1.up.bias"}
+    assert plan.page_dtype == torch.bfloat16
+
+
+def test_weights_paged_in_autocasts_dtype_show_so_and_state_dicts_keep_fp32(client):
+    torch.manual_seed(0)
+    model = autocast_gpt()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = trainstream.wrap(model, opt, client=client, device="cpu", param_offload=True,
+                                  page_dtype="bfloat16")
+    up, ln = model.blocks[0].up, model.blocks[0].ln
+    assert (up.weight.dtype, up.bias.dtype, ln.weight.dtype) == (torch.bfloat16, torch.bfloat16, torch.float32)
+    sd = model.state_dict()
+    assert all(torch.equal(sd[k], v) and sd[k].dtype == v.dtype for k, v in expected.items())
+    model(tokens(0)).backward()
+    opt.step()
+    moments = opt.state_dict()["state"]
+    index = [i for i, p in enumerate(model.parameters()) if p is up.weight][0]
+    assert moments[index]["exp_avg"].dtype == torch.float32
+    trained = model.state_dict()
+    model.load_state_dict(expected)  # fp32 values reach the master weights unrounded
+    assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
+    model.load_state_dict(trained)
+    trainstream.unwrap(model)
+
+
+@pytest.mark.parametrize("autocast", [None, torch.float16], ids=["no-autocast", "float16-autocast"])
+def test_a_forward_outside_the_page_dtypes_autocast_is_refused(client, autocast):
+    model = TinyGPT(autocast=autocast)
+    model, _ = trainstream.wrap(model, torch.optim.AdamW(model.parameters()), client=client, device="cpu",
+                                param_offload=True, page_dtype="bfloat16")
+    with pytest.raises(TrainstreamError, match=r"block 0 \(blocks.0\) runs .*page_dtype='bfloat16' pages its Linear"):
+        model(tokens(0))
+    trainstream.unwrap(model)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"param_offload": True, "page_dtype": "int8"}, "page_dtype='int8': use None"),
+    ({"page_dtype": "bfloat16"}, "page_dtype= given but param_offload is off"),
+    ({"page_dtype": "bfloat16", "offload": False}, "page_dtype= given but param_offload is off"),
+])
+def test_bad_page_dtypes_are_refused_at_wrap(client, options, message):
+    model = TinyGPT()
+    with pytest.raises(TrainstreamError, match=message):
+        trainstream.wrap(model, torch.optim.AdamW(model.parameters()), client=client, device="cpu", **options)

@@ -94,6 +94,19 @@ def test_paged_equals_unpaged_on_the_gpu(client, case):
         assert torch.equal(paged[1][k], unpaged[1][k]), k
 
 
+@pytest.mark.parametrize("case", [dict(make=GPT), dict(make=GPT, max_grad_norm=0.05),
+                                  dict(make=lambda: GPT(ckpt=True))], ids=["plain", "clipping", "checkpoint"])
+def test_fp32_linears_paged_in_bf16_equal_unpaged_fp32_under_autocast(client, case):
+    """page_dtype="bfloat16": the blocks' Linear weights cross PCIe in bf16, as autocast computes with them."""
+    case = dict(case)
+    make = case.pop("make")
+    unpaged = train(client, make, False, autocast=True, **case)
+    paged = train(client, make, True, autocast=True, page_dtype="bfloat16", **case)
+    assert paged[0] == unpaged[0]
+    for k in unpaged[1]:
+        assert paged[1][k].dtype == torch.float32 and torch.equal(paged[1][k], unpaged[1][k]), k
+
+
 def test_activation_paging_and_weight_paging_together(client):
     def step_with_activation_paging(model, opt, step):
         with trainstream.activation_paging(min_bytes=1024):
