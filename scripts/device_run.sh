@@ -164,10 +164,12 @@ for what in "$@"; do
       done
       ;;
     pack)
-      stage pack  # what is under $OUT so far in one file, results-N.tgz (the device tool returns at most 8 files)
+      stage pack  # what is under $OUT so far in one file, results-N.tgz (the device tool returns at most 8 files);
+      # build-fast's bin/ stays as it is, to be carried back in .device/bin (use-bin)
       (cd "$OUT" && n=$(find . -maxdepth 1 -name 'results-*.tgz' | wc -l) \
         && tar -czf /tmp/results.tgz --exclude='./results-*.tgz' --exclude=./bin . \
-        && find . -mindepth 1 -maxdepth 1 ! -name 'results-*.tgz' -exec rm -rf {} + && mv /tmp/results.tgz "results-$n.tgz")
+        && find . -mindepth 1 -maxdepth 1 ! -name 'results-*.tgz' ! -name bin -exec rm -rf {} + \
+        && mv /tmp/results.tgz "results-$n.tgz")
       ls -la "$OUT"
       ;;
     gpt-profile)

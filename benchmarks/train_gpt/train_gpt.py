@@ -304,6 +304,8 @@ def run(args, mode: str) -> dict:
 
             def step(tokens, targets):
                 loss = forward_backward(model, tokens, targets, autocast)
+                if args.max_grad_norm:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 return loss
@@ -314,6 +316,8 @@ def run(args, mode: str) -> dict:
 
             def step(tokens, targets):
                 loss = forward_backward(model, tokens, targets, autocast)
+                if args.max_grad_norm:
+                    clip_torchao_gradients(opt, args.max_grad_norm)
                 opt.step()
                 opt.zero_grad()
                 return loss
@@ -330,7 +334,7 @@ def run(args, mode: str) -> dict:
                 client = trainstream.connect()
             daemon_pid = client.ping()["pid"]
             paging = {"device": "cuda", "param_offload": param_offload(args.param_offload),
-                      "page_prefetch": args.page_prefetch} if args.param_offload else {}
+                      "page_prefetch": args.page_prefetch, "page_dtype": args.page_dtype} if args.param_offload else {}
             model, opt = trainstream.wrap(model, optimizer,
                                           # auto: wrap's own connection, whose private daemon stops at the switch
                                           client=None if mode == "auto" else client,
@@ -427,10 +431,21 @@ class _Decisions(logging.Handler):
 
 
 def host_update_bytes_per_param(args) -> int:
-    weights = 2 if args.bf16_weights else 4
+    sixteen = args.bf16_weights or args.page_dtype  # page_dtype: the blocks' Linear weights, most of the model
+    weights = 2 if sixteen else 4
     moments = 2 if args.moment_dtype == "bfloat16" else 4
-    upload = 2 if args.bf16_weights else 0  # fp32 weights are read from the master weights in place
+    upload = 2 if sixteen else 0  # fp32 weights are read from the master weights in place
     return weights + 8 + 4 * moments + upload  # gradient, master r/w, two moments r/w, upload
+
+
+def clip_torchao_gradients(opt, max_norm: float) -> None:
+    """torch's clip_grad_norm_ for a torchao CPUOffloadOptimizer with offloaded gradients, which has no
+    clipping of its own: once every gradient's copy to the host has landed, over the host gradients and
+    those of the small parameters it keeps on the GPU (torch's norm sums across devices)."""
+    for copied in opt.queue.values():
+        copied.synchronize()
+    on_gpu = [p for group in opt.d_param_groups for p in group["params"]]
+    torch.nn.utils.clip_grad_norm_([*opt.param_d2h_map.values(), *on_gpu], max_norm)
 
 
 def run_in_subprocess(mode: str) -> dict:
@@ -464,6 +479,9 @@ def main() -> None:
     parser.add_argument("--param-offload", default="",
                         help="trainstream mode: weight paging (true, a fraction, or block indices i,j,...)")
     parser.add_argument("--page-prefetch", type=int, default=2)
+    parser.add_argument("--page-dtype", choices=["bfloat16"],
+                        help="with --param-offload and fp32 weights: the blocks' Linear weights page in bf16 (wrap's "
+                             "page_dtype; the forward runs under bf16 autocast)")
     parser.add_argument("--checkpoint-blocks", action="store_true", help="recompute each block in backward")
     parser.add_argument("--chunked-loss", action="store_true", help="output projection + loss in chunks of tokens")
     parser.add_argument("--max-grad-norm", type=float, default=None)
@@ -494,7 +512,8 @@ def main() -> None:
         triad, triad_source = host_triad_gbs(args.threads), "torch triad"
     h2d = pinned_h2d_gbs()
     results = {"config": args.config, "batch": args.batch, "seq": args.seq, "vram_cap_gib": args.vram_cap_gib,
-               "param_offload": args.param_offload, "checkpoint_blocks": args.checkpoint_blocks,
+               "param_offload": args.param_offload, "page_dtype": args.page_dtype,
+               "checkpoint_blocks": args.checkpoint_blocks,
                "chunked_loss": args.chunked_loss, "max_grad_norm": args.max_grad_norm, "pinned_h2d_gbs": h2d,
                "activation_paging": args.activation_paging, "paging_gib": args.paging_gib,
                "bf16_weights": args.bf16_weights, "moment_dtype": args.moment_dtype,
