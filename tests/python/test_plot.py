@@ -72,7 +72,9 @@ def test_the_committed_results_draw(tmp_path):
     results = os.path.join(ROOT, "benchmarks", "results")
     panels = plot.choose_panels(plot.load_train_gpt(results))
     assert [p.config for p in panels][:2] == ["124m", "1.86b"]
-    assert {"trainstream", "torchao", "stock"} <= set(panels[1].runs)
+    # the 1.86B's setting with the most peers measured: bf16, clipped, every peer in one invocation
+    assert {"trainstream", "torchao", "deepspeed-zero2", "deepspeed-zero3"} <= set(panels[1].runs)
+    assert panels[1].sources["torchao"] == "train_gpt_1.86b_cap24_bf16_clip1.0_vs_torchao-clipped.json"
     assert os.path.getsize(plot.plot_train_gpt(plot.load_train_gpt(results), str(tmp_path))) > 0
     for path in glob.glob(os.path.join(results, "adamw_*.json")):
         assert os.path.getsize(plot.plot_adamw(path, str(tmp_path))) > 0
