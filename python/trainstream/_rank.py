@@ -91,7 +91,7 @@ class Rank:
             wait_timeout_s=wait_timeout, state_halves=halves, speculative_clipping=speculation)
         self.resume_step = self.session.resume_step  # the optimizer steps the job had completed
         moments = torch.float32 if moment_dtype == "float32" else torch.bfloat16
-        self.regions = Regions(self.session, self.params, moments, [p for _, p in frozen], dtypes)
+        self.regions = Regions(self.session, self.params, dtypes, moments, [p for _, p in frozen])
         self.buckets = self.regions.buckets  # the step protocol runs per bucket
         started = self._timed("attach", started)
         self.transport: Transport = transport_for(self.regions, self.session, device)

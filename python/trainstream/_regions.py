@@ -25,12 +25,12 @@ from trainstream import _layout
 
 
 class Regions:
-    def __init__(self, session, params: list[torch.nn.Parameter], moment_dtype: torch.dtype,
-                 frozen: list[torch.nn.Parameter] = (), dtypes: list[torch.dtype] | None = None):
-        """`dtypes`: the dtype the job keeps each parameter's weights and gradients in, where it is not the
-        parameter's own (a float32 weight paged in autocast's dtype: _blocks.PagingPlan.paged_as)."""
+    def __init__(self, session, params: list[torch.nn.Parameter], dtypes: list[torch.dtype],
+                 moment_dtype: torch.dtype, frozen: list[torch.nn.Parameter] = ()):
+        """`dtypes`: the dtype the job keeps each parameter's weights and gradients in
+        (_blocks.PagingPlan.job_dtype: its own, or autocast's for a float32 weight paged in it)."""
         self.params = params
-        self.dtypes = dtypes or [p.dtype for p in params]
+        self.dtypes = dtypes
         self.session = session
         self.halves = session.state_halves
         self.buckets = session.buckets
