@@ -214,6 +214,10 @@ for what in "$@"; do
       timeout 120 python3 benchmarks/transfer/host_register.py --sizes-gib ${REGISTER_GIB:-1,8} \
         --threads ${REGISTER_THREADS:-1,4,8,16} --json "$OUT/host_register.json" 2>&1 | tail -25
       ;;
+    pinned-alloc)
+      stage pinned-alloc  # pinned host memory for saved activations: torch's allocator, with host registering, ours
+      timeout 120 python3 benchmarks/transfer/pinned_alloc.py --total-gib ${PINNED_GIB:-8} --json "$OUT/pinned_alloc.json"
+      ;;
     adamw-before-after)
       stage adamw-before-after  # the host kernels of the commit in .device/before.tar against this tree
       skip=""
