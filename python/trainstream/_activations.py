@@ -5,10 +5,11 @@ GPU memory, so that a model whose weights fit but whose activations do not still
         loss = model(tokens, targets)
     loss.backward()
 
-Forward: each saved CUDA tensor of at least `min_bytes` is copied to page-locked host memory on a side
-stream (ordered after the kernel that produced it), and its GPU memory returns to torch's allocator
-once that copy has run (record_stream). Backward: the tensor is copied back on the current stream
-right before the autograd node that needs it; the CPU never waits.
+Forward: each saved CUDA tensor of at least `min_bytes` is copied to page-locked host memory (a buffer
+of _pinned_buffers.BUFFERS, reused step after step) on a side stream (ordered after the kernel that
+produced it), and its GPU memory returns to torch's allocator once that copy has run (record_stream).
+Backward: the tensor is copied back on the current stream right before the autograd node that needs
+it; the CPU never waits.
 
 Not paged: parameters and views of them (Linear saves `weight.t()`; they stay on the GPU anyway),
 tensors on other devices, and small tensors, whose copies would cost more in latency than they free.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from trainstream import _paging
+from trainstream._pinned_buffers import BUFFERS, Lease
 
 
 class activation_paging(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (used as a context manager)
@@ -52,14 +54,14 @@ class activation_paging(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801
             return tensor
         stream = self._side_stream(tensor.device)
         stream.wait_stream(torch.cuda.current_stream(tensor.device))  # the tensor has been computed
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        lease = BUFFERS.take(tensor.shape, tensor.dtype, tensor.device.index or 0)
         with torch.cuda.stream(stream):
-            host.copy_(tensor, non_blocking=True)
+            lease.host.copy_(tensor, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(stream)
         tensor.record_stream(stream)  # its memory is reused only after the copy has read it
         self.paged_bytes += nbytes
-        return _Paged(host, tensor.device, copied)
+        return _Paged(lease, tensor.device, copied)
 
     @staticmethod
     def _unpack(packed):
@@ -67,8 +69,13 @@ class activation_paging(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801
             return packed.pager.unpack(packed.ref)
         if not isinstance(packed, _Paged):
             return packed
-        torch.cuda.current_stream(packed.device).wait_event(packed.copied)
-        return packed.host.to(packed.device, non_blocking=True)  # on the current stream, ordered with backward
+        stream = torch.cuda.current_stream(packed.device)
+        stream.wait_event(packed.copied)
+        tensor = packed.lease.host.to(packed.device, non_blocking=True)  # on the current stream, ordered with backward
+        read = torch.cuda.Event()
+        read.record(stream)
+        packed.uses.append(read)  # the host buffer is lent again only after this copy
+        return tensor
 
 
 def is_parameter(tensor: torch.Tensor) -> bool:
@@ -85,7 +92,14 @@ class _PagedWeight:
 
 
 class _Paged:
-    __slots__ = ("host", "device", "copied")
+    """A saved tensor's host copy: its buffer goes back to BUFFERS when autograd drops it, with the
+    events of every GPU copy that touched it."""
 
-    def __init__(self, host: torch.Tensor, device: torch.device, copied: torch.cuda.Event):
-        self.host, self.device, self.copied = host, device, copied
+    __slots__ = ("lease", "device", "copied", "uses")
+
+    def __init__(self, lease: Lease, device: torch.device, copied: torch.cuda.Event):
+        self.lease, self.device, self.copied = lease, device, copied
+        self.uses = [copied]
+
+    def __del__(self):
+        self.lease.release(self.uses)

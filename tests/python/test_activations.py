@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import trainstream
-from trainstream import _activations
+from trainstream import _activations, _pinned_buffers
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -81,6 +81,22 @@ def test_gradients_unchanged_and_memory_freed():
     saved = 2 * 8192 * 4096 * 4  # the up projection's output (GELU's input) and the GELU's output
     assert peaks[False] >= saved
     assert peaks[True] < peaks[False] - saved // 2, peaks
+
+
+@cuda
+@pytest.mark.cuda
+def test_host_buffers_are_reused_step_after_step():
+    torch.manual_seed(0)
+    model, x = Wide().cuda(), torch.randn(8192, 256, device="cuda")
+    first = grads(model, x, paging=True)
+    torch.cuda.synchronize()
+    allocated = _pinned_buffers.BUFFERS.allocated_bytes
+    assert allocated >= 2 * 8192 * 4096 * 4  # at least the two saved 128 MiB activations
+    for _ in range(3):
+        again = grads(model, x, paging=True)
+        torch.cuda.synchronize()
+    assert _pinned_buffers.BUFFERS.allocated_bytes == allocated  # no new page-locked memory after the first step
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
 @cuda
