@@ -88,6 +88,7 @@ class Job {
   [[nodiscard]] uint64_t host_bytes();  // state + attached rank segments
   [[nodiscard]] size_t attached_ranks();
   JobInfo Info();
+  [[nodiscard]] shm::StateView ViewState() const;  // the state segment as this daemon maps it
   // Writes the job's state to `path` (daemon/snapshot/job_snapshots.h) with the file permissions of
   // `caller_uid`.
   SnapshotWritten Snapshot(const std::string& path, uint32_t caller_uid,
@@ -98,7 +99,6 @@ class Job {
   void Rename(uint32_t rank, const std::string& transport);  // in the transports shown by Stats
   void OnCommit(const Commit& commit);                       // the engine thread
   [[nodiscard]] uint64_t PinnedBytes();
-  [[nodiscard]] shm::StateView ViewState() const;
   [[nodiscard]] std::vector<shm::Segment::Range> LeftToFirstTouch(size_t numa_nodes) const;
 
   const std::string name_;

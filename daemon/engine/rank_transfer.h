@@ -10,7 +10,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <vector>
 
+#include "daemon/engine/host_range.h"
 #include "shm/error.h"
 
 namespace trainstream::daemon {
@@ -31,6 +33,9 @@ class RankTransfer {
   [[nodiscard]] virtual std::optional<uint64_t> ParamsOffset(uint32_t bucket) const = 0;
   // `host` -> the rank's flat parameter buffer at `offset`.
   virtual void PushWeights(uint64_t offset, const void* host, size_t bytes, Done done) = 0;
+  // The host memory the rank's copies will touch, in the order its first steps touch it (the CUDA
+  // transfer page-locks it in the background, ahead of them).
+  virtual void WillCopy(std::vector<HostRange> ranges) = 0;
   // The rank is gone: work not yet started fails instead of waiting for events that may never come.
   virtual void Abandon() = 0;
   // The rank's host memory [base, base + bytes) is about to be unmapped, and no copy uses it any more:

@@ -93,6 +93,26 @@ void StepEngine::SetTransfer(uint32_t rank, std::shared_ptr<RankTransfer> transf
   TS_CHECK(rank < ranks_.size() && ranks_[rank] != nullptr, Code::kFailedPrecondition, "rank {} is not attached", rank);
   TS_CHECK(ranks_[rank]->transfer == nullptr, Code::kAlreadyExists, "rank {} registered its GPU buffers already", rank);
   ranks_[rank]->transfer = std::move(transfer);
+  ranks_[rank]->transfer->WillCopy(CopiedHostRanges(*ranks_[rank]));
+}
+
+std::vector<HostRange> StepEngine::CopiedHostRanges(const RankChannel& channel) const {
+  std::vector<HostRange> ranges, second_half;
+  for (uint32_t b = 0; b < layout_.buckets.size(); ++b) {
+    const shm::BucketLayout& bucket = layout_.buckets[b];
+    if (!channel.transfer->ParamsOffset(b)) continue;
+    ranges.push_back(HostRange::Of(shm::GradsOf(bucket, state_, channel.view), bucket.bytes()));
+    if (!bucket.uploads_from_master()) {
+      ranges.push_back(HostRange::Of(state_.upload + bucket.upload_offset, bucket.bytes()));
+      continue;
+    }
+    ranges.push_back(HostRange::Of(state_.Other(b).master + bucket.elem_offset, bucket.bytes()));
+    if (state_.Other(b).master != state_.Committed(b).master) {
+      second_half.push_back(HostRange::Of(state_.Committed(b).master + bucket.elem_offset, bucket.bytes()));
+    }
+  }
+  ranges.insert(ranges.end(), second_half.begin(), second_half.end());
+  return ranges;
 }
 
 bool StepEngine::HasRank(uint32_t rank) {

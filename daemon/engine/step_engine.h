@@ -155,6 +155,10 @@ class StepEngine {
   void Deliver(RankChannel& channel, uint32_t bucket);
   void PullThenDeliver(const std::shared_ptr<RankChannel>& channel, uint32_t bucket, uint32_t slot, uint32_t piece);
   [[nodiscard]] uint32_t PiecesOf(uint32_t bucket, const RankTransfer& transfer) const;  // staged piece by piece
+  // What a cuda-ipc rank's copies touch on the host, in the order of its first two steps: each bucket on
+  // its GPU, in backward order, its gradients and the weights the first update writes; then the other
+  // state half's fp32 master weights (the second update's).
+  [[nodiscard]] std::vector<HostRange> CopiedHostRanges(const RankChannel& channel) const;
   void OnLoadState(RankChannel& channel, const shm::Message& message);
   void OnWeightsWanted(const std::shared_ptr<RankChannel>& channel, const shm::Message& message);
   // The weights of `bucket` after `step` are final: PARAMS_READY, after a push for cuda-ipc ranks.

@@ -128,6 +128,7 @@ CudaRankTransfer::CudaRankTransfer(std::shared_ptr<GpuDevice> gpu, const shm::Cu
 }
 
 CudaRankTransfer::~CudaRankTransfer() {
+  StopPinAhead();
   Close();
 }
 
@@ -180,7 +181,23 @@ void CudaRankTransfer::PushWeights(uint64_t offset, const void* host, size_t byt
       Counted(gpu_->counters->to_device_bytes, bytes, std::move(done)), GateOn(nullptr));
 }
 
+void CudaRankTransfer::WillCopy(std::vector<HostRange> ranges) {
+  std::lock_guard lock(pin_ahead_mutex_);
+  if (!abandoned_ && pin_ahead_ == nullptr) pin_ahead_ = std::make_unique<PinAhead>(gpu_, std::move(ranges));
+}
+
+void CudaRankTransfer::Abandon() {
+  abandoned_ = true;
+  StopPinAhead();
+}
+
+void CudaRankTransfer::StopPinAhead() {
+  std::lock_guard lock(pin_ahead_mutex_);
+  if (pin_ahead_) pin_ahead_->Stop();
+}
+
 void CudaRankTransfer::ReleaseHost(const void* base, size_t bytes) {
+  StopPinAhead();  // before the memory it may be registering goes
   PinnedHost::Instance().Release(base, bytes);
 }
 

@@ -2,18 +2,21 @@
 // opened from its IPC memory handles, and its interprocess events, all on the GPU it named by UUID.
 // Copies run on that GPU's copy queues, each issued once the rank's event it depends on has completed
 // (see CopyQueue: the GPU never waits on another process's event); the host side of every copy is
-// page-locked on first use (PinnedHost). The handles are closed when the last copy that uses them
+// page-locked (PinnedHost) in the background from WillCopy on (PinAhead), or by the copy if it comes
+// first. The handles are closed when the last copy that uses them
 // has finished and the rank is gone (owners hold a shared_ptr).
 #pragma once
 
 #include <atomic>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "daemon/engine/rank_transfer.h"
 #include "daemon/gpu/gpu_devices.h"
+#include "daemon/gpu/pin_ahead.h"
 #include "shm/cuda_ipc_export.h"
 #include "shm/job_layout.h"
 
@@ -35,7 +38,8 @@ class CudaRankTransfer final : public RankTransfer, public std::enable_shared_fr
   void AwaitWeightsWanted(uint32_t event, Done done) override;
   [[nodiscard]] std::optional<uint64_t> ParamsOffset(uint32_t bucket) const override { return offsets_.at(bucket); }
   void PushWeights(uint64_t offset, const void* host, size_t bytes, Done done) override;
-  void Abandon() override { abandoned_ = true; }
+  void WillCopy(std::vector<HostRange> ranges) override;
+  void Abandon() override;
   void ReleaseHost(const void* base, size_t bytes) override;
 
  private:
@@ -45,6 +49,7 @@ class CudaRankTransfer final : public RankTransfer, public std::enable_shared_fr
   // Open once `event` (nullptr: none) has completed; fails once the rank is abandoned.
   CopyQueue::Gate GateOn(cuda::CUevent event);
   void Close() noexcept;  // closes what was opened
+  void StopPinAhead();
 
   std::shared_ptr<GpuDevice> gpu_;
   uint64_t params_bytes_ = 0, slot_bytes_ = 0;
@@ -52,6 +57,8 @@ class CudaRankTransfer final : public RankTransfer, public std::enable_shared_fr
   cuda::CUdeviceptr params_ = 0, staging_ = 0;
   std::vector<cuda::CUevent> grad_ready_, weights_wanted_;
   std::atomic<bool> abandoned_{false};
+  std::mutex pin_ahead_mutex_;
+  std::unique_ptr<PinAhead> pin_ahead_;  // guarded by pin_ahead_mutex_
 };
 
 }  // namespace trainstream::daemon

@@ -1,9 +1,9 @@
 // Host memory that the GPUs' copy engines read and write, page-locked with the driver the first time a
 // transfer touches it and unlocked before its segment is unmapped.
 //
-// Registration costs about 2 GiB/s (the design document, "Memory"), so nothing is registered when a
-// job starts: a copy thread registers the pages of a bucket just before its first copy, and memory no
-// transfer touches (the moments, the master weights of 16-bit buckets) is never registered.
+// Only what transfers touch is registered (never the moments, nor the master weights of 16-bit
+// buckets): a rank's transfer registers it in the background once the rank has opened it (PinAhead),
+// and a copy that comes first registers its pages itself, just before it runs.
 // Invariants: registered ranges are page-aligned and disjoint (a page is registered at most once); a
 // process that never uses the cuda-ipc transport never loads the driver here.
 #pragma once
@@ -14,14 +14,9 @@
 #include <mutex>
 #include <vector>
 
-namespace trainstream::daemon {
+#include "daemon/engine/host_range.h"
 
-// A range of host memory.
-struct HostRange {
-  std::byte* data;
-  size_t bytes;
-  bool operator==(const HostRange&) const = default;
-};
+namespace trainstream::daemon {
 
 // Disjoint page-aligned ranges and the arithmetic PinnedHost does on them; no driver calls, so it is
 // tested alone.

@@ -135,6 +135,23 @@ def test_job_reports_its_transport(client, transport):
     client.drop_job("cuda-transport")
 
 
+def test_gradient_memory_is_page_locked_before_the_first_backward(client, transport):
+    if transport != "cuda-ipc":
+        pytest.skip("with cuda-client-copy the trainer page-locks what it copies, in wrap()")
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.Linear(4096, 1024)).cuda()
+    param_bytes = sum(p.numel() * 4 for p in model.parameters())
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters()), client=client, job="pin-ahead")
+    deadline = time.monotonic() + 20
+    pinned = 0
+    while time.monotonic() < deadline and pinned < 2 * param_bytes:
+        pinned = next(j for j in client.stats()["jobs"] if j["name"] == "pin-ahead")["pinned_bytes"]
+        time.sleep(0.05)
+    # the master weights (the initial weights' copies lock them too) and, ahead of any backward, the gradients
+    assert pinned >= 2 * param_bytes, (pinned, param_bytes)
+    trainstream.unwrap(model)
+    client.drop_job("pin-ahead")
+
+
 def test_two_processes_one_gpu_two_jobs(daemon):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     script = os.path.join(HERE, "trainer_process.py")

@@ -20,7 +20,9 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <numeric>
 #include <optional>
+#include <set>
 #include <span>
 #include <stop_token>
 #include <string>
@@ -362,6 +364,10 @@ class FakeGpu final : public RankTransfer {
   [[nodiscard]] uint64_t slot_bytes() const override { return slot_bytes_; }
   [[nodiscard]] uint32_t weights_wanted_events() const override { return 2; }
   void PullGradients(uint32_t slot, void* host, size_t bytes, Done done) override {
+    {
+      std::lock_guard lock(queue_->mutex);
+      pulled_into_.insert(host);
+    }
     Run([=, this] { std::memcpy(host, staging.data() + slot * slot_bytes_, bytes); }, std::move(done), true);
   }
   void AwaitWeightsWanted(uint32_t, Done done) override {
@@ -373,6 +379,7 @@ class FakeGpu final : public RankTransfer {
     Run([=, this] { std::memcpy(params.data() + offset, host, bytes); }, std::move(done), false);
   }
   void Abandon() override { Set(queue_->abandoned, true); }
+  void WillCopy(std::vector<HostRange> ranges) override { will_copy = std::move(ranges); }
   void ReleaseHost(const void*, size_t) override {}  // nothing is page-locked
   void ReachEvents(bool reached) { Set(queue_->events_reached, reached); }
   // The rank's view of parameter p: its place in the flat parameter buffer (its bucket must be there).
@@ -383,9 +390,14 @@ class FakeGpu final : public RankTransfer {
   }
   std::byte* Slot(uint32_t slot) { return staging.data() + slot * slot_bytes_; }
   [[nodiscard]] int given_up() const { return queue_->given_up; }  // work failed: the rank was abandoned
+  [[nodiscard]] bool PulledInto(const void* host) const {
+    std::lock_guard lock(queue_->mutex);
+    return pulled_into_.contains(host);
+  }
 
   std::vector<std::byte> params, staging;
   std::atomic<int> pushes{0};
+  std::vector<HostRange> will_copy;  // what the engine said the copies will touch
 
  private:
   struct Work {
@@ -442,6 +454,7 @@ class FakeGpu final : public RankTransfer {
   const uint32_t slots_;
   const size_t slot_bytes_;
   const std::vector<std::optional<uint64_t>> offsets_;
+  std::set<const void*> pulled_into_;  // guarded by queue_->mutex
   std::shared_ptr<Queue> queue_ = std::make_shared<Queue>();
   std::thread thread_{[queue = queue_] { Loop(*queue); }};
 };
@@ -465,6 +478,45 @@ class CudaIpcStagesTest : public StepEngineTest {
     return offsets;
   }
   [[nodiscard]] const shm::JobLayout& layout() const { return job_->layout(); }
+  // Bucket b's fp32 master weights in one state half, as the daemon maps them.
+  [[nodiscard]] HostRange Master(uint32_t b, const shm::StateHalf& half) const {
+    return HostRange::Of(half.master + layout().buckets[b].elem_offset, layout().buckets[b].bytes());
+  }
+  // The master weights the transfer must be told of, for each bucket of `on_gpu` in order, those its
+  // first update writes, then, with two state halves, the other half's. Taken before the first step,
+  // which flips the halves.
+  [[nodiscard]] std::vector<HostRange> MastersInCopyOrder(const std::vector<uint32_t>& on_gpu) const {
+    const shm::StateView state = job_->ViewState();
+    std::vector<HostRange> masters, second_half;
+    for (uint32_t b : on_gpu) {
+      masters.push_back(Master(b, state.Other(b)));
+      if (state.halves[0].master != state.halves[1].master) second_half.push_back(Master(b, state.Committed(b)));
+    }
+    masters.insert(masters.end(), second_half.begin(), second_half.end());
+    return masters;
+  }
+  // After a step: `will_copy` holds each bucket of `on_gpu`'s gradients (where the engine pulled them)
+  // and its first update's master weights, then the second half's (`masters`, MastersInCopyOrder).
+  void ExpectWillCopy(const std::vector<uint32_t>& on_gpu, const std::vector<HostRange>& masters) const {
+    ASSERT_EQ(gpu_->will_copy.size(), on_gpu.size() + masters.size());
+    for (size_t i = 0; i < on_gpu.size(); ++i) {
+      const HostRange grads = gpu_->will_copy[2 * i];
+      EXPECT_EQ(grads.bytes, layout().buckets[on_gpu[i]].bytes()) << "bucket " << on_gpu[i];
+      EXPECT_TRUE(gpu_->PulledInto(grads.data)) << "bucket " << on_gpu[i];
+      EXPECT_EQ(gpu_->will_copy[2 * i + 1], masters[i]) << "bucket " << on_gpu[i];
+    }
+    EXPECT_TRUE(std::equal(masters.begin() + on_gpu.size(), masters.end(),
+                           gpu_->will_copy.end() - (masters.size() - on_gpu.size())));
+  }
+  void RunFirstStep() {
+    client_->LoadInitialState();
+    WantWeights(0);
+    client_->ExpectParamsReady(0);
+    StageStep(1);
+    WantWeights(1);
+    ReceiveFrees();
+    client_->ExpectParamsReady(1);
+  }
   void WantWeights(uint64_t step, uint16_t flags = 0) {
     client_->Send(Message{.kind = MessageKind::kWeightsWanted, .flags = flags, .step = step, .slot = wants_++ % 2});
   }
@@ -581,6 +633,12 @@ TEST_F(CudaIpcStagesTest, StepsMatchAdamWThroughTheGpuBuffers) {
 // Speculative clipping through the GPU buffers: a bucket whose speculated update is written goes to the
 // GPU before the step's norm is known, and is announced only once the step commits. Without clipping
 // that push is the bucket's only one; with clipping the redone weights are pushed again.
+TEST_F(CudaIpcStagesTest, TheTransferIsToldWhatItsCopiesWillTouch) {
+  const std::vector<HostRange> masters = MastersInCopyOrder({0, 1});
+  RunFirstStep();
+  ExpectWillCopy({0, 1}, masters);
+}
+
 class CudaIpcSpeculationTest : public CudaIpcStagesTest, public ::testing::WithParamInterface<double> {
  protected:
   [[nodiscard]] shm::LayoutSpec Spec() const override {
@@ -617,6 +675,13 @@ TEST_P(CudaIpcSpeculationTest, ASpeculatedBucketReachesTheGpuBeforeTheNormAndIsA
   EXPECT_TRUE(client_->sink().failures().empty());
 }
 
+TEST_P(CudaIpcSpeculationTest, BothStateHalvesMasterWeightsAreToldInTheOrderOfTwoSteps) {
+  const std::vector<HostRange> masters = MastersInCopyOrder({0, 1});
+  ASSERT_EQ(masters.size(), 4u);
+  RunFirstStep();
+  ExpectWillCopy({0, 1}, masters);
+}
+
 INSTANTIATE_TEST_SUITE_P(MaxGradNorm, CudaIpcSpeculationTest, ::testing::Values(1e6, 0.5));
 
 // Weight paging keeps a bucket off the GPU: the daemon announces its weights without pushing them, and
@@ -633,6 +698,9 @@ class CudaIpcPagedBucketTest : public CudaIpcStagesTest {
 TEST_F(CudaIpcPagedBucketTest, ABucketOffTheGpuIsAnnouncedAndNeverPushed) {
   const auto buckets = static_cast<uint32_t>(layout().buckets.size());
   ASSERT_GT(buckets, 1u);
+  std::vector<uint32_t> on_gpu(buckets - 1);
+  std::iota(on_gpu.begin(), on_gpu.end(), 1);
+  const std::vector<HostRange> masters = MastersInCopyOrder(on_gpu);
   client_->LoadInitialState();
   WantWeights(0);
   client_->ExpectParamsReady(0);
@@ -661,6 +729,7 @@ TEST_F(CudaIpcPagedBucketTest, ABucketOffTheGpuIsAnnouncedAndNeverPushed) {
   ExpectGpuHoldsMaster();                                      // the buckets on the GPU
   EXPECT_EQ(gpu_->pushes, 4 * static_cast<int>(buckets - 1));  // the load and three steps, never bucket 0
   EXPECT_TRUE(client_->sink().failures().empty());
+  ExpectWillCopy(on_gpu, masters);  // nor is it page-locked ahead
 }
 
 TEST_F(CudaIpcStagesTest, ADetachedRanksUnreachedEventsHoldNothing) {
