@@ -134,6 +134,7 @@ class Memory:
         self.daemon_peak = 0
         self.daemon_pid = daemon_pid
         self.first_step_s = 0.0
+        self.first_step_waits_s = (0.0, 0.0)
 
     def sample(self):
         free, total = torch.cuda.mem_get_info()
@@ -174,8 +175,9 @@ def daemon_waits(model) -> tuple[float, float]:
 
 def timed_steps(args, step_fn, memory: Memory, losses: list | None = None, waits=None) -> tuple[list, list, dict]:
     """The step times after the warm-up (memory.first_step_s is the first step's), with `waits`
-    (daemon_waits of the model) each timed step's seconds waiting for weights and for slots, and how many
-    cores the trainer and the daemon (memory.daemon_pid) kept busy over the timed steps."""
+    (daemon_waits of the model) each step's seconds waiting for weights and for slots (the timed steps',
+    memory.first_step_waits_s the first's), and how many cores the trainer and the daemon
+    (memory.daemon_pid) kept busy over the timed steps."""
     data = batches(args, "cuda")
     times, waited = [], []
     cpu_before = (0.0, 0.0, 0.0)
@@ -199,11 +201,12 @@ def timed_steps(args, step_fn, memory: Memory, losses: list | None = None, waits
         PHASES.mark("memory sample")
         if losses is not None and loss is not None:
             losses.append(float(loss))
+        after = waits() if waits else (0.0, 0.0)
         if i == 0:
             memory.first_step_s = time.perf_counter() - start
+            memory.first_step_waits_s = (after[0] - before[0], after[1] - before[1])
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
-            after = waits() if waits else (0.0, 0.0)
             waited.append((after[0] - before[0], after[1] - before[1]))
     wall = time.perf_counter() - cpu_before[0]
     if profiler:
@@ -373,8 +376,11 @@ def run(args, mode: str) -> dict:
         if offloaded:  # where a step's time beyond the GPU's went: the trainer waiting for the daemon
             result["weights_wait_ms"] = [1000 * w for w, _ in waited]
             result["slot_wait_ms"] = [1000 * s for _, s in waited]
-        if "wrap_seconds" in result:  # from wrap() to the end of the first step
+        if "wrap_seconds" in result:  # from wrap() to the end of the first step, and where that step's time went
             result["wrap_to_first_step_seconds"] = result["wrap_seconds"] + memory.first_step_s
+            result["first_step_phases_ms"] = {phase: 1000 * s for phase, s in PHASES.steps[0].items()}
+            result["first_step_waits_ms"] = {"weights": 1000 * memory.first_step_waits_s[0],
+                                             "slots": 1000 * memory.first_step_waits_s[1]}
         result["losses"] = losses
         result["step_ms"] = 1000 * statistics.median(times)
         result["tokens_per_s"] = args.batch * args.seq / statistics.median(times)
