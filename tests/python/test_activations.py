@@ -41,6 +41,12 @@ def grads(model, x, paging: bool):
     return [p.grad.clone() for p in model.parameters()]
 
 
+def wide_on_gpu():
+    """Wide and a batch whose two saved 4096-wide activations take 128 MiB each."""
+    torch.manual_seed(0)
+    return Wide().cuda(), torch.randn(8192, 256, device="cuda")
+
+
 def test_parameters_and_their_views_are_recognized():
     layer = torch.nn.Linear(8, 8)
     assert _activations.is_parameter(layer.weight) and _activations.is_parameter(layer.weight.t())
@@ -58,8 +64,7 @@ def test_cpu_tensors_pass_through():
 @cuda
 @pytest.mark.cuda
 def test_gradients_unchanged_and_memory_freed():
-    torch.manual_seed(0)
-    model, x = Wide().cuda(), torch.randn(8192, 256, device="cuda")
+    model, x = wide_on_gpu()
     expected = grads(model, x, paging=False)
     peaks = {}
     for paging in (False, True):
@@ -86,8 +91,7 @@ def test_gradients_unchanged_and_memory_freed():
 @cuda
 @pytest.mark.cuda
 def test_host_buffers_are_reused_step_after_step():
-    torch.manual_seed(0)
-    model, x = Wide().cuda(), torch.randn(8192, 256, device="cuda")
+    model, x = wide_on_gpu()
     first = grads(model, x, paging=True)
     torch.cuda.synchronize()
     allocated = _pinned_buffers.BUFFERS.allocated_bytes
