@@ -3,8 +3,8 @@
 // Copies run on that GPU's copy queues, each issued once the rank's event it depends on has completed
 // (see CopyQueue: the GPU never waits on another process's event); the host side of every copy is
 // page-locked (PinnedHost) in the background from WillCopy on (PinAhead), or by the copy if it comes
-// first. The handles are closed when the last copy that uses them
-// has finished and the rank is gone (owners hold a shared_ptr).
+// first. The handles are closed when the last copy that uses them has finished and the rank is gone
+// (owners hold a shared_ptr).
 #pragma once
 
 #include <atomic>

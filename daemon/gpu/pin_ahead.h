@@ -1,8 +1,9 @@
 // Page-locks the host memory a cuda-ipc rank's copies will touch on a thread of its own, in the order
-// its first steps touch it, so that its first step's copies find it registered. On the copy threads,
-// registering the 1.86B GPT's gradients and master weights (15 GB at the 16-25 GiB/s that populated
-// memory registers at on the GPU machine) made its first step 0.9 s longer than the next; in the
-// background it overlaps the seeding of the weights and the first forward.
+// its first steps touch it, so that its first step's copies find it registered. Done by the copy
+// threads, registering the 1.86B GPT's gradients and master weights (populated memory registers at
+// 16-25 GiB/s on the GPU machine) held its first step at 1.57 s; here, behind the seeding of the
+// weights and the first forward (21 GiB in 1.1 s), that step took 0.77-0.80 s
+// (benchmarks/results/train_gpt.md, 2026-12-03).
 // Invariants: every range goes through PinnedHost::Ensure, so a page is registered once, by whichever
 // comes first (a copy registers what this has not reached yet); Stop() returns after the thread has
 // finished, so the memory may be unmapped after it.
