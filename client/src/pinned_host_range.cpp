@@ -1,7 +1,8 @@
 // PinnedHostRange: host memory page-locked for the GPUs through the driver (shm/cuda_driver.h), in the
-// primary context that the CUDA runtime, and so torch, uses. Registering costs about 2 GiB/s on the
-// GPU machine (measured: 32 GiB in 18.6 s), so callers register only what copies touch, and may do it
-// on several threads: the constructor holds no lock of ours.
+// primary context that the CUDA runtime, and so torch, uses. Registering backed memory runs at 16-25
+// GiB/s on the GPU machine, memory not yet backed at about 2 GiB/s (32 GiB in 18.6 s: the driver
+// faults the pages in first; benchmarks/results/paging.md), so callers register only what copies
+// touch, and may do it on several threads: the constructor holds no lock of ours.
 #include "shm/cuda_driver.h"
 #include "trainstream/client.h"
 
