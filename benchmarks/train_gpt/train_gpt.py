@@ -202,12 +202,13 @@ def timed_steps(args, step_fn, memory: Memory, losses: list | None = None, waits
         if losses is not None and loss is not None:
             losses.append(float(loss))
         after = waits() if waits else (0.0, 0.0)
+        step_waits = (after[0] - before[0], after[1] - before[1])
         if i == 0:
             memory.first_step_s = time.perf_counter() - start
-            memory.first_step_waits_s = (after[0] - before[0], after[1] - before[1])
+            memory.first_step_waits_s = step_waits
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
-            waited.append((after[0] - before[0], after[1] - before[1]))
+            waited.append(step_waits)
     wall = time.perf_counter() - cpu_before[0]
     if profiler:
         profiler.stop()

@@ -2,7 +2,8 @@
 
 Activation paging asks for one pinned host buffer per saved tensor the first time a step saves it
 (torch.empty(pin_memory=True), torch's caching host allocator; later steps reuse them). Measured on
-an H200 machine, that allocator gives 2.1-2.8 GiB/s (cudaHostAlloc), so the first step of a 7B GPT
+an H200 machine, that allocator gave 2.1-2.8 GiB/s for one 1-8 GiB allocation (cudaHostAlloc,
+host_register_h200.json), so the first step of a 7B GPT
 whose step saves about 12 GB pays seconds for it. Each mode runs in its own process and allocates
 the same sequence of sizes (a transformer layer's saved tensors: 16, 48, 64, 64 MiB over and over)
 up to --total-gib:

@@ -59,7 +59,8 @@ class PinnedBuffers:
     def take(self, shape: torch.Size, dtype: torch.dtype, device_index: int) -> Lease:
         """A page-locked host tensor of that shape and dtype (contents undefined)."""
         nbytes = shape.numel() * dtype.itemsize
-        buffer = self._reusable(size_class(nbytes)) or self._allocate(size_class(nbytes), device_index)
+        size = size_class(nbytes)
+        buffer = self._reusable(size) or self._allocate(size, device_index)
         if buffer is None:  # page-locking failed once: torch's pinned memory from then on
             return Lease(torch.empty(shape, dtype=dtype, pin_memory=True), None, None)
         return Lease(buffer[0][:nbytes].view(dtype).view(shape), buffer, self)
