@@ -1,4 +1,5 @@
-"""Page-locked host buffers for saved activations, lent one per saved tensor and reused step after step.
+"""Page-locked host buffers, lent one at a time and reused: saved activations (one per saved tensor, step
+after step) and the two staging buffers of a new job's seed (_staged_copy.py).
 
 torch.empty(pin_memory=True) takes its memory from cudaHostAlloc, which delivered 1.1 GiB/s on the GPU
 machine for a layer's saved sizes (benchmarks/results/pinned_alloc_h200.json): the first step of a 7B

@@ -22,7 +22,6 @@ of a step went out, before optimizer.step()).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
@@ -31,11 +30,12 @@ from typing import Iterable
 
 import torch
 
-from trainstream import _C, _layout, _paging
+from trainstream import _layout, _paging
 from trainstream._C import TrainstreamError
 from trainstream._guards import ApplyGuard, StaleReadGuard
-from trainstream._pinning import HostPins, page_ranges
+from trainstream._pinning import HostPins
 from trainstream._regions import Regions
+from trainstream._staged_copy import copy_to_host
 from trainstream._transport import Transport, describe_device, transport_for, transport_name
 
 MIN_BUCKET_MB = 4096 / (1 << 20)  # the daemon's smallest bucket (shm/job_layout.cpp)
@@ -136,10 +136,12 @@ class Rank:
         s = self.session
         if not s.initialized and rank == 0:
             paged = self.paging.paged_ids if self.paging else set()
-            on_gpu = [self.regions.master_view(i) for i, p in enumerate(self.params) if p.device.type == "cuda"]
-            with torch.no_grad(), _pinned_for_copies(self.device, on_gpu):  # a new job's committed half
+            with torch.no_grad():  # into a new job's committed half
+                copy_to_host([(self.regions.master_view(i), p.detach()) for i, p in enumerate(self.params)
+                              if p.device.type == "cuda"], self.device)
                 for i, p in enumerate(self.params):
-                    self.regions.master_view(i).copy_(p.detach(), non_blocking=True)
+                    if p.device.type != "cuda":
+                        self.regions.master_view(i).copy_(p.detach())
                     if id(p) in paged:  # its own memory goes now: the model never exists twice in host RAM
                         p.data = self.regions.upload_view(i)
                 for view, (_, p) in zip(self.regions.frozen_views, self.paging.frozen if self.paging else []):
@@ -442,29 +444,6 @@ class Rank:
                 self.client.drop_job(self.job)
             except TrainstreamError:
                 pass
-
-
-@contextlib.contextmanager
-def _pinned_for_copies(device: torch.device, views: list[torch.Tensor]):
-    """The host memory of `views` page-locked while the block runs, so that copies from the GPU into it
-    run at PCIe speed (pageable copies ran at about 7 GB/s: 3.1 s of wrap() for a 1.86B fp32 model on
-    one H200; locking a backed segment runs at about 20 GiB/s there); the GPU is synchronized at the end.
-    Only the views given are locked: locking backs pages, and the master weights of parameters copied
-    from the CPU are backed by those copies as the parameters' own memory goes. Where a range is
-    page-locked already (cuda-client-copy locks fp32 master weights) the copies run as they are."""
-    pinned = []
-    if device.type == "cuda":
-        for address, nbytes in page_ranges([(v.data_ptr(), v.nbytes) for v in views]):
-            try:
-                pinned.append(_C.PinnedHostRange(device.index or 0, address, nbytes))
-            except TrainstreamError:
-                pass
-    try:
-        yield
-    finally:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        del pinned
 
 
 class _WeightGate(_paging.WeightGate):
