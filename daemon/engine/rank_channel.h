@@ -27,6 +27,7 @@ struct RankChannel {
         staged(layout.buckets.size(), 0),
         pulled(layout.buckets.size(), 0),
         pushing(layout.buckets.size(), 0),
+        streamed(layout.buckets.size(), 0),
         pushed(layout.buckets.size(), -1),
         speculated(layout.buckets.size(), -1) {}
   // No copy can touch the segment any more (copies hold a reference): it may stop being page-locked.
@@ -59,8 +60,9 @@ struct RankChannel {
   std::shared_ptr<RankTransfer> transfer;
   // Per bucket, for the micro-batch it collects: pieces announced (GRAD_READY) and copied to the host.
   std::vector<uint32_t> staged, pulled;
-  std::vector<uint8_t> pushing;  // per bucket: its weights are being copied to the GPU
-  std::vector<int64_t> pushed;   // per bucket: the step whose weights the GPU holds (-1: none)
+  std::vector<uint32_t> pushing;   // per bucket: copies of its weights to the GPU in flight
+  std::vector<uint32_t> streamed;  // per bucket: pieces of its running update pushed (StepEngine::PushWritten)
+  std::vector<int64_t> pushed;     // per bucket: the step whose weights the GPU holds (-1: none)
   // Per bucket: the step whose speculated weights (written, not committed: speculative clipping) the GPU
   // holds, -1 when none or when they were redone; they count as pushed once the step commits.
   std::vector<int64_t> speculated;

@@ -256,7 +256,8 @@ void StepEngine::FailSessions(const std::string& message) {
 // collective whose peer died, every rank must restart, and Resume gives them all one step to resume
 // from). What can no longer complete is discarded: partly collected buckets, norms and speculative
 // updates waiting for the other buckets (or still running: they restart when they end), updates held
-// back by the skew bound. Updates that have all their gradients finish and commit. Buckets at different
+// back by the skew bound, updates started with part of their gradients. Updates that have all their
+// gradients finish and commit. Buckets at different
 // committed steps count as mid-step too.
 void StepEngine::ResetCollecting(const std::string& reason) {
   bool discarded = false;
@@ -269,6 +270,15 @@ void StepEngine::ResetCollecting(const std::string& reason) {
       RestartBucket(b);
     } else if (progress.phase == Phase::kAwaitingClip) {
       Abandon(b);
+    } else if (progress.streaming && GradientBytesIn(b) < layout_.buckets[b].bytes()) {
+      // Its update started with its first gradients (or waits to start), and the rest will not come:
+      // it ends with the pieces still running (OnPieceWritten), or now, and what it wrote is dropped.
+      progress.pending.reset();
+      if (progress.updating && progress.update != nullptr && progress.update->unfinished > 0) {
+        progress.discard = true;
+      } else {
+        Abandon(b);
+      }
     } else if (progress.pending && (progress.pending->second == Pass::kSpeculate || progress.step > completed_ + 1)) {
       progress.pending.reset();  // held back by the skew bound: the step before cannot complete now
       Abandon(b);
@@ -301,6 +311,8 @@ void StepEngine::RestartBucket(uint32_t b) {
   progress.micro = 0;
   progress.delivered_count = 0;
   std::fill(progress.delivered.begin(), progress.delivered.end(), 0);
+  progress.streaming = false;
+  progress.grad_bytes = 0;
   for (uint32_t p : layout_.buckets[b].params) had_grad_[p] = 0;
   for (const auto& channel : ranks_) {
     if (channel) channel->staged[b] = channel->pulled[b] = 0;
@@ -317,6 +329,7 @@ void StepEngine::Abandon(uint32_t b) {
     progress.upload_dirty = !layout_.buckets[b].uploads_from_master();
     progress.plan.reset();
   }
+  progress.update.reset();
   RestartBucket(b);
 }
 
@@ -399,11 +412,13 @@ void StepEngine::OnGradReady(RankChannel& channel, const shm::Message& message) 
   TS_CHECK(!loading_, Code::kFailedPrecondition, "GRAD_READY for bucket {} while a state load is in progress", b);
   TS_CHECK(message.step == progress.step, Code::kInvalidArgument,
            "GRAD_READY for bucket {} of step {}, but that bucket expects step {}", b, message.step, progress.step);
-  TS_CHECK(progress.phase == Phase::kCollecting && message.micro == progress.micro, Code::kInvalidArgument,
+  // The rest of a bucket whose update started with its first piece (StreamsGradients).
+  const bool rest = progress.streaming && channel.staged[b] > 0;
+  TS_CHECK((rest || progress.phase == Phase::kCollecting) && message.micro == progress.micro, Code::kInvalidArgument,
            "GRAD_READY for bucket {} micro-batch {} of step {}, but that bucket is {}", b, message.micro, message.step,
-           progress.phase == Phase::kCollecting ? fmt::format("collecting micro-batch {}", progress.micro)
-                                                : std::string("still being processed (slot not yet released)"));
-  TS_CHECK(!progress.delivered[channel.rank], Code::kInvalidArgument,
+           progress.phase == Phase::kCollecting || rest ? fmt::format("collecting micro-batch {}", progress.micro)
+                                                        : std::string("still being processed (slot not yet released)"));
+  TS_CHECK(rest || !progress.delivered[channel.rank], Code::kInvalidArgument,
            "rank {} delivered bucket {} of step {} micro-batch {} twice", channel.rank, b, message.step, message.micro);
   const bool final_micro = (message.flags & shm::kFinalMicro) != 0;
   TS_CHECK(final_micro == (message.micro + 1 == spec_.accumulation_steps), Code::kInvalidArgument,
@@ -445,11 +460,23 @@ void StepEngine::PullThenDeliver(const std::shared_ptr<RankChannel>& channel, ui
             return FailRank(*channel,
                             fmt::format("copying bucket {}'s gradients from the GPU failed: {}", b, error->what()));
           }
-          const BucketProgress& progress = buckets_[b];
-          if (progress.step != step || progress.micro != micro || progress.phase != Phase::kCollecting) return;
+          BucketProgress& progress = buckets_[b];
+          if (progress.step != step || progress.micro != micro ||
+              (progress.phase != Phase::kCollecting && !progress.streaming)) {
+            return;
+          }
           PostTo(*channel, shm::Message{.kind = shm::MessageKind::kStagingFree, .step = step, .slot = slot});
-          if (++channel->pulled[b] < PiecesOf(b, *channel->transfer)) return;
-          channel->staged[b] = channel->pulled[b] = 0;
+          const uint32_t pulled = ++channel->pulled[b];
+          const uint32_t pieces = PiecesOf(b, *channel->transfer);
+          const bool delivered = progress.streaming;
+          if (pulled == pieces) channel->staged[b] = channel->pulled[b] = 0;
+          if (delivered || (pulled < pieces && StreamsGradients(b))) {
+            progress.streaming = true;
+            progress.grad_bytes = std::min(layout_.buckets[b].bytes(), pulled * channel->transfer->slot_bytes());
+            if (delivered) return ScheduleReadyPieces(b);
+          } else if (pulled < pieces) {
+            return;
+          }
           Deliver(*channel, b);
         });
       });
@@ -541,11 +568,19 @@ WorkerPool::Home StepEngine::HomesOf(std::shared_ptr<std::vector<Block>> blocks)
 
 template <typename Work, typename Include>
 void StepEngine::Schedule(uint32_t bucket, int64_t priority, Include include, Work work, std::function<void()> done) {
-  auto blocks = BlocksOf(bucket, include);
+  const auto blocks = BlocksOf(bucket, include);
+  ScheduleBlocks(blocks, 0, blocks->size(), priority, std::move(work), std::move(done));
+}
+
+template <typename Work>
+void StepEngine::ScheduleBlocks(const std::shared_ptr<std::vector<Block>>& blocks, size_t begin, size_t end,
+                                int64_t priority, Work work, std::function<void()> done) {
+  WorkerPool::Home home = HomesOf(blocks);
+  if (home) home = [home = std::move(home), begin](size_t i) { return home(begin + i); };
   ++inflight_;
   pool_.Submit(
-      blocks->size(), [blocks, work = std::move(work)](size_t i) { work(i, (*blocks)[i]); },
-      [this, done = std::move(done)] { Continue(done); }, priority, HomesOf(blocks));
+      end - begin, [blocks, begin, work = std::move(work)](size_t i) { work(begin + i, (*blocks)[begin + i]); },
+      [this, done = std::move(done)] { Continue(done); }, priority, home);
 }
 
 void StepEngine::PlaceState() {
@@ -758,30 +793,115 @@ void StepEngine::StartUpdate(uint32_t b, float clip_coefficient, Pass pass) {
   const float norm_scale = 1.0f / static_cast<float>(spec_.world_size * spec_.nodes());
   const float scale = clip_coefficient * norm_scale;
   const uint64_t sr_seed = seed_ ^ (plan->step * 0xD1B54A32D192ED03ull);
-  auto partial = std::make_shared<std::vector<double>>(speculative ? BlocksOf(b, include)->size() : 0, 0.0);
+  const std::shared_ptr<std::vector<Block>> blocks = BlocksOf(b, include);
+  auto partial = std::make_shared<std::vector<double>>(speculative ? blocks->size() : 0, 0.0);
   auto nonfinite = std::make_shared<std::atomic<bool>>(false);
   auto norm_nonfinite = std::make_shared<std::atomic<bool>>(false);
-  Schedule(
-      b, static_cast<int64_t>(b), include,
-      [passes = &passes_, scale, norm_scale, sr_seed, plan, partial, nonfinite, norm_nonfinite,
-       from = &state_.halves[plan->from], to = &state_.halves[plan->to],
-       sources = GradientSlots()](size_t i, const Block& block) {
-        if (plan->updated[block.param] == 0) return passes->Carry(block, *from, *to);
-        bool bad_weights = false;
-        if (partial->empty()) {
-          bad_weights = passes->Update(block, sources, scale, plan->scalars[block.param], sr_seed, *from, *to);
-        } else {  // speculating: the coefficient is 1, so the update's g is the norm's
-          bool bad_gradients = false;
-          bad_weights = passes->UpdateWithNorm(block, sources, norm_scale, plan->scalars[block.param], sr_seed, *from,
-                                               *to, &(*partial)[i], &bad_gradients);
-          if (bad_gradients) norm_nonfinite->store(true);
-        }
-        if (bad_weights) nonfinite->store(true);
-      },
-      [this, b, plan, speculative, partial, nonfinite, norm_nonfinite] {
-        if (speculative) return OnSpeculated(b, Total(*partial), norm_nonfinite->load());
-        OnUpdated(b, plan->step, plan->to, nonfinite->load());
-      });
+  auto work = [passes = &passes_, scale, norm_scale, sr_seed, plan, partial, nonfinite, norm_nonfinite,
+               from = &state_.halves[plan->from], to = &state_.halves[plan->to],
+               sources = GradientSlots()](size_t i, const Block& block) {
+    if (plan->updated[block.param] == 0) return passes->Carry(block, *from, *to);
+    bool bad_weights = false;
+    if (partial->empty()) {
+      bad_weights = passes->Update(block, sources, scale, plan->scalars[block.param], sr_seed, *from, *to);
+    } else {  // speculating: the coefficient is 1, so the update's g is the norm's
+      bool bad_gradients = false;
+      bad_weights = passes->UpdateWithNorm(block, sources, norm_scale, plan->scalars[block.param], sr_seed, *from, *to,
+                                           &(*partial)[i], &bad_gradients);
+      if (bad_gradients) norm_nonfinite->store(true);
+    }
+    if (bad_weights) nonfinite->store(true);
+  };
+  auto update = std::make_shared<RunningUpdate>();
+  update->blocks = blocks;
+  update->pieces = UpdatePieces(b, *blocks);
+  update->piece_written.assign(update->pieces.size(), 0);
+  update->work = std::move(work);
+  update->finish = [this, b, plan, speculative, partial, nonfinite, norm_nonfinite] {
+    if (speculative) return OnSpeculated(b, Total(*partial), norm_nonfinite->load());
+    OnUpdated(b, plan->step, plan->to, nonfinite->load());
+  };
+  progress.update = std::move(update);
+  for (const auto& channel : ranks_) {
+    if (channel) channel->streamed[b] = 0;
+  }
+  ScheduleReadyPieces(b);
+}
+
+void StepEngine::ScheduleReadyPieces(uint32_t b) {
+  BucketProgress& progress = buckets_[b];
+  if (!progress.updating || progress.update == nullptr) return;  // not started yet (held back)
+  RunningUpdate& update = *progress.update;
+  const uint64_t gradients = GradientBytesIn(b);
+  for (; update.scheduled < update.pieces.size(); ++update.scheduled) {
+    const uint32_t k = update.scheduled;
+    const uint64_t end = update.pieces[k].second;
+    if (end > gradients) break;
+    const size_t first = k == 0 ? 0 : update.pieces[k - 1].first;
+    ++update.unfinished;
+    ScheduleBlocks(update.blocks, first, update.pieces[k].first, static_cast<int64_t>(b), update.work,
+                   [this, b, k, running = progress.update] {
+                     if (buckets_[b].update == running) OnPieceWritten(b, k);
+                   });
+  }
+}
+
+std::vector<std::pair<size_t, uint64_t>> StepEngine::UpdatePieces(uint32_t b, const std::vector<Block>& blocks) const {
+  const shm::BucketLayout& bucket = layout_.buckets[b];
+  uint64_t piece_bytes = bucket.bytes();
+  for (const auto& channel : ranks_) {
+    if (channel && channel->transfer != nullptr) piece_bytes = std::min(piece_bytes, channel->transfer->slot_bytes());
+  }
+  std::vector<std::pair<size_t, uint64_t>> pieces;
+  const uint64_t element = SizeOf(bucket.dtype);
+  size_t first = 0;  // the first block of the piece being filled
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const Block& block = blocks[i];
+    const uint64_t begin = (layout_.params[block.param].offset_in_bucket + block.begin) * element;
+    // A piece ends before the block that would take it past the next multiple of a slot, so that it
+    // reads no gradients of the slot after: its update can run once the slots up to its end are in.
+    if (i > first && begin + block.count * element > (pieces.size() + 1) * piece_bytes) {
+      pieces.emplace_back(i, begin);
+      first = i;
+    }
+  }
+  pieces.emplace_back(blocks.size(), bucket.bytes());
+  return pieces;
+}
+
+// Piece k of bucket b's update is written: with the pieces before it, it may go to the GPUs (a bucket
+// updated in one piece is pushed as before: at its commit, or as a speculation once its norm is in).
+// The update ends with its last piece, or, abandoned while waiting for gradients, with the last piece
+// that was running.
+void StepEngine::OnPieceWritten(uint32_t b, uint32_t k) {
+  BucketProgress& progress = buckets_[b];
+  RunningUpdate& update = *progress.update;
+  update.piece_written[k] = 1;
+  while (update.written < update.pieces.size() && update.piece_written[update.written] != 0) ++update.written;
+  --update.unfinished;
+  if (update.pieces.size() > 1) {
+    for (const auto& channel : ranks_) {
+      if (channel && channel->transfer != nullptr) MaybePush(channel, b);
+    }
+  }
+  if (update.unfinished > 0) return;
+  if (update.scheduled < update.pieces.size()) {
+    Discarded(b);  // waits for gradients, unless its rank is gone
+    return;
+  }
+  update.finish();
+}
+
+bool StepEngine::StreamsGradients(uint32_t b) {
+  const BucketProgress& progress = buckets_[b];
+  if (spec_.world_size != 1 || spec_.nodes() != 1 || spec_.state_halves != 2) return false;
+  if (progress.micro + 1 != spec_.accumulation_steps) return false;
+  return spec_.max_grad_norm == 0 || GateOf(progress.step).speculative();
+}
+
+uint64_t StepEngine::GradientBytesIn(uint32_t b) const {
+  const BucketProgress& progress = buckets_[b];
+  return progress.streaming ? progress.grad_bytes : layout_.buckets[b].bytes();
 }
 
 // Updates held back (pushes, the skew bound) whose wait is over, from the highest bucket down.
@@ -993,8 +1113,9 @@ void StepEngine::OnWeightsWanted(const std::shared_ptr<RankChannel>& channel, co
 // a speculated bucket's weights before they are final.
 void StepEngine::MaybePush(const std::shared_ptr<RankChannel>& channel, uint32_t b) {
   const BucketProgress& progress = buckets_[b];
-  if (channel->failed || channel->pushing[b] || loading_ || state_.header->initialized == 0) return;
-  if (Speculated(b)) return PushSpeculated(channel, b);
+  if (channel->failed || loading_ || state_.header->initialized == 0) return;
+  if (Writing(b)) return PushWritten(channel, b);
+  if (channel->pushing[b] > 0) return;
   const auto step = static_cast<int64_t>(state_.bucket_state[b].Load().step);
   if (step > channel->weights_wanted || channel->pushed[b] >= step || progress.updating || progress.upload_dirty) {
     return;
@@ -1010,10 +1131,10 @@ void StepEngine::MaybePush(const std::shared_ptr<RankChannel>& channel, uint32_t
         shm::Message{.kind = shm::MessageKind::kParamsReady, .bucket = b, .step = static_cast<uint64_t>(step)});
   }
   const shm::BucketLayout& bucket = layout_.buckets[b];
-  Push(channel, b, step, *offset,
-       bucket.uploads_from_master() ? static_cast<const void*>(state_.Committed(b).master + bucket.elem_offset)
-                                    : static_cast<const void*>(state_.upload + bucket.upload_offset),
-       /*speculative=*/false);
+  const void* committed = bucket.uploads_from_master()
+                              ? static_cast<const void*>(state_.Committed(b).master + bucket.elem_offset)
+                              : static_cast<const void*>(state_.upload + bucket.upload_offset);
+  Push(channel, b, step, *offset, static_cast<const std::byte*>(committed), 0, bucket.bytes(), /*written=*/false);
 }
 
 bool StepEngine::Speculated(uint32_t b) const {
@@ -1021,21 +1142,35 @@ bool StepEngine::Speculated(uint32_t b) const {
   return progress.phase == Phase::kAwaitingClip && progress.plan != nullptr && !progress.discard;
 }
 
+bool StepEngine::Writing(uint32_t b) const {
+  const BucketProgress& progress = buckets_[b];
+  if (progress.update == nullptr) return false;
+  return Speculated(b) || (progress.updating && progress.phase == Phase::kBusy && !progress.pending &&
+                           !progress.discard && progress.plan != nullptr);
+}
+
 // A step that does not clip then has its weights on the GPU when it commits, as without clipping:
 // waiting for the commit, every bucket's push would start after the last bucket's update (1.86B GPT,
 // fp32 weights, 24 GiB cap on the H200: 604 ms a step with max_grad_norm against 425 ms without; the
-// pushes of 7.5 GB take about 136 ms at 55 GB/s).
-void StepEngine::PushSpeculated(const std::shared_ptr<RankChannel>& channel, uint32_t b) {
+// pushes of 7.5 GB take about 136 ms at 55 GB/s). A bucket updated in pieces goes piece by piece.
+void StepEngine::PushWritten(const std::shared_ptr<RankChannel>& channel, uint32_t b) {
   const BucketProgress& progress = buckets_[b];
   const auto step = static_cast<int64_t>(progress.step);
   const std::optional<uint64_t> offset = channel->transfer->ParamsOffset(b);
-  if (!offset || step > channel->weights_wanted || channel->speculated[b] >= step) return;
+  const RunningUpdate& update = *progress.update;
+  uint32_t& streamed = channel->streamed[b];
+  if (!offset || step > channel->weights_wanted || streamed >= update.written) return;
+  const uint64_t begin = streamed == 0 ? 0 : update.pieces[streamed - 1].second;
+  streamed = update.written;
+  Push(channel, b, step, *offset, WrittenWeights(b), begin, update.pieces[streamed - 1].second, /*written=*/true);
+}
+
+const std::byte* StepEngine::WrittenWeights(uint32_t b) const {
   const shm::BucketLayout& bucket = layout_.buckets[b];
-  Push(channel, b, step, *offset,
-       bucket.uploads_from_master()
-           ? static_cast<const void*>(state_.halves[progress.plan->to].master + bucket.elem_offset)
-           : static_cast<const void*>(state_.upload + bucket.upload_offset),
-       /*speculative=*/true);
+  const void* weights = bucket.uploads_from_master()
+                            ? static_cast<const void*>(state_.halves[buckets_[b].plan->to].master + bucket.elem_offset)
+                            : static_cast<const void*>(state_.upload + bucket.upload_offset);
+  return static_cast<const std::byte*>(weights);
 }
 
 void StepEngine::ForgetSpeculated(uint32_t b) {
@@ -1048,30 +1183,30 @@ void StepEngine::ForgetSpeculated(uint32_t b) {
 }
 
 void StepEngine::Push(const std::shared_ptr<RankChannel>& channel, uint32_t b, int64_t step, uint64_t offset,
-                      const void* source, bool speculative) {
-  const shm::BucketLayout& bucket = layout_.buckets[b];
-  channel->pushing[b] = 1;
+                      const std::byte* source, uint64_t begin, uint64_t end, bool written) {
+  ++channel->pushing[b];
   ++buckets_[b].pushes;
   ++inflight_;
   const uint64_t generation = channel->push_generation;
+  const bool last = end == layout_.buckets[b].bytes();
   channel->transfer->PushWeights(
-      offset, source, bucket.bytes(), [this, channel, b, step, generation, speculative](std::optional<Error> error) {
-        Continue([this, channel, b, step, generation, speculative, error = std::move(error)] {
-          OnPushed(channel, b, static_cast<uint64_t>(step), generation, speculative, error);
+      offset + begin, source + begin, end - begin,
+      [this, channel, b, step, generation, written, last](std::optional<Error> error) {
+        Continue([this, channel, b, step, generation, written, last, error = std::move(error)] {
+          OnPushed(channel, b, static_cast<uint64_t>(step), generation, written, last, error);
         });
       });
 }
 
 void StepEngine::OnPushed(const std::shared_ptr<RankChannel>& channel, uint32_t b, uint64_t step, uint64_t generation,
-                          bool speculative, const std::optional<Error>& error) {
-  channel->pushing[b] = 0;
+                          bool written, bool last, const std::optional<Error>& error) {
+  --channel->pushing[b];
   const bool current = !error && generation == channel->push_generation;  // not overtaken by a state load
-  // Speculated weights still awaiting the norm, or committed as they are (a redo waits for this push, an
-  // abandoned step leaves the bucket collecting it again). Recorded before a redo held back by this push
-  // starts: the redo forgets them.
-  const bool speculation_holds =
-      (Speculated(b) && buckets_[b].step == step) || state_.bucket_state[b].Load().step == step;
-  if (current && speculative && speculation_holds) channel->speculated[b] = static_cast<int64_t>(step);
+  // Written weights still awaiting the norm or the update's end, or committed as they are (a redo waits
+  // for this push, an abandoned step leaves the bucket collecting it again). Recorded before a redo held
+  // back by this push starts: the redo forgets them.
+  const bool holds = (Writing(b) && buckets_[b].step == step) || state_.bucket_state[b].Load().step == step;
+  if (current && written && last && holds) channel->speculated[b] = static_cast<int64_t>(step);
   BucketProgress& progress = buckets_[b];
   if (--progress.pushes == 0) {
     if (progress.pending) StartPendingUpdates();
@@ -1080,7 +1215,7 @@ void StepEngine::OnPushed(const std::shared_ptr<RankChannel>& channel, uint32_t 
   if (!Attached(channel)) return;
   if (error)
     return FailRank(*channel, fmt::format("copying bucket {}'s weights to the GPU failed: {}", b, error->what()));
-  if (current && !speculative) {
+  if (current && !written) {
     channel->pushed[b] = static_cast<int64_t>(step);
     PostTo(*channel, shm::Message{.kind = shm::MessageKind::kParamsReady, .bucket = b, .step = step});
   }

@@ -27,9 +27,15 @@
 // cuda-ipc ranks (a RankTransfer): their GRAD_READY first copies the staging slot into the rank's
 // gradient slot (then STAGING_FREE), and their PARAMS_READY follows a push of the bucket's weights to
 // the GPU, once the rank asked for that step's weights (kWeightsWanted, sent by optimizer.step()). A
-// bucket is never updated while a push reads it, nor pushed while it updates. A speculated bucket is
-// pushed before its step's norm is known; its PARAMS_READY waits for the commit, and a redo pushes
-// again.
+// bucket is never updated while a push reads it, nor pushed while it updates, except for the pieces
+// of its update already written. A bucket larger than a staging slot (a GPT's tied embedding: the
+// last gradient of backward, the first weights of forward) is updated in pieces of about a slot, in
+// order: with one rank, two halves and no norm to wait for, its update starts with its first piece of
+// gradients, each piece as soon as the gradients it reads are in, and each written piece goes to the
+// GPUs that asked for the step at once. A speculated bucket is pushed before its step's norm is known;
+// written or speculated weights reach the GPU before the commit, PARAMS_READY waits for it, and a redo
+// pushes again. A rank that leaves before the rest of a bucket's gradients came drops what its update
+// wrote (the other half), as a discarded speculation.
 #pragma once
 
 #include <atomic>
@@ -131,6 +137,7 @@ class StepEngine {
     std::vector<optimizer::AdamWStep> scalars;  // by parameter
     std::vector<uint8_t> updated;               // by parameter: had a gradient (else carried)
   };
+  struct RunningUpdate;
   struct BucketProgress {
     uint64_t step = 1;  // the step being collected
     uint32_t micro = 0;
@@ -145,6 +152,23 @@ class StepEngine {
     std::optional<std::pair<float, Pass>> pending;  // an update waiting for pushes or the skew bound
     std::shared_ptr<const UpdatePlan> plan;         // the speculated update, for its redo
     std::chrono::steady_clock::time_point update_started;
+    std::shared_ptr<RunningUpdate> update;  // the update started last (kept until the next starts)
+    // Delivered with its first piece of gradients (StreamsGradients): the rest are still coming, and
+    // `grad_bytes` of them are in.
+    bool streaming = false;
+    uint64_t grad_bytes = 0;
+  };
+  // An update runs in pieces (UpdatePieces): a piece goes to the pool once the gradients it reads are
+  // in, and may go to the GPUs once it and every piece before it are written.
+  struct RunningUpdate {
+    std::shared_ptr<std::vector<Block>> blocks;
+    std::vector<std::pair<size_t, uint64_t>> pieces;  // (end block, end byte in the bucket)
+    std::function<void(size_t, const Block&)> work;   // one block
+    std::function<void()> finish;                     // once every piece is written
+    std::vector<uint8_t> piece_written;
+    uint32_t scheduled = 0;   // pieces given to the pool
+    uint32_t unfinished = 0;  // of those, the ones still running
+    uint32_t written = 0;     // pieces written, counted from the first (those may go to the GPUs)
   };
 
   void Loop();
@@ -166,14 +190,34 @@ class StepEngine {
   void MaybePush(const std::shared_ptr<RankChannel>& channel, uint32_t bucket);
   // Speculative clipping: a bucket whose speculated update is written, waiting for the step's norm.
   [[nodiscard]] bool Speculated(uint32_t bucket) const;
-  void PushSpeculated(const std::shared_ptr<RankChannel>& channel, uint32_t bucket);
+  // The bucket's weights written by its running update (not held back, not discarded) or its speculated
+  // ones may go to the GPUs before the commit, as far as they are written.
+  [[nodiscard]] bool Writing(uint32_t bucket) const;
+  // Pushes the pieces of the bucket's running update or speculation written since the rank's last push.
+  void PushWritten(const std::shared_ptr<RankChannel>& channel, uint32_t bucket);
+  // Where an update of the bucket splits: after the block reaching past each multiple of the smallest
+  // staging slot of the ranks holding the bucket on their GPU, as (end block, end byte) pairs; one piece
+  // for a bucket no larger than that slot, or without such ranks.
+  [[nodiscard]] std::vector<std::pair<size_t, uint64_t>> UpdatePieces(uint32_t bucket,
+                                                                      const std::vector<Block>& blocks) const;
+  void OnPieceWritten(uint32_t bucket, uint32_t piece);
+  // Gives the pool the pieces of the bucket's running update whose gradients are in.
+  void ScheduleReadyPieces(uint32_t bucket);
+  // One rank, two state halves, the step's last micro-batch, no norm to wait for: the bucket's update
+  // may start with its first piece of gradients (the others follow while it runs).
+  [[nodiscard]] bool StreamsGradients(uint32_t bucket);
+  [[nodiscard]] uint64_t GradientBytesIn(uint32_t bucket) const;
   // The GPUs' copies of the bucket's speculated weights are void (redone, abandoned).
   void ForgetSpeculated(uint32_t bucket);
-  // Copies `source` (the bucket's weights of `step`) to the rank's GPU at its parameter buffer's `offset`.
+  // Copies bytes [begin, end) of the bucket's weights of `step` (the bucket's in `source`) to the rank's
+  // GPU, at its parameter buffer's `offset` plus `begin`; `written`: not committed yet.
   void Push(const std::shared_ptr<RankChannel>& channel, uint32_t bucket, int64_t step, uint64_t offset,
-            const void* source, bool speculative);
+            const std::byte* source, uint64_t begin, uint64_t end, bool written);
+  // `last`: the push held the bucket's end, so the GPU holds all of it once this push is done (pushes
+  // of a rank complete in submission order).
   void OnPushed(const std::shared_ptr<RankChannel>& channel, uint32_t bucket, uint64_t step, uint64_t generation,
-                bool speculative, const std::optional<Error>& error);
+                bool written, bool last, const std::optional<Error>& error);
+  [[nodiscard]] const std::byte* WrittenWeights(uint32_t bucket) const;  // where the running update writes them
   [[nodiscard]] bool Attached(const std::shared_ptr<RankChannel>& channel) const;
   void PostTo(RankChannel& channel, const shm::Message& message);
   void FailRank(RankChannel& channel, const std::string& message);
@@ -227,6 +271,10 @@ class StepEngine {
   // the engine thread afterwards.
   template <typename Work, typename Include>
   void Schedule(uint32_t bucket, int64_t priority, Include include, Work work, std::function<void()> done);
+  // Runs `work(i, blocks[i])` on the pool for i in [begin, end); `done` runs on the engine thread afterwards.
+  template <typename Work>
+  void ScheduleBlocks(const std::shared_ptr<std::vector<Block>>& blocks, size_t begin, size_t end, int64_t priority,
+                      Work work, std::function<void()> done);
   void UploadCommitted(uint32_t bucket, std::function<void()> done);
 
   const std::string job_name_;

@@ -376,6 +376,10 @@ class FakeGpu final : public RankTransfer {
   [[nodiscard]] std::optional<uint64_t> ParamsOffset(uint32_t bucket) const override { return offsets_.at(bucket); }
   void PushWeights(uint64_t offset, const void* host, size_t bytes, Done done) override {
     ++pushes;
+    {
+      std::lock_guard lock(queue_->mutex);
+      push_ranges_.emplace_back(offset, bytes);
+    }
     Run([=, this] { std::memcpy(params.data() + offset, host, bytes); }, std::move(done), false);
   }
   void Abandon() override { Set(queue_->abandoned, true); }
@@ -393,6 +397,11 @@ class FakeGpu final : public RankTransfer {
   [[nodiscard]] bool PulledInto(const void* host) const {
     std::lock_guard lock(queue_->mutex);
     return pulled_into_.contains(host);
+  }
+  // Every push so far, in submission order: (offset in the parameter buffer, bytes).
+  [[nodiscard]] std::vector<std::pair<uint64_t, size_t>> PushRanges() const {
+    std::lock_guard lock(queue_->mutex);
+    return push_ranges_;
   }
 
   std::vector<std::byte> params, staging;
@@ -454,7 +463,8 @@ class FakeGpu final : public RankTransfer {
   const uint32_t slots_;
   const size_t slot_bytes_;
   const std::vector<std::optional<uint64_t>> offsets_;
-  std::set<const void*> pulled_into_;  // guarded by queue_->mutex
+  std::set<const void*> pulled_into_;                     // guarded by queue_->mutex
+  std::vector<std::pair<uint64_t, size_t>> push_ranges_;  // guarded by queue_->mutex
   std::shared_ptr<Queue> queue_ = std::make_shared<Queue>();
   std::thread thread_{[queue = queue_] { Loop(*queue); }};
 };
@@ -462,7 +472,7 @@ class FakeGpu final : public RankTransfer {
 class CudaIpcStagesTest : public StepEngineTest {
  protected:
   void SetUp() override {
-    job_ = std::make_unique<Job>("job", static_cast<uint32_t>(getuid()), Spec(), /*seed=*/7, pool_);
+    job_ = std::make_unique<Job>("job", static_cast<uint32_t>(getuid()), Spec(), /*seed=*/7, Pool());
     client_ = std::make_unique<RankClient>(*job_, 0);
     size_t largest = 0;
     for (const shm::BucketLayout& bucket : layout().buckets) largest = std::max<size_t>(largest, bucket.bytes());
@@ -470,6 +480,7 @@ class CudaIpcStagesTest : public StepEngineTest {
     job_->SetTransfer(0, gpu_, "fake-gpu");
   }
   [[nodiscard]] virtual shm::LayoutSpec Spec() const { return TwoParamSpec(1); }
+  virtual WorkerPool& Pool() { return pool_; }
   [[nodiscard]] virtual size_t SlotBytes(size_t largest_bucket) const { return largest_bucket; }
   // Where the rank keeps each bucket on its GPU: by default at its offset in the gradient region.
   [[nodiscard]] virtual std::vector<std::optional<uint64_t>> ParamOffsets() const {
@@ -527,7 +538,9 @@ class CudaIpcStagesTest : public StepEngineTest {
     client_->SetHParams(step, TestHParams());
     for (uint32_t b = 0; b < client_->buckets(); ++b) StageBucket(step, b);
   }
-  void StageBucket(uint64_t step, uint32_t b) {
+  void StageBucket(uint64_t step, uint32_t b) { StagePieces(step, b, 0, UINT32_MAX); }
+  // Pieces [first, end) of bucket b's gradients of `step` (as many as there are).
+  void StagePieces(uint64_t step, uint32_t b, uint32_t first, uint32_t end) {
     const shm::BucketLayout& bucket = layout().buckets[b];
     std::vector<float> gradients(bucket.bytes() / sizeof(float));
     for (uint32_t p : bucket.params) {
@@ -536,7 +549,7 @@ class CudaIpcStagesTest : public StepEngineTest {
       client_->view().presence[p] = 1;
     }
     const auto* bytes = reinterpret_cast<const std::byte*>(gradients.data());
-    for (uint32_t piece = 0; piece * gpu_->slot_bytes() < bucket.bytes(); ++piece) {
+    for (uint32_t piece = first; piece < end && piece * gpu_->slot_bytes() < bucket.bytes(); ++piece) {
       if (unfreed_ == kSlots) ReceiveFrees(1);
       const uint32_t slot = next_slot_++ % kSlots;
       const uint64_t offset = piece * gpu_->slot_bytes();
@@ -809,6 +822,118 @@ TEST_F(CudaIpcPiecesTest, APieceOutOfOrderFailsTheSession) {
             std::string::npos)
       << *failure;
 }
+
+// A bucket four staging slots large (an embedding, the job's only parameter) is updated in four pieces,
+// and each written piece goes to the GPU at once, before the rest of the update is written: speculated or
+// not, and again when a clipped speculation is redone. One worker thread, so the pieces are written in
+// order; the rank asks for the weights before its gradients arrive, so every piece can go.
+class CudaIpcStreamedUpdateTest : public CudaIpcStagesTest, public ::testing::WithParamInterface<double> {
+ protected:
+  static constexpr uint64_t kRows = 4, kRow = 1 << 16;  // a row: one block of the worker pool
+  [[nodiscard]] shm::LayoutSpec Spec() const override {
+    shm::LayoutSpec spec = TwoParamSpec(1, /*state_halves=*/2);
+    spec.params[0].shape = {kRows, kRow};
+    spec.params.pop_back();
+    spec.max_grad_norm = GetParam();
+    spec.speculative_clipping = GetParam() > 0 ? shm::Speculation::kOn : shm::Speculation::kOff;
+    return spec;
+  }
+  WorkerPool& Pool() override { return one_thread_; }
+  [[nodiscard]] size_t SlotBytes(size_t) const override { return kRow * sizeof(float); }
+  [[nodiscard]] uint32_t EmbeddingBucket() const { return layout().params[0].bucket; }
+  // The pushes of the embedding's bucket since push number `from`, as (begin, end) in the bucket.
+  [[nodiscard]] std::vector<std::pair<uint64_t, uint64_t>> EmbeddingPushes(size_t from) const {
+    const uint64_t base = gpu_->ParamsOffset(EmbeddingBucket()).value();
+    const uint64_t bytes = layout().buckets[EmbeddingBucket()].bytes();
+    std::vector<std::pair<uint64_t, uint64_t>> pushes;
+    const auto ranges = gpu_->PushRanges();
+    for (size_t i = from; i < ranges.size(); ++i) {
+      if (ranges[i].first >= base && ranges[i].first < base + bytes) {
+        pushes.emplace_back(ranges[i].first - base, ranges[i].first - base + ranges[i].second);
+      }
+    }
+    return pushes;
+  }
+  // The initial load, then the first two of the four pieces of step 1's gradients, the rank having
+  // asked for the step's weights; returns once the update's first piece is on the GPU.
+  void StageHalfOfStepOne() {
+    client_->LoadInitialState();
+    WantWeights(0);
+    client_->ExpectParamsReady(0);
+    const size_t before = gpu_->PushRanges().size();
+    WantWeights(1);
+    client_->SetHParams(1, TestHParams());
+    StagePieces(1, EmbeddingBucket(), 0, 2);
+    ReceiveFrees();
+    ASSERT_TRUE(trainstream::testing::PollUntil([&] { return !EmbeddingPushes(before).empty(); }));
+    EXPECT_EQ(EmbeddingPushes(before).front(), std::make_pair(uint64_t{0}, kRow * 4));
+  }
+  WorkerPool one_thread_{1, /*pin_threads=*/false};
+};
+
+TEST_P(CudaIpcStreamedUpdateTest, EachWrittenPieceReachesTheGpuAtOnceAndTheStepsMatchAdamW) {
+  const bool clips = GetParam() > 0 && GetParam() < 1.0;  // the gradients' norm is about 180
+  ASSERT_EQ(layout().buckets[EmbeddingBucket()].bytes(), kRows * kRow * sizeof(float));
+  client_->LoadInitialState();
+  WantWeights(0);
+  client_->ExpectParamsReady(0);
+  AdamWReference reference(job_->spec());
+  for (uint64_t step = 1; step <= 2; ++step) {
+    const size_t before = gpu_->PushRanges().size();
+    WantWeights(step);
+    StageStep(step);
+    ReceiveFrees();
+    client_->ExpectParamsReady(step);
+    reference.Step(step, TestHParams(), {}, GetParam());
+    std::vector<std::pair<uint64_t, uint64_t>> expected;
+    for (int pass = 0; pass < (clips ? 2 : 1); ++pass) {  // a redone step streams its pieces again
+      for (uint64_t row = 0; row < kRows; ++row) expected.emplace_back(row * kRow * 4, (row + 1) * kRow * 4);
+    }
+    EXPECT_EQ(EmbeddingPushes(before), expected) << "step " << step;
+  }
+  reference.ExpectMatches(*client_);
+  ExpectGpuHoldsMaster();
+  EXPECT_EQ(job_->Info().engine.redone_steps, clips ? 2u : 0u);
+  EXPECT_TRUE(client_->sink().failures().empty());
+}
+
+// The update starts with the first piece of gradients: its first piece is on the GPU before the last
+// gradients have left it.
+TEST_P(CudaIpcStreamedUpdateTest, TheUpdateStartsBeforeTheLastGradientsArrive) {
+  ASSERT_NO_FATAL_FAILURE(StageHalfOfStepOne());
+  StagePieces(1, EmbeddingBucket(), 2, kRows);
+  ReceiveFrees();
+  client_->ExpectParamsReady(1);
+  AdamWReference reference(job_->spec());
+  reference.Step(1, TestHParams(), {}, GetParam());
+  reference.ExpectMatches(*client_);
+  ExpectGpuHoldsMaster();
+}
+
+// A trainer that dies after sending part of a bucket whose update has started leaves the job's
+// committed state as it was; the restarted trainer replays the step exactly.
+TEST_P(CudaIpcStreamedUpdateTest, ARankLeavingBeforeItsLastGradientsLeavesTheCommittedStateAsItWas) {
+  ASSERT_NO_FATAL_FAILURE(StageHalfOfStepOne());
+  client_->Reattach();
+  EXPECT_EQ(client_->attachment().completed_step, 0u);
+  AdamWReference reference(job_->spec());
+  reference.ExpectMatches(*client_);
+  gpu_ = std::make_shared<FakeGpu>(layout().grad_bytes, kSlots, SlotBytes(0), ParamOffsets());
+  job_->SetTransfer(0, gpu_, "fake-gpu");
+  WantWeights(0);
+  client_->ExpectParamsReady(0);
+  WantWeights(1);
+  StageStep(1);
+  ReceiveFrees();
+  client_->ExpectParamsReady(1);
+  reference.Step(1, TestHParams(), {}, GetParam());
+  reference.ExpectMatches(*client_);
+  ExpectGpuHoldsMaster();
+  EXPECT_TRUE(client_->sink().failures().empty());
+}
+
+// Without clipping, speculated without clipping, speculated and clipped (then redone).
+INSTANTIATE_TEST_SUITE_P(MaxGradNorm, CudaIpcStreamedUpdateTest, ::testing::Values(0.0, 1e6, 0.5));
 
 // One protocol violation: what rank 0 does wrong, and what the failure message must mention.
 struct Violation {
