@@ -35,6 +35,14 @@ triad_gbs() {
   python3 -c "import json; print(json.load(open('benchmarks/results/adamw_h200-16core.json'))['triad']['gb_per_s'])"
 }
 
+# One line of a train_gpt JSON's first run: its step, phases, busy cores and median wait for weights.
+brief() {
+  python3 -c "import json, statistics, sys; r = json.load(open(sys.argv[1]))['runs'][0]; \
+    print(r['mode'], r.get('error') or f\"{r['step_ms']:.1f} ms\", {k: round(v, 1) for k, v in r.get('phases_ms', {}).items()}, \
+    {k: round(v, 2) for k, v in r.get('busy_cores', {}).items()}, \
+    'weights wait', round(statistics.median(r.get('weights_wait_ms') or [0]), 1))" "$1"
+}
+
 for what in "$@"; do
   case $what in
     build-fast)
@@ -144,9 +152,6 @@ for what in "$@"; do
       stage gpt-threads  # the 124M's forced offload against the daemon's worker threads and their nice value
       # (THREAD_RUNS: threads:nice ..., "default" for the daemon's), each step's phases as the trainer saw
       # them; the GPU-only step beside
-      brief() { python3 -c "import json, sys; r = json.load(open(sys.argv[1]))['runs'][0]; \
-        print(r['mode'], r.get('error') or f\"{r['step_ms']:.1f} ms\", {k: round(v, 1) for k, v in r.get('phases_ms', {}).items()}, \
-        {k: round(v, 2) for k, v in r.get('busy_cores', {}).items()})" "$1"; }
       timeout 90 python3 benchmarks/train_gpt/train_gpt.py --config 124m --modes gpu-only --steps 40 \
         --json "$OUT/gpt_124m_gpu-only.json" >/dev/null 2>&1; brief "$OUT/gpt_124m_gpu-only.json"
       for run in ${THREAD_RUNS:-16:0 14:0 12:0 16:10}; do
@@ -155,6 +160,27 @@ for what in "$@"; do
         timeout 90 python3 benchmarks/train_gpt/train_gpt.py --config 124m --modes trainstream --steps 40 \
           --daemon-threads "$threads" $flags --adamw-json benchmarks/results/adamw_h200-16core.json \
           --json "$json" >/dev/null 2>&1; brief "$json" | sed "s|^|[$threads threads, nice $nice] |"
+      done
+      ;;
+    gpt-small-peers)
+      stage gpt-small-peers  # the 124M's forced offload beside the GPU-only step, torchao and DeepSpeed ZeRO-2/3, one invocation
+      install_wheels
+      timeout "${PEERS_TIMEOUT:-400}" python3 benchmarks/train_gpt/train_gpt.py --config 124m --steps ${STEPS:-40} \
+        --modes "${GPT_MODES:-gpu-only,trainstream,torchao,deepspeed-zero2,deepspeed-zero3}" \
+        --adamw-json benchmarks/results/adamw_h200-16core.json --json "$OUT/gpt_124m_peers.json" 2>&1 | tail -8
+      ;;
+    gpt-small-ab)
+      stage gpt-small-ab  # the 124M's forced offload through the daemon of .device/before.tar (build-before) and
+      # this tree's, alternated RUNS times, each run its own process and JSON
+      for run in $(seq "${RUNS:-2}"); do
+        for tree in /tmp/before .; do
+          name=$( [[ $tree == . ]] && echo after || echo before )
+          json="$OUT/gpt_124m_${name}_run$run.json"
+          TRAINSTREAMD=$tree/build/daemon/trainstreamd timeout 120 python3 benchmarks/train_gpt/train_gpt.py --config 124m \
+            --modes trainstream --steps ${STEPS:-40} --adamw-json benchmarks/results/adamw_h200-16core.json \
+            --json "$json" >/dev/null 2>&1
+          brief "$json" | sed "s|^|[$name $run] |"
+        done
       done
       ;;
     gpt-halves)
