@@ -889,7 +889,10 @@ void StepEngine::OnPieceWritten(uint32_t b, uint32_t k) {
     Discarded(b);  // waits for gradients, unless its rank is gone
     return;
   }
-  update.finish();
+  // The work holds the ranks it read the gradients of: a rank that detached is unmapped once it goes.
+  update.work = nullptr;
+  update.blocks.reset();
+  std::exchange(update.finish, nullptr)();
 }
 
 bool StepEngine::StreamsGradients(uint32_t b) {

@@ -932,6 +932,16 @@ TEST_P(CudaIpcStreamedUpdateTest, ARankLeavingBeforeItsLastGradientsLeavesTheCom
   EXPECT_TRUE(client_->sink().failures().empty());
 }
 
+// A finished update keeps nothing of the ranks it read: a rank that detaches after its step is released
+// (its segment unmapped, its transfer gone), not held until the bucket's next update.
+TEST_P(CudaIpcStreamedUpdateTest, ARankDetachedAfterItsStepIsReleased) {
+  RunFirstStep();
+  const std::weak_ptr<FakeGpu> transfer = gpu_;
+  gpu_.reset();
+  client_->Reattach();
+  EXPECT_TRUE(trainstream::testing::PollUntil([&] { return transfer.expired(); }));
+}
+
 // Without clipping, speculated without clipping, speculated and clipped (then redone).
 INSTANTIATE_TEST_SUITE_P(MaxGradNorm, CudaIpcStreamedUpdateTest, ::testing::Values(0.0, 1e6, 0.5));
 
