@@ -152,7 +152,7 @@ class StepEngine {
     std::optional<std::pair<float, Pass>> pending;  // an update waiting for pushes or the skew bound
     std::shared_ptr<const UpdatePlan> plan;         // the speculated update, for its redo
     std::chrono::steady_clock::time_point update_started;
-    std::shared_ptr<RunningUpdate> update;  // the update started last (kept until the next starts)
+    std::shared_ptr<RunningUpdate> update;  // the update started last (its pieces outlive its work)
     // Delivered with its first piece of gradients (StreamsGradients): the rest are still coming, and
     // `grad_bytes` of them are in.
     bool streaming = false;
@@ -163,7 +163,7 @@ class StepEngine {
   struct RunningUpdate {
     std::shared_ptr<std::vector<Block>> blocks;
     std::vector<std::pair<size_t, uint64_t>> pieces;  // (end block, end byte in the bucket)
-    std::function<void(size_t, const Block&)> work;   // one block
+    std::function<void(size_t, const Block&)> work;   // one block; dropped at the end (it holds the ranks)
     std::function<void()> finish;                     // once every piece is written
     std::vector<uint8_t> piece_written;
     uint32_t scheduled = 0;   // pieces given to the pool
@@ -195,9 +195,9 @@ class StepEngine {
   [[nodiscard]] bool Writing(uint32_t bucket) const;
   // Pushes the pieces of the bucket's running update or speculation written since the rank's last push.
   void PushWritten(const std::shared_ptr<RankChannel>& channel, uint32_t bucket);
-  // Where an update of the bucket splits: after the block reaching past each multiple of the smallest
-  // staging slot of the ranks holding the bucket on their GPU, as (end block, end byte) pairs; one piece
-  // for a bucket no larger than that slot, or without such ranks.
+  // Where an update of the bucket splits: before each block that would reach past the next multiple of
+  // the smallest staging slot of the cuda-ipc ranks, as (end block, end byte) pairs; one piece for a
+  // bucket no larger than that slot, or without such ranks.
   [[nodiscard]] std::vector<std::pair<size_t, uint64_t>> UpdatePieces(uint32_t bucket,
                                                                       const std::vector<Block>& blocks) const;
   void OnPieceWritten(uint32_t bucket, uint32_t piece);
