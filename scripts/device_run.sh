@@ -183,6 +183,17 @@ for what in "$@"; do
         done
       done
       ;;
+    gpt-small-slots)
+      stage gpt-small-slots  # the 124M's forced offload with SLOT_COUNTS staging slots (the trainer's backward
+      # waited 1-8 ms a step for a free one with 4 on 2026-12-02)
+      for slots in ${SLOT_COUNTS:-4 8 16}; do
+        json="$OUT/gpt_124m_slots$slots.json"
+        TRAINSTREAM_STAGING_SLOTS=$slots timeout 120 python3 benchmarks/train_gpt/train_gpt.py --config 124m \
+          --modes trainstream --steps ${STEPS:-40} --adamw-json benchmarks/results/adamw_h200-16core.json \
+          --json "$json" >/dev/null 2>&1
+        brief "$json" | sed "s|^|[$slots slots] |"
+      done
+      ;;
     gpt-halves)
       stage gpt-halves  # forced offload of the 124M with one and two state halves (58.6 ms on 2026-12-02, 46.7 ms a day earlier)
       for halves in 1 2; do
