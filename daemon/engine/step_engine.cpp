@@ -442,7 +442,8 @@ uint32_t StepEngine::PiecesOf(uint32_t b, const RankTransfer& transfer) const {
 }
 
 // cuda-ipc: each piece of the bucket's gradients reaches the rank's host slot first (the slot on the
-// GPU is then free); the bucket is delivered once every piece has.
+// GPU is then free); the bucket is delivered once every piece has, or with its first piece where its
+// update may start then (StreamsGradients), and each later piece lets more of that update run.
 void StepEngine::PullThenDeliver(const std::shared_ptr<RankChannel>& channel, uint32_t b, uint32_t slot,
                                  uint32_t piece) {
   const shm::BucketLayout& bucket = layout_.buckets[b];
