@@ -257,8 +257,7 @@ void StepEngine::FailSessions(const std::string& message) {
 // from). What can no longer complete is discarded: partly collected buckets, norms and speculative
 // updates waiting for the other buckets (or still running: they restart when they end), updates held
 // back by the skew bound, updates started with part of their gradients. Updates that have all their
-// gradients finish and commit. Buckets at different
-// committed steps count as mid-step too.
+// gradients finish and commit. Buckets at different committed steps count as mid-step too.
 void StepEngine::ResetCollecting(const std::string& reason) {
   bool discarded = false;
   for (uint32_t b = 0; b < buckets_.size(); ++b) {
@@ -1134,11 +1133,7 @@ void StepEngine::MaybePush(const std::shared_ptr<RankChannel>& channel, uint32_t
         *channel,
         shm::Message{.kind = shm::MessageKind::kParamsReady, .bucket = b, .step = static_cast<uint64_t>(step)});
   }
-  const shm::BucketLayout& bucket = layout_.buckets[b];
-  const void* committed = bucket.uploads_from_master()
-                              ? static_cast<const void*>(state_.Committed(b).master + bucket.elem_offset)
-                              : static_cast<const void*>(state_.upload + bucket.upload_offset);
-  Push(channel, b, step, *offset, static_cast<const std::byte*>(committed), 0, bucket.bytes(), /*written=*/false);
+  Push(channel, b, step, *offset, WeightsIn(b, state_.Committed(b)), 0, layout_.buckets[b].bytes(), /*written=*/false);
 }
 
 bool StepEngine::Speculated(uint32_t b) const {
@@ -1166,14 +1161,14 @@ void StepEngine::PushWritten(const std::shared_ptr<RankChannel>& channel, uint32
   if (!offset || step > channel->weights_wanted || streamed >= update.written) return;
   const uint64_t begin = streamed == 0 ? 0 : update.pieces[streamed - 1].second;
   streamed = update.written;
-  Push(channel, b, step, *offset, WrittenWeights(b), begin, update.pieces[streamed - 1].second, /*written=*/true);
+  Push(channel, b, step, *offset, WeightsIn(b, state_.halves[progress.plan->to]), begin,
+       update.pieces[streamed - 1].second, /*written=*/true);
 }
 
-const std::byte* StepEngine::WrittenWeights(uint32_t b) const {
+const std::byte* StepEngine::WeightsIn(uint32_t b, const shm::StateHalf& half) const {
   const shm::BucketLayout& bucket = layout_.buckets[b];
-  const void* weights = bucket.uploads_from_master()
-                            ? static_cast<const void*>(state_.halves[buckets_[b].plan->to].master + bucket.elem_offset)
-                            : static_cast<const void*>(state_.upload + bucket.upload_offset);
+  const void* weights = bucket.uploads_from_master() ? static_cast<const void*>(half.master + bucket.elem_offset)
+                                                     : static_cast<const void*>(state_.upload + bucket.upload_offset);
   return static_cast<const std::byte*>(weights);
 }
 

@@ -217,7 +217,8 @@ class StepEngine {
   // of a rank complete in submission order).
   void OnPushed(const std::shared_ptr<RankChannel>& channel, uint32_t bucket, uint64_t step, uint64_t generation,
                 bool written, bool last, const std::optional<Error>& error);
-  [[nodiscard]] const std::byte* WrittenWeights(uint32_t bucket) const;  // where the running update writes them
+  // Where the bucket's weights of `half` lie: its master weights there (fp32), else the upload region.
+  [[nodiscard]] const std::byte* WeightsIn(uint32_t bucket, const shm::StateHalf& half) const;
   [[nodiscard]] bool Attached(const std::shared_ptr<RankChannel>& channel) const;
   void PostTo(RankChannel& channel, const shm::Message& message);
   void FailRank(RankChannel& channel, const std::string& message);
