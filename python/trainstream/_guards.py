@@ -7,10 +7,10 @@ ApplyGuard — `module.to()`, `.cuda()`, `.half()`, ... after wrap: a conversion
     parameters another dtype, device or storage goes to the rank's `relayout` (wrap's: the job is
     attached again in the new layout, its fp32 master weights and moments unchanged), or is refused.
 
-Both take the Rank (_rank.py) and use only its `model`, `params`, `needs_read_guard()`, `refresh_read()`,
-`synchronize()` and `relayout`. Invariants: a torch function of the model's forward never reads a stale
-wrapped parameter, nor a paged one whose block is not in its slot; a conversion that cannot be done is
-refused before anything changes.
+Both take the Rank (_rank.py) and use only its `model`, `params`, `needs_read_guard()`,
+`take_published()`, `refresh_read()`, `synchronize()` and `relayout`. Invariants: a torch function of
+the model's forward never reads a stale wrapped parameter, nor a paged one whose block is not in its
+slot; a conversion that cannot be done is refused before anything changes.
 """
 
 from __future__ import annotations
@@ -32,8 +32,10 @@ class StaleReadGuard(TorchFunctionMode):
     parameter before any pre-hook of its module ran (`x @ self.proj.weight.t()` in a parent's forward,
     a weight read before its module is called), and must see the same weights as in plain torch. The
     mode costs each torch function about 1 us of Python while it is entered, 2 us while something is
-    stale (2-core dev machine); without stale buckets at the forward's start it is not entered. With
-    weight paging it is always entered: a paged weight read outside its block's forward loads the block."""
+    stale (2-core dev machine), so it is entered only while needed: at the forward's start the buckets
+    published already are taken in, and the mode is not entered when nothing is left stale; the Rank's
+    pre-hooks pause it while they refresh, and it stays left once nothing is stale. With weight paging
+    it is always entered: a paged weight read outside its block's forward loads the block."""
 
     def __init__(self, rank):
         super().__init__()
@@ -55,15 +57,36 @@ class StaleReadGuard(TorchFunctionMode):
 
     def _forward_starts(self) -> None:
         self.depth += 1
-        if self.depth == 1 and self.rank.needs_read_guard():
-            self.__enter__()
-            self.entered = True
+        if self.depth == 1:
+            self.rank.take_published()
+            if self.rank.needs_read_guard():
+                self.__enter__()
+                self.entered = True
 
     def _forward_ends(self) -> None:
         self.depth -= 1
         if self.depth == 0 and self.entered:
             self.entered = False
             self.__exit__(None, None, None)
+
+    def pause(self) -> bool:
+        """Before a module pre-hook's refresh, whose copies read no stale weight: leaves the mode (about
+        2 us per torch function of the copies) where it is the innermost one (one entered inside the
+        forward and still active stays above it, and leaving would pop that one instead). Returns
+        whether it left."""
+        if self.entered and torch.overrides._get_current_function_mode() is self:
+            self.__exit__(None, None, None)
+            return True
+        return False
+
+    def resume(self, paused: bool) -> None:
+        """After that refresh: back into the mode while something is still stale; otherwise the forward
+        runs on without it."""
+        if paused:
+            if self.rank.needs_read_guard():
+                self.__enter__()
+            else:
+                self.entered = False
 
     def remove(self) -> None:
         for handle in self.handles:

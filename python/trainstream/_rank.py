@@ -242,6 +242,26 @@ class Rank:
                 self._refreshing = False
         self._report_warnings()
 
+    def take_published(self) -> None:
+        """Takes in, without waiting, the stale buckets whose weights are published already, so that a
+        forward starting with nothing left stale runs without the StaleReadGuard's mode (about 1 us of
+        Python per torch function). Not with paging (the guard is always needed) nor where taking
+        weights in early would delay the forward (the transport's `weights_in_early`)."""
+        if not self.stale or self.pager is not None or not self.transport.weights_in_early:
+            return
+        published = [b for b in sorted(self.stale) if self.session.params_ready(b, self._ready_step[b])]
+        if published:
+            self.refresh(published)
+
+    def _before_module(self, buckets: tuple[int, ...], guard: StaleReadGuard) -> None:
+        """A module's forward pre-hook: its buckets' weights in place, outside the guard's mode, which
+        the forward leaves for good once nothing is stale."""
+        paused = guard.pause()
+        try:
+            self.refresh(buckets)
+        finally:
+            guard.resume(paused)
+
     def refresh_read(self, args: tuple, kwargs: dict) -> None:
         """Refreshes the stale buckets of the wrapped parameters among a torch function's arguments
         (and in lists and tuples among them, as torch.cat's), unless a refresh is running already."""
@@ -300,11 +320,13 @@ class Rank:
         for i, p in enumerate(self.params):
             self._handles.append(p.register_post_accumulate_grad_hook(lambda param, i=i: self._on_grad(i, param)))
         self._index = index = {id(p): i for i, p in enumerate(self.params)}
+        guard = StaleReadGuard(self)  # kept by the handles only: it refers back to this Rank
         for module in self.model.modules():
             own = [index[id(p)] for p in module.parameters(recurse=False) if id(p) in index]
             buckets = tuple(sorted({self.regions.bucket_of[i] for i in own}))
             if buckets:
-                self._handles.append(module.register_forward_pre_hook(lambda m, args, b=buckets: self.refresh(b)))
+                self._handles.append(module.register_forward_pre_hook(
+                    lambda m, args, b=buckets: self._before_module(b, guard)))
         self._handles.append(self.model.register_state_dict_pre_hook(lambda *args, **kwargs: self.synchronize()))
         if self.pager is not None:
             self._handles.append(self.model.register_state_dict_post_hook(
@@ -312,7 +334,7 @@ class Rank:
             self._handles.append(self.model.register_load_state_dict_pre_hook(lambda *args: self._page_to_host()))
         self._handles.append(self.model.register_load_state_dict_post_hook(lambda module, keys: self.push_weights()))
         self._handles += [ApplyGuard(self, module) for module in self.model.modules()]
-        self._handles.append(StaleReadGuard(self))
+        self._handles.append(guard)
 
     def remove_hooks(self) -> None:
         for handle in self._handles:

@@ -42,6 +42,10 @@ class Transport(Protocol):
     """What the Rank calls, in the order of a step; `i` is a parameter's index, `b` a bucket's."""
 
     name: str  # as the daemon logs it and stats() report it
+    # Whether weights_in may run for a published bucket before its modules do, at no cost to the
+    # forward. Not where it queues a GPU copy the compute stream then waits for (cuda-client-copy): taken
+    # in at a forward's start, every published bucket would hold the first layer back.
+    weights_in_early: bool
 
     def open_bucket(self, b: int) -> None:
         """Before bucket b's first gradient of a micro-batch: returns once its last GRAD_READY has gone
@@ -73,6 +77,7 @@ class Transport(Protocol):
 
 class HostTransport:
     name = "host"
+    weights_in_early = True  # a copy on the trainer's thread, now or at the module's pre-hook
 
     def __init__(self, regions: Regions):
         self.regions = regions
@@ -104,6 +109,7 @@ class HostTransport:
 
 class CudaCopyTransport:
     name = "cuda-client-copy"
+    weights_in_early = False
 
     def __init__(self, regions: Regions, session, device: torch.device):
         self.regions = regions
@@ -221,6 +227,7 @@ def _ranges_to_pin(regions: Regions, session) -> list[tuple[int, int]]:
 
 class CudaIpcTransport:
     name = "cuda-ipc"
+    weights_in_early = True  # nothing to do: the daemon wrote them
     _WANT_EVENTS = 2  # weights-wanted events, used in turn
     _SLOT_CAP = 32 << 20  # a bucket larger than a slot (a large embedding) is staged piece by piece
 
