@@ -170,15 +170,17 @@ for what in "$@"; do
         --adamw-json benchmarks/results/adamw_h200-16core.json --json "$OUT/gpt_124m_peers.json" 2>&1 | tail -8
       ;;
     gpt-small-ab)
-      stage gpt-small-ab  # the 124M's forced offload through the daemon of .device/before.tar (build-before) and
-      # this tree's, alternated RUNS times, each run its own process and JSON
+      stage gpt-small-ab  # the 124M's forced offload, alternated RUNS times, each run its own process and JSON:
+      # "before" all of .device/before.tar (build-before), "daemon" this tree's daemon under before's Python
+      # (the daemon's changes alone), "after" all of this tree
       for run in $(seq "${RUNS:-2}"); do
-        for tree in /tmp/before .; do
-          name=$( [[ $tree == . ]] && echo after || echo before )
-          json="$OUT/gpt_124m_${name}_run$run.json"
-          TRAINSTREAMD=$tree/build/daemon/trainstreamd timeout 120 python3 benchmarks/train_gpt/train_gpt.py --config 124m \
-            --modes trainstream --steps ${STEPS:-40} --adamw-json benchmarks/results/adamw_h200-16core.json \
-            --json "$json" >/dev/null 2>&1
+        for name in before daemon after; do
+          daemon=$PWD python=/tmp/before/python json="$OUT/gpt_124m_${name}_run$run.json"
+          [[ $name == before ]] && daemon=/tmp/before
+          [[ $name == after ]] && python=$PWD/python
+          TRAINSTREAMD=$daemon/build/daemon/trainstreamd PYTHONPATH=$python:/tmp/site timeout 120 python3 \
+            benchmarks/train_gpt/train_gpt.py --config 124m --modes trainstream --steps ${STEPS:-40} \
+            --adamw-json benchmarks/results/adamw_h200-16core.json --json "$json" >/dev/null 2>&1
           brief "$json" | sed "s|^|[$name $run] |"
         done
       done
