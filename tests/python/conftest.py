@@ -63,11 +63,31 @@ def ctl_json(socket: str | None, *args: str, **kwargs):
 
 
 _DAEMON_DIRS: list[str] = []  # removed when the session ends: a successor daemon may reuse one's socket
+# Sockets of test daemons that ended holding jobs, or died under their test: a shared daemon's jobs stay
+# in /dev/shm for its successor (on the same socket), which the session's end starts to drop them.
+_LEFT_JOBS: set[str] = set()
 
 
 def pytest_sessionfinish(session, exitstatus):
+    for socket in sorted(_LEFT_JOBS):
+        _drop_jobs_left_on(socket)
     for folder in _DAEMON_DIRS:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _drop_jobs_left_on(socket: str) -> None:
+    os.makedirs(os.path.dirname(socket), exist_ok=True)  # its fixture may have removed the folder
+    _DAEMON_DIRS.append(os.path.dirname(socket))
+    try:
+        successor = Daemon(socket=socket)  # adopts what its predecessor left
+        try:
+            client = successor.client()
+            for job in client.stats()["jobs"]:
+                client.drop_job(job["name"], force=True)
+        finally:
+            successor.stop()
+    except Exception as e:  # cleaning up must not fail the session
+        print(f"jobs left by the test daemon on {socket} not dropped: {e}")
 
 
 class Daemon:
@@ -87,12 +107,20 @@ class Daemon:
     def client(self) -> trainstream.Client:
         return trainstream.connect(self.socket)
 
+    def _holds_jobs(self) -> bool:
+        try:
+            return bool(self.client().stats()["jobs"])
+        except trainstream.TrainstreamError:
+            return True
+
     def output(self) -> str:
         self.log.flush()
         self.log.seek(0)
         return self.log.read().decode(errors="replace")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 10) -> int:
+        if self.process.poll() is not None or self._holds_jobs():
+            _LEFT_JOBS.add(self.socket)
         if self.process.poll() is None:
             self.process.send_signal(sig)
             try:
