@@ -1,6 +1,7 @@
 """The StaleReadGuard's TorchFunctionMode is active only while some bucket is stale: a forward starting
 after the daemon published every bucket runs without it, one that took in the last stale bucket leaves
-it, and a mode the forward entered itself is never popped in its place. The updates stay AdamW's."""
+it, a weight read ahead of its module after another module's refresh is still refreshed, and a mode the
+forward entered itself is never popped in its place. The updates stay AdamW's."""
 
 from __future__ import annotations
 
@@ -51,6 +52,19 @@ class ModeAroundFirstLayer(torch.nn.Module):
 
 
 WIDTH = 64  # a Linear's weight, 16 KiB, fills a bucket of bucket_mb=1/64: no bucket spans both Linears
+
+
+class ReadsAheadAfterARefresh(torch.nn.Module):
+    """Reads the second Linear's weight after the first's pre-hook refreshed (the mode paused and, the
+    second's bucket still stale, entered again) and before the second's own pre-hook."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        h = torch.tanh(self.first(x)) * self.second.weight.sum(dim=0)
+        return self.second(h)
 
 
 def probed_mlp():
@@ -126,3 +140,13 @@ def test_a_mode_entered_inside_the_forward_is_not_popped_in_the_guards_place(cli
         # stayed below it, and the user's mode still saw the Linear.
         assert torch.nn.functional.linear in model.recording.functions
         assert _get_current_function_mode() is None
+
+
+def test_a_weight_read_ahead_after_a_paused_refresh_is_fresh(client):
+    model, optimizer, reference, ref_optimizer = wrapped(client, ReadsAheadAfterARefresh())
+    _wrap._rank_of(model).transport.weights_in_early = False
+    for step in range(3):
+        train_step(model, optimizer, step)
+        train_step(reference, ref_optimizer, step)
+    x = torch.randn(4, WIDTH)
+    assert (model(x) - reference(x)).abs().max() <= 1e-6
