@@ -10,6 +10,9 @@ Modes, alternated --rounds times in one process (each its own model, optimizer a
   wrapped    trainstream.wrap(model, optimizer), the host transport
   no-guard   wrapped, with the StaleReadGuard's TorchFunctionMode never entered: not a setting (a
              forward may then read a stale weight), the measure of what the mode costs
+  no-copies  wrapped, the host transport's copies of new weights into the parameters skipped: not a
+             setting either (the weights stay the first step's), the measure of what those copies
+             cost; the cuda-ipc transport on a GPU has none (the daemon writes the weights in place)
 
 Prints the median forward and backward per mode and what wrapping adds; --json writes them.
 
@@ -31,9 +34,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "train_gpt"))
 import gpt  # noqa: E402
 import trainstream  # noqa: E402
-from trainstream import _guards  # noqa: E402
+from trainstream import _guards, _transport  # noqa: E402
 
-MODES = ("plain", "wrapped", "no-guard")
+MODES = ("plain", "wrapped", "no-guard", "no-copies")
 
 
 def timed_steps(layers: int, mode: str, steps: int, warmup: int) -> dict[str, float]:
@@ -43,9 +46,11 @@ def timed_steps(layers: int, mode: str, steps: int, warmup: int) -> dict[str, fl
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if mode != "plain":
         model, optimizer = trainstream.wrap(model, optimizer)
-    guard_starts = _guards.StaleReadGuard._forward_starts
+    guard_starts, weights_in = _guards.StaleReadGuard._forward_starts, _transport.HostTransport.weights_in
     if mode == "no-guard":
         _guards.StaleReadGuard._forward_starts = lambda self: None
+    if mode == "no-copies":
+        _transport.HostTransport.weights_in = lambda self, i: None
     tokens, targets = torch.randint(0, 256, (1, 16)), torch.randint(0, 256, (1, 16))
     forward, backward = [], []
     try:
@@ -60,7 +65,7 @@ def timed_steps(layers: int, mode: str, steps: int, warmup: int) -> dict[str, fl
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     finally:
-        _guards.StaleReadGuard._forward_starts = guard_starts
+        _guards.StaleReadGuard._forward_starts, _transport.HostTransport.weights_in = guard_starts, weights_in
         if mode != "plain":
             trainstream.unwrap(model)
     return {"forward_ms": 1e3 * statistics.median(forward), "backward_ms": 1e3 * statistics.median(backward)}
@@ -86,12 +91,14 @@ def main() -> None:
                                  for key in ("forward_ms", "backward_ms")}
         print(f"{mode:9s} forward {result['modes'][mode]['forward_ms']:.2f} ms, "
               f"backward {result['modes'][mode]['backward_ms']:.2f} ms")
-    plain, wrapped, unguarded = (result["modes"][mode] for mode in MODES)
+    plain, wrapped, unguarded, uncopied = (result["modes"][mode] for mode in MODES)
     result["added_forward_ms"] = wrapped["forward_ms"] - plain["forward_ms"]
     result["guard_forward_ms"] = wrapped["forward_ms"] - unguarded["forward_ms"]
+    result["weight_copies_forward_ms"] = wrapped["forward_ms"] - uncopied["forward_ms"]
     result["added_backward_ms"] = wrapped["backward_ms"] - plain["backward_ms"]
-    print(f"wrapping adds {result['added_forward_ms']:.2f} ms to a forward (the guard's mode "
-          f"{result['guard_forward_ms']:.2f} ms of it) and {result['added_backward_ms']:.2f} ms to a backward")
+    print(f"wrapping adds {result['added_forward_ms']:.2f} ms to a forward (of it the guard's mode "
+          f"{result['guard_forward_ms']:.2f} ms, the host transport's weight copies "
+          f"{result['weight_copies_forward_ms']:.2f} ms) and {result['added_backward_ms']:.2f} ms to a backward")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
