@@ -14,6 +14,8 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode
 import trainstream
 from trainstream import _guards, _wrap
 
+WIDTH = 64  # a Linear's weight, 16 KiB, fills a bucket of bucket_mb=1/64: no bucket spans both Linears
+
 
 class Probe(torch.nn.Module):
     """Records whether the StaleReadGuard's mode is active when the forward reaches it."""
@@ -51,9 +53,6 @@ class ModeAroundFirstLayer(torch.nn.Module):
         return self.second(h)
 
 
-WIDTH = 64  # a Linear's weight, 16 KiB, fills a bucket of bucket_mb=1/64: no bucket spans both Linears
-
-
 class ReadsAheadAfterARefresh(torch.nn.Module):
     """Reads the second Linear's weight after the first's pre-hook refreshed (the mode paused and, the
     second's bucket still stale, entered again) and before the second's own pre-hook."""
@@ -78,7 +77,6 @@ def train_step(model, optimizer, seed):
     torch.nn.functional.mse_loss(model(x), y).backward()
     optimizer.step()
     optimizer.zero_grad()
-    return x
 
 
 def wrapped(client, model):
