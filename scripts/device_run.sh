@@ -43,6 +43,15 @@ brief() {
     'weights wait', round(statistics.median(r.get('weights_wait_ms') or [0]), 1))" "$1"
 }
 
+# The 124M's forced offload for STEPS (40) steps into JSON $1, quietly, then its brief line labelled $2;
+# further arguments go to train_gpt, and environment assignments before the call reach it.
+small_offload() {
+  local json=$1 label=$2 && shift 2
+  timeout 120 python3 benchmarks/train_gpt/train_gpt.py --config 124m --modes trainstream --steps "${STEPS:-40}" \
+    --adamw-json benchmarks/results/adamw_h200-16core.json --json "$json" "$@" >/dev/null 2>&1
+  brief "$json" | sed "s|^|[$label] |"
+}
+
 for what in "$@"; do
   case $what in
     build-fast)
@@ -175,13 +184,11 @@ for what in "$@"; do
       # (the daemon's changes alone), "after" all of this tree
       for run in $(seq "${RUNS:-2}"); do
         for name in before daemon after; do
-          daemon=$PWD python=/tmp/before/python json="$OUT/gpt_124m_${name}_run$run.json"
+          daemon=$PWD python=/tmp/before/python
           [[ $name == before ]] && daemon=/tmp/before
           [[ $name == after ]] && python=$PWD/python
-          TRAINSTREAMD=$daemon/build/daemon/trainstreamd PYTHONPATH=$python:/tmp/site timeout 120 python3 \
-            benchmarks/train_gpt/train_gpt.py --config 124m --modes trainstream --steps ${STEPS:-40} \
-            --adamw-json benchmarks/results/adamw_h200-16core.json --json "$json" >/dev/null 2>&1
-          brief "$json" | sed "s|^|[$name $run] |"
+          TRAINSTREAMD=$daemon/build/daemon/trainstreamd PYTHONPATH=$python:/tmp/site small_offload "$OUT/gpt_124m_${name}_run$run.json" \
+            "$name $run"
         done
       done
       ;;
@@ -189,11 +196,7 @@ for what in "$@"; do
       stage gpt-small-slots  # the 124M's forced offload with SLOT_COUNTS staging slots (the trainer's backward
       # waited 1-8 ms a step for a free one with 4 on 2026-12-02)
       for slots in ${SLOT_COUNTS:-4 8 16}; do
-        json="$OUT/gpt_124m_slots$slots.json"
-        TRAINSTREAM_STAGING_SLOTS=$slots timeout 120 python3 benchmarks/train_gpt/train_gpt.py --config 124m \
-          --modes trainstream --steps ${STEPS:-40} --adamw-json benchmarks/results/adamw_h200-16core.json \
-          --json "$json" >/dev/null 2>&1
-        brief "$json" | sed "s|^|[$slots slots] |"
+        TRAINSTREAM_STAGING_SLOTS=$slots small_offload "$OUT/gpt_124m_slots$slots.json" "$slots slots"
       done
       ;;
     gpt-halves)
