@@ -295,10 +295,14 @@ class CudaIpcTransport:
             end = min(start + self.slot_bytes, size)
             slot = self._free_slot()
             base = slot * self.slot_bytes - start  # bucket byte k goes to staging byte base + k
+            into, out_of = [], []
             for first, data in grads:
                 lo, hi = max(first, start), min(first + data.numel(), end)
                 if lo < hi:
-                    self._staging[base + lo:base + hi].copy_(data[lo - first:hi - first])
+                    into.append(self._staging[base + lo:base + hi])
+                    out_of.append(data[lo - first:hi - first])
+            if into:  # a few batched kernels, not a launch per parameter
+                torch._foreach_copy_(into, out_of)
             self._grad_ready[slot].record(stream)
             send(slot, piece)
 
