@@ -178,6 +178,22 @@ for what in "$@"; do
         --modes "${GPT_MODES:-gpu-only,trainstream,torchao,deepspeed-zero2,deepspeed-zero3}" \
         --adamw-json benchmarks/results/adamw_h200-16core.json --json "$OUT/gpt_124m_peers.json" 2>&1 | tail -8
       ;;
+    gpt-contended)
+      stage gpt-contended  # the 124M's GPU-only step alone, then beside ts_bench_adamw's fp32 AdamW looping on
+      # CONTEND_THREADS threads at nice 10, the host memory traffic a forced-offload step's daemon makes: what
+      # the trainer's own thread loses to the shared memory, apart from anything trainstream runs
+      for threads in 0 ${CONTEND_THREADS:-8 15}; do
+        hog=""
+        if ((threads)); then
+          (while :; do nice -n 10 build/benchmarks/adamw/ts_bench_adamw --params 1e8 --threads "$threads" --reps 20 \
+            --no-all-kernels --only "fp32 grad, fp32 moments, no upload" >/dev/null 2>&1; done) & hog=$!
+        fi
+        json="$OUT/gpt_124m_gpu-only_beside_adamw$threads.json"
+        timeout 90 python3 benchmarks/train_gpt/train_gpt.py --config 124m --modes gpu-only --steps 40 --json "$json" \
+          >/dev/null 2>&1; brief "$json" | sed "s|^|[AdamW on $threads threads] |"
+        [[ -n $hog ]] && { kill $hog; wait $hog 2>/dev/null; pkill -f ts_bench_adamw; }
+      done
+      ;;
     gpt-small-ab)
       stage gpt-small-ab  # the 124M's forced offload, alternated RUNS times, each run its own process and JSON:
       # "before" all of .device/before.tar (build-before), "daemon" this tree's daemon under before's Python
@@ -252,6 +268,11 @@ for what in "$@"; do
       timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider tests/python/test_paging_cuda.py \
         tests/python/test_cuda.py tests/python/test_cuda_auto.py ${PYTEST_ARGS:-} >"$OUT/pytest_cuda.log" 2>&1
       tail -15 "$OUT/pytest_cuda.log"
+      ;;
+    pytest)
+      stage pytest  # only the GPU tests PYTEST_ARGS names (a change's own, when device time is short)
+      timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:?} >"$OUT/pytest.log" 2>&1
+      tail -5 "$OUT/pytest.log"
       ;;
     host-register)
       stage host-register  # cudaHostRegister GiB/s with 1-16 threads (fast start)
