@@ -1,0 +1,58 @@
+"""_transport.staging_views: where the cuda-ipc transport copies a bucket's gradients in a staging slot,
+piece by piece, with CPU tensors standing for the slot (the transport's own copies run in test_cuda on
+the GPU machine, test_buckets_larger_than_a_staging_slot among them)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainstream._transport import staging_views
+
+SHAPES = [(3, 5), (7,), (), (4, 4), (2, 1, 3)]
+
+
+def bucket(dtype: torch.dtype):
+    """A bucket of SHAPES in `dtype`: its gradients and their places (index, byte offset, elements,
+    dtype, shape), one after another as in the job's layout."""
+    torch.manual_seed(0)
+    grads = [torch.randn(shape).to(dtype) for shape in SHAPES]
+    places, offset = [], 0
+    for i, grad in enumerate(grads):
+        places.append((i, offset, grad.numel(), dtype, grad.shape))
+        offset += grad.numel() * dtype.itemsize
+    return grads, places, offset
+
+
+def stage(grads, places, size: int, slot_bytes: int) -> list[torch.Tensor]:
+    """Each piece's slot after copying into it what staging_views says, as the transport does."""
+    slots = []
+    for start in range(0, size, slot_bytes):
+        slot = torch.full((slot_bytes,), 0xAB, dtype=torch.uint8)
+        views = staging_views(slot, start, min(start + slot_bytes, size), places)
+        torch._foreach_copy_([view for _, _, view in views],
+                             [grads[i] if part is None else grads[i].reshape(-1)[part] for i, part, _ in views])
+        slots.append(slot[:min(slot_bytes, size - start)])
+    return slots
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("slot_bytes", [8, 24, 64, 4096])
+def test_the_pieces_hold_the_buckets_bytes_in_order(dtype, slot_bytes):
+    grads, places, size = bucket(dtype)
+    expected = torch.cat([grad.reshape(-1) for grad in grads]).view(torch.uint8)
+    assert torch.equal(torch.cat(stage(grads, places, size, slot_bytes)), expected)
+
+
+def test_a_parameter_inside_one_piece_is_copied_whole_in_its_shape():
+    grads, places, size = bucket(torch.float32)
+    views = staging_views(torch.empty(size, dtype=torch.uint8), 0, size, places)
+    assert [(i, part, view.shape) for i, part, view in views] == [(i, None, grads[i].shape) for i in range(len(SHAPES))]
+
+
+def test_a_parameter_split_between_pieces_is_copied_in_element_ranges():
+    grads, places, _ = bucket(torch.float32)  # the first parameter: 15 elements, bytes 0-60
+    first = staging_views(torch.empty(24, dtype=torch.uint8), 0, 24, places)
+    second = staging_views(torch.empty(24, dtype=torch.uint8), 24, 48, places)
+    assert [(i, part) for i, part, _ in first] == [(0, slice(0, 6))]
+    assert [(i, part) for i, part, _ in second] == [(0, slice(6, 12))]
