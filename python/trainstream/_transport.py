@@ -261,7 +261,6 @@ class CudaIpcTransport:
         self._staging = torch.as_tensor(self._staging_buffer, device=device)
         self._rehome_parameters(torch.as_tensor(self._params_buffer, device=device))
         self._pending: dict[int, list[tuple[int, torch.Tensor]]] = {}  # bucket -> gradients not yet staged
-        self._piece_count = [max(1, -(-size // self.slot_bytes)) for size in self._bucket_bytes]
         self._views: dict[tuple[int, int, int], list] = {}  # (bucket, piece, slot) -> _staging_views
         self._next_slot = 0
         self._wants = 0  # kWeightsWanted messages sent
@@ -292,15 +291,9 @@ class CudaIpcTransport:
         """The bucket's gradients go out in slot-sized pieces, each in the next free slot."""
         grads = dict(self._pending.pop(b, []))
         stream = torch.cuda.current_stream(self.device)
-        for piece in range(self._piece_count[b]):
+        for piece in range(max(1, -(-self._bucket_bytes[b] // self.slot_bytes))):
             slot = self._free_slot()
-            into, out_of = [], []
-            for i, part, view in self._staging_views(b, piece, slot):
-                if (grad := grads.get(i)) is not None:
-                    into.append(view)
-                    out_of.append(grad if part is None else grad.reshape(-1)[part])
-            if into:  # a few batched kernels, not a launch per parameter
-                torch._foreach_copy_(into, out_of)
+            copy_to_staging(self._staging_views(b, piece, slot), grads)
             self._grad_ready[slot].record(stream)
             send(slot, piece)
 
@@ -378,6 +371,18 @@ def staging_views(slot: torch.Tensor, start: int, end: int, places) -> list[tupl
             part = None if whole else slice((lo - first) // dtype.itemsize, (hi - first) // dtype.itemsize)
             views.append((i, part, view.view(shape) if whole else view))
     return views
+
+
+def copy_to_staging(views: list[tuple[int, slice | None, torch.Tensor]], grads: dict[int, torch.Tensor]) -> None:
+    """Copies the gradients (parameter index -> gradient; a missing one is skipped) into the staging views
+    staging_views gave for one piece, in a few batched kernels rather than a launch per parameter."""
+    into, out_of = [], []
+    for i, part, view in views:
+        if (grad := grads.get(i)) is not None:
+            into.append(view)
+            out_of.append(grad if part is None else grad.reshape(-1)[part])
+    if into:
+        torch._foreach_copy_(into, out_of)
 
 
 class CudaIpcRefused(TrainstreamError):

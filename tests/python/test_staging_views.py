@@ -1,13 +1,13 @@
-"""_transport.staging_views: where the cuda-ipc transport copies a bucket's gradients in a staging slot,
-piece by piece, with CPU tensors standing for the slot (the transport's own copies run in test_cuda on
-the GPU machine, test_buckets_larger_than_a_staging_slot among them)."""
+"""_transport.staging_views and copy_to_staging: where the cuda-ipc transport copies a bucket's gradients
+in a staging slot, piece by piece, with CPU tensors standing for the slot (the transport's own copies run
+in test_cuda on the GPU machine, test_buckets_larger_than_a_staging_slot among them)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from trainstream._transport import staging_views
+from trainstream._transport import copy_to_staging, staging_views
 
 SHAPES = [(3, 5), (7,), (), (4, 4), (2, 1, 3)]
 
@@ -25,13 +25,11 @@ def bucket(dtype: torch.dtype):
 
 
 def stage(grads, places, size: int, slot_bytes: int) -> list[torch.Tensor]:
-    """Each piece's slot after copying into it what staging_views says, as the transport does."""
+    """Each piece's slot after the transport's copy into it."""
     slots = []
     for start in range(0, size, slot_bytes):
         slot = torch.full((slot_bytes,), 0xAB, dtype=torch.uint8)
-        views = staging_views(slot, start, min(start + slot_bytes, size), places)
-        torch._foreach_copy_([view for _, _, view in views],
-                             [grads[i] if part is None else grads[i].reshape(-1)[part] for i, part, _ in views])
+        copy_to_staging(staging_views(slot, start, min(start + slot_bytes, size), places), dict(enumerate(grads)))
         slots.append(slot[:min(slot_bytes, size - start)])
     return slots
 
@@ -56,3 +54,12 @@ def test_a_parameter_split_between_pieces_is_copied_in_element_ranges():
     second = staging_views(torch.empty(24, dtype=torch.uint8), 24, 48, places)
     assert [(i, part) for i, part, _ in first] == [(0, slice(0, 6))]
     assert [(i, part) for i, part, _ in second] == [(0, slice(6, 12))]
+
+
+def test_a_parameter_without_a_gradient_leaves_its_bytes_alone():
+    grads, places, size = bucket(torch.float32)
+    slot = torch.full((size,), 0xAB, dtype=torch.uint8)
+    copy_to_staging(staging_views(slot, 0, size, places), {i: g for i, g in enumerate(grads) if i != 1})
+    second = slice(places[1][1], places[2][1])  # the (7,) parameter's bytes
+    assert torch.equal(slot[second], torch.full((28,), 0xAB, dtype=torch.uint8))
+    assert torch.equal(slot[:second.start], grads[0].reshape(-1).view(torch.uint8))
