@@ -208,6 +208,15 @@ for what in "$@"; do
         done
       done
       ;;
+    gpt-gpu-waits)
+      stage gpt-gpu-waits  # the 124M's forced offload with the forward's weights waited for on the host
+      # (TRAINSTREAM_GPU_WAITS=0) and on the GPU (=1), alternated RUNS times, each run its own process and JSON
+      for run in $(seq "${RUNS:-2}"); do
+        for waits in 0 1; do
+          TRAINSTREAM_GPU_WAITS=$waits small_offload "$OUT/gpt_124m_gpu-waits${waits}_run$run.json" "gpu waits $waits, run $run"
+        done
+      done
+      ;;
     gpt-small-slots)
       stage gpt-small-slots  # the 124M's forced offload with SLOT_COUNTS staging slots (the trainer's backward
       # waited 1-8 ms a step for a free one with 4 on 2026-12-02)

@@ -47,6 +47,10 @@ CudaDriver LoadDriver() {
   Load(library, "cuMemcpyHtoDAsync_v2", &d.cuMemcpyHtoDAsync);
   Load(library, "cuMemHostRegister_v2", &d.cuMemHostRegister);
   Load(library, "cuMemHostUnregister", &d.cuMemHostUnregister);
+  Load(library, "cuMemHostAlloc", &d.cuMemHostAlloc);
+  Load(library, "cuMemFreeHost", &d.cuMemFreeHost);
+  Load(library, "cuMemHostGetDevicePointer_v2", &d.cuMemHostGetDevicePointer);
+  Load(library, "cuStreamWaitValue32_v2", &d.cuStreamWaitValue32);
   Load(library, "cuIpcGetMemHandle", &d.cuIpcGetMemHandle);
   Load(library, "cuIpcOpenMemHandle_v2", &d.cuIpcOpenMemHandle);
   Load(library, "cuIpcCloseMemHandle", &d.cuIpcCloseMemHandle);

@@ -39,6 +39,9 @@ constexpr unsigned kEventDisableTiming = 0x2;
 constexpr unsigned kEventInterprocess = 0x4;
 constexpr unsigned kIpcMemLazyEnablePeerAccess = 0x1;
 constexpr unsigned kMemHostRegisterPortable = 0x1;
+constexpr unsigned kMemHostAllocPortable = 0x1;
+constexpr unsigned kMemHostAllocDeviceMap = 0x2;
+constexpr unsigned kStreamWaitValueGeq = 0x0;  // (int32_t)(*address - value) >= 0: a cyclic greater-or-equal
 
 struct CudaDriver {
   // The process's driver, loaded and initialized (cuInit) once. Throws kUnavailable, saying why, when
@@ -74,6 +77,10 @@ struct CudaDriver {
   CUresult (*cuMemcpyHtoDAsync)(CUdeviceptr, const void*, size_t, CUstream) = nullptr;
   CUresult (*cuMemHostRegister)(void*, size_t, unsigned flags) = nullptr;
   CUresult (*cuMemHostUnregister)(void*) = nullptr;
+  CUresult (*cuMemHostAlloc)(void**, size_t, unsigned flags) = nullptr;
+  CUresult (*cuMemFreeHost)(void*) = nullptr;
+  CUresult (*cuMemHostGetDevicePointer)(CUdeviceptr*, void*, unsigned flags) = nullptr;
+  CUresult (*cuStreamWaitValue32)(CUstream, CUdeviceptr, uint32_t value, unsigned flags) = nullptr;
   CUresult (*cuIpcGetMemHandle)(CUipcMemHandle*, CUdeviceptr) = nullptr;
   CUresult (*cuIpcOpenMemHandle)(CUdeviceptr*, CUipcMemHandle, unsigned flags) = nullptr;
   CUresult (*cuIpcCloseMemHandle)(CUdeviceptr) = nullptr;

@@ -129,6 +129,8 @@ void RankSession::Impl::Map(const v1::AttachReply& reply) {
   const size_t buckets = layout.buckets.size();
   outstanding.assign(buckets, 0);
   params_ready.assign(buckets, -1);
+  awaited_on_gpu.assign(buckets, -1);
+  awaited_since.assign(buckets, {});
   if (initialized) {
     for (size_t b = 0; b < buckets; ++b) {
       params_ready[b] = static_cast<int64_t>(state.bucket_state[b].Load().step);
@@ -180,6 +182,7 @@ std::string RankSession::Impl::DescribeMissing() {
 
 RankSession::Impl::~Impl() {
   closing = true;
+  StopWatcher();
   context.TryCancel();
   if (reader.joinable()) reader.join();
 }
@@ -220,10 +223,14 @@ void RankSession::Impl::Fail(const std::string& message) {
   if (shm::Doorbell* doorbell = completion_doorbell.load()) doorbell->Ring();  // wake our own waiters
 }
 
-void RankSession::Impl::CheckHealthy() {
+void RankSession::Impl::NoticeDaemonGone() {
   if (!failed && daemon_pid > 0 && kill(static_cast<pid_t>(daemon_pid), 0) != 0 && errno == ESRCH) {
     Fail(fmt::format("trainstreamd (pid {}) is gone", daemon_pid));
   }
+}
+
+void RankSession::Impl::CheckHealthy() {
+  NoticeDaemonGone();
   if (!failed) return;
   std::lock_guard lock(event_mutex);
   Throw(Code::kUnavailable, "{}", failure.value_or("the session failed"));
@@ -235,7 +242,7 @@ void RankSession::Impl::Drain() {
     TS_CHECK(message.bucket < params_ready.size(), Code::kInternal, "completion for unknown bucket {}", message.bucket);
     switch (message.kind) {
       case shm::MessageKind::kParamsReady:
-        params_ready[message.bucket] = std::max(params_ready[message.bucket], static_cast<int64_t>(message.step));
+        SetParamsReady(message.bucket, std::max(params_ready[message.bucket], static_cast<int64_t>(message.step)));
         outstanding[message.bucket] = 0;
         break;
       case shm::MessageKind::kSlotFree: outstanding[message.bucket] = 0; break;
@@ -267,6 +274,70 @@ void RankSession::Impl::WaitUntil(Ready ready, What what) {
     }
     doorbell.Wait(seen, kWaitSlice);
   }
+}
+
+void RankSession::Impl::SetParamsReady(uint32_t bucket, int64_t step) {
+  params_ready[bucket] = step;
+  if (ready_words && !words_released) {
+    std::atomic_ref<uint32_t>(ready_words.get()[bucket]).store(static_cast<uint32_t>(step + 1));
+  }
+}
+
+void RankSession::Impl::ForgetParamsReady() {
+  for (uint32_t b = 0; b < params_ready.size(); ++b) SetParamsReady(b, -1);
+}
+
+void RankSession::Impl::WatchGpuWaits() {
+  shm::Doorbell& doorbell = view.header->completion_doorbell;
+  while (!closing && !failed) {
+    const uint32_t seen = doorbell.Seq();
+    std::optional<std::string> failure_found;
+    {
+      std::lock_guard lock(mutex);
+      try {
+        Drain();
+        failure_found = OverdueGpuWait();
+      } catch (const Error& e) {
+        failure_found = e.what();
+      }
+    }
+    if (failure_found) Fail(*failure_found);
+    NoticeDaemonGone();
+    if (!closing && !failed) doorbell.Wait(seen, kWaitSlice);
+  }
+  std::lock_guard lock(mutex);
+  ReleaseWords();
+}
+
+std::optional<std::string> RankSession::Impl::OverdueGpuWait() {
+  const auto now = std::chrono::steady_clock::now();
+  for (uint32_t b = 0; b < awaited_on_gpu.size(); ++b) {
+    if (awaited_on_gpu[b] < 0) continue;
+    if (params_ready[b] >= awaited_on_gpu[b]) {
+      awaited_on_gpu[b] = -1;
+    } else if (now - awaited_since[b] >= waits.timeout) {
+      return fmt::format(
+          "gave up waiting for bucket {}'s weights of step {} (the GPU waits for them) after {} s (wait timeout {} s); "
+          "the GPU went on with the weights it holds",
+          b, awaited_on_gpu[b], std::chrono::duration_cast<std::chrono::seconds>(now - awaited_since[b]).count(),
+          std::chrono::duration_cast<std::chrono::seconds>(waits.timeout).count());
+    }
+  }
+  return std::nullopt;
+}
+
+void RankSession::Impl::ReleaseWords() {
+  if (!ready_words || words_released) return;
+  for (size_t b = 0; b < params_ready.size(); ++b) {
+    std::atomic_ref<uint32_t>(ready_words.get()[b]).store(kWordsReleased);
+  }
+  words_released = true;
+}
+
+void RankSession::Impl::StopWatcher() {
+  if (!watcher.joinable()) return;
+  if (shm::Doorbell* doorbell = completion_doorbell.load()) doorbell->Ring();
+  watcher.join();
 }
 
 void RankSession::Impl::Push(const shm::Message& message) {
@@ -389,7 +460,7 @@ std::string RankSession::RegisterCudaIpc(const shm::CudaIpcExport& exported) {
   if (error.empty()) {  // the GPU holds none of the job's weights until the daemon pushes them
     std::lock_guard lock(impl_->mutex);
     impl_->staging_busy.assign(exported.grad_ready_events.size(), 0);
-    std::fill(impl_->params_ready.begin(), impl_->params_ready.end(), -1);
+    impl_->ForgetParamsReady();
   }
   return error;
 }
@@ -418,7 +489,7 @@ void RankSession::WaitWeightsWantedWaits(uint64_t count) {
 void RankSession::SendLoadState(uint64_t step) {
   {
     std::lock_guard lock(impl_->mutex);
-    std::fill(impl_->params_ready.begin(), impl_->params_ready.end(), -1);
+    impl_->ForgetParamsReady();
   }
   impl_->Push(shm::Message{.kind = shm::MessageKind::kLoadState, .step = step});
 }
@@ -446,6 +517,32 @@ bool RankSession::ParamsReady(uint32_t bucket, uint64_t step) {
   return impl_->params_ready[bucket] >= static_cast<int64_t>(step);
 }
 
+void RankSession::MirrorParamsReady(std::shared_ptr<uint32_t> words, size_t count) {
+  TS_CHECK(words != nullptr && count == impl_->layout.buckets.size(), Code::kInvalidArgument,
+           "MirrorParamsReady: {} words for {} buckets; one per bucket is needed", words ? count : 0,
+           impl_->layout.buckets.size());
+  {
+    std::lock_guard lock(impl_->mutex);
+    TS_CHECK(impl_->ready_words == nullptr, Code::kFailedPrecondition, "this session mirrors PARAMS_READY already");
+    impl_->ready_words = std::move(words);
+    for (uint32_t b = 0; b < count; ++b) impl_->SetParamsReady(b, impl_->params_ready[b]);
+  }
+  impl_->watcher = std::thread([raw = impl_.get()] { raw->WatchGpuWaits(); });
+}
+
+std::optional<uint32_t> RankSession::ExpectParamsReady(uint32_t bucket, uint64_t step) {
+  TS_CHECK(bucket < impl_->layout.buckets.size(), Code::kInvalidArgument, "bucket {} out of range", bucket);
+  impl_->CheckHealthy();
+  std::lock_guard lock(impl_->mutex);
+  if (impl_->ready_words == nullptr || step + 1 >= kWordsReleased) return std::nullopt;
+  impl_->Drain();
+  const auto wanted = static_cast<int64_t>(step);
+  if (impl_->params_ready[bucket] >= wanted) return 0;
+  if (impl_->awaited_on_gpu[bucket] < 0) impl_->awaited_since[bucket] = std::chrono::steady_clock::now();
+  impl_->awaited_on_gpu[bucket] = std::max(impl_->awaited_on_gpu[bucket], wanted);
+  return static_cast<uint32_t>(step + 1);
+}
+
 void RankSession::CheckHealthy() {
   impl_->CheckHealthy();
 }
@@ -460,6 +557,7 @@ std::vector<std::string> RankSession::TakeWarnings() {
 // A daemon that does not end the stream within kCloseGrace (stopped, say) is cancelled instead.
 void RankSession::Close() {
   if (impl_->closing.exchange(true)) return;
+  impl_->StopWatcher();
   if (impl_->stream->WritesDone()) {
     std::unique_lock lock(impl_->event_mutex);
     impl_->attach_answered.wait_for(lock, kCloseGrace, [&] { return impl_->ended.has_value(); });

@@ -25,7 +25,18 @@ struct RankSession::Impl {
   void ReadEvents();  // the reader thread
   void Drain();       // requires mutex
   void Fail(const std::string& message);
+  void NoticeDaemonGone();  // fails the session if the daemon's pid is gone
   void CheckHealthy();
+  // params_ready, and its mirror in ready_words (both require mutex).
+  void SetParamsReady(uint32_t bucket, int64_t step);
+  void ForgetParamsReady();  // attach, registration, load: nothing published since
+  // The GPU waits' watcher (MirrorParamsReady): drains the completions as they come, so that the
+  // words follow PARAMS_READY while the trainer's thread is elsewhere (in a CUDA synchronize, say);
+  // on failure, close or a wait past the timeout it releases the words and leaves.
+  void WatchGpuWaits();
+  [[nodiscard]] std::optional<std::string> OverdueGpuWait();  // requires mutex; forgets the met ones
+  void ReleaseWords();                                        // requires mutex
+  void StopWatcher();
   void Push(const shm::Message& message);
   // Waits until `ready()` (called under `mutex`, after draining the completions); `what()` names what
   // is awaited, for the progress and timeout messages.
@@ -55,9 +66,14 @@ struct RankSession::Impl {
   std::mutex mutex;  // guards the rings and the per-bucket bookkeeping
   shm::RingProducer requests;
   shm::RingConsumer completions;
-  std::vector<int64_t> params_ready;  // per bucket: last published step, -1 before the first
-  std::vector<uint8_t> outstanding;   // per bucket: grads sent, not yet released
-  std::vector<uint8_t> staging_busy;  // cuda-ipc, per staging slot: sent, not yet copied out
+  std::vector<int64_t> params_ready;      // per bucket: last published step, -1 before the first
+  std::vector<uint8_t> outstanding;       // per bucket: grads sent, not yet released
+  std::vector<uint8_t> staging_busy;      // cuda-ipc, per staging slot: sent, not yet copied out
+  std::shared_ptr<uint32_t> ready_words;  // per bucket: params_ready + 1 for the GPU; null: not mirrored
+  bool words_released = false;            // every word at kWordsReleased for good
+  std::vector<int64_t> awaited_on_gpu;    // per bucket: the step a GPU stream waits for; -1: none
+  std::vector<std::chrono::steady_clock::time_point> awaited_since;  // when that wait began
+  std::thread watcher;
 
   grpc::ClientContext context;
   std::unique_ptr<grpc::ClientReaderWriter<v1::SessionRequest, v1::SessionEvent>> stream;

@@ -12,6 +12,7 @@
 namespace py = pybind11;
 using trainstream::Client;
 using trainstream::GpuBuffer;
+using trainstream::HostMappedWords;
 using trainstream::PinnedHostRange;
 using trainstream::RankSession;
 
@@ -212,6 +213,23 @@ py::list Params(const RankSession& session) {
   return out;
 }
 
+// RankSession::MirrorParamsReady's words from Python: any writable, contiguous buffer of 32-bit words
+// (HostMappedWords on a GPU; array.array("I") in the tests), kept alive while the session may write
+// it. The reference is dropped with the GIL, or leaked while the interpreter shuts down.
+std::shared_ptr<uint32_t> KeepWords(const py::buffer& words, size_t* count) {
+  const py::buffer_info info = words.request(/*writable=*/true);
+  TS_CHECK(info.ndim == 1 && info.itemsize == 4 && info.strides[0] == 4, trainstream::Code::kInvalidArgument,
+           "mirror_params_ready: the words must be one contiguous run of 32-bit unsigned integers "
+           "(HostMappedWords, array.array('I')), not {} dimension(s) of {}-byte items",
+           info.ndim, info.itemsize);
+  *count = static_cast<size_t>(info.shape[0]);
+  auto* owner = new py::object(words);
+  return {static_cast<uint32_t*>(info.ptr), [owner](uint32_t*) {
+            if (Finalizing()) return;
+            py::gil_scoped_acquire gil;
+            delete owner;
+          }};
+}
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -303,6 +321,15 @@ PYBIND11_MODULE(_C, m) {
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("address", &PinnedHostRange::address)
       .def_property_readonly("nbytes", &PinnedHostRange::bytes);
+
+  // Host words that the GPU's streams wait on (weights waited for on the GPU): a buffer of uint32.
+  py::class_<HostMappedWords, std::shared_ptr<HostMappedWords>>(m, "HostMappedWords", py::buffer_protocol())
+      .def(py::init<int, size_t>(), py::arg("device"), py::arg("count"))
+      .def("queue_wait", &HostMappedWords::QueueWait, py::arg("stream"), py::arg("index"), py::arg("value"))
+      .def_buffer([](HostMappedWords& w) -> py::buffer_info {
+        return {w.words(), sizeof(uint32_t), py::format_descriptor<uint32_t>::format(),
+                static_cast<py::ssize_t>(w.count())};
+      });
 
   py::class_<RankSession, std::shared_ptr<RankSession>>(m, "RankSession")
       .def_property_readonly("rank", &RankSession::rank)
@@ -415,6 +442,16 @@ PYBIND11_MODULE(_C, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("wait_slot_free", &RankSession::WaitSlotFree, py::arg("bucket"), py::call_guard<py::gil_scoped_release>())
       .def("params_ready", &RankSession::ParamsReady, py::arg("bucket"), py::arg("step"))
+      .def(
+          "mirror_params_ready",
+          [](RankSession& s, const py::buffer& words) {
+            size_t count = 0;
+            std::shared_ptr<uint32_t> kept = KeepWords(words, &count);
+            s.MirrorParamsReady(std::move(kept), count);
+          },
+          py::arg("words"))
+      .def("expect_params_ready", &RankSession::ExpectParamsReady, py::arg("bucket"), py::arg("step"))
+      .def_property_readonly_static("words_released", [](const py::object&) { return RankSession::kWordsReleased; })
       .def("check_healthy", &RankSession::CheckHealthy)
       .def("take_warnings", &RankSession::TakeWarnings)
       .def("close", &RankSession::Close, py::call_guard<py::gil_scoped_release>());

@@ -220,8 +220,10 @@ class Rank:
         self.stale = set(range(len(self.buckets)))
         self._loads += 1
 
-    def refresh(self, buckets: Iterable[int]) -> None:
-        """Makes the parameters of `buckets` show their latest weights (waits for the daemon)."""
+    def refresh(self, buckets: Iterable[int], on_gpu: bool = False) -> None:
+        """Makes the parameters of `buckets` show their latest weights (waits for the daemon); `on_gpu`:
+        to the kernels queued from now on the current stream, which may wait for them on the GPU
+        (the transport's wait_weights_on_gpu), while this thread goes on."""
         self.session.check_healthy()  # a dead daemon is reported here even when nothing needs waiting for
         with self._lock:
             self._refreshing = True
@@ -230,7 +232,8 @@ class Rank:
                     if b not in self.stale:
                         continue
                     started = time.perf_counter()
-                    self.session.wait_params_ready(b, self._ready_step[b])
+                    if not (on_gpu and self.transport.wait_weights_on_gpu(b, self._ready_step[b])):
+                        self.session.wait_params_ready(b, self._ready_step[b])
                     self.weights_wait_s += time.perf_counter() - started
                     if b not in self.regions.paged_buckets:  # the pager copies paged ones when it loads them
                         with torch.no_grad():
@@ -258,7 +261,7 @@ class Rank:
         the forward leaves for good once nothing is stale."""
         paused = guard.pause()
         try:
-            self.refresh(buckets)
+            self.refresh(buckets, on_gpu=True)
         finally:
             guard.resume(paused)
 

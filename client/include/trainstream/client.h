@@ -25,7 +25,7 @@
 namespace trainstream {
 
 namespace cuda {
-class PrimaryContext;  // shm/cuda_driver.h; only GpuBuffer's and PinnedHostRange's implementations see it
+class PrimaryContext;  // shm/cuda_driver.h; only the implementations of the GPU memory classes see it
 }  // namespace cuda
 
 struct DaemonInfo {
@@ -113,6 +113,28 @@ class PinnedHostRange {
   uint64_t address_;
   size_t bytes_;
   std::unique_ptr<cuda::PrimaryContext> context_;  // retained while the range is registered
+};
+
+// Page-locked host words that a GPU reads (cuMemHostAlloc, mapped into the device's primary context):
+// a RankSession mirrors its PARAMS_READY into them (MirrorParamsReady), and torch's streams wait on
+// them, so that the forward's kernels are queued while the daemon still updates the weights they read.
+class HostMappedWords {
+ public:
+  HostMappedWords(int device_ordinal, size_t count);  // zeroed
+  ~HostMappedWords();
+  HostMappedWords(const HostMappedWords&) = delete;
+  HostMappedWords& operator=(const HostMappedWords&) = delete;
+  [[nodiscard]] uint32_t* words() const { return words_; }
+  [[nodiscard]] size_t count() const { return count_; }
+  // Queues on `stream` (a CUstream of the device's primary context: torch's) a wait until word `index`
+  // reaches `value`, compared as the driver does: (int32_t)(word - value) >= 0.
+  void QueueWait(uint64_t stream, size_t index, uint32_t value) const;
+
+ private:
+  uint32_t* words_ = nullptr;
+  uint64_t device_address_ = 0;
+  size_t count_;
+  std::unique_ptr<cuda::PrimaryContext> context_;
 };
 
 // Every blocking call (a wait for the daemon, an RPC, an attach) waits in slices of at most
@@ -228,6 +250,19 @@ class RankSession {
   // Blocks until the daemon released bucket's grad region (nothing of it outstanding).
   void WaitSlotFree(uint32_t bucket);
   [[nodiscard]] bool ParamsReady(uint32_t bucket, uint64_t step);
+  // Weights waited for on the GPU. From now on `words[b]` holds bucket b's last published step plus one
+  // (0: none since the attach or the last load), written as soon as its PARAMS_READY is in, by a thread
+  // of this session's that also watches the GPU's waits (ExpectParamsReady). `words` holds one word
+  // per bucket (HostMappedWords::words()) and is kept as long as the session may write it.
+  void MirrorParamsReady(std::shared_ptr<uint32_t> words, size_t count);
+  // What words[bucket] must reach for bucket's weights of `step` (or later), for a GPU stream to wait
+  // on: 0 when they are published already. From then on the wait is watched: should the daemon die,
+  // the session fail, or the wait outlast the wait timeout, every word becomes kWordsReleased (no
+  // stream waits for good, the kernels run on the weights there) and the session fails, so that the
+  // next call raises. nullopt: not mirrored, or a step beyond the words' range; use WaitParamsReady.
+  [[nodiscard]] std::optional<uint32_t> ExpectParamsReady(uint32_t bucket, uint64_t step);
+  // Greater-or-equal, as the driver compares, to every value ExpectParamsReady returns.
+  static constexpr uint32_t kWordsReleased = 0x7FFFFFFF;
   // Throws the session's error if it failed (daemon gone, protocol error, shutdown).
   void CheckHealthy();
   // Warnings the daemon sent since the last call.
