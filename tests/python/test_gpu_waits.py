@@ -174,3 +174,19 @@ def test_a_daemon_that_dies_while_the_gpu_waits_lets_the_gpu_go(daemon, monkeypa
     assert released, "the GPU still waits for a dead daemon's weights"
     with pytest.raises(TrainstreamError, match="is gone|lost the session"):
         model(x).square().mean().backward()  # its gradients find no daemon to take them
+
+
+@needs_cuda
+@pytest.mark.parametrize("options", [{}, {"max_grad_norm": 0.1}, {"accumulation_steps": 4}])
+def test_training_with_gpu_waits_matches_torch(client, monkeypatch, options):
+    """test_cuda.py's race-exposing model (few FLOPs, many bytes: a kernel that ran before its weights
+    came would show as divergence), its weights waited for on the GPU."""
+    from test_cuda import train_pair
+
+    monkeypatch.setenv("TRAINSTREAM_TRANSPORT", "cuda-ipc")
+    monkeypatch.setenv("TRAINSTREAM_GPU_WAITS", "1")
+
+    def wide():
+        return torch.nn.Sequential(torch.nn.Linear(32, 131072), torch.nn.Linear(131072, 64)).cuda()
+
+    assert train_pair(client, wide, steps=30, width=32, bucket_mb=4, **options) <= 1e-5
