@@ -5,10 +5,10 @@ CudaIpcTransport — parameters on a CUDA device, copied by the daemon (DESIGN.m
     parameters become views of one flat buffer allocated outside torch's allocator, completed
     buckets' gradients go into a few staging slots, and both are exported once by CUDA IPC handle,
     with interprocess events that order the daemon's copies after this process's kernels. Nothing is
-    pinned in this process. The default for CUDA parameters. With TRAINSTREAM_GPU_WAITS=1 the
-    forward does not wait for weights on the host: the compute stream waits on a host-mapped word
-    per bucket that the session sets when the bucket's PARAMS_READY comes in
-    (RankSession::MirrorParamsReady), so this thread goes on queuing kernels while the daemon updates.
+    pinned in this process. The default for CUDA parameters. The forward does not wait for weights
+    on the host: the compute stream waits on a host-mapped word per bucket that the session sets
+    when the bucket's PARAMS_READY comes in (RankSession::MirrorParamsReady), so this thread goes on
+    queuing kernels while the daemon updates (TRAINSTREAM_GPU_WAITS=0: wait on the host).
 CudaCopyTransport — the fallback where the daemon cannot open IPC handles (another PID namespace, no
     driver in the daemon's view): parameters copied by this process: the rank's gradient region
     and the job's upload region are pinned (cudaHostRegister) and the copies run on a side CUDA
@@ -279,7 +279,8 @@ class CudaIpcTransport:
         self._wants = 0  # kWeightsWanted messages sent
         self.slot_wait_s = 0.0  # time backward spent waiting for a free staging slot (benchmarks read it)
         self._ready_words = None  # per bucket, what the GPU waits on for its weights (wait_weights_on_gpu)
-        if os.environ.get("TRAINSTREAM_GPU_WAITS") == "1":  # opt-in until measured on a GPU
+        # Not with weight paging: that combination has not run on a GPU yet.
+        if os.environ.get("TRAINSTREAM_GPU_WAITS", "1") != "0" and not regions.paged_buckets:
             self._ready_words = _C.HostMappedWords(device.index, len(regions.buckets))
             session.mirror_params_ready(self._ready_words)
 
@@ -339,10 +340,11 @@ class CudaIpcTransport:
         pass
 
     def wait_weights_on_gpu(self, b: int, step: int) -> bool:
-        """The forward's thread queues on, its kernels wait on the GPU. Measured on the 124M GPT (H200,
-        forced offload): the host wait at the tied embedding, whose update is the last, was 9-10 ms of
-        a 58 ms step, during which this thread, the step's limit there, queued nothing."""
-        if self._ready_words is None or self._param_offsets[b] is None:  # paged: the pager waits on the host
+        """The forward's thread queues on, its kernels wait on the GPU. The 124M GPT's forced offload
+        waited 10-11 ms a step on the host at the tied embedding, whose update is the last, while this
+        thread, the step's limit there, queued nothing: 59-68 ms a step, 51-56 ms with this (one H100
+        machine, 2026-12-05, benchmarks/results/train_gpt.md)."""
+        if self._ready_words is None:
             return False
         value = self.session.expect_params_ready(b, step)
         if value is None:
