@@ -87,15 +87,20 @@ void CudaDriver::Check(CUresult result, const char* what) const {
   Throw(Code::kInternal, "{}: {} ({})", what, name != nullptr ? name : "?", description != nullptr ? description : "");
 }
 
+CUdevice CudaDriver::DeviceAt(int ordinal) const {
+  CUdevice device = 0;
+  Check(cuDeviceGet(&device, ordinal), "cuDeviceGet");
+  return device;
+}
+
 CUdevice CudaDriver::DeviceByUuid(const std::string& uuid) const {
   TS_CHECK(uuid.size() == kUuidBytes, Code::kInvalidArgument, "a device UUID has {} bytes, not {}", kUuidBytes,
            uuid.size());
   int count = 0;
   Check(cuDeviceGetCount(&count), "cuDeviceGetCount");
   for (int ordinal = 0; ordinal < count; ++ordinal) {
-    CUdevice device = 0;
+    const CUdevice device = DeviceAt(ordinal);
     CUuuid id{};
-    Check(cuDeviceGet(&device, ordinal), "cuDeviceGet");
     Check(cuDeviceGetUuid(&id, device), "cuDeviceGetUuid");
     if (std::memcmp(id.bytes, uuid.data(), kUuidBytes) == 0) return device;
   }

@@ -50,6 +50,8 @@ struct CudaDriver {
 
   // Throws an Error "<what>: <driver's error name>: <description>" unless `result` is success.
   void Check(CUresult result, const char* what) const;
+  // The device at `ordinal` among those this process can see.
+  [[nodiscard]] CUdevice DeviceAt(int ordinal) const;
   // The device whose UUID is `uuid` (16 raw bytes), among those this process can see.
   [[nodiscard]] CUdevice DeviceByUuid(const std::string& uuid) const;
 

@@ -5,17 +5,9 @@
 
 namespace trainstream {
 
-namespace {
-cuda::CUdevice DeviceOf(const cuda::CudaDriver& driver, int ordinal) {
-  cuda::CUdevice device = 0;
-  driver.Check(driver.cuDeviceGet(&device, ordinal), "cuDeviceGet");
-  return device;
-}
-}  // namespace
-
 GpuBuffer::GpuBuffer(int device_ordinal, size_t bytes) : bytes_(bytes) {
   const cuda::CudaDriver& driver = cuda::CudaDriver::Get();
-  context_ = std::make_unique<cuda::PrimaryContext>(driver, DeviceOf(driver, device_ordinal));
+  context_ = std::make_unique<cuda::PrimaryContext>(driver, driver.DeviceAt(device_ordinal));
   cuda::ScopedContext scope(driver, context_->get());
   cuda::CUdeviceptr address = 0;
   driver.Check(driver.cuMemAlloc(&address, bytes_ == 0 ? 1 : bytes_),

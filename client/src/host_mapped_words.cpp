@@ -1,6 +1,7 @@
 // HostMappedWords: page-locked host words mapped into a device's primary context (the one the CUDA
 // runtime, and so torch, uses). The GPU reads them over PCIe each time a stream's wait polls; the
 // host's plain stores reach it without any call of ours.
+#include <algorithm>
 #include <cstring>
 
 #include "shm/cuda_driver.h"
@@ -10,9 +11,7 @@ namespace trainstream {
 
 HostMappedWords::HostMappedWords(int device_ordinal, size_t count) : count_(count) {
   const cuda::CudaDriver& driver = cuda::CudaDriver::Get();
-  cuda::CUdevice device = 0;
-  driver.Check(driver.cuDeviceGet(&device, device_ordinal), "cuDeviceGet");
-  context_ = std::make_unique<cuda::PrimaryContext>(driver, device);
+  context_ = std::make_unique<cuda::PrimaryContext>(driver, driver.DeviceAt(device_ordinal));
   cuda::ScopedContext scope(driver, context_->get());
   const size_t bytes = std::max<size_t>(count_, 1) * sizeof(uint32_t);
   void* host = nullptr;

@@ -11,9 +11,7 @@ namespace trainstream {
 PinnedHostRange::PinnedHostRange(int device_ordinal, uint64_t address, size_t bytes)
     : address_(address), bytes_(bytes) {
   const cuda::CudaDriver& driver = cuda::CudaDriver::Get();
-  cuda::CUdevice device = 0;
-  driver.Check(driver.cuDeviceGet(&device, device_ordinal), "cuDeviceGet");
-  context_ = std::make_unique<cuda::PrimaryContext>(driver, device);
+  context_ = std::make_unique<cuda::PrimaryContext>(driver, driver.DeviceAt(device_ordinal));
   cuda::ScopedContext scope(driver, context_->get());
   // NOLINTNEXTLINE(performance-no-int-to-ptr): the address comes from Python as an integer
   void* host = reinterpret_cast<void*>(address_);
