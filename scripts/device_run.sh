@@ -217,6 +217,11 @@ for what in "$@"; do
         done
       done
       ;;
+    launch-queue)
+      stage launch-queue  # how many launches a stream takes behind an unmet GPU wait before the thread blocks,
+      # and the 124M's forward and backward on the trainer's clock behind a 10 ms wait
+      timeout 120 python3 benchmarks/transfer/launch_queue.py --json "$OUT/launch_queue.json" 2>&1 | tail -30
+      ;;
     gpt-small-slots)
       stage gpt-small-slots  # the 124M's forced offload with SLOT_COUNTS staging slots (the trainer's backward
       # waited 1-8 ms a step for a free one with 4 on 2026-12-02)
