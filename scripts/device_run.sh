@@ -133,15 +133,17 @@ for what in "$@"; do
       stage gpt-start  # wrap() to the end of the first step of START_CONFIG (the 1.86B; fp32 weights unless
       # START_ARGS say otherwise; two steps), under this shm policy: how long a private daemon takes to serve,
       # then the run against a daemon logging at info (its log says how long backing the state took, and
-      # page-locking ahead), whose log comes back; each run of the stage its own JSON and log (run1, run2, ...)
+      # page-locking ahead), whose log comes back; each run of the stage its own JSON and log (run1, run2, ...).
+      # START_DAEMON: another trainstreamd (a build of other sources, .device/bin's), START_LABEL names its runs
       policy=$(grep -o 'huge=[a-z_]*' <(grep /dev/shm /proc/mounts) || echo huge=never) && policy=${policy#huge=}
+      policy=$policy${START_LABEL:+_$START_LABEL}
       config=${START_CONFIG:-1.86b}
       run=1 && while [[ -e "$OUT/gpt_${config}_start_${policy}_run$run.json" ]]; do run=$((run + 1)); done
       policy=${policy}_run$run
       python3 -c "import time; from trainstream._connect import PrivateDaemon as P; t = time.perf_counter(); d = P(); \
         print(f'private daemon serving after {time.perf_counter() - t:.2f} s'); d.stop()"
       socket=/tmp/ts-start.sock && rm -f $socket
-      build/daemon/trainstreamd --socket $socket --log-level info >"$OUT/daemon_start_$policy.log" 2>&1 & daemon=$!
+      ${START_DAEMON:-build/daemon/trainstreamd} --socket $socket --log-level info >"$OUT/daemon_start_$policy.log" 2>&1 & daemon=$!
       for _ in $(seq 200); do [[ -S $socket ]] && break; sleep 0.05; done
       TRAINSTREAM_ADDRESS=unix:$socket timeout 180 python3 benchmarks/train_gpt/train_gpt.py --config "$config" \
         --vram-cap-gib 24 --steps 2 --warmup 1 --modes trainstream ${START_ARGS:-} \
