@@ -219,6 +219,15 @@ for what in "$@"; do
         done
       done
       ;;
+    gpt-small-transports)
+      stage gpt-small-transports  # the 124M's forced offload through cuda-ipc (the daemon's copies, from its own
+      # CUDA context) and cuda-client-copy (the trainer's copies, from its context), alternated RUNS times
+      for run in $(seq "${RUNS:-2}"); do
+        for transport in cuda-ipc cuda-client-copy; do
+          TRAINSTREAM_TRANSPORT=$transport small_offload "$OUT/gpt_124m_${transport}_run$run.json" "$transport, run $run"
+        done
+      done
+      ;;
     launch-queue)
       stage launch-queue  # how many launches a stream takes behind an unmet GPU wait before the thread blocks,
       # and the 124M's forward and backward on the trainer's clock behind a 10 ms wait
