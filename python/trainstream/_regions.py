@@ -46,7 +46,10 @@ class Regions:
         self.frozen_offsets = session.frozen_offsets  # bytes into the frozen region, per frozen parameter
         self.frozen_views = [self._frozen[start:start + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
                              for start, p in zip(self.frozen_offsets, frozen)]
-        self.presence = _bytes(session.presence())  # per parameter: 1 once it has its gradient of this micro-batch
+        # Per parameter: 1 once it has its gradient of this micro-batch. A memoryview, not a tensor: the
+        # gradient hooks read and write one flag at a time, 0.1 us a store against 2 us for a tensor's
+        # (the dev box), three times per parameter and step.
+        self.presence = memoryview(session.presence())
         # Per state half (with one half, both name the same memory).
         self._steps = [_bytes(session.param_steps(h)).view(torch.int64) for h in (0, 1)]
         self._master = [_bytes(session.master(h)).view(torch.float32) for h in (0, 1)]
