@@ -219,6 +219,13 @@ for what in "$@"; do
         done
       done
       ;;
+    gpt-small-hooks)
+      stage gpt-small-hooks  # the 124M's forced offload with trainstream's hooks timed on the trainer's thread
+      # (benchmarks/train_gpt/hook_times.py: no profiler, whose Python tracing inflates every call)
+      small_offload "$OUT/gpt_124m_hook-times.json" "hooks timed" --hook-times
+      python3 -c "import json, sys; r = json.load(open(sys.argv[1]))['runs'][0]; \
+        [print(f'  {k}: {v}') for k, v in r.get('hooks_per_step', {}).items()]" "$OUT/gpt_124m_hook-times.json"
+      ;;
     gpt-small-transports)
       stage gpt-small-transports  # the 124M's forced offload through cuda-ipc (the daemon's copies, from its own
       # CUDA context) and cuda-client-copy (the trainer's copies, from its context), alternated RUNS times

@@ -18,6 +18,8 @@ STREAM triad of benchmarks/adamw measured in this run when --adamw-json names it
 torch triad). The targets are
   trainstream step <= 1.15 x max(GPU-only step, host update time);
   auto step and GPU memory (torch's peak) <= 1.05 x stock's, where stock fits (auto_vs_stock).
+Where the trainer's thread goes: the phases of each step (forward, backward, step()), the waits for
+the daemon, and with --hook-times the time in each of trainstream's hooks (hook_times.py).
 
   python3 benchmarks/train_gpt/train_gpt.py --config 1.86b --batch 8 --seq 512 --vram-cap-gib 24
   python3 benchmarks/train_gpt/train_gpt.py --config 124m --modes stock,trainstream,auto
@@ -40,6 +42,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from hook_times import HookTimes  # noqa: E402
+
 import trainstream  # noqa: E402
 from gpt import build  # noqa: E402
 from trainstream._connect import PrivateDaemon  # noqa: E402
@@ -173,11 +177,12 @@ def daemon_waits(model) -> tuple[float, float]:
     return rank.weights_wait_s, getattr(rank.transport, "slot_wait_s", 0.0)
 
 
-def timed_steps(args, step_fn, memory: Memory, losses: list | None = None, waits=None) -> tuple[list, list, dict]:
+def timed_steps(args, step_fn, memory: Memory, losses: list | None = None, waits=None,
+                hooks: HookTimes | None = None) -> tuple[list, list, dict]:
     """The step times after the warm-up (memory.first_step_s is the first step's), with `waits`
     (daemon_waits of the model) each step's seconds waiting for weights and for slots (the timed steps',
     memory.first_step_waits_s the first's), and how many cores the trainer and the daemon
-    (memory.daemon_pid) kept busy over the timed steps."""
+    (memory.daemon_pid) kept busy over the timed steps; `hooks` counts from the first timed step."""
     data = batches(args, "cuda")
     times, waited = [], []
     cpu_before = (0.0, 0.0, 0.0)
@@ -190,6 +195,8 @@ def timed_steps(args, step_fn, memory: Memory, losses: list | None = None, waits
             cpu_before = (time.perf_counter(), cpu_seconds(), daemon)
             if profiler:  # a timeline of the timed steps (which it slows) for chrome://tracing or Perfetto
                 profiler.start()
+            if hooks:
+                hooks.reset()
         before = waits() if waits else (0.0, 0.0)
         start = time.perf_counter()
         PHASES.start()
@@ -268,6 +275,7 @@ def run(args, mode: str) -> dict:
     model_options = {"checkpoint_blocks": args.checkpoint_blocks, "chunked_loss": args.chunked_loss}
     losses: list[float] = []
     daemon_pid = None
+    hooks = None  # HookTimes of a trainstream model, with --hook-times
     torch.zeros(1, device="cuda")  # creates the CUDA context
     torch.cuda.synchronize()
     context_bytes = max(0, process_gpu_bytes().get(os.getpid(), 0) - torch.cuda.memory_reserved())
@@ -361,6 +369,7 @@ def run(args, mode: str) -> dict:
             if args.vram_cap_gib:
                 cap_torch(args, getattr(transport, "device_bytes", 0) + context_bytes)
             pager, job = rank.pager, rank.job
+            hooks = HookTimes(rank) if args.hook_times else None
             del rank, transport  # auto's switch frees the transport's GPU buffers: no reference may keep them
 
             def step(tokens, targets):
@@ -370,13 +379,16 @@ def run(args, mode: str) -> dict:
         memory = Memory(daemon_pid)  # the peaks of the training steps, not of building the model
         offloaded = mode in ("trainstream", "auto")
         waits = functools.partial(daemon_waits, model) if offloaded else None
-        times, waited, cores = timed_steps(args, step, memory, losses, waits)
+        times, waited, cores = timed_steps(args, step, memory, losses, waits, hooks)
         result["step_times_ms"] = [1000 * t for t in times]
         result["phases_ms"] = PHASES.medians_ms(args.warmup)
         result["busy_cores"] = cores
         if offloaded:  # where a step's time beyond the GPU's went: the trainer waiting for the daemon
             result["weights_wait_ms"] = [1000 * w for w, _ in waited]
             result["slot_wait_ms"] = [1000 * s for _, s in waited]
+            if hooks:  # and in trainstream's hooks
+                result["hooks_per_step"] = hooks.per_step(args.steps)
+                hooks.close()
         if "wrap_seconds" in result:  # from wrap() to the end of the first step, and where that step's time went
             result["wrap_to_first_step_seconds"] = result["wrap_seconds"] + memory.first_step_s
             result["first_step_phases_ms"] = {phase: 1000 * s for phase, s in PHASES.steps[0].items()}
@@ -500,6 +512,8 @@ def main() -> None:
     parser.add_argument("--daemon-nice", type=int,
                         help="mode trainstream: a private daemon whose worker threads run at this nice value")
     parser.add_argument("--profile", help="a torch.profiler trace of the timed steps into this file (for one mode)")
+    parser.add_argument("--hook-times", action="store_true",
+                        help="time trainstream's hooks on the trainer's thread (hook_times.py): hooks_per_step")
     parser.add_argument("--adamw-json", help="benchmarks/adamw result of this machine, for the triad bandwidth")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--single-mode", help=argparse.SUPPRESS)
