@@ -52,6 +52,17 @@ small_offload() {
   brief "$json" | sed "s|^|[$label] |"
 }
 
+# The 124M's forced offload under each value of environment variable $1 (the values $2) in turn,
+# alternated RUNS (2) times, each run its own process and JSON: gpt_124m_$3<value>_run<n>.json.
+alternated() {
+  local variable=$1 values=$2 prefix=$3 run value
+  for run in $(seq "${RUNS:-2}"); do
+    for value in $values; do
+      (export "$variable=$value" && small_offload "$OUT/gpt_124m_$prefix${value}_run$run.json" "$variable=$value, run $run")
+    done
+  done
+}
+
 for what in "$@"; do
   case $what in
     build-fast)
@@ -213,11 +224,7 @@ for what in "$@"; do
     gpt-gpu-waits)
       stage gpt-gpu-waits  # the 124M's forced offload with the forward's weights waited for on the host
       # (TRAINSTREAM_GPU_WAITS=0) and on the GPU (=1), alternated RUNS times, each run its own process and JSON
-      for run in $(seq "${RUNS:-2}"); do
-        for waits in 0 1; do
-          TRAINSTREAM_GPU_WAITS=$waits small_offload "$OUT/gpt_124m_gpu-waits${waits}_run$run.json" "gpu waits $waits, run $run"
-        done
-      done
+      alternated TRAINSTREAM_GPU_WAITS "0 1" gpu-waits
       ;;
     gpt-small-hooks)
       stage gpt-small-hooks  # the 124M's forced offload with trainstream's hooks timed on the trainer's thread
@@ -229,11 +236,7 @@ for what in "$@"; do
     gpt-small-transports)
       stage gpt-small-transports  # the 124M's forced offload through cuda-ipc (the daemon's copies, from its own
       # CUDA context) and cuda-client-copy (the trainer's copies, from its context), alternated RUNS times
-      for run in $(seq "${RUNS:-2}"); do
-        for transport in cuda-ipc cuda-client-copy; do
-          TRAINSTREAM_TRANSPORT=$transport small_offload "$OUT/gpt_124m_${transport}_run$run.json" "$transport, run $run"
-        done
-      done
+      alternated TRAINSTREAM_TRANSPORT "cuda-ipc cuda-client-copy" ""
       ;;
     launch-queue)
       stage launch-queue  # how many launches a stream takes behind an unmet GPU wait before the thread blocks,
