@@ -140,6 +140,11 @@ for what in "$@"; do
       stage "$what"  # /dev/shm's huge page policy: never, advise (the segments ask: shm/segment.cpp), within_size
       mount -o remount,huge=${what#shm-huge=} /dev/shm && grep /dev/shm /proc/mounts
       ;;
+    seed-copy)
+      stage seed-copy  # where a new job's seed goes: the trainer's first touch of the master weights' pages, the
+      # GPU copies, the CPU copies (benchmarks/transfer/seed_copy.py)
+      (cd benchmarks/transfer && timeout 120 python3 seed_copy.py --gib "${SEED_GIB:-7}" --json "$OUT/seed_copy.json" 2>&1 | tail -4)
+      ;;
     gpt-start)
       stage gpt-start  # wrap() to the end of the first step of START_CONFIG (the 1.86B; fp32 weights unless
       # START_ARGS say otherwise; two steps), under this shm policy: how long a private daemon takes to serve,
@@ -244,11 +249,9 @@ for what in "$@"; do
       timeout 120 python3 benchmarks/transfer/launch_queue.py --json "$OUT/launch_queue.json" 2>&1 | tail -30
       ;;
     gpt-small-slots)
-      stage gpt-small-slots  # the 124M's forced offload with SLOT_COUNTS staging slots (the trainer's backward
-      # waited 1-8 ms a step for a free one with 4 on 2026-12-02)
-      for slots in ${SLOT_COUNTS:-4 8 16}; do
-        TRAINSTREAM_STAGING_SLOTS=$slots small_offload "$OUT/gpt_124m_slots$slots.json" "$slots slots"
-      done
+      stage gpt-small-slots  # the 124M's forced offload with SLOT_COUNTS staging slots, alternated RUNS times (the
+      # trainer's backward waited 1-8 ms a step for a free one with 4 on 2026-12-02, 6.9 ms on 2026-12-05)
+      alternated TRAINSTREAM_STAGING_SLOTS "${SLOT_COUNTS:-4 8 16}" slots
       ;;
     gpt-halves)
       stage gpt-halves  # forced offload of the 124M with one and two state halves (58.6 ms on 2026-12-02, 46.7 ms a day earlier)

@@ -1,0 +1,135 @@
+"""Probe: where a new job's seed goes (wrap()'s "seed" phase: the model's weights from the GPU into the
+job's master weights, _staged_copy.copy_to_host). The 1.86B's 7.4 GB took 0.6-0.9 s on warm GPU
+machines (benchmarks/results/train_gpt.md, 2026-12-05, night), where its GPU copies alone would take
+about 0.15 s.
+
+A shared-memory file is created and backed by another process, with huge pages asked for, as the daemon
+backs a job's segments; this process then maps it afresh, as a trainer does at attach, and times:
+  copy (fresh mapping)        copy_to_host into it: the trainer's first touch of each page included
+  populate + copy             MADV_POPULATE_WRITE of the fresh mapping on THREADS threads, then the copy
+  copy (mapped before)        the same copy again into a mapping already faulted in
+and, to compare, the GPU copies alone (into one page-locked buffer, over and over) and the CPU's copy of
+one page-locked piece into the mapped file. Each measurement twice, on a fresh mapping each time.
+
+    python3 benchmarks/transfer/seed_copy.py --gib 7 --json seed_copy.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import mmap
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+
+from trainstream._staged_copy import STAGE_BYTES, copy_to_host
+
+GIB = 1 << 30
+MADV_POPULATE_WRITE = 23  # Linux 5.14
+PATH = "/dev/shm/trainstream-seed-probe"
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def back(path: str, nbytes: int) -> None:
+    """Another process creates the file and backs every page, huge pages asked for (the daemon's way)."""
+    code = (f"import mmap, os, sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
+            f"from seed_copy import populate; fd = os.open({path!r}, os.O_CREAT | os.O_RDWR, 0o600); "
+            f"os.ftruncate(fd, {nbytes}); m = mmap.mmap(fd, {nbytes}); m.madvise(mmap.MADV_HUGEPAGE); populate(m, 16)")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def address(m: mmap.mmap) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(m))
+
+
+def populate(m: mmap.mmap, threads: int) -> None:
+    """MADV_POPULATE_WRITE over the mapping, each thread its share (ctypes releases the GIL)."""
+    base, size = address(m), len(m)
+    share = -(-size // threads // 4096) * 4096
+
+    def one(t: int) -> None:
+        start = t * share
+        if start < size and _libc.madvise(base + start, min(share, size - start), MADV_POPULATE_WRITE) != 0:
+            raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_WRITE)")
+
+    workers = [threading.Thread(target=one, args=(t,)) for t in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+
+
+def mapped(nbytes: int) -> mmap.mmap:
+    """The file mapped afresh, as a trainer maps a job's segment."""
+    fd = os.open(PATH, os.O_RDWR)
+    m = mmap.mmap(fd, nbytes)
+    os.close(fd)
+    m.madvise(mmap.MADV_HUGEPAGE)
+    return m
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def measure(m: mmap.mmap, source: torch.Tensor, populated: bool, threads: int) -> dict[str, float]:
+    host = torch.frombuffer(m, dtype=torch.float32)  # gone on return, so that the mapping can close
+    if not populated:
+        return {"copy_fresh_mapping_s": timed(lambda: copy_to_host([(host, source)], source.device)),
+                "copy_mapped_before_s": timed(lambda: copy_to_host([(host, source)], source.device))}
+    run = {"populate_s": timed(lambda: populate(m, threads)),
+           "copy_after_populate_s": timed(lambda: copy_to_host([(host, source)], source.device))}
+    stage = torch.empty(STAGE_BYTES // 4, pin_memory=True)
+    pieces = [slice(i, i + stage.numel()) for i in range(0, source.numel() - stage.numel() + 1, stage.numel())]
+    run["gpu_copies_alone_s"] = timed(lambda: [stage.copy_(source[s], non_blocking=True) for s in pieces])
+    run["cpu_copies_alone_s"] = timed(lambda: [host[s].copy_(stage) for s in pieces])
+    return run
+
+
+def one_run(source: torch.Tensor, threads: int) -> dict[str, float]:
+    run: dict[str, float] = {}
+    for populated in (False, True):
+        m = mapped(source.numel() * 4)
+        run.update(measure(m, source, populated, threads))
+        m.close()
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gib", type=float, default=7.0)
+    parser.add_argument("--threads", type=int, default=16, help="populating threads")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    nbytes = int(args.gib * GIB) // 4096 * 4096
+    source = torch.randn(nbytes // 4, device="cuda")
+    results: dict = {"gib": nbytes / GIB, "torch_threads": torch.get_num_threads(), "runs": []}
+    try:
+        started = time.perf_counter()
+        back(PATH, nbytes)
+        results["backed_s"] = time.perf_counter() - started
+        for _ in range(2):
+            results["runs"].append(one_run(source, args.threads))
+            print({k: round(v, 3) for k, v in results["runs"][-1].items()}, flush=True)
+    finally:
+        os.unlink(PATH)
+    for key in results["runs"][0]:
+        results[key[:-2] + "_gb_per_s"] = [round(nbytes / r[key] / 1e9, 1) for r in results["runs"]]
+    print({k: v for k, v in results.items() if k != "runs"})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
