@@ -246,11 +246,20 @@ class Rank:
         self._report_warnings()
 
     def take_published(self) -> None:
-        """Takes in, without waiting, the stale buckets whose weights are published already, so that a
-        forward starting with nothing left stale runs without the StaleReadGuard's mode (about 1 us of
-        Python per torch function). Not with paging (the guard is always needed) nor where taking
-        weights in early would delay the forward (the transport's `weights_in_early`)."""
+        """At a forward's start, takes in what it can without waiting, so that the forward runs without
+        the StaleReadGuard's mode (about 1 us of Python per torch function) where nothing is left
+        stale: where the transport waits on the GPU, every stale bucket (its kernels wait for it, this
+        thread goes on), elsewhere the buckets published already. Not with paging (the guard is always
+        needed) nor where taking weights in early would delay the forward (the transport's
+        `weights_in_early`)."""
         if not self.stale or self.pager is not None or not self.transport.weights_in_early:
+            return
+        if self.transport.waits_on_gpu:
+            # Nothing is lost by the first kernel waiting for every bucket: backward sends the first
+            # module's gradients last (a tied embedding's too), so its bucket is the last to be updated.
+            # The 124M GPT's forward ran 182 torch functions a step in the guard's mode before (one H100,
+            # 2026-12-05, benchmarks/results/train_gpt.md).
+            self.refresh(sorted(self.stale), on_gpu=True)
             return
         published = [b for b in sorted(self.stale) if self.session.params_ready(b, self._ready_step[b])]
         if published:

@@ -49,6 +49,9 @@ class Transport(Protocol):
     # forward. Not where it queues a GPU copy the compute stream then waits for (cuda-client-copy): taken
     # in at a forward's start, every published bucket would hold the first layer back.
     weights_in_early: bool
+    # Whether wait_weights_on_gpu can queue every wait without this thread waiting (cuda-ipc, its words
+    # mapped): the forward's start then queues them all (Rank.take_published).
+    waits_on_gpu: bool
 
     def open_bucket(self, b: int) -> None:
         """Before bucket b's first gradient of a micro-batch: returns once its last GRAD_READY has gone
@@ -85,6 +88,7 @@ class Transport(Protocol):
 class HostTransport:
     name = "host"
     weights_in_early = True  # a copy on the trainer's thread, now or at the module's pre-hook
+    waits_on_gpu = False
 
     def __init__(self, regions: Regions):
         self.regions = regions
@@ -120,6 +124,7 @@ class HostTransport:
 class CudaCopyTransport:
     name = "cuda-client-copy"
     weights_in_early = False
+    waits_on_gpu = False
 
     def __init__(self, regions: Regions, session, device: torch.device):
         self.regions = regions
@@ -283,6 +288,7 @@ class CudaIpcTransport:
         if os.environ.get("TRAINSTREAM_GPU_WAITS", "1") != "0" and not regions.paged_buckets:
             self._ready_words = _C.HostMappedWords(device.index, len(regions.buckets))
             session.mirror_params_ready(self._ready_words)
+        self.waits_on_gpu = self._ready_words is not None
 
     def _rehome_parameters(self, flat: torch.Tensor) -> None:
         """Every resident parameter becomes a view of the flat buffer at its bucket's offset, keeping its

@@ -17,6 +17,7 @@ from conftest import Daemon, wait_until
 
 import trainstream
 from trainstream import _C, TrainstreamError
+from trainstream._guards import StaleReadGuard
 
 RELEASED = _C.RankSession.words_released
 LAYOUT = [("w", [4, 4], 0, 0), ("b", [4], 0, 0)]  # one bucket
@@ -159,6 +160,23 @@ def test_the_forward_is_queued_while_the_gpu_waits_for_its_weights(daemon, monke
     assert released_within(done, 10)
     expected = reference(x)
     assert (out - expected).abs().max().item() <= 1e-6  # the updated weights, not the old ones
+
+
+@needs_cuda
+def test_the_forward_queues_every_wait_at_its_start_and_runs_outside_the_guards_mode(daemon, monkeypatch):
+    model, reference, x = wrapped_mlp(daemon, monkeypatch)
+    rank = trainstream._wrap._rank_of(model)
+    entered = []
+    monkeypatch.setattr(StaleReadGuard, "__enter__", lambda mode: entered.append(mode))
+    try:
+        assert rank.stale, "the step's weights are not in yet (the daemon is stopped)"
+        out, done = queued_forward(model, x)
+        assert not rank.stale and not entered, "the forward waited in the guard's mode"
+        assert not done.query()
+    finally:
+        daemon.process.send_signal(signal.SIGCONT)
+    assert released_within(done, 10)
+    assert (out - reference(x)).abs().max().item() <= 1e-6
 
 
 @needs_cuda
