@@ -150,7 +150,8 @@ for what in "$@"; do
       # START_ARGS say otherwise; two steps), under this shm policy: how long a private daemon takes to serve,
       # then the run against a daemon logging at info (its log says how long backing the state took, and
       # page-locking ahead), whose log comes back; each run of the stage its own JSON and log (run1, run2, ...).
-      # START_DAEMON: another trainstreamd (a build of other sources, .device/bin's), START_LABEL names its runs
+      # START_DAEMON: another trainstreamd (a build of other sources, .device/bin's), START_PYTHON another
+      # trainstream package's folder (python-before's /tmp/before/python), START_LABEL names their runs
       policy=$(grep -o 'huge=[a-z_]*' <(grep /dev/shm /proc/mounts) || echo huge=never) && policy=${policy#huge=}
       policy=$policy${START_LABEL:+_$START_LABEL}
       config=${START_CONFIG:-1.86b}
@@ -161,7 +162,8 @@ for what in "$@"; do
       socket=/tmp/ts-start.sock && rm -f $socket
       ${START_DAEMON:-build/daemon/trainstreamd} --socket $socket --log-level info >"$OUT/daemon_start_$policy.log" 2>&1 & daemon=$!
       for _ in $(seq 200); do [[ -S $socket ]] && break; sleep 0.05; done
-      TRAINSTREAM_ADDRESS=unix:$socket timeout 180 python3 benchmarks/train_gpt/train_gpt.py --config "$config" \
+      TRAINSTREAM_ADDRESS=unix:$socket PYTHONPATH=${START_PYTHON:-$PWD/python}:/tmp/site \
+        timeout 180 python3 benchmarks/train_gpt/train_gpt.py --config "$config" \
         --vram-cap-gib 24 --steps 2 --warmup 1 --modes trainstream ${START_ARGS:-} \
         --adamw-json benchmarks/results/adamw_h200-16core.json \
         --json "$OUT/gpt_${config}_start_$policy.json" 2>&1 | tail -1 | sed "s|^|[$policy] |"
@@ -214,10 +216,11 @@ for what in "$@"; do
       ;;
     gpt-small-ab)
       stage gpt-small-ab  # the 124M's forced offload, alternated RUNS times, each run its own process and JSON:
-      # "before" all of .device/before.tar (build-before), "daemon" this tree's daemon under before's Python
-      # (the daemon's changes alone), "after" all of this tree
+      # "before" all of .device/before.tar (build-before, or python-before for a change of the Python alone),
+      # "daemon" this tree's daemon under before's Python (the daemon's changes alone), "after" all of this
+      # tree; AB_NAMES chooses among them
       for run in $(seq "${RUNS:-2}"); do
-        for name in before daemon after; do
+        for name in ${AB_NAMES:-before daemon after}; do
           daemon=$PWD python=/tmp/before/python
           [[ $name == before ]] && daemon=/tmp/before
           [[ $name == after ]] && python=$PWD/python
@@ -289,6 +292,12 @@ for what in "$@"; do
         -DPython_EXECUTABLE="$(command -v python3)" >"$OUT/build_before.log" 2>&1 \
         && cmake --build build -j"${BUILD_JOBS:-16}" --target trainstreamd _C ts_bench_adamw >>"$OUT/build_before.log" 2>&1) \
         || { tail -20 "$OUT/build_before.log"; exit 1; }
+      ;;
+    python-before)
+      stage python-before  # the Python of .device/before.tar over this tree's binaries (use-bin or build-fast
+      # first), in /tmp/before as build-before leaves it: for gpt-small-ab when only the Python changed
+      rm -rf /tmp/before && mkdir -p /tmp/before/build/daemon && tar -C /tmp/before -xf .device/before.tar python \
+        && cp python/trainstream/_C*.so /tmp/before/python/trainstream/ && cp build/daemon/trainstreamd /tmp/before/build/daemon/
       ;;
     wheels)
       stage wheels
