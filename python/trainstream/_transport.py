@@ -38,6 +38,7 @@ import torch
 
 from trainstream import _C, _layout
 from trainstream._C import TrainstreamError
+from trainstream._pinning import page_ranges
 from trainstream._regions import Regions
 
 
@@ -221,9 +222,6 @@ class CudaCopyTransport:
         self._registered.clear()
 
 
-_PAGE = 4096
-
-
 def _ranges_to_pin(regions: Regions, session) -> list[tuple[int, int]]:
     """What DMA touches, as page-aligned, disjoint (address, bytes) ranges: this rank's gradient
     region, the upload region, and the master weights of fp32 buckets (read in place), in both state
@@ -233,14 +231,7 @@ def _ranges_to_pin(regions: Regions, session) -> list[tuple[int, int]]:
     ranges = [(s.grads().address, s.grads().nbytes), (s.upload().address, s.upload().nbytes)]
     for master in {s.master(h).address for h in range(s.state_halves)}:
         ranges += [(master + 4 * b["elem_offset"], 4 * b["numel"]) for b in regions.buckets if b["dtype"] == 0]
-    pages = sorted((a // _PAGE * _PAGE, -(-(a + n) // _PAGE) * _PAGE) for a, n in ranges if n)
-    merged: list[list[int]] = []
-    for start, end in pages:
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [(start, end - start) for start, end in merged]
+    return page_ranges(ranges)
 
 
 class CudaIpcTransport:
