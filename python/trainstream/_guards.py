@@ -33,7 +33,8 @@ class StaleReadGuard(TorchFunctionMode):
     a weight read before its module is called), and must see the same weights as in plain torch. The
     mode costs each torch function about 1 us of Python while it is entered, 2 us while something is
     stale (2-core dev machine), so it is entered only while needed: at the forward's start the buckets
-    published already are taken in, and the mode is not entered when nothing is left stale; the Rank's
+    published already are taken in (where the GPU waits for weights, every stale bucket), and the mode
+    is not entered when nothing is left stale; the Rank's
     pre-hooks pause it while they refresh, and it stays left once nothing is stale. With weight paging
     it is always entered: a paged weight read outside its block's forward loads the block."""
 
