@@ -274,10 +274,13 @@ for what in "$@"; do
       ls -la "$OUT"
       ;;
     gpt-profile)
-      stage gpt-profile  # a torch.profiler timeline of three forced-offload steps of the 124M (gzipped)
-      timeout 90 python3 benchmarks/train_gpt/train_gpt.py --config 124m --modes trainstream --steps 3 \
-        --profile "$OUT/trace_124m_trainstream.json" --json "$OUT/gpt_124m_profiled.json" >/dev/null 2>&1
-      gzip -f "$OUT/trace_124m_trainstream.json"; ls -la "$OUT"/trace_124m_trainstream.json.gz
+      stage gpt-profile  # torch.profiler over 20 steps of the 124M in each of PROFILE_MODES, no Python stacks: each
+      # op's CPU time on the trainer's threads (trace_124m_<mode>_ops.txt) and the timeline (gzipped)
+      for mode in ${PROFILE_MODES:-gpu-only trainstream}; do
+        timeout 120 python3 benchmarks/train_gpt/train_gpt.py --config 124m --modes "$mode" --steps 20 \
+          --profile "$OUT/trace_124m_$mode.json" --json "$OUT/gpt_124m_profiled_$mode.json" >/dev/null 2>&1
+        gzip -f "$OUT/trace_124m_$mode.json"; echo "[$mode]"; head -25 "$OUT/trace_124m_${mode}_ops.txt"
+      done
       ;;
     use-bin)
       stage use-bin  # binaries a build-fast of the same sources returned earlier, carried in .device/bin

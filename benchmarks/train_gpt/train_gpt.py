@@ -186,7 +186,10 @@ def timed_steps(args, step_fn, memory: Memory, losses: list | None = None, waits
     data = batches(args, "cuda")
     times, waited = [], []
     cpu_before = (0.0, 0.0, 0.0)
-    profiler = torch.profiler.profile(with_stack=True) if args.profile else None
+    # Without Python stacks by default: tracing every Python call inflated the 124M's hooks by an
+    # unknown factor (benchmarks/results/train_gpt.md, 2026-12-05, night); each torch op's own CPU time
+    # is what tells the modes apart.
+    profiler = torch.profiler.profile(with_stack=args.profile_stacks) if args.profile else None
     for i in range(args.warmup + args.steps):
         tokens, targets = next(data)
         torch.cuda.synchronize()
@@ -220,6 +223,8 @@ def timed_steps(args, step_fn, memory: Memory, losses: list | None = None, waits
     if profiler:
         profiler.stop()
         profiler.export_chrome_trace(args.profile)
+        with open(os.path.splitext(args.profile)[0] + "_ops.txt", "w") as f:  # totals over the timed steps
+            f.write(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=50))
     cores = {"trainer": (cpu_seconds() - cpu_before[1]) / wall}
     if memory.daemon_pid:
         cores["daemon"] = (cpu_seconds(memory.daemon_pid) - cpu_before[2]) / wall
@@ -511,7 +516,9 @@ def main() -> None:
                         help="mode trainstream: a private daemon with this many worker threads (default: 1 per CPU)")
     parser.add_argument("--daemon-nice", type=int,
                         help="mode trainstream: a private daemon whose worker threads run at this nice value")
-    parser.add_argument("--profile", help="a torch.profiler trace of the timed steps into this file (for one mode)")
+    parser.add_argument("--profile", help="a torch.profiler trace of the timed steps into this file (for one mode), "
+                        "and its ops' CPU times beside it (<file>_ops.txt)")
+    parser.add_argument("--profile-stacks", action="store_true", help="with --profile: Python stacks too (slows it)")
     parser.add_argument("--hook-times", action="store_true",
                         help="time trainstream's hooks on the trainer's thread (hook_times.py): hooks_per_step")
     parser.add_argument("--adamw-json", help="benchmarks/adamw result of this machine, for the triad bandwidth")
