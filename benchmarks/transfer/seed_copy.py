@@ -122,7 +122,8 @@ def main() -> None:
             results["runs"].append(one_run(source, args.threads))
             print({k: round(v, 3) for k, v in results["runs"][-1].items()}, flush=True)
     finally:
-        os.unlink(PATH)
+        if os.path.exists(PATH):
+            os.unlink(PATH)
     for key in results["runs"][0]:
         results[key[:-2] + "_gb_per_s"] = [round(nbytes / r[key] / 1e9, 1) for r in results["runs"]]
     print({k: v for k, v in results.items() if k != "runs"})
