@@ -17,24 +17,22 @@ one page-locked piece into the mapped file. Each measurement twice, on a fresh m
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import mmap
 import os
 import subprocess
 import sys
-import threading
 import time
 
 import torch
+from host_register import split_range
+from populate import address_of
+from populate import timed as populate_at_once
 
 from trainstream._staged_copy import STAGE_BYTES, copy_to_host
 
 GIB = 1 << 30
-MADV_POPULATE_WRITE = 23  # Linux 5.14
 PATH = "/dev/shm/trainstream-seed-probe"
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 def back(path: str, nbytes: int) -> None:
@@ -45,25 +43,10 @@ def back(path: str, nbytes: int) -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def address(m: mmap.mmap) -> int:
-    return ctypes.addressof(ctypes.c_char.from_buffer(m))
-
-
 def populate(m: mmap.mmap, threads: int) -> None:
-    """MADV_POPULATE_WRITE over the mapping, each thread its share (ctypes releases the GIL)."""
-    base, size = address(m), len(m)
-    share = -(-size // threads // 4096) * 4096
-
-    def one(t: int) -> None:
-        start = t * share
-        if start < size and _libc.madvise(base + start, min(share, size - start), MADV_POPULATE_WRITE) != 0:
-            raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_WRITE)")
-
-    workers = [threading.Thread(target=one, args=(t,)) for t in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
+    """MADV_POPULATE_WRITE over the mapping, a share on each of `threads` threads (populate.py's)."""
+    base = address_of(m)
+    populate_at_once([(base + offset, length) for offset, length in split_range(len(m), threads, 4096)])
 
 
 def mapped(nbytes: int) -> mmap.mmap:
