@@ -160,10 +160,15 @@ def test_a_daemon_killed_while_writing_a_snapshot_leaves_the_previous_one_intact
         key = ctl_json(d.socket, "jobs")[0]["job_key"]
         writer = subprocess.Popen([ctl_binary(), "--socket", d.socket, "snapshot", "big", path],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        assert wait_until(lambda: glob.glob(str(tmp_path / ".big.safetensors.tmp-*")), 20, interval=0.001)
+        # The temporary file, or a writer that finished between two looks (a loaded machine: a CI run
+        # once saw no temporary file in 20 s of looking every millisecond); then the snapshot must have
+        # succeeded, renamed before any kill could land, as below, and the next round tries again.
+        temporary = str(tmp_path / ".big.safetensors.tmp-*")
+        assert wait_until(lambda: glob.glob(temporary) or writer.poll() is not None, 20, interval=0.001)
+        assert glob.glob(temporary) or writer.returncode == 0, "the snapshot failed before its file was seen"
         d.stop(signal.SIGKILL)
         writer.wait(30)
-        leftovers = glob.glob(str(tmp_path / ".big.safetensors.tmp-*"))
+        leftovers = glob.glob(temporary)
         for segment in glob.glob(f"/dev/shm/trainstream.*.{key}.*"):  # what the killed daemon left
             os.unlink(segment)
         if leftovers:
