@@ -44,10 +44,11 @@ brief() {
 }
 
 # The 124M's forced offload for STEPS (40) steps into JSON $1, quietly, then its brief line labelled $2;
-# further arguments go to train_gpt, and environment assignments before the call reach it.
+# further arguments go to train_gpt, and environment assignments before the call reach it (TRAINER_WRAP: a
+# command the trainer runs under, e.g. taskset).
 small_offload() {
   local json=$1 label=$2 && shift 2
-  timeout 120 python3 benchmarks/train_gpt/train_gpt.py --config 124m --modes trainstream --steps "${STEPS:-40}" \
+  timeout 120 ${TRAINER_WRAP:-} python3 benchmarks/train_gpt/train_gpt.py --config 124m --modes trainstream --steps "${STEPS:-40}" \
     --adamw-json benchmarks/results/adamw_h200-16core.json --json "$json" "$@" >/dev/null 2>&1
   brief "$json" | sed "s|^|[$label] |"
 }
@@ -250,6 +251,24 @@ for what in "$@"; do
       stage launch-queue  # how many launches a stream takes behind an unmet GPU wait before the thread blocks,
       # and the 124M's forward and backward on the trainer's clock behind a 10 ms wait
       timeout 120 python3 benchmarks/transfer/launch_queue.py --json "$OUT/launch_queue.json" 2>&1 | tail -30
+      ;;
+    gpt-small-placement)
+      stage gpt-small-placement  # the 124M's forced offload with the trainer on the first two cores (with their
+      # hyperthread siblings) and the daemon on the others, against both anywhere and the daemon alone kept off
+      # them; alternated RUNS times. Whether a busy worker on the trainer's core or its sibling slows its launches
+      lscpu | grep -E "^(CPU\(s\)|Thread|Core|Socket|Model name)" && lscpu -e | head -20
+      trainer=$(cat /sys/devices/system/cpu/cpu{0,1}/topology/thread_siblings_list | paste -sd,)
+      daemon=$(python3 -c "import os, sys; t = {int(c) for part in sys.argv[1].split(',') for c in \
+        (range(int(part.split('-')[0]), int(part.split('-')[-1]) + 1))}; \
+        print(','.join(str(c) for c in sorted(os.sched_getaffinity(0) - t)))" "$trainer")
+      printf '#!/bin/sh\nexec taskset -c %s %s "$@"\n' "$daemon" "$PWD/build/daemon/trainstreamd" >/tmp/ts-placed && chmod +x /tmp/ts-placed
+      echo "trainer on $trainer, daemon on $daemon"
+      for run in $(seq "${RUNS:-2}"); do
+        small_offload "$OUT/gpt_124m_placement-anywhere_run$run.json" "anywhere, run $run"
+        TRAINSTREAMD=/tmp/ts-placed small_offload "$OUT/gpt_124m_placement-daemon-off_run$run.json" "daemon off the two cores, run $run"
+        TRAINSTREAMD=/tmp/ts-placed TRAINER_WRAP="taskset -c $trainer" \
+          small_offload "$OUT/gpt_124m_placement-split_run$run.json" "trainer on them, run $run"
+      done
       ;;
     gpt-small-slots)
       stage gpt-small-slots  # the 124M's forced offload with SLOT_COUNTS staging slots, alternated RUNS times (the
