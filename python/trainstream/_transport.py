@@ -246,7 +246,7 @@ class CudaIpcTransport:
         self.session = session
         self._bucket_bytes = [b["numel"] * _layout.torch_dtype(b["dtype"]).itemsize for b in regions.buckets]
         self.slot_bytes = _round_up(min(max(self._bucket_bytes, default=1), self._SLOT_CAP), 256)
-        slots = int(os.environ.get("TRAINSTREAM_STAGING_SLOTS", 4))
+        slots = staging_slots()
         # Where each bucket lies in the flat parameter buffer: the resident ones one after another;
         # paged buckets (weight paging) have no place there, the pager brings them into its own slots.
         self._param_offsets, params_bytes = [], 0
@@ -422,6 +422,22 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+STAGING_SLOTS = 4  # cuda-ipc's default
+MAX_STAGING_SLOTS = 64  # as many grad-ready events as the daemon opens (cuda_rank_transfer.cpp's kMaxEvents)
+
+
+def staging_slots() -> int:
+    """cuda-ipc's gradient staging slots: $TRAINSTREAM_STAGING_SLOTS, else STAGING_SLOTS."""
+    value = os.environ.get("TRAINSTREAM_STAGING_SLOTS")
+    if value is None:
+        return STAGING_SLOTS
+    slots = int(value) if value.strip().isdigit() else 0
+    if not 1 <= slots <= MAX_STAGING_SLOTS:
+        raise TrainstreamError(f"TRAINSTREAM_STAGING_SLOTS={value!r}: a whole number of GPU staging slots from 1 "
+                               f"to {MAX_STAGING_SLOTS}")
+    return slots
+
+
 def transport_name(device: torch.device) -> str:
     """The transport for parameters on `device`, named before attaching (the daemon logs it)."""
     if device.type == "cpu":
@@ -432,6 +448,8 @@ def transport_name(device: torch.device) -> str:
     if wanted not in (CudaIpcTransport.name, CudaCopyTransport.name):
         raise TrainstreamError(f"TRAINSTREAM_TRANSPORT={wanted!r}: use {CudaIpcTransport.name!r} or "
                                f"{CudaCopyTransport.name!r}")
+    if wanted == CudaIpcTransport.name:
+        staging_slots()  # a bad count is refused before the job is attached
     return wanted
 
 

@@ -1,13 +1,22 @@
 """_transport.staging_views and copy_to_staging: where the cuda-ipc transport copies a bucket's gradients
 in a staging slot, piece by piece, with CPU tensors standing for the slot (the transport's own copies run
-in test_cuda on the GPU machine, test_buckets_larger_than_a_staging_slot among them)."""
+in test_cuda on the GPU machine, test_buckets_larger_than_a_staging_slot among them); how many slots
+there are (staging_slots)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from trainstream._transport import copy_to_staging, staging_views
+from trainstream._C import TrainstreamError
+from trainstream._transport import (
+    MAX_STAGING_SLOTS,
+    STAGING_SLOTS,
+    copy_to_staging,
+    staging_slots,
+    staging_views,
+    transport_name,
+)
 
 SHAPES = [(3, 5), (7,), (), (4, 4), (2, 1, 3)]
 
@@ -63,3 +72,28 @@ def test_a_parameter_without_a_gradient_leaves_its_bytes_alone():
     second = slice(places[1][1], places[2][1])  # the (7,) parameter's bytes
     assert torch.equal(slot[second], torch.full((28,), 0xAB, dtype=torch.uint8))
     assert torch.equal(slot[:second.start], grads[0].reshape(-1).view(torch.uint8))
+
+
+def test_the_staging_slots_are_the_default_unless_the_environment_names_them(monkeypatch):
+    monkeypatch.delenv("TRAINSTREAM_STAGING_SLOTS", raising=False)
+    assert staging_slots() == STAGING_SLOTS
+    monkeypatch.setenv("TRAINSTREAM_STAGING_SLOTS", "7")
+    assert staging_slots() == 7
+    monkeypatch.setenv("TRAINSTREAM_STAGING_SLOTS", str(MAX_STAGING_SLOTS))
+    assert staging_slots() == MAX_STAGING_SLOTS
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "abc", "2.5", "", str(MAX_STAGING_SLOTS + 1)])
+def test_a_staging_slot_count_out_of_range_is_refused_by_name(monkeypatch, value):
+    monkeypatch.setenv("TRAINSTREAM_STAGING_SLOTS", value)
+    with pytest.raises(TrainstreamError, match=f"TRAINSTREAM_STAGING_SLOTS={value!r}: a whole number .* from 1 to 64"):
+        staging_slots()
+
+
+def test_a_bad_staging_slot_count_is_refused_before_the_job_is_attached(monkeypatch):
+    """transport_name runs before the attach; no GPU is touched to name a CUDA device's transport."""
+    monkeypatch.setenv("TRAINSTREAM_STAGING_SLOTS", "0")
+    with pytest.raises(TrainstreamError, match="TRAINSTREAM_STAGING_SLOTS='0'"):
+        transport_name(torch.device("cuda", 0))
+    monkeypatch.setenv("TRAINSTREAM_TRANSPORT", "cuda-client-copy")  # which has no staging slots
+    assert transport_name(torch.device("cuda", 0)) == "cuda-client-copy"
