@@ -422,7 +422,11 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-STAGING_SLOTS = 4  # cuda-ipc's default
+# cuda-ipc's default. The 124M GPT's forced offload on an H100: five runs with 4 slots took 42.2-43.2 ms a
+# step (13 ms of it waiting for a free slot), one with 16 took 38.2 ms (3.4 ms waiting); on an H200 the
+# day before, 59.1 ms with 4 and 54.6 ms with 16 (benchmarks/results/train_gpt.md, 2026-12-05). At most
+# 16 x 32 MiB of GPU memory outside torch's allocator.
+STAGING_SLOTS = 16
 MAX_STAGING_SLOTS = 64  # as many grad-ready events as the daemon opens (cuda_rank_transfer.cpp's kMaxEvents)
 
 
