@@ -84,7 +84,7 @@ def test_the_staging_slots_are_the_default_unless_the_environment_names_them(mon
 
 
 @pytest.mark.parametrize("value", ["0", "-2", "abc", "2.5", "", str(MAX_STAGING_SLOTS + 1)])
-def test_a_staging_slot_count_out_of_range_is_refused_by_name(monkeypatch, value):
+def test_a_staging_slot_count_other_than_a_whole_number_from_1_to_64_is_refused_by_name(monkeypatch, value):
     monkeypatch.setenv("TRAINSTREAM_STAGING_SLOTS", value)
     with pytest.raises(TrainstreamError, match=f"TRAINSTREAM_STAGING_SLOTS={value!r}: a whole number .* from 1 to 64"):
         staging_slots()
