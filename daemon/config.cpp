@@ -100,6 +100,7 @@ void LoadConfigFile(const std::string& path, Config& config) {
   static const std::vector<std::string> kKnown = {"socket",
                                                   "threads",
                                                   "worker_nice",
+                                                  "reserved_cores",
                                                   "log_level",
                                                   "socket_mode",
                                                   "job_ttl_seconds",
@@ -122,6 +123,7 @@ void LoadConfigFile(const std::string& path, Config& config) {
   ReadKey(table, "socket", config.socket);
   ReadKey(table, "threads", config.threads);
   ReadKey(table, "worker_nice", config.worker_nice);
+  ReadKey(table, "reserved_cores", config.reserved_cores);
   ReadKey(table, "log_level", config.log_level);
   TS_CHECK(std::find(kLogLevels.begin(), kLogLevels.end(), config.log_level) != kLogLevels.end(),
            Code::kInvalidArgument, "config key 'log_level' is '{}'; expected one of {}", config.log_level,
@@ -150,13 +152,15 @@ std::optional<Config> ParseConfig(int argc, char** argv) {
   app.add_option("--config", config_file, "TOML file with the same keys as these flags");
   // Flags are parsed into optionals so that a flag overrides the file only when given.
   std::optional<std::string> socket, log_level;
-  std::optional<uint32_t> threads, worker_nice, max_jobs, max_unattached, max_unattached_per_uid;
+  std::optional<uint32_t> threads, worker_nice, reserved_cores, max_jobs, max_unattached, max_unattached_per_uid;
   std::optional<uint64_t> ttl, max_host_bytes;
   std::optional<int64_t> parent_pid;
   app.add_option("--socket", socket, "Unix socket to listen on (default " + defaults.socket + ")");
   app.add_option("--threads", threads, "optimizer worker threads (default: one per core)");
   app.add_option("--worker-nice", worker_nice,
                  "nice value of the worker threads, 0-19 (default 10): they yield a shared core to the trainers");
+  app.add_option("--reserved-cores", reserved_cores,
+                 "physical cores no worker is pinned to, left to the training processes (default 0)");
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error")->check(CLI::IsMember(kLogLevels));
   app.add_option("--job-ttl", ttl, "seconds a job with no attached rank is kept (default 3600)");
   app.add_option("--max-jobs", max_jobs, "maximum number of jobs (default 64)");
@@ -200,6 +204,7 @@ std::optional<Config> ParseConfig(int argc, char** argv) {
   if (socket) config.socket = *socket;
   if (threads) config.threads = *threads;
   if (worker_nice) config.worker_nice = *worker_nice;
+  if (reserved_cores) config.reserved_cores = *reserved_cores;
   if (log_level) config.log_level = *log_level;
   if (ttl) config.job_ttl_seconds = *ttl;
   if (max_jobs) config.max_jobs = *max_jobs;

@@ -16,6 +16,9 @@ struct Config {
   // takes it: the 124M GPT's forced-offload step on the H200 (16 workers on 16 cores) took 47.1 ms at 10
   // against 65.1 ms at 0, its backward 23.8 against 38.1 ms (benchmarks/results/train_gpt.md).
   uint32_t worker_nice = 10;
+  // Physical cores (every hyperthread of each) no worker is pinned to, left to the training processes'
+  // threads; `threads` 0 then means one per CPU left.
+  uint32_t reserved_cores = 0;
   std::string log_level = "info";
   uint32_t socket_mode = 0660;
   uint64_t job_ttl_seconds = 3600;  // a job with no rank attached is dropped after this

@@ -157,8 +157,9 @@ int Serve(const Config& config) {
   RaiseOpenFileLimit();
   PrepareSocketPath(config.socket);
   PrepareSnapshotDir(config);
-  const uint32_t threads = config.threads != 0 ? config.threads : std::max<uint32_t>(1, AllowedCpus().size());
-  WorkerPool pool(threads, /*pin_threads=*/true, {}, static_cast<int>(config.worker_nice));
+  const std::vector<int> worker_cpus = CpusLeftAfterReserving(AllowedCpus(), config.reserved_cores);
+  const uint32_t threads = config.threads != 0 ? config.threads : std::max<size_t>(1, worker_cpus.size());
+  WorkerPool pool(threads, /*pin_threads=*/true, {}, static_cast<int>(config.worker_nice), worker_cpus);
   PeerMailbox mailbox;
   PeerPlane peers = StartPeerPlane(config, mailbox);
   JobRegistry registry(config, pool, peers.jobs);
@@ -177,8 +178,9 @@ int Serve(const Config& config) {
 
   std::unique_ptr<grpc::Server> server = StartControlServer(service);
   socket = std::make_unique<ControlSocket>(config.socket, config.socket_mode, *server);
-  spdlog::info("trainstreamd {} listening on {} ({} worker threads at nice {}, kernel {}, pid {})", kVersion,
-               config.socket, threads, config.worker_nice, optimizer::ActiveKernelName(), getpid());
+  spdlog::info("trainstreamd {} listening on {} ({} worker threads at nice {}, {} cores reserved, kernel {}, pid {})",
+               kVersion, config.socket, threads, config.worker_nice, config.reserved_cores,
+               optimizer::ActiveKernelName(), getpid());
   NotifySystemd("READY=1");
 
   for (;;) {

@@ -253,21 +253,28 @@ for what in "$@"; do
       timeout 120 python3 benchmarks/transfer/launch_queue.py --json "$OUT/launch_queue.json" 2>&1 | tail -30
       ;;
     gpt-small-placement)
-      stage gpt-small-placement  # the 124M's forced offload with the trainer on the first two cores (with their
-      # hyperthread siblings) and the daemon on the others, against both anywhere and the daemon alone kept off
-      # them; alternated RUNS times. Whether a busy worker on the trainer's core or its sibling slows its launches
+      stage gpt-small-placement  # the 124M's forced offload with the daemon's workers anywhere, with RESERVED
+      # (1 2) of its physical cores kept free of workers (--reserved-cores), and with the trainer on the first
+      # two cores (with their hyperthread siblings) and the whole daemon on the others; alternated RUNS times.
+      # Whether a busy worker on the trainer's core or its sibling slows its launches
       lscpu | grep -E "^(CPU\(s\)|Thread|Core|Socket|Model name)" && lscpu -e | head -20
       trainer=$(cat /sys/devices/system/cpu/cpu{0,1}/topology/thread_siblings_list | paste -sd,)
       daemon=$(python3 -c "import os, sys; t = {int(c) for part in sys.argv[1].split(',') for c in \
         (range(int(part.split('-')[0]), int(part.split('-')[-1]) + 1))}; \
         print(','.join(str(c) for c in sorted(os.sched_getaffinity(0) - t)))" "$trainer")
       printf '#!/bin/sh\nexec taskset -c %s %s "$@"\n' "$daemon" "$PWD/build/daemon/trainstreamd" >/tmp/ts-placed && chmod +x /tmp/ts-placed
-      echo "trainer on $trainer, daemon on $daemon"
+      echo "split: trainer on $trainer, daemon on $daemon"
+      for n in ${RESERVED:-1 2}; do
+        printf '#!/bin/sh\nexec %s "$@" --reserved-cores %s\n' "$PWD/build/daemon/trainstreamd" "$n" >/tmp/ts-reserved$n
+        chmod +x /tmp/ts-reserved$n
+      done
       for run in $(seq "${RUNS:-2}"); do
         small_offload "$OUT/gpt_124m_placement-anywhere_run$run.json" "anywhere, run $run"
-        TRAINSTREAMD=/tmp/ts-placed small_offload "$OUT/gpt_124m_placement-daemon-off_run$run.json" "daemon off the two cores, run $run"
+        for n in ${RESERVED:-1 2}; do
+          TRAINSTREAMD=/tmp/ts-reserved$n small_offload "$OUT/gpt_124m_placement-reserved${n}_run$run.json" "$n cores reserved, run $run"
+        done
         TRAINSTREAMD=/tmp/ts-placed TRAINER_WRAP="taskset -c $trainer" \
-          small_offload "$OUT/gpt_124m_placement-split_run$run.json" "trainer on them, run $run"
+          small_offload "$OUT/gpt_124m_placement-split_run$run.json" "split, run $run"
       done
       ;;
     gpt-small-slots)

@@ -10,7 +10,10 @@
 #include <atomic>
 #include <cctype>
 #include <filesystem>
+#include <fstream>
 #include <string>
+
+#include "shm/error.h"
 
 namespace trainstream::daemon {
 
@@ -66,9 +69,38 @@ uint32_t NodeOfCpu(int cpu) {
   return 0;
 }
 
-WorkerPool::WorkerPool(size_t threads, bool pin_threads, std::vector<uint32_t> thread_nodes, int nice) {
+uint64_t CoreOfCpu(int cpu) {
+  const std::string topology = "/sys/devices/system/cpu/cpu" + std::to_string(cpu) + "/topology/";
+  uint64_t package = 0;
+  uint64_t core = 0;
+  std::ifstream package_file(topology + "physical_package_id");
+  std::ifstream core_file(topology + "core_id");
+  if (!(package_file >> package) || !(core_file >> core)) return (uint64_t{1} << 63) | static_cast<uint64_t>(cpu);
+  return (package << 32) | core;
+}
+
+std::vector<int> CpusLeftAfterReserving(const std::vector<int>& allowed, uint32_t reserved_cores,
+                                        const std::function<uint64_t(int)>& core_of) {
+  std::vector<uint64_t> cores;  // in the order of their first allowed CPU
+  for (const int cpu : allowed) {
+    const uint64_t core = core_of(cpu);
+    if (std::find(cores.begin(), cores.end(), core) == cores.end()) cores.push_back(core);
+  }
+  TS_CHECK(reserved_cores < cores.size(), Code::kInvalidArgument,
+           "reserved_cores is {} but this daemon may run on {} physical cores ({} CPUs); expected fewer than {}",
+           reserved_cores, cores.size(), allowed.size(), cores.size());
+  const std::vector<uint64_t> reserved(cores.end() - reserved_cores, cores.end());
+  std::vector<int> left;
+  for (const int cpu : allowed) {
+    if (std::find(reserved.begin(), reserved.end(), core_of(cpu)) == reserved.end()) left.push_back(cpu);
+  }
+  return left;
+}
+
+WorkerPool::WorkerPool(size_t threads, bool pin_threads, std::vector<uint32_t> thread_nodes, int nice,
+                       std::vector<int> cpus) {
   if (threads == 0) threads = 1;
-  const std::vector<int> cpus = AllowedCpus();
+  if (cpus.empty()) cpus = AllowedCpus();
   // Pinned only when every thread gets a CPU of its own: sharing would only add migrations.
   const bool pin = pin_threads && threads <= cpus.size();
   if (thread_nodes.size() != threads) {

@@ -29,6 +29,15 @@ std::vector<int> AllowedCpus();
 // The NUMA node of `cpu` (0 where the kernel does not say).
 uint32_t NodeOfCpu(int cpu);
 
+// The physical core of `cpu`: its package and core ids from /sys (a CPU the kernel says nothing of counts
+// as a core of its own). Hyperthreads of one core share its id.
+uint64_t CoreOfCpu(int cpu);
+
+// `allowed` less every CPU of its last `reserved_cores` physical cores (in the order of their first CPU):
+// the CPUs left to the workers. Throws kInvalidArgument when none would be left.
+std::vector<int> CpusLeftAfterReserving(const std::vector<int>& allowed, uint32_t reserved_cores,
+                                        const std::function<uint64_t(int)>& core_of = CoreOfCpu);
+
 class WorkerPool {
  public:
   using Work = std::function<void(size_t block)>;      // does one block of a batch
@@ -36,8 +45,9 @@ class WorkerPool {
 
   // `thread_nodes` overrides the node of each thread (tests); by default, the node of its pinned CPU.
   // `nice` (0-19) lowers the threads' scheduling priority, so that a trainer's thread sharing a core
-  // with one preempts it.
-  explicit WorkerPool(size_t threads, bool pin_threads = true, std::vector<uint32_t> thread_nodes = {}, int nice = 0);
+  // with one preempts it. `cpus`: those the threads are pinned to (empty: every allowed CPU).
+  explicit WorkerPool(size_t threads, bool pin_threads = true, std::vector<uint32_t> thread_nodes = {}, int nice = 0,
+                      std::vector<int> cpus = {});
   ~WorkerPool();
   WorkerPool(const WorkerPool&) = delete;
   WorkerPool& operator=(const WorkerPool&) = delete;

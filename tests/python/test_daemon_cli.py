@@ -24,8 +24,8 @@ from trainstream._connect import daemon_binary
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE_CONFIG = os.path.join(REPO, "deploy", "trainstreamd.toml")
-FLAGS = ["--help", "--version", "--config", "--socket", "--threads", "--worker-nice", "--log-level", "--job-ttl",
-         "--max-jobs", "--max-host-bytes", "--parent-pid"]
+FLAGS = ["--help", "--version", "--config", "--socket", "--threads", "--worker-nice", "--reserved-cores", "--log-level",
+         "--job-ttl", "--max-jobs", "--max-host-bytes", "--parent-pid"]
 
 
 def run_daemon(*args: str, timeout: float = 10) -> subprocess.CompletedProcess:
@@ -136,13 +136,14 @@ def test_example_config_is_accepted(tmp):
         assert d.stop() == 0
 
 
+def _nice_of_threads_in(task: str) -> int:
+    """The nice value of the thread of /proc/PID/task/TID (field 19 of its stat)."""
+    with open(f"{task}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[16])
+
+
 def _nice_of_threads(pid: int) -> list[int]:
-    """The nice value of each thread of a process (field 19 of /proc/PID/task/TID/stat)."""
-    values = []
-    for stat in glob.glob(f"/proc/{pid}/task/*/stat"):
-        with open(stat) as f:
-            values.append(int(f.read().rsplit(")", 1)[1].split()[16]))
-    return values
+    return [_nice_of_threads_in(task) for task in glob.glob(f"/proc/{pid}/task/*")]
 
 
 def test_worker_threads_run_at_worker_nice_and_the_others_do_not(tmp):
@@ -154,6 +155,35 @@ def test_worker_threads_run_at_worker_nice_and_the_others_do_not(tmp):
         assert nice.count(own) == len(nice) - 3, nice  # main, gRPC and engine threads keep the process's
     finally:
         assert d.stop() == 0
+
+
+def _core_of(cpu: int) -> tuple[str, str]:
+    topology = f"/sys/devices/system/cpu/cpu{cpu}/topology"
+    with open(f"{topology}/physical_package_id") as package, open(f"{topology}/core_id") as core:
+        return package.read().strip(), core.read().strip()
+
+
+def test_workers_keep_off_the_reserved_cores(tmp):
+    allowed = sorted(os.sched_getaffinity(0))
+    cores = list(dict.fromkeys(_core_of(cpu) for cpu in allowed))  # in the order of their first CPU
+    if len(cores) < 2:
+        pytest.skip("one physical core: none can be reserved")
+    left = {cpu for cpu in allowed if _core_of(cpu) != cores[-1]}
+    d = Daemon("--worker-nice", "13", "--reserved-cores", "1", threads=len(left))
+    try:
+        workers = [int(os.path.basename(task)) for task in glob.glob(f"/proc/{d.process.pid}/task/*")
+                   if _nice_of_threads_in(task) == 13]
+        assert len(workers) == len(left)
+        assert set().union(*(os.sched_getaffinity(tid) for tid in workers)) == left
+    finally:
+        assert d.stop() == 0
+
+
+def test_reserving_every_core_is_refused_by_name(tmp):
+    result = run_daemon("--socket", os.path.join(tmp, "d.sock"), "--reserved-cores", "4096")
+    assert result.returncode == 2
+    assert "reserved_cores is 4096 but this daemon may run on" in result.stderr
+    assert not os.path.exists(os.path.join(tmp, "d.sock"))
 
 
 def test_kubernetes_configmap_config_is_accepted(tmp):

@@ -69,6 +69,7 @@ TEST(ParseConfig, DefaultsWithoutArguments) {
   EXPECT_EQ(config.socket, defaults.socket);
   EXPECT_EQ(config.threads, 0u);
   EXPECT_EQ(config.worker_nice, 10u);
+  EXPECT_EQ(config.reserved_cores, 0u);
   EXPECT_EQ(config.log_level, "info");
   EXPECT_EQ(config.socket_mode, 0660u);
   EXPECT_EQ(config.job_ttl_seconds, 3600u);
@@ -84,6 +85,7 @@ TEST(ParseConfig, EveryFlag) {
   EXPECT_EQ(ParseOk({"--threads", "3"}).threads, 3u);
   EXPECT_EQ(ParseOk({"--worker-nice", "0"}).worker_nice, 0u);
   EXPECT_EQ(ParseOk({"--worker-nice", "19"}).worker_nice, 19u);
+  EXPECT_EQ(ParseOk({"--reserved-cores", "2"}).reserved_cores, 2u);
   EXPECT_EQ(ParseOk({"--log-level", "debug"}).log_level, "debug");
   EXPECT_EQ(ParseOk({"--job-ttl", "17"}).job_ttl_seconds, 17u);
   EXPECT_EQ(ParseOk({"--max-jobs", "5"}).max_jobs, 5u);
@@ -216,6 +218,11 @@ TEST(ParseConfig, WorkerNiceComesFromTheFileAndStaysInRange) {
   EXPECT_EQ(ParseOk({"--config", file.path()}).worker_nice, 3u);
   ExpectRejected({"--worker-nice", "20"}, "worker_nice is 20; expected 0 to 19");
   ExpectFileRejected("worker_nice = 25\n", "worker_nice is 25; expected 0 to 19");
+}
+
+TEST(ParseConfig, ReservedCoresComeFromTheFile) {
+  TempToml file("reserved_cores = 1\n");
+  EXPECT_EQ(ParseOk({"--config", file.path()}).reserved_cores, 1u);
 }
 
 TEST(ParseConfig, PeerConnectionsOutOfRangeAreRejected) {

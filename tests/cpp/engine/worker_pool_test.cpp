@@ -9,16 +9,19 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <fstream>
 #include <future>
 #include <latch>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <set>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "daemon/engine/worker_pool.h"
+#include "shm/error.h"
 
 namespace trainstream::daemon {
 namespace {
@@ -210,6 +213,44 @@ TEST(WorkerPool, ThreadsRunAtTheirNiceValue) {
   ASSERT_TRUE(done.WaitFor(1));
   EXPECT_EQ(seen, std::set<int>{kNice});
   EXPECT_EQ(getpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid))), own);  // the caller's unchanged
+}
+
+// Eight CPUs on four cores, hyperthread siblings n and n+4, as Linux numbers a two-way SMT machine.
+uint64_t SiblingsFourApart(int cpu) {
+  return static_cast<uint64_t>(cpu % 4);
+}
+
+TEST(CpusLeftAfterReserving, ReservesEveryHyperthreadOfTheLastCores) {
+  const std::vector<int> all = {0, 1, 2, 3, 4, 5, 6, 7};
+  EXPECT_EQ(CpusLeftAfterReserving(all, 0, SiblingsFourApart), all);
+  EXPECT_EQ(CpusLeftAfterReserving(all, 1, SiblingsFourApart), (std::vector<int>{0, 1, 2, 4, 5, 6}));
+  EXPECT_EQ(CpusLeftAfterReserving(all, 3, SiblingsFourApart), (std::vector<int>{0, 4}));
+  // A cpuset of some CPUs: the cores counted are those it reaches.
+  EXPECT_EQ(CpusLeftAfterReserving({1, 2, 5}, 1, SiblingsFourApart), (std::vector<int>{1, 5}));
+  // Without hyperthreads, each CPU is its own core.
+  EXPECT_EQ(CpusLeftAfterReserving({0, 1, 2}, 2, [](int cpu) { return static_cast<uint64_t>(cpu); }),
+            std::vector<int>{0});
+}
+
+TEST(CpusLeftAfterReserving, RefusesToReserveEveryCore) {
+  try {
+    CpusLeftAfterReserving({0, 1, 2, 3, 4, 5, 6, 7}, 4, SiblingsFourApart);
+    FAIL() << "reserving all four cores was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Code::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("reserved_cores is 4 but this daemon may run on 4 physical cores"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(CpusLeftAfterReserving, HyperthreadsOfOneCoreShareItsId) {
+  for (const int cpu : AllowedCpus()) {
+    std::ifstream siblings("/sys/devices/system/cpu/cpu" + std::to_string(cpu) + "/topology/thread_siblings_list");
+    int first = -1;
+    if (!(siblings >> first)) GTEST_SKIP() << "no CPU topology in /sys";
+    EXPECT_EQ(CoreOfCpu(cpu), CoreOfCpu(first)) << "cpu " << cpu << " and its first sibling " << first;
+  }
 }
 
 TEST(WorkerPool, ZeroThreadsMeansOne) {
