@@ -156,7 +156,7 @@ std::optional<Config> ParseConfig(int argc, char** argv) {
   std::optional<uint64_t> ttl, max_host_bytes;
   std::optional<int64_t> parent_pid;
   app.add_option("--socket", socket, "Unix socket to listen on (default " + defaults.socket + ")");
-  app.add_option("--threads", threads, "optimizer worker threads (default: one per core)");
+  app.add_option("--threads", threads, "optimizer worker threads (default: one per CPU not reserved)");
   app.add_option("--worker-nice", worker_nice,
                  "nice value of the worker threads, 0-19 (default 10): they yield a shared core to the trainers");
   app.add_option("--reserved-cores", reserved_cores,

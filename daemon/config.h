@@ -11,7 +11,7 @@ namespace trainstream::daemon {
 
 struct Config {
   std::string socket = "/run/trainstream/trainstreamd.sock";
-  uint32_t threads = 0;  // 0: one per core
+  uint32_t threads = 0;  // 0: one per allowed CPU not reserved (below)
   // The worker threads' nice value, 0-19. A trainer's thread that shares a core with a busy worker then
   // takes it: the 124M GPT's forced-offload step on the H200 (16 workers on 16 cores) took 47.1 ms at 10
   // against 65.1 ms at 0, its backward 23.8 against 38.1 ms (benchmarks/results/train_gpt.md).

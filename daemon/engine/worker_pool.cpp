@@ -81,6 +81,7 @@ uint64_t CoreOfCpu(int cpu) {
 
 std::vector<int> CpusLeftAfterReserving(const std::vector<int>& allowed, uint32_t reserved_cores,
                                         const std::function<uint64_t(int)>& core_of) {
+  if (reserved_cores == 0) return allowed;
   std::vector<uint64_t> cores;  // in the order of their first allowed CPU
   for (const int cpu : allowed) {
     const uint64_t core = core_of(cpu);

@@ -223,6 +223,7 @@ uint64_t SiblingsFourApart(int cpu) {
 TEST(CpusLeftAfterReserving, ReservesEveryHyperthreadOfTheLastCores) {
   const std::vector<int> all = {0, 1, 2, 3, 4, 5, 6, 7};
   EXPECT_EQ(CpusLeftAfterReserving(all, 0, SiblingsFourApart), all);
+  EXPECT_EQ(CpusLeftAfterReserving({}, 0, SiblingsFourApart), std::vector<int>{});  // no mask read: unchanged
   EXPECT_EQ(CpusLeftAfterReserving(all, 1, SiblingsFourApart), (std::vector<int>{0, 1, 2, 4, 5, 6}));
   EXPECT_EQ(CpusLeftAfterReserving(all, 3, SiblingsFourApart), (std::vector<int>{0, 4}));
   // A cpuset of some CPUs: the cores counted are those it reaches.
