@@ -82,18 +82,19 @@ uint64_t CoreOfCpu(int cpu) {
 std::vector<int> CpusLeftAfterReserving(const std::vector<int>& allowed, uint32_t reserved_cores,
                                         const std::function<uint64_t(int)>& core_of) {
   if (reserved_cores == 0) return allowed;
-  std::vector<uint64_t> cores;  // in the order of their first allowed CPU
+  std::vector<uint64_t> core_of_cpu;  // per allowed CPU
+  std::vector<uint64_t> cores;        // in the order of their first allowed CPU
   for (const int cpu : allowed) {
-    const uint64_t core = core_of(cpu);
-    if (std::find(cores.begin(), cores.end(), core) == cores.end()) cores.push_back(core);
+    core_of_cpu.push_back(core_of(cpu));
+    if (std::find(cores.begin(), cores.end(), core_of_cpu.back()) == cores.end()) cores.push_back(core_of_cpu.back());
   }
   TS_CHECK(reserved_cores < cores.size(), Code::kInvalidArgument,
            "reserved_cores is {} but this daemon may run on {} physical cores ({} CPUs); expected fewer than {}",
            reserved_cores, cores.size(), allowed.size(), cores.size());
   const std::vector<uint64_t> reserved(cores.end() - reserved_cores, cores.end());
   std::vector<int> left;
-  for (const int cpu : allowed) {
-    if (std::find(reserved.begin(), reserved.end(), core_of(cpu)) == reserved.end()) left.push_back(cpu);
+  for (size_t i = 0; i < allowed.size(); ++i) {
+    if (std::find(reserved.begin(), reserved.end(), core_of_cpu[i]) == reserved.end()) left.push_back(allowed[i]);
   }
   return left;
 }
