@@ -246,7 +246,7 @@ class CudaIpcTransport:
         self.session = session
         self._bucket_bytes = [b["numel"] * _layout.torch_dtype(b["dtype"]).itemsize for b in regions.buckets]
         self.slot_bytes = _round_up(min(max(self._bucket_bytes, default=1), self._SLOT_CAP), 256)
-        slots = staging_slots()
+        slots = staging_slots(sum(self._bucket_bytes))
         # Where each bucket lies in the flat parameter buffer: the resident ones one after another;
         # paged buckets (weight paging) have no place there, the pager brings them into its own slots.
         self._param_offsets, params_bytes = [], 0
@@ -422,19 +422,24 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-# cuda-ipc's default. The 124M GPT's forced offload on an H100: five runs with 4 slots took 42.2-43.2 ms a
-# step (13 ms of it waiting for a free slot), one with 16 took 38.2 ms (3.4 ms waiting); on an H200 the
-# day before, 59.1 ms with 4 and 54.6 ms with 16 (benchmarks/results/train_gpt.md, 2026-12-05). At most
-# 16 x 32 MiB of GPU memory outside torch's allocator.
+# cuda-ipc's defaults, by the bytes of a step's gradients. The 124M GPT's forced offload (0.47 GiB of
+# gradients) on H100s: 4 slots 42.2-43.2 ms a step in five runs (13 ms of it waiting for a free slot), 16
+# slots 38.2 ms; in a later call 34.1-34.9 against 32.4-33.4 ms (benchmarks/results/train_gpt.md,
+# 2026-12-05 and 2026-12-06). The 1.86B (7 GiB of gradients) at its 24 GiB cap ran out of GPU memory with
+# 16 slots (384 MiB more outside torch's allocator) and fits with 4: a large model's GPU memory is the
+# scarcer resource.
 STAGING_SLOTS = 16
+STAGING_SLOTS_LARGE = 4
+LARGE_GRADIENTS_BYTES = 1 << 30
 MAX_STAGING_SLOTS = 64  # as many grad-ready events as the daemon opens (cuda_rank_transfer.cpp's kMaxEvents)
 
 
-def staging_slots() -> int:
-    """cuda-ipc's gradient staging slots: $TRAINSTREAM_STAGING_SLOTS, else STAGING_SLOTS."""
+def staging_slots(gradient_bytes: int = 0) -> int:
+    """cuda-ipc's gradient staging slots: $TRAINSTREAM_STAGING_SLOTS, else STAGING_SLOTS for a step's
+    gradients of up to LARGE_GRADIENTS_BYTES and STAGING_SLOTS_LARGE above."""
     value = os.environ.get("TRAINSTREAM_STAGING_SLOTS")
     if value is None:
-        return STAGING_SLOTS
+        return STAGING_SLOTS if gradient_bytes <= LARGE_GRADIENTS_BYTES else STAGING_SLOTS_LARGE
     slots = int(value) if value.strip().isdigit() else 0
     if not 1 <= slots <= MAX_STAGING_SLOTS:
         raise TrainstreamError(f"TRAINSTREAM_STAGING_SLOTS={value!r}: a whole number of GPU staging slots from 1 "

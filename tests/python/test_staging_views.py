@@ -10,8 +10,10 @@ import torch
 
 from trainstream._C import TrainstreamError
 from trainstream._transport import (
+    LARGE_GRADIENTS_BYTES,
     MAX_STAGING_SLOTS,
     STAGING_SLOTS,
+    STAGING_SLOTS_LARGE,
     copy_to_staging,
     staging_slots,
     staging_views,
@@ -74,11 +76,13 @@ def test_a_parameter_without_a_gradient_leaves_its_bytes_alone():
     assert torch.equal(slot[:second.start], grads[0].reshape(-1).view(torch.uint8))
 
 
-def test_the_staging_slots_are_the_default_unless_the_environment_names_them(monkeypatch):
+def test_the_staging_slots_are_the_default_for_the_gradients_unless_the_environment_names_them(monkeypatch):
     monkeypatch.delenv("TRAINSTREAM_STAGING_SLOTS", raising=False)
-    assert staging_slots() == STAGING_SLOTS
+    assert staging_slots(500 << 20) == STAGING_SLOTS
+    assert staging_slots(LARGE_GRADIENTS_BYTES) == STAGING_SLOTS
+    assert staging_slots(LARGE_GRADIENTS_BYTES + 1) == STAGING_SLOTS_LARGE < STAGING_SLOTS
     monkeypatch.setenv("TRAINSTREAM_STAGING_SLOTS", "7")
-    assert staging_slots() == 7
+    assert staging_slots(500 << 20) == staging_slots(8 << 30) == 7
     monkeypatch.setenv("TRAINSTREAM_STAGING_SLOTS", str(MAX_STAGING_SLOTS))
     assert staging_slots() == MAX_STAGING_SLOTS
 
