@@ -93,7 +93,9 @@ void StepEngine::SetTransfer(uint32_t rank, std::shared_ptr<RankTransfer> transf
   TS_CHECK(rank < ranks_.size() && ranks_[rank] != nullptr, Code::kFailedPrecondition, "rank {} is not attached", rank);
   TS_CHECK(ranks_[rank]->transfer == nullptr, Code::kAlreadyExists, "rank {} registered its GPU buffers already", rank);
   ranks_[rank]->transfer = std::move(transfer);
-  ranks_[rank]->transfer->WillCopy(CopiedHostRanges(*ranks_[rank]));
+  // A new job's first LOAD_STATE follows its seed: page-locking beside the seed's copy slowed that copy
+  // threefold on an H100 (0.39-0.47 s against 0.14 s for 7 GiB; benchmarks/results/train_gpt.md, 2026-12-06).
+  if (state_.header->initialized != 0) ranks_[rank]->transfer->WillCopy(CopiedHostRanges(*ranks_[rank]));
 }
 
 std::vector<HostRange> StepEngine::CopiedHostRanges(const RankChannel& channel) const {
@@ -1016,6 +1018,11 @@ void StepEngine::OnLoadState(RankChannel& channel, const shm::Message& message) 
              channel.rank, b, progress.step);
   }
   TS_CHECK(message.step < (uint64_t{1} << 62), Code::kInvalidArgument, "LOAD_STATE step {} out of range", message.step);
+  if (state_.header->initialized == 0) {  // the seed is written: SetTransfer left this to now
+    for (const auto& rank : ranks_) {
+      if (rank && rank->transfer) rank->transfer->WillCopy(CopiedHostRanges(*rank));
+    }
+  }
   loading_ = true;
   const uint64_t step = message.step;
   const uint32_t loader = channel.rank;

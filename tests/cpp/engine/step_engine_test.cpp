@@ -474,10 +474,13 @@ class CudaIpcStagesTest : public StepEngineTest {
   void SetUp() override {
     job_ = std::make_unique<Job>("job", static_cast<uint32_t>(getuid()), Spec(), /*seed=*/7, Pool());
     client_ = std::make_unique<RankClient>(*job_, 0);
+    gpu_ = MakeGpu();
+    job_->SetTransfer(0, gpu_, "fake-gpu");
+  }
+  [[nodiscard]] std::shared_ptr<FakeGpu> MakeGpu() const {
     size_t largest = 0;
     for (const shm::BucketLayout& bucket : layout().buckets) largest = std::max<size_t>(largest, bucket.bytes());
-    gpu_ = std::make_shared<FakeGpu>(layout().grad_bytes, kSlots, SlotBytes(largest), ParamOffsets());
-    job_->SetTransfer(0, gpu_, "fake-gpu");
+    return std::make_shared<FakeGpu>(layout().grad_bytes, kSlots, SlotBytes(largest), ParamOffsets());
   }
   [[nodiscard]] virtual shm::LayoutSpec Spec() const { return TwoParamSpec(1); }
   virtual WorkerPool& Pool() { return pool_; }
@@ -650,6 +653,22 @@ TEST_F(CudaIpcStagesTest, TheTransferIsToldWhatItsCopiesWillTouch) {
   const std::vector<HostRange> masters = MastersInCopyOrder({0, 1});
   RunFirstStep();
   ExpectWillCopy({0, 1}, masters);
+}
+
+TEST_F(CudaIpcStagesTest, ANewJobsTransferIsToldOnlyOnceItsSeedIsIn) {
+  EXPECT_TRUE(gpu_->will_copy.empty());  // registered before the seed: nothing locked beside its copy
+  client_->LoadInitialState();
+  WantWeights(0);
+  client_->ExpectParamsReady(0);
+  EXPECT_FALSE(gpu_->will_copy.empty());
+}
+
+TEST_F(CudaIpcStagesTest, ARestartedRanksTransferIsToldAtOnce) {
+  RunFirstStep();
+  client_->Reattach();  // a restarted trainer: the job's state is in, no seed comes
+  const std::shared_ptr<FakeGpu> restarted = MakeGpu();
+  job_->SetTransfer(0, restarted, "fake-gpu");
+  EXPECT_EQ(restarted->will_copy.size(), gpu_->will_copy.size());
 }
 
 class CudaIpcSpeculationTest : public CudaIpcStagesTest, public ::testing::WithParamInterface<double> {
