@@ -3,7 +3,7 @@
 // threads, registering the 1.86B GPT's gradients and master weights (populated memory registers at
 // 16-25 GiB/s on the GPU machine) held its first step at 1.57 s; here, behind the seeding of the
 // weights and the first forward (21 GiB in 1.1 s), that step took 0.77-0.80 s
-// (benchmarks/results/train_gpt.md, 2026-12-03). A new job's starts after its seed (StepEngine): beside
+// (benchmarks/results/train_gpt.md, 2026-12-03). In a new job it starts after the seed (StepEngine): beside
 // it, the seed's copy ran threefold slower and wrap() to the end of the first step took 3.05-3.06 s,
 // after it 2.68-2.92 s (2026-12-06).
 // Invariants: every range goes through PinnedHost::Ensure, so a page is registered once, by whichever
