@@ -267,7 +267,12 @@ class Rank:
 
     def _before_module(self, buckets: tuple[int, ...], guard: StaleReadGuard) -> None:
         """A module's forward pre-hook: its buckets' weights in place, outside the guard's mode, which
-        the forward leaves for good once nothing is stale."""
+        the forward leaves for good once nothing is stale. Outside that mode, where none of them is stale
+        (every module of a forward whose start took every weight in), only the daemon's health is
+        checked."""
+        if not guard.entered and self.stale.isdisjoint(buckets):
+            self.session.check_healthy()
+            return
         paused = guard.pause()
         try:
             self.refresh(buckets, on_gpu=True)

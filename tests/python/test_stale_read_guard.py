@@ -1,7 +1,8 @@
 """The StaleReadGuard's TorchFunctionMode is active only while some bucket is stale: a forward starting
 after the daemon published every bucket runs without it, one that took in the last stale bucket leaves
-it, a weight read ahead of its module after another module's refresh is still refreshed, and a mode the
-forward entered itself is never popped in its place. The updates stay AdamW's."""
+it, a module whose weights are in place refreshes nothing, a weight read ahead of its module after
+another module's refresh is still refreshed, and a mode the forward entered itself is never popped in
+its place. The updates stay AdamW's."""
 
 from __future__ import annotations
 
@@ -106,6 +107,31 @@ def test_a_forward_after_every_bucket_was_published_runs_without_the_mode(client
         assert (model(x) - reference(x)).abs().max() <= 1e-6
         assert [model[k].saw_guard[-1] for k in (0, 2, 5)] == [False, False, False]
         assert not rank.stale
+
+
+def test_a_module_whose_weights_are_in_place_neither_refreshes_nor_pauses_the_mode(client, monkeypatch):
+    model, optimizer, reference, ref_optimizer = wrapped(client, probed_mlp())
+    rank = _wrap._rank_of(model)
+    train_step(model, optimizer, 0)
+    train_step(reference, ref_optimizer, 0)
+    wait_until_published(rank)
+    refreshed, paused = [], []
+    refresh, pause = rank.refresh, _guards.StaleReadGuard.pause
+
+    def recorded_refresh(buckets, on_gpu=False):
+        refreshed.append(sorted(buckets))
+        refresh(buckets, on_gpu)
+
+    def recorded_pause(guard):
+        paused.append(guard)
+        return pause(guard)
+
+    monkeypatch.setattr(rank, "refresh", recorded_refresh)
+    monkeypatch.setattr(_guards.StaleReadGuard, "pause", recorded_pause)
+    x = torch.randn(4, WIDTH)
+    assert (model(x) - reference(x)).abs().max() <= 1e-6
+    assert refreshed == [sorted(set(rank.regions.bucket_of))]  # the forward's start took every bucket in
+    assert paused == []
 
 
 def test_the_forward_leaves_the_mode_once_nothing_is_stale(client):
