@@ -282,6 +282,12 @@ for what in "$@"; do
       # trainer's backward waited 1-8 ms a step for a free one with 4 on 2026-12-02, 6.9 ms on 2026-12-05)
       alternated TRAINSTREAM_STAGING_SLOTS "${SLOT_COUNTS:-4 8 16}" slots
       ;;
+    gpt-small-kernels)
+      stage gpt-small-kernels  # the 124M's forced offload with the daemon's AdamW kernel forced to each of KERNELS,
+      # alternated RUNS times: whether its AVX-512 code on 10 busy cores slows the trainer's thread (torch's calls
+      # ran 1.5-2x slower per call beside the daemon on 2026-12-05; keeping the trainer's core free did not help)
+      alternated TRAINSTREAM_KERNEL "${KERNELS:-avx512bf16 avx2}" kernel
+      ;;
     gpt-halves)
       stage gpt-halves  # forced offload of the 124M with one and two state halves (58.6 ms on 2026-12-02, 46.7 ms a day earlier)
       for halves in 1 2; do
