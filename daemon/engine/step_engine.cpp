@@ -95,7 +95,11 @@ void StepEngine::SetTransfer(uint32_t rank, std::shared_ptr<RankTransfer> transf
   ranks_[rank]->transfer = std::move(transfer);
   // A new job's first LOAD_STATE follows its seed: page-locking beside the seed's copy slowed that copy
   // threefold on an H100 (0.39-0.47 s against 0.14 s for 7 GiB; benchmarks/results/train_gpt.md, 2026-12-06).
-  if (state_.header->initialized != 0) ranks_[rank]->transfer->WillCopy(CopiedHostRanges(*ranks_[rank]));
+  // A rank registering while that load runs is past the seed too (loading_ changes only in messages and
+  // continuations, which run holding mutex_).
+  if (state_.header->initialized != 0 || loading_) {
+    ranks_[rank]->transfer->WillCopy(CopiedHostRanges(*ranks_[rank]));
+  }
 }
 
 std::vector<HostRange> StepEngine::CopiedHostRanges(const RankChannel& channel) const {
