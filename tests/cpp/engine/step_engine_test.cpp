@@ -383,7 +383,10 @@ class FakeGpu final : public RankTransfer {
     Run([=, this] { std::memcpy(params.data() + offset, host, bytes); }, std::move(done), false);
   }
   void Abandon() override { Set(queue_->abandoned, true); }
-  void WillCopy(std::vector<HostRange> ranges) override { will_copy = std::move(ranges); }
+  void WillCopy(std::vector<HostRange> ranges) override {
+    will_copy = std::move(ranges);
+    told = true;
+  }
   void ReleaseHost(const void*, size_t) override {}  // nothing is page-locked
   void ReachEvents(bool reached) { Set(queue_->events_reached, reached); }
   // The rank's view of parameter p: its place in the flat parameter buffer (its bucket must be there).
@@ -407,6 +410,7 @@ class FakeGpu final : public RankTransfer {
   std::vector<std::byte> params, staging;
   std::atomic<int> pushes{0};
   std::vector<HostRange> will_copy;  // what the engine said the copies will touch
+  std::atomic<bool> told{false};     // that it said it (readable while the engine runs)
 
  private:
   struct Work {
@@ -669,6 +673,30 @@ TEST_F(CudaIpcStagesTest, ARestartedRanksTransferIsToldAtOnce) {
   const std::shared_ptr<FakeGpu> restarted = MakeGpu();
   job_->SetTransfer(0, restarted, "fake-gpu");
   EXPECT_EQ(restarted->will_copy.size(), gpu_->will_copy.size());
+}
+
+class CudaIpcTwoRanksTest : public CudaIpcStagesTest {
+ protected:
+  [[nodiscard]] shm::LayoutSpec Spec() const override { return TwoParamSpec(2); }
+};
+
+TEST_F(CudaIpcTwoRanksTest, ARankRegisteringWhileTheSeedLoadsIsToldAtOnce) {
+  RankClient second(*job_, 1);
+  std::latch release(1);
+  const auto hold = [&](size_t) { release.wait(); };
+  for (size_t t = 0; t < pool_.threads(); ++t) pool_.Submit(1, hold, [] {});
+  client_->LoadInitialState();  // its upload waits behind the held workers: the load stays running
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!gpu_->told && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_TRUE(gpu_->told);  // the engine took the LOAD_STATE in
+  const std::shared_ptr<FakeGpu> late = MakeGpu();
+  job_->SetTransfer(1, late, "fake-gpu");
+  EXPECT_TRUE(late->told);
+  release.count_down();
+  WantWeights(0);
+  client_->ExpectParamsReady(0);
 }
 
 class CudaIpcSpeculationTest : public CudaIpcStagesTest, public ::testing::WithParamInterface<double> {
