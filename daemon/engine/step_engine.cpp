@@ -93,13 +93,7 @@ void StepEngine::SetTransfer(uint32_t rank, std::shared_ptr<RankTransfer> transf
   TS_CHECK(rank < ranks_.size() && ranks_[rank] != nullptr, Code::kFailedPrecondition, "rank {} is not attached", rank);
   TS_CHECK(ranks_[rank]->transfer == nullptr, Code::kAlreadyExists, "rank {} registered its GPU buffers already", rank);
   ranks_[rank]->transfer = std::move(transfer);
-  // A new job's first LOAD_STATE follows its seed: page-locking beside the seed's copy slowed that copy
-  // threefold on an H100 (0.39-0.47 s against 0.14 s for 7 GiB; benchmarks/results/train_gpt.md, 2026-12-06).
-  // A rank registering while that load runs is past the seed too (loading_ changes only in messages and
-  // continuations, which run holding mutex_).
-  if (state_.header->initialized != 0 || loading_) {
-    ranks_[rank]->transfer->WillCopy(CopiedHostRanges(*ranks_[rank]));
-  }
+  if (PastTheSeed()) ranks_[rank]->transfer->WillCopy(CopiedHostRanges(*ranks_[rank]));  // else at the seed's load
 }
 
 std::vector<HostRange> StepEngine::CopiedHostRanges(const RankChannel& channel) const {
@@ -1022,7 +1016,7 @@ void StepEngine::OnLoadState(RankChannel& channel, const shm::Message& message) 
              channel.rank, b, progress.step);
   }
   TS_CHECK(message.step < (uint64_t{1} << 62), Code::kInvalidArgument, "LOAD_STATE step {} out of range", message.step);
-  if (state_.header->initialized == 0) {  // the seed is written: SetTransfer left this to now
+  if (!PastTheSeed()) {  // the seed is written: SetTransfer left this to now
     for (const auto& rank : ranks_) {
       if (rank && rank->transfer) rank->transfer->WillCopy(CopiedHostRanges(*rank));
     }

@@ -183,6 +183,11 @@ class StepEngine {
   // its GPU, in backward order, its gradients and the weights the first update writes; then the other
   // state half's fp32 master weights (the second update's).
   [[nodiscard]] std::vector<HostRange> CopiedHostRanges(const RankChannel& channel) const;
+  // Whether a new job's seed is written (its first LOAD_STATE runs or ran): a transfer is told what its
+  // copies touch only then, since page-locking beside the seed's copy slowed that copy threefold on an H100
+  // (0.39-0.47 s against 0.14 s for 7 GiB; benchmarks/results/train_gpt.md, 2026-12-06). loading_ changes
+  // only in messages and continuations, which run holding mutex_.
+  [[nodiscard]] bool PastTheSeed() const { return state_.header->initialized != 0 || loading_; }
   void OnLoadState(RankChannel& channel, const shm::Message& message);
   void OnWeightsWanted(const std::shared_ptr<RankChannel>& channel, const shm::Message& message);
   // The weights of `bucket` after `step` are final: PARAMS_READY, after a push for cuda-ipc ranks.
