@@ -40,7 +40,7 @@ brief() {
   python3 -c "import json, statistics, sys; r = json.load(open(sys.argv[1]))['runs'][0]; \
     print(r['mode'], r.get('error') or f\"{r['step_ms']:.1f} ms\", {k: round(v, 1) for k, v in r.get('phases_ms', {}).items()}, \
     {k: round(v, 2) for k, v in r.get('busy_cores', {}).items()}, \
-    'weights wait', round(statistics.median(r.get('weights_wait_ms') or [0]), 1))" "$1"
+    'weights wait', round(statistics.median(r.get('weights_wait_ms') or [0]), 1), r.get('beside', ''))" "$1"
 }
 
 # The 124M's forced offload for STEPS (40) steps into JSON $1, quietly, then its brief line labelled $2;
@@ -170,6 +170,15 @@ for what in "$@"; do
         --json "$OUT/gpt_${config}_start_$policy.json" 2>&1 | tail -1 | sed "s|^|[$policy] |"
       kill $daemon; wait $daemon; grep -h "created\|page-locked ahead" "$OUT/daemon_start_$policy.log"
       ;;
+    gpt-start-floor)
+      stage gpt-start-floor  # the GPU-only first step of START_CONFIG (1.86b; forward + backward, no optimizer, not
+      # capped): the model's own warm-up (kernels loaded, the allocator grown), under gpt-start's first step
+      config=${START_CONFIG:-1.86b} && json="$OUT/gpt_${config}_gpu-only_first-step.json"
+      timeout 180 python3 benchmarks/train_gpt/train_gpt.py --config "$config" --vram-cap-gib 24 --uncapped-reference \
+        --steps 2 --warmup 1 --modes gpu-only --json "$json" >/dev/null 2>&1
+      python3 -c "import json, sys; r = json.load(open(sys.argv[1]))['runs'][0]; print(r.get('error') or \
+        (round(r['first_step_seconds'], 2), {k: round(v) for k, v in r['first_step_phases_ms'].items()}))" "$json"
+      ;;
     gpt-peers)
       stage gpt-peers  # the 1.86B, bf16 weights and moments, clipped at 1.0, 24 GiB cap: trainstream beside DeepSpeed ZeRO-2/3
       install_wheels
@@ -287,6 +296,16 @@ for what in "$@"; do
       # alternated RUNS times: whether its AVX-512 code on 10 busy cores slows the trainer's thread (torch's calls
       # ran 1.5-2x slower per call beside the daemon on 2026-12-05; keeping the trainer's core free did not help)
       alternated TRAINSTREAM_KERNEL "${KERNELS:-avx512bf16 avx2}" kernel
+      ;;
+    gpt-beside)
+      stage gpt-beside  # the 124M's GPU-only step (no optimizer, no daemon) alone and beside a neighbor process
+      # (benchmarks/train_gpt/neighbor.py) of each of NEIGHBORS: whether streaming host memory, as the daemon's
+      # AdamW does, or only keeping cores busy slows the trainer's thread as much as the daemon does
+      for spec in ${NEIGHBORS:-none triad:4 triad:8 triad:12 compute:12}; do
+        json="$OUT/gpt_124m_gpu-only_beside-${spec/:/}.json" && flags="" && [[ $spec != none ]] && flags="--beside $spec"
+        timeout 120 python3 benchmarks/train_gpt/train_gpt.py --config 124m --modes gpu-only --steps 40 $flags \
+          --json "$json" >/dev/null 2>&1; brief "$json" | sed "s|^|[beside $spec] |"
+      done
       ;;
     gpt-halves)
       stage gpt-halves  # forced offload of the 124M with one and two state halves (58.6 ms on 2026-12-02, 46.7 ms a day earlier)

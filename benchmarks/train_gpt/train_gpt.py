@@ -43,6 +43,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hook_times import HookTimes  # noqa: E402
+from neighbor import neighbor  # noqa: E402
 
 import trainstream  # noqa: E402
 from gpt import build  # noqa: E402
@@ -384,7 +385,10 @@ def run(args, mode: str) -> dict:
         memory = Memory(daemon_pid)  # the peaks of the training steps, not of building the model
         offloaded = mode in ("trainstream", "auto")
         waits = functools.partial(daemon_waits, model) if offloaded else None
-        times, waited, cores = timed_steps(args, step, memory, losses, waits, hooks)
+        with neighbor(args.beside) as beside:
+            times, waited, cores = timed_steps(args, step, memory, losses, waits, hooks)
+        if beside:
+            result["beside"] = beside
         result["step_times_ms"] = [1000 * t for t in times]
         result["phases_ms"] = PHASES.medians_ms(args.warmup)
         result["busy_cores"] = cores
@@ -394,9 +398,12 @@ def run(args, mode: str) -> dict:
             if hooks:  # and in trainstream's hooks
                 result["hooks_per_step"] = hooks.per_step(args.steps)
                 hooks.close()
-        if "wrap_seconds" in result:  # from wrap() to the end of the first step, and where that step's time went
+        # The first step and where its time went in every mode: the GPU-only one is the model's own warm-up
+        # (kernels loaded, allocator grown), the floor under trainstream's first step.
+        result["first_step_seconds"] = memory.first_step_s
+        result["first_step_phases_ms"] = {phase: 1000 * s for phase, s in PHASES.steps[0].items()}
+        if "wrap_seconds" in result:  # from wrap() to the end of the first step
             result["wrap_to_first_step_seconds"] = result["wrap_seconds"] + memory.first_step_s
-            result["first_step_phases_ms"] = {phase: 1000 * s for phase, s in PHASES.steps[0].items()}
             result["first_step_waits_ms"] = {"weights": 1000 * memory.first_step_waits_s[0],
                                              "slots": 1000 * memory.first_step_waits_s[1]}
         result["losses"] = losses
@@ -521,6 +528,9 @@ def main() -> None:
     parser.add_argument("--profile-stacks", action="store_true", help="with --profile: Python stacks too (slows it)")
     parser.add_argument("--hook-times", action="store_true",
                         help="time trainstream's hooks on the trainer's thread (hook_times.py): hooks_per_step")
+    parser.add_argument("--beside", help="triad:N, compute:N or copies:N: a process beside every mode's steps, of N "
+                        "threads streaming host memory or computing in cache, or copying N GB/s each way between "
+                        "the GPU and pinned host memory in a CUDA context of its own (neighbor.py)")
     parser.add_argument("--adamw-json", help="benchmarks/adamw result of this machine, for the triad bandwidth")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--single-mode", help=argparse.SUPPRESS)
