@@ -208,22 +208,6 @@ for what in "$@"; do
         --modes "${GPT_MODES:-gpu-only,trainstream,torchao,deepspeed-zero2,deepspeed-zero3}" \
         --adamw-json benchmarks/results/adamw_h200-16core.json --json "$OUT/gpt_124m_peers.json" 2>&1 | tail -8
       ;;
-    gpt-contended)
-      stage gpt-contended  # the 124M's GPU-only step alone, then beside ts_bench_adamw's fp32 AdamW looping on
-      # CONTEND_THREADS threads at nice 10, the host memory traffic a forced-offload step's daemon makes: what
-      # the trainer's own thread loses to the shared memory, apart from anything trainstream runs
-      for threads in 0 ${CONTEND_THREADS:-8 15}; do
-        hog=""
-        if ((threads)); then
-          (while :; do nice -n 10 build/benchmarks/adamw/ts_bench_adamw --params 1e8 --threads "$threads" --reps 20 \
-            --no-all-kernels --only "fp32 grad, fp32 moments, no upload" >/dev/null 2>&1; done) & hog=$!
-        fi
-        json="$OUT/gpt_124m_gpu-only_beside_adamw$threads.json"
-        timeout 90 python3 benchmarks/train_gpt/train_gpt.py --config 124m --modes gpu-only --steps 40 --json "$json" \
-          >/dev/null 2>&1; brief "$json" | sed "s|^|[AdamW on $threads threads] |"
-        [[ -n $hog ]] && { kill $hog; wait $hog 2>/dev/null; pkill -f ts_bench_adamw; }
-      done
-      ;;
     gpt-small-ab)
       stage gpt-small-ab  # the 124M's forced offload, alternated RUNS times, each run its own process and JSON:
       # "before" all of .device/before.tar (build-before, or python-before for a change of the Python alone),
@@ -299,9 +283,10 @@ for what in "$@"; do
       ;;
     gpt-beside)
       stage gpt-beside  # the 124M's GPU-only step (no optimizer, no daemon) alone and beside a neighbor process
-      # (benchmarks/train_gpt/neighbor.py) of each of NEIGHBORS: whether streaming host memory, as the daemon's
-      # AdamW does, or only keeping cores busy slows the trainer's thread as much as the daemon does
-      for spec in ${NEIGHBORS:-none triad:4 triad:8 triad:12 compute:12}; do
+      # (benchmarks/train_gpt/neighbor.py) of each of NEIGHBORS (triad:N, compute:N, adamw:N, copies:N): whether
+      # streaming host memory, busy cores or another context's copies slow the trainer's thread as the daemon
+      # does (it replaces gpt-contended, which looped ts_bench_adamw beside the step)
+      for spec in ${NEIGHBORS:-none adamw:16 triad:8 compute:12 copies:11}; do
         json="$OUT/gpt_124m_gpu-only_beside-${spec/:/}.json" && flags="" && [[ $spec != none ]] && flags="--beside $spec"
         timeout 120 python3 benchmarks/train_gpt/train_gpt.py --config 124m --modes gpu-only --steps 40 $flags \
           --json "$json" >/dev/null 2>&1; brief "$json" | sed "s|^|[beside $spec] |"

@@ -1,7 +1,8 @@
 """A process that keeps the host busy beside a training run, to see what the trainer's thread loses to
 it without trainstream's daemon: `triad` streams host memory as the daemon's AdamW does (a + s*c on
 three 1 GiB tensors, torch's threads), `compute` keeps the same threads on arithmetic that stays in
-cache (128 KiB a thread); both at the daemon's workers' default nice (10). `copies` is another CUDA
+cache (128 KiB a thread), `adamw` runs torch's fused CPU AdamW over 125M fp32 parameters (the 124M GPT's
+update, 28 B a parameter); all at the daemon's workers' default nice (10). `copies` is another CUDA
 context copying between the GPU and pinned host memory, N GB/s each way (32 MiB pieces on two
 streams), as the daemon's own context does. Why: beside the daemon, the 124M's forward and backward
 took twice as long on the trainer's clock, with the trainer on a core of its own
@@ -54,6 +55,13 @@ def run(kind: str, threads: int) -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     if kind == "copies":
         work, unit = copies(threads)
+    elif kind == "adamw":
+        n = 125_000_000
+        param = torch.zeros(n, requires_grad=True)
+        param.grad = torch.rand(n)
+        opt = torch.optim.AdamW([param], lr=1e-4, fused=True)
+        opt.step()  # the moments allocated and touched
+        work, unit = opt.step, 28 * n / 1e9  # GB moved per call: gradient, weights and moments read, the three written
     elif kind == "triad":
         n = GIB // 4
         a, b, c = torch.empty(n), torch.rand(n), torch.rand(n)
@@ -81,8 +89,8 @@ def neighbor(spec: str | None):
         yield report
         return
     kind, _, threads = spec.partition(":")
-    if kind not in ("triad", "compute", "copies") or not threads.isdigit() or int(threads) < 1:
-        raise SystemExit(f"--beside takes triad:N, compute:N or copies:N (N >= 1), not {spec!r}")
+    if kind not in ("triad", "compute", "adamw", "copies") or not threads.isdigit() or int(threads) < 1:
+        raise SystemExit(f"--beside takes triad:N, compute:N, adamw:N or copies:N (N >= 1), not {spec!r}")
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), kind, threads], stdout=subprocess.PIPE,
                             text=True)
     try:

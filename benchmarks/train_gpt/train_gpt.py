@@ -528,9 +528,10 @@ def main() -> None:
     parser.add_argument("--profile-stacks", action="store_true", help="with --profile: Python stacks too (slows it)")
     parser.add_argument("--hook-times", action="store_true",
                         help="time trainstream's hooks on the trainer's thread (hook_times.py): hooks_per_step")
-    parser.add_argument("--beside", help="triad:N, compute:N or copies:N: a process beside every mode's steps, of N "
-                        "threads streaming host memory or computing in cache, or copying N GB/s each way between "
-                        "the GPU and pinned host memory in a CUDA context of its own (neighbor.py)")
+    parser.add_argument("--beside", help="triad:N, compute:N, adamw:N or copies:N: a process beside every mode's "
+                        "steps, of N threads streaming host memory, computing in cache or running torch's fused CPU "
+                        "AdamW, or copying N GB/s each way between the GPU and pinned host memory in a CUDA context "
+                        "of its own (neighbor.py)")
     parser.add_argument("--adamw-json", help="benchmarks/adamw result of this machine, for the triad bandwidth")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--single-mode", help=argparse.SUPPRESS)

@@ -38,6 +38,6 @@ def test_no_spec_runs_nothing():
 
 @pytest.mark.parametrize("spec", ["bogus:2", "triad", "triad:0", "triad:x"])
 def test_a_spec_it_cannot_run_is_refused_with_what_is_allowed(spec):
-    with pytest.raises(SystemExit, match=r"triad:N, compute:N or copies:N .*" + spec):
+    with pytest.raises(SystemExit, match=r"triad:N, compute:N, adamw:N or copies:N .*" + spec):
         with neighbor(spec):
             pass
