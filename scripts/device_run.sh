@@ -40,7 +40,8 @@ brief() {
   python3 -c "import json, statistics, sys; r = json.load(open(sys.argv[1]))['runs'][0]; \
     print(r['mode'], r.get('error') or f\"{r['step_ms']:.1f} ms\", {k: round(v, 1) for k, v in r.get('phases_ms', {}).items()}, \
     {k: round(v, 2) for k, v in r.get('busy_cores', {}).items()}, \
-    'weights wait', round(statistics.median(r.get('weights_wait_ms') or [0]), 1), r.get('beside', ''))" "$1"
+    'weights wait', round(statistics.median(r.get('weights_wait_ms') or [0]), 1), r.get('beside', ''), \
+    {k: round(v, 1) for k, v in r.get('gpu_phases_ms', {}).items()})" "$1"
 }
 
 # The 124M's forced offload for STEPS (40) steps into JSON $1, quietly, then its brief line labelled $2;
@@ -290,6 +291,19 @@ for what in "$@"; do
         json="$OUT/gpt_124m_gpu-only_beside-${spec/:/}.json" && flags="" && [[ $spec != none ]] && flags="--beside $spec"
         timeout 120 python3 benchmarks/train_gpt/train_gpt.py --config 124m --modes gpu-only --steps 40 $flags \
           --json "$json" >/dev/null 2>&1; brief "$json" | sed "s|^|[beside $spec] |"
+      done
+      ;;
+    gpt-gpu-phases)
+      stage gpt-gpu-phases  # the 124M's GPU-only step and forced offload with each phase on the GPU's clock too
+      # (train_gpt --gpu-phases), alternated RUNS (2) times: how long the forward's kernels wait on the GPU for
+      # the tied embedding's update (the trainer's thread idled 8-9 ms a step where no timer looked, 2026-12-06)
+      for run in $(seq "${RUNS:-2}"); do
+        for mode in gpu-only trainstream; do
+          json="$OUT/gpt_124m_gpu-phases_${mode}_run$run.json"
+          timeout 120 python3 benchmarks/train_gpt/train_gpt.py --config 124m --modes $mode --steps 40 --gpu-phases \
+            --adamw-json benchmarks/results/adamw_h200-16core.json --json "$json" >/dev/null 2>&1
+          brief "$json" | sed "s|^|[run $run] |"
+        done
       done
       ;;
     gpt-halves)

@@ -102,26 +102,55 @@ def cpu_seconds(pid: int | str = "self") -> float:
 class Phases:
     """Where a step's wall time goes, as the trainer's thread sees it: the forward up to the loss (with
     trainstream: waiting for weights), backward (sending gradients, waiting for slots), the optimizer's
-    step(), then waiting for the GPU and sampling memory. Medians per phase over the timed steps."""
+    step(), then waiting for the GPU and sampling memory. Medians per phase over the timed steps.
+
+    With `gpu` on (--gpu-phases), the same marks on the GPU's clock too: a timing event on the current
+    stream at each mark and after the token embedding's kernel (mark_gpu), so that a phase's GPU time
+    runs from the previous event's completion to its own. Why: with trainstream's GPU waits the forward's
+    kernels wait on the GPU for the tied embedding's update, which the trainer's clock does not see; its
+    thread was idle 8-9 ms of the 124M's step where no timer of ours looked (2026-12-06)."""
 
     def __init__(self):
         self.steps: list[dict[str, float]] = []
         self._last = 0.0
+        self.gpu = False
+        self.gpu_steps: list[list[tuple[str, torch.cuda.Event]]] = []
 
     def start(self) -> None:
         self.steps.append({})
         self._last = time.perf_counter()
+        if self.gpu:
+            self.gpu_steps.append([])
+            self.mark_gpu("start")
 
     def mark(self, phase: str) -> None:
         now = time.perf_counter()
         if self.steps:
             self.steps[-1][phase] = self.steps[-1].get(phase, 0.0) + now - self._last
         self._last = now
+        self.mark_gpu(phase)
+
+    def mark_gpu(self, phase: str) -> None:
+        if self.gpu and self.gpu_steps:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.gpu_steps[-1].append((phase, event))
 
     def medians_ms(self, skip: int) -> dict[str, float]:
         timed = self.steps[skip:]
         phases = timed[0] if timed else {}
         return {phase: 1000 * statistics.median(s.get(phase, 0.0) for s in timed) for phase in phases}
+
+    def gpu_medians_ms(self, skip: int) -> dict[str, float]:
+        """Each GPU phase's median over the timed steps, once their events have completed."""
+        timed = []
+        for events in self.gpu_steps[skip:]:
+            step: dict[str, float] = {}
+            for (_, before), (phase, after) in zip(events, events[1:]):
+                step[phase] = step.get(phase, 0.0) + before.elapsed_time(after)
+            timed.append(step)
+        phases = timed[0] if timed else {}
+        return {phase: statistics.median(s.get(phase, 0.0) for s in timed) for phase in phases}
 
 
 PHASES = Phases()
@@ -385,10 +414,15 @@ def run(args, mode: str) -> dict:
         memory = Memory(daemon_pid)  # the peaks of the training steps, not of building the model
         offloaded = mode in ("trainstream", "auto")
         waits = functools.partial(daemon_waits, model) if offloaded else None
+        if args.gpu_phases and not mode.startswith("deepspeed"):  # the token embedding: the forward's first kernel
+            model.wte.register_forward_hook(lambda *_: PHASES.mark_gpu("token embedding"))
+        PHASES.gpu = args.gpu_phases
         with neighbor(args.beside) as beside:
             times, waited, cores = timed_steps(args, step, memory, losses, waits, hooks)
         if beside:
             result["beside"] = beside
+        if args.gpu_phases:
+            result["gpu_phases_ms"] = PHASES.gpu_medians_ms(args.warmup)
         result["step_times_ms"] = [1000 * t for t in times]
         result["phases_ms"] = PHASES.medians_ms(args.warmup)
         result["busy_cores"] = cores
@@ -528,6 +562,8 @@ def main() -> None:
     parser.add_argument("--profile-stacks", action="store_true", help="with --profile: Python stacks too (slows it)")
     parser.add_argument("--hook-times", action="store_true",
                         help="time trainstream's hooks on the trainer's thread (hook_times.py): hooks_per_step")
+    parser.add_argument("--gpu-phases", action="store_true",
+                        help="each step's phases on the GPU's clock too, the token embedding apart (gpu_phases_ms)")
     parser.add_argument("--beside", help="triad:N, compute:N, adamw:N or copies:N: a process beside every mode's "
                         "steps, of N threads streaming host memory, computing in cache or running torch's fused CPU "
                         "AdamW, or copying N GB/s each way between the GPU and pinned host memory in a CUDA context "
