@@ -35,12 +35,15 @@ triad_gbs() {
   python3 -c "import json; print(json.load(open('benchmarks/results/adamw_h200-16core.json'))['triad']['gb_per_s'])"
 }
 
-# One line of a train_gpt JSON's first run: its step, phases, busy cores and median wait for weights.
+# One line of a train_gpt JSON's first run: its step, phases, busy cores, median waits on the daemon, the
+# neighbor beside it (gpt-beside) and its GPU phases (--gpu-phases).
 brief() {
   python3 -c "import json, statistics, sys; r = json.load(open(sys.argv[1]))['runs'][0]; \
     print(r['mode'], r.get('error') or f\"{r['step_ms']:.1f} ms\", {k: round(v, 1) for k, v in r.get('phases_ms', {}).items()}, \
     {k: round(v, 2) for k, v in r.get('busy_cores', {}).items()}, \
-    'weights wait', round(statistics.median(r.get('weights_wait_ms') or [0]), 1), r.get('beside', ''), \
+    'weights wait', round(statistics.median(r.get('weights_wait_ms') or [0]), 1), \
+    'region wait', round(statistics.median(r.get('region_wait_ms') or [0]), 2), \
+    'wanted wait', round(statistics.median(r.get('wanted_wait_ms') or [0]), 2), r.get('beside', ''), \
     {k: round(v, 1) for k, v in r.get('gpu_phases_ms', {}).items()})" "$1"
 }
 

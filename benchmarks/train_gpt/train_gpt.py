@@ -168,7 +168,7 @@ class Memory:
         self.daemon_peak = 0
         self.daemon_pid = daemon_pid
         self.first_step_s = 0.0
-        self.first_step_waits_s = (0.0, 0.0)
+        self.first_step_waits_s: dict[str, float] = {}
 
     def sample(self):
         free, total = torch.cuda.mem_get_info()
@@ -196,21 +196,29 @@ def batches(args, device):
         yield tokens[:, :-1], tokens[:, 1:]
 
 
-def daemon_waits(model) -> tuple[float, float]:
-    """Seconds a trainstream model has waited for the daemon so far: for new weights (forward, the
-    host update behind) and for free staging slots (backward, the gradient copies behind); zeros
-    once offload="auto" switched to stock AdamW."""
+# The blocking waits on the daemon a trainstream model counts: name -> (the attribute, on the rank or its
+# transport, the key of train_gpt's JSON).
+WAITS = {"weights": ("weights_wait_s", "weights_wait_ms"),  # forward: the host update behind
+         "slots": ("slot_wait_s", "slot_wait_ms"),  # backward: a free staging slot, the gradient copies behind
+         "gradient regions": ("region_wait_s", "region_wait_ms"),  # backward: a bucket's previous gradients consumed
+         "weights wanted": ("wanted_wait_s", "wanted_wait_ms")}  # step(): the daemon passed an event's last use
+
+
+def daemon_waits(model) -> dict[str, float]:
+    """Seconds a trainstream model has waited for the daemon so far, per kind of WAITS; zeros once
+    offload="auto" switched to stock AdamW."""
     try:
         rank = trainstream._wrap._rank_of(model)
     except trainstream.TrainstreamError:
-        return 0.0, 0.0
-    return rank.weights_wait_s, getattr(rank.transport, "slot_wait_s", 0.0)
+        return dict.fromkeys(WAITS, 0.0)
+    return {name: getattr(rank, attribute, getattr(rank.transport, attribute, 0.0))
+            for name, (attribute, _) in WAITS.items()}
 
 
 def timed_steps(args, step_fn, memory: Memory, losses: list | None = None, waits=None,
                 hooks: HookTimes | None = None) -> tuple[list, list, dict]:
     """The step times after the warm-up (memory.first_step_s is the first step's), with `waits`
-    (daemon_waits of the model) each step's seconds waiting for weights and for slots (the timed steps',
+    (daemon_waits of the model) each step's seconds of each wait (the timed steps',
     memory.first_step_waits_s the first's), and how many cores the trainer and the daemon
     (memory.daemon_pid) kept busy over the timed steps; `hooks` counts from the first timed step."""
     data = batches(args, "cuda")
@@ -230,7 +238,7 @@ def timed_steps(args, step_fn, memory: Memory, losses: list | None = None, waits
                 profiler.start()
             if hooks:
                 hooks.reset()
-        before = waits() if waits else (0.0, 0.0)
+        before = waits() if waits else {}
         start = time.perf_counter()
         PHASES.start()
         loss = step_fn(tokens, targets)
@@ -241,8 +249,8 @@ def timed_steps(args, step_fn, memory: Memory, losses: list | None = None, waits
         PHASES.mark("memory sample")
         if losses is not None and loss is not None:
             losses.append(float(loss))
-        after = waits() if waits else (0.0, 0.0)
-        step_waits = (after[0] - before[0], after[1] - before[1])
+        after = waits() if waits else {}
+        step_waits = {name: after[name] - before[name] for name in after}
         if i == 0:
             memory.first_step_s = time.perf_counter() - start
             memory.first_step_waits_s = step_waits
@@ -427,8 +435,8 @@ def run(args, mode: str) -> dict:
         result["phases_ms"] = PHASES.medians_ms(args.warmup)
         result["busy_cores"] = cores
         if offloaded:  # where a step's time beyond the GPU's went: the trainer waiting for the daemon
-            result["weights_wait_ms"] = [1000 * w for w, _ in waited]
-            result["slot_wait_ms"] = [1000 * s for _, s in waited]
+            for name, (_, key) in WAITS.items():
+                result[key] = [1000 * w[name] for w in waited]
             if hooks:  # and in trainstream's hooks
                 result["hooks_per_step"] = hooks.per_step(args.steps)
                 hooks.close()
@@ -438,8 +446,7 @@ def run(args, mode: str) -> dict:
         result["first_step_phases_ms"] = {phase: 1000 * s for phase, s in PHASES.steps[0].items()}
         if "wrap_seconds" in result:  # from wrap() to the end of the first step
             result["wrap_to_first_step_seconds"] = result["wrap_seconds"] + memory.first_step_s
-            result["first_step_waits_ms"] = {"weights": 1000 * memory.first_step_waits_s[0],
-                                             "slots": 1000 * memory.first_step_waits_s[1]}
+            result["first_step_waits_ms"] = {name: 1000 * s for name, s in memory.first_step_waits_s.items()}
         result["losses"] = losses
         result["step_ms"] = 1000 * statistics.median(times)
         result["tokens_per_s"] = args.batch * args.seq / statistics.median(times)

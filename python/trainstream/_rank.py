@@ -81,6 +81,7 @@ class Rank:
         dtypes = [paging.job_dtype(p) if paging else p.dtype for p in self.params]
         self.timings: dict[str, float] = {}  # seconds each phase of wrap() took (benchmarks report them)
         self.weights_wait_s = 0.0  # time the model waited for the daemon's new weights (benchmarks read it)
+        self.region_wait_s = 0.0  # time backward waited for a bucket's gradient region to be released (ditto)
         started = time.perf_counter()
         self.session = client._native.attach(
             job, rank, _layout.layout_entries(model, optimizer, self.params, dtypes,
@@ -381,7 +382,9 @@ class Rank:
     def _open(self, b: int) -> None:
         """Before the first gradient of bucket b in this micro-batch: its slot must be free."""
         self.transport.open_bucket(b)  # the slot's previous contents must have been sent...
+        started = time.perf_counter()
         self.session.wait_slot_free(b)  # ...and consumed
+        self.region_wait_s += time.perf_counter() - started
         for i in self.regions.bucket_params[b]:
             self.regions.presence[i] = 0
         self._opened.add(b)

@@ -274,6 +274,7 @@ class CudaIpcTransport:
         self._next_slot = 0
         self._wants = 0  # kWeightsWanted messages sent
         self.slot_wait_s = 0.0  # time backward spent waiting for a free staging slot (benchmarks read it)
+        self.wanted_wait_s = 0.0  # time step() waited for the daemon to pass a weights-wanted event (ditto)
         self._ready_words = None  # per bucket, what the GPU waits on for its weights (wait_weights_on_gpu)
         # Not with weight paging: that combination has not run on a GPU yet.
         if os.environ.get("TRAINSTREAM_GPU_WAITS", "1") != "0" and not regions.paged_buckets:
@@ -361,7 +362,9 @@ class CudaIpcTransport:
         `weights_on_gpu`: the parameters hold them already (this rank just loaded them from there)."""
         n = self._wants
         if n >= self._WANT_EVENTS:  # its event's previous use must have been waited for
+            started = time.perf_counter()
             self.session.wait_weights_wanted_waits(n - self._WANT_EVENTS + 1)
+            self.wanted_wait_s += time.perf_counter() - started
         event = n % self._WANT_EVENTS
         self._wanted[event].record(torch.cuda.current_stream(self.device))
         self.session.send_weights_wanted(step, event, weights_on_gpu)

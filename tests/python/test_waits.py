@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -102,3 +103,35 @@ def test_bad_wait_timeouts_are_refused(client, value):
     with pytest.raises(trainstream.TrainstreamError, match="wait_timeout must be a number of seconds"):
         trainstream.wrap(model, torch.optim.AdamW(model.parameters()), client=client, job="bad-timeout",
                          wait_timeout=value)
+
+
+def test_backward_counts_its_wait_for_a_buckets_earlier_gradients_to_be_consumed():
+    """rank.region_wait_s (train_gpt reports it per step): a micro-batch's backward opens each bucket only
+    once the daemon has consumed the previous micro-batch's gradients there; stopped, it cannot."""
+    d = Daemon()
+    try:
+        model = torch.nn.Linear(4, 4)
+        model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), client=d.client(),
+                                      job="region-wait", accumulation_steps=2, wait_timeout=60)
+        rank = trainstream._wrap._rank_of(model)
+        for _ in range(2):
+            model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        trainstream.synchronize(model)
+        d.process.send_signal(signal.SIGSTOP)
+        resume = threading.Timer(0.5, lambda: d.process.send_signal(signal.SIGCONT))
+        try:
+            assert wait_until(lambda: stopped(d.process.pid))
+            model(torch.randn(2, 4)).sum().backward()  # the step's first gradients: their region was consumed
+            first = rank.region_wait_s
+            resume.start()
+            model(torch.randn(2, 4)).sum().backward()  # the second's must wait for the daemon to take the first's
+            second = rank.region_wait_s - first
+        finally:
+            resume.cancel()
+            d.process.send_signal(signal.SIGCONT)
+        assert first < 0.4 <= second
+        opt.step()
+        trainstream.synchronize(model)
+    finally:
+        d.stop()
