@@ -299,7 +299,7 @@ for what in "$@"; do
     gpt-gpu-phases)
       stage gpt-gpu-phases  # the 124M's GPU-only step and forced offload with each phase on the GPU's clock too
       # (train_gpt --gpu-phases), alternated RUNS (2) times: how long the forward's kernels wait on the GPU for
-      # the tied embedding's update (the trainer's thread idled 8-9 ms a step where no timer looked, 2026-12-06)
+      # the tied embedding's update (the trainer's threads sat idle 8-12 ms a step where no timer looked, 2026-12-06)
       for run in $(seq "${RUNS:-2}"); do
         for mode in gpu-only trainstream; do
           json="$OUT/gpt_124m_gpu-phases_${mode}_run$run.json"

@@ -108,7 +108,7 @@ class Phases:
     stream at each mark and after the token embedding's kernel (mark_gpu), so that a phase's GPU time
     runs from the previous event's completion to its own. Why: with trainstream's GPU waits the forward's
     kernels wait on the GPU for the tied embedding's update, which the trainer's clock does not see; its
-    thread was idle 8-9 ms of the 124M's step where no timer of ours looked (2026-12-06)."""
+    threads sat idle 8-12 ms of the 124M's step where no timer of ours looked (2026-12-06)."""
 
     def __init__(self):
         self.steps: list[dict[str, float]] = []
