@@ -122,11 +122,12 @@ def test_backward_counts_its_wait_for_a_buckets_earlier_gradients_to_be_consumed
         resume = threading.Timer(1.0, lambda: d.process.send_signal(signal.SIGCONT))
         try:
             assert wait_until(lambda: stopped(d.process.pid))
+            before = rank.region_wait_s
             model(torch.randn(2, 4)).sum().backward()  # the step's first gradients: their region was consumed
-            first = rank.region_wait_s
+            first = rank.region_wait_s - before
             resume.start()
             model(torch.randn(2, 4)).sum().backward()  # the second's must wait for the daemon to take the first's
-            second = rank.region_wait_s - first
+            second = rank.region_wait_s - before - first
         finally:
             resume.cancel()
             d.process.send_signal(signal.SIGCONT)
