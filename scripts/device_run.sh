@@ -309,6 +309,15 @@ for what in "$@"; do
         done
       done
       ;;
+    tied-rows)
+      stage tied-rows  # the 124M's tied embedding gradient in its two parts (benchmarks/train_gpt/tied_rows.py): exact
+      # or not on this GPU, when the projection's part is in, what the lookup's costs; 8x512 tokens take torch's
+      # sorted embedding backward, 2x512 its other kernel (up to 3072 tokens)
+      for batch in 8 2; do
+        timeout 180 python3 benchmarks/train_gpt/tied_rows.py --device cuda --batch "$batch" \
+          --json "$OUT/tied_rows_124m_batch$batch.json" 2>&1 | tail -2
+      done
+      ;;
     gpt-halves)
       stage gpt-halves  # forced offload of the 124M with one and two state halves (58.6 ms on 2026-12-02, 46.7 ms a day earlier)
       for halves in 1 2; do
