@@ -49,6 +49,8 @@ PREFERRED = ["train_gpt_1.86b_cap24_vs_torchao.json"]
 # Files whose stock and torchao runs did not clip although the file's max_grad_norm says so (train_gpt
 # clips them since 2026-12-03): those runs are left out, not compared with clipped ones.
 PEERS_UNCLIPPED = ["train_gpt_1.86b_cap24_bf16_clip1.0_peers_torchao-unclipped.json"]
+# Files measured under a variant main did not keep: the plot shows what main does.
+NOT_MAIN = ["train_gpt_124m_peers_h100_own-triad_run7_per-module-waits.json"]
 
 
 @dataclass
@@ -86,6 +88,8 @@ def load_train_gpt(results: str) -> list[ResultFile]:
     files = []
     for path in sorted(glob.glob(os.path.join(results, "train_gpt_*.json"))):
         if "_start" in os.path.basename(path):  # start-time runs: two steps, the first one's warm-up in them
+            continue
+        if os.path.basename(path) in NOT_MAIN:
             continue
         with open(path) as f:
             data = json.load(f)

@@ -259,7 +259,8 @@ class Rank:
             # Nothing is lost by the first kernel waiting for every bucket: backward sends the first
             # module's gradients last (a tied embedding's too), so its bucket is the last to be updated.
             # The 124M GPT's forward ran 182 torch functions a step in the guard's mode before (one H100,
-            # 2026-12-05, benchmarks/results/train_gpt.md).
+            # 2026-12-05, benchmarks/results/train_gpt.md); queued module by module its step was no
+            # faster (41.6 against 40.7 ms, medians of 8 runs each on two H100s, 2026-12-06).
             self.refresh(sorted(self.stale), on_gpu=True)
             return
         published = [b for b in sorted(self.stale) if self.session.params_ready(b, self._ready_step[b])]
