@@ -36,12 +36,10 @@ from markov_text import MarkovText  # noqa: E402
 import gpt  # noqa: E402
 import trainstream  # noqa: E402
 
-TINY = gpt.GPTConfig(layers=2, heads=4, width=128, vocab=512, block=128)  # 0.46M parameters
-
 
 def build_model(args) -> torch.nn.Module:
     torch.manual_seed(0)
-    config = TINY if args.config == "tiny" else gpt.GPTConfig(*gpt.CONFIGS[args.config])
+    config = gpt.config_of(args.config)
     with torch.device(args.device):
         return gpt.GPT(config)
 
@@ -117,7 +115,7 @@ def main() -> None:
                              "time leaves those steps out)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
-    vocab = TINY.vocab if args.config == "tiny" else gpt.GPTConfig(*gpt.CONFIGS[args.config]).vocab
+    vocab = gpt.config_of(args.config).vocab
     text = MarkovText(vocab)
     data = [text.batch(step, args.batch, args.seq) for step in range(args.steps)]
     client = trainstream.connect()

@@ -37,6 +37,14 @@ class GPTConfig:
     block: int = 2048
 
 
+TINY = GPTConfig(layers=2, heads=4, width=128, vocab=512, block=128)  # 0.46M parameters: for the CPU
+
+
+def config_of(name: str) -> GPTConfig:
+    """A config by name: one of CONFIGS, or "tiny"."""
+    return TINY if name == "tiny" else GPTConfig(*CONFIGS[name])
+
+
 class Block(nn.Module):
     def __init__(self, c: GPTConfig):
         super().__init__()

@@ -4,7 +4,8 @@ A GPT's tied embedding gets two gradients in backward: the output projection's (
 vocabulary, complete early in backward) and the token lookup's (non-zero only on the rows of the
 batch's tokens, complete at backward's very end). The daemon updates the embedding once both are in,
 so its update and copies run between backward's end and the next forward's first kernel: 11.8 ms of
-a 38.5 ms step of the 124M on an H100 (2026-12-06, benchmarks/results/train_gpt.md). Split, every row
+a 38.5 ms step of the 124M on an H100, its forward's waits queued module by module (2026-12-06,
+benchmarks/results/train_gpt.md). Split, every row
 could be updated with the projection's part while backward runs, and only the batch's rows redone
 once the lookup's part is in. This measures, on one device, what that rests on:
 
@@ -35,8 +36,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from markov_text import MarkovText  # noqa: E402
 
 import gpt  # noqa: E402
-
-TINY = gpt.GPTConfig(layers=2, heads=4, width=128, vocab=512, block=128)
 
 
 def lookup_gradient(ids: torch.Tensor, out_grad: torch.Tensor, rows: int) -> torch.Tensor:
@@ -125,8 +124,8 @@ def check_exact(model: gpt.GPT, tokens: torch.Tensor, targets: torch.Tensor, aut
 
 
 def small_model(device: str) -> gpt.GPT:
-    """An embedding, a norm and the tied projection: no attention, whose backward may sum in any order
-    on a GPU, so that two backward passes over the same batch give the same gradients."""
+    """An embedding, a norm and the tied projection, no blocks: two backward passes over the same batch
+    give the same gradients here, where the GPT's once did not on an H100."""
     torch.manual_seed(0)
     with torch.device(device):
         model = gpt.GPT(gpt.GPTConfig(layers=0, heads=1, width=256, vocab=4096, block=512))
@@ -178,7 +177,7 @@ def main() -> None:
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     autocast = args.device == "cuda"
-    config = TINY if args.config == "tiny" else gpt.GPTConfig(*gpt.CONFIGS[args.config])
+    config = gpt.config_of(args.config)
     seq = min(args.seq, config.block)
     torch.manual_seed(0)
     with torch.device(args.device):

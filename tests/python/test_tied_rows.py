@@ -11,7 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "train_gpt"))
-from tied_rows import TINY, check_exact, compact, tokens_of  # noqa: E402
+from tied_rows import check_exact, compact, tokens_of  # noqa: E402
 
 import gpt  # noqa: E402
 
@@ -19,8 +19,8 @@ import gpt  # noqa: E402
 @pytest.mark.parametrize("kind", ["uniform", "markov"])
 def test_the_split_gradient_equals_torchs_tied_gradient_bit_for_bit(kind):
     torch.manual_seed(0)
-    model = gpt.GPT(TINY)
-    tokens = tokens_of(kind, TINY.vocab, 4, 64, "cpu")
+    model = gpt.GPT(gpt.TINY)
+    tokens = tokens_of(kind, gpt.TINY.vocab, 4, 64, "cpu")
     checks = check_exact(model, tokens[:, :-1], tokens[:, 1:], autocast=False)
     rows = checks.pop("rows")
     assert checks == dict.fromkeys(checks, True)
