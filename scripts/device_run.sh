@@ -36,7 +36,8 @@ triad_gbs() {
 }
 
 # One line of a train_gpt JSON's first run: its step, phases, busy cores, median waits on the daemon, the
-# neighbor beside it (gpt-beside) and its GPU phases (--gpu-phases).
+# neighbor beside it (gpt-beside), its GPU phases (--gpu-phases) and the daemon's busy cores and idle
+# milliseconds in each (--daemon-busy).
 brief() {
   python3 -c "import json, statistics, sys; r = json.load(open(sys.argv[1]))['runs'][0]; \
     print(r['mode'], r.get('error') or f\"{r['step_ms']:.1f} ms\", {k: round(v, 1) for k, v in r.get('phases_ms', {}).items()}, \
@@ -44,7 +45,9 @@ brief() {
     'weights wait', round(statistics.median(r.get('weights_wait_ms') or [0]), 1), \
     'region wait', round(statistics.median(r.get('region_wait_ms') or [0]), 2), \
     'wanted wait', round(statistics.median(r.get('wanted_wait_ms') or [0]), 2), r.get('beside', ''), \
-    {k: round(v, 1) for k, v in r.get('gpu_phases_ms', {}).items()})" "$1"
+    {k: round(v, 1) for k, v in r.get('gpu_phases_ms', {}).items()}, \
+    *[{k: round(v, 1) for k, v in r['daemon_busy'][part].items()} for part in \
+      (('cores_by_gpu_phase', 'idle_ms_by_gpu_phase') if 'daemon_busy' in r else ())])" "$1"
 }
 
 # The 124M's forced offload for STEPS (40) steps into JSON $1, quietly, then its brief line labelled $2;
@@ -307,6 +310,14 @@ for what in "$@"; do
             --adamw-json benchmarks/results/adamw_h200-16core.json --json "$json" >/dev/null 2>&1
           brief "$json" | sed "s|^|[run $run] |"
         done
+      done
+      ;;
+    gpt-daemon-busy)
+      stage gpt-daemon-busy  # the 124M's forced offload RUNS (2) times with the daemon's busy cores sampled every
+      # 0.5 ms against the step's GPU phases (train_gpt --daemon-busy): where in a step the daemon, its limit on
+      # H100s with slower host memory, has nothing to do
+      for run in $(seq "${RUNS:-2}"); do
+        small_offload "$OUT/gpt_124m_daemon-busy_run$run.json" "run $run" --daemon-busy
       done
       ;;
     tied-rows)

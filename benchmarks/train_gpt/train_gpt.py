@@ -42,6 +42,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from busy_sampler import busy_cores, idle_ns, sampling  # noqa: E402
 from hook_times import HookTimes  # noqa: E402
 from neighbor import neighbor  # noqa: E402
 
@@ -112,12 +113,14 @@ class Phases:
 
     def __init__(self):
         self.steps: list[dict[str, float]] = []
+        self.start_ns: list[int] = []  # each step's start on the monotonic clock
         self._last = 0.0
         self.gpu = False
         self.gpu_steps: list[list[tuple[str, torch.cuda.Event]]] = []
 
     def start(self) -> None:
         self.steps.append({})
+        self.start_ns.append(time.monotonic_ns())
         self._last = time.perf_counter()
         if self.gpu:
             self.gpu_steps.append([])
@@ -137,20 +140,62 @@ class Phases:
             self.gpu_steps[-1].append((phase, event))
 
     def medians_ms(self, skip: int) -> dict[str, float]:
-        timed = self.steps[skip:]
-        phases = timed[0] if timed else {}
-        return {phase: 1000 * statistics.median(s.get(phase, 0.0) for s in timed) for phase in phases}
+        return {phase: 1000 * seconds for phase, seconds in medians(self.steps[skip:]).items()}
+
+    def gpu_windows_ns(self, skip: int) -> list[list[tuple[str, int, int]]]:
+        """Each timed step's GPU phases as (phase, start, end) on the monotonic clock, once their events
+        have completed. A step's first event ran as it was recorded: the step before ended with a
+        synchronize, so the GPU was idle."""
+        steps = []
+        for start_ns, events in zip(self.start_ns[skip:], self.gpu_steps[skip:]):
+            windows, t = [], start_ns
+            for (_, before), (phase, after) in zip(events, events[1:]):
+                end = t + round(before.elapsed_time(after) * 1e6)
+                windows.append((phase, t, end))
+                t = end
+            steps.append(windows)
+        return steps
 
     def gpu_medians_ms(self, skip: int) -> dict[str, float]:
-        """Each GPU phase's median over the timed steps, once their events have completed."""
-        timed = []
-        for events in self.gpu_steps[skip:]:
+        """Each GPU phase's median over the timed steps (a phase marked twice in a step: its sum)."""
+        steps = []
+        for windows in self.gpu_windows_ns(skip):
             step: dict[str, float] = {}
-            for (_, before), (phase, after) in zip(events, events[1:]):
-                step[phase] = step.get(phase, 0.0) + before.elapsed_time(after)
-            timed.append(step)
-        phases = timed[0] if timed else {}
-        return {phase: statistics.median(s.get(phase, 0.0) for s in timed) for phase in phases}
+            for phase, start, end in windows:
+                step[phase] = step.get(phase, 0.0) + (end - start) / 1e6
+            steps.append(step)
+        return medians(steps)
+
+
+def medians(steps) -> dict[str, float]:
+    """Per key, the median over `steps` (dicts; a key missing from a step counts as 0), in the first's order."""
+    steps = list(steps)
+    keys = steps[0] if steps else {}
+    return {key: statistics.median(s.get(key, 0.0) for s in steps) for key in keys}
+
+
+def daemon_busy(samples: dict, steps: list[list[tuple[str, int, int]]]) -> dict:
+    """Where in a step the daemon works (busy_sampler's samples against the steps' GPU phases): per
+    phase the cores it kept busy and the milliseconds it kept fewer than one busy, medians over the
+    steps, the whole step's idle milliseconds, and the last three steps' phases and samples."""
+    cores, idle = [], []
+    for windows in steps:
+        busy: dict[str, float] = {}
+        lengths: dict[str, float] = {}
+        idle_ms: dict[str, float] = {"step": idle_ns(samples, windows[0][1], windows[-1][2]) / 1e6}
+        for phase, start, end in windows:
+            busy[phase] = busy.get(phase, 0.0) + busy_cores(samples, start, end) * (end - start)
+            lengths[phase] = lengths.get(phase, 0.0) + end - start
+            idle_ms[phase] = idle_ms.get(phase, 0.0) + idle_ns(samples, start, end) / 1e6
+        cores.append({phase: busy[phase] / max(1.0, lengths[phase]) for phase in busy})
+        idle.append(idle_ms)
+    traced = steps[-3:]  # the last steps' samples as they are, to see where in a phase the daemon waits
+    start, end = (traced[0][0][1], traced[-1][-1][2]) if traced else (0, 0)
+    kept = [i for i, t in enumerate(samples["t_ns"]) if start <= t <= end]
+    return {"cores_by_gpu_phase": medians(cores), "idle_ms_by_gpu_phase": medians(idle),
+            "idle_ms_per_step": [s["step"] for s in idle],
+            "last_steps": {"gpu_phases_ns": traced, "t_ns": [samples["t_ns"][i] for i in kept],
+                           "run_ns": [samples["run_ns"][i] for i in kept]}}
 
 
 PHASES = Phases()
@@ -425,12 +470,15 @@ def run(args, mode: str) -> dict:
         if args.gpu_phases and not mode.startswith("deepspeed"):  # the token embedding: the forward's first kernel
             model.wte.register_forward_hook(lambda *_: PHASES.mark_gpu("token embedding"))
         PHASES.gpu = args.gpu_phases
-        with neighbor(args.beside) as beside:
+        sampled = daemon_pid if args.daemon_busy and offloaded else None
+        with neighbor(args.beside) as beside, sampling(sampled) as samples:
             times, waited, cores = timed_steps(args, step, memory, losses, waits, hooks)
         if beside:
             result["beside"] = beside
         if args.gpu_phases:
             result["gpu_phases_ms"] = PHASES.gpu_medians_ms(args.warmup)
+        if samples:
+            result["daemon_busy"] = daemon_busy(samples, PHASES.gpu_windows_ns(args.warmup))
         result["step_times_ms"] = [1000 * t for t in times]
         result["phases_ms"] = PHASES.medians_ms(args.warmup)
         result["busy_cores"] = cores
@@ -571,6 +619,9 @@ def main() -> None:
                         help="time trainstream's hooks on the trainer's thread (hook_times.py): hooks_per_step")
     parser.add_argument("--gpu-phases", action="store_true",
                         help="each step's phases on the GPU's clock too, the token embedding apart (gpu_phases_ms)")
+    parser.add_argument("--daemon-busy", action="store_true",
+                        help="trainstream modes: the daemon's busy cores sampled every 0.5 ms (busy_sampler.py), "
+                        "per GPU phase (implies --gpu-phases): daemon_busy")
     parser.add_argument("--beside", help="triad:N, compute:N, adamw:N or copies:N: a process beside every mode's "
                         "steps, of N threads streaming host memory, computing in cache or running torch's fused CPU "
                         "AdamW, or copying N GB/s each way between the GPU and pinned host memory in a CUDA context "
@@ -579,6 +630,7 @@ def main() -> None:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--single-mode", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.gpu_phases = args.gpu_phases or args.daemon_busy
 
     if args.vram_cap_gib:
         total = torch.cuda.get_device_properties(0).total_memory
