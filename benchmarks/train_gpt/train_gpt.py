@@ -176,8 +176,8 @@ def medians(steps) -> dict[str, float]:
 
 def daemon_busy(samples: dict, steps: list[list[tuple[str, int, int]]]) -> dict:
     """Where in a step the daemon works (busy_sampler's samples against the steps' GPU phases): per
-    phase the cores it kept busy and the milliseconds it kept fewer than one busy, medians over the
-    steps, the whole step's idle milliseconds, and the last three steps' phases and samples."""
+    phase its workers running on average and the milliseconds none ran, medians over the steps, the
+    whole step's idle milliseconds, and the last three steps' phases and samples."""
     cores, idle = [], []
     for windows in steps:
         busy: dict[str, float] = {}
@@ -195,7 +195,7 @@ def daemon_busy(samples: dict, steps: list[list[tuple[str, int, int]]]) -> dict:
     return {"cores_by_gpu_phase": medians(cores), "idle_ms_by_gpu_phase": medians(idle),
             "idle_ms_per_step": [s["step"] for s in idle],
             "last_steps": {"gpu_phases_ns": traced, "t_ns": [samples["t_ns"][i] for i in kept],
-                           "run_ns": [samples["run_ns"][i] for i in kept]}}
+                           "busy": [samples["busy"][i] for i in kept]}}
 
 
 PHASES = Phases()
@@ -471,7 +471,8 @@ def run(args, mode: str) -> dict:
             model.wte.register_forward_hook(lambda *_: PHASES.mark_gpu("token embedding"))
         PHASES.gpu = args.gpu_phases
         sampled = daemon_pid if args.daemon_busy and offloaded else None
-        with neighbor(args.beside) as beside, sampling(sampled) as samples:
+        workers = args.daemon_threads or len(os.sched_getaffinity(0))  # the daemon's pool: 1 per CPU by default
+        with neighbor(args.beside) as beside, sampling(sampled, workers) as samples:
             times, waited, cores = timed_steps(args, step, memory, losses, waits, hooks)
         if beside:
             result["beside"] = beside
@@ -620,7 +621,7 @@ def main() -> None:
     parser.add_argument("--gpu-phases", action="store_true",
                         help="each step's phases on the GPU's clock too, the token embedding apart (gpu_phases_ms)")
     parser.add_argument("--daemon-busy", action="store_true",
-                        help="trainstream modes: the daemon's busy cores sampled every 0.5 ms (busy_sampler.py), "
+                        help="trainstream modes: the daemon's running workers sampled every 0.5 ms (busy_sampler.py), "
                         "per GPU phase (implies --gpu-phases): daemon_busy")
     parser.add_argument("--beside", help="triad:N, compute:N, adamw:N or copies:N: a process beside every mode's "
                         "steps, of N threads streaming host memory, computing in cache or running torch's fused CPU "
