@@ -36,7 +36,7 @@ triad_gbs() {
 }
 
 # One line of a train_gpt JSON's first run: its step, phases, busy cores, median waits on the daemon, the
-# neighbor beside it (gpt-beside), its GPU phases (--gpu-phases) and the daemon's busy cores and idle
+# neighbor beside it (gpt-beside), its GPU phases (--gpu-phases) and the daemon's running workers and idle
 # milliseconds in each (--daemon-busy).
 brief() {
   python3 -c "import json, statistics, sys; r = json.load(open(sys.argv[1]))['runs'][0]; \
@@ -313,7 +313,7 @@ for what in "$@"; do
       done
       ;;
     gpt-daemon-busy)
-      stage gpt-daemon-busy  # the 124M's forced offload RUNS (2) times with the daemon's busy cores sampled every
+      stage gpt-daemon-busy  # the 124M's forced offload RUNS (2) times with the daemon's running workers sampled every
       # 0.5 ms against the step's GPU phases (train_gpt --daemon-busy): where in a step the daemon, its limit on
       # H100s with slower host memory, has nothing to do
       for run in $(seq "${RUNS:-2}"); do
