@@ -14,7 +14,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "train_gpt"))
 from busy_sampler import busy_cores, idle_ns, sampling  # noqa: E402
 
-from train_gpt import daemon_busy  # noqa: E402
+from train_gpt import Phases, daemon_busy  # noqa: E402
 
 MS = 1_000_000
 
@@ -43,6 +43,29 @@ def test_daemon_busy_gives_each_phase_its_cores_and_idle_time_and_the_step_its_i
 # A sleeping main thread beside a spinning one: the worker is the thread that ran longest.
 SPINNING = "import threading, time\ndef spin():\n    while True:\n        pass\n" \
            "threading.Thread(target=spin, daemon=True).start()\ntime.sleep(60)"
+
+
+class FakeEvent:
+    """A completed timing event at `ms` on the GPU's clock."""
+
+    def __init__(self, ms: float):
+        self.ms = ms
+
+    def elapsed_time(self, other: FakeEvent) -> float:
+        return other.ms - self.ms
+
+
+def test_gpu_phases_become_windows_from_each_steps_start_and_a_repeated_phase_sums():
+    phases = Phases()
+    for step in range(3):
+        phases.start_ns.append(step * 100 * MS)
+        events = [("start", 0), ("forward", 5), ("backward", 20), ("backward", 21)]
+        phases.gpu_steps.append([(phase, FakeEvent(ms)) for phase, ms in events])
+    windows = phases.gpu_windows_ns(skip=1)
+    assert windows[0] == [("forward", 100 * MS, 105 * MS), ("backward", 105 * MS, 120 * MS),
+                          ("backward", 120 * MS, 121 * MS)]
+    assert len(windows) == 2 and windows[1][0] == ("forward", 200 * MS, 205 * MS)
+    assert phases.gpu_medians_ms(skip=1) == pytest.approx({"forward": 5.0, "backward": 16.0})
 
 
 @pytest.mark.parametrize("code,busy", [(SPINNING, True), ("import time; time.sleep(60)", False)])
