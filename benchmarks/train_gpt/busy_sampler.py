@@ -20,9 +20,11 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from side_process import side_process  # noqa: E402
 
 RESCAN_NS = 50_000_000  # threads that start later are picked up within this
 
@@ -88,17 +90,13 @@ def sampling(pid: int | None, workers: int, period_us: int = 500):
     if not pid:
         yield report
         return
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), str(pid), str(period_us)],
-                            stdout=subprocess.PIPE, text=True)
+    raw: dict = {}
     try:
-        if proc.stdout.readline().strip() != "ready":
-            raise SystemExit(f"the sampler of process {pid} did not start (exit status {proc.wait()})")
-        yield report
+        with side_process([sys.executable, os.path.abspath(__file__), str(pid), str(period_us)],
+                          f"the sampler of process {pid}") as raw:
+            yield report
     finally:
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-        if out.strip():
-            raw = json.loads(out.strip().splitlines()[-1])
+        if raw:
             by_run_time = sorted(raw["run_ns"], key=lambda tid: raw["run_ns"][tid], reverse=True)
             pool = {int(tid) for tid in by_run_time[:workers]}
             report.update(pid=pid, period_us=period_us, t_ns=raw["t_ns"],

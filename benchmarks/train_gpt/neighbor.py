@@ -19,11 +19,13 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from side_process import side_process  # noqa: E402
 
 GIB = 1 << 30
 
@@ -84,24 +86,15 @@ def run(kind: str, threads: int) -> None:
 def neighbor(spec: str | None):
     """Runs `kind:n` (e.g. "triad:12": n threads; "copies:11": n GB/s) beside the body; yields a dict
     that holds the neighbor's rate once the body is done (empty without a spec)."""
-    report: dict = {}
     if not spec:
-        yield report
+        yield {}
         return
     kind, _, threads = spec.partition(":")
     if kind not in ("triad", "compute", "adamw", "copies") or not threads.isdigit() or int(threads) < 1:
         raise SystemExit(f"--beside takes triad:N, compute:N, adamw:N or copies:N (N >= 1), not {spec!r}")
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), kind, threads], stdout=subprocess.PIPE,
-                            text=True)
-    try:
-        if proc.stdout.readline().strip() != "ready":  # its tensors are allocated and touched
-            raise SystemExit(f"the neighbor {spec} did not start (exit status {proc.wait()})")
+    # ready once its tensors are allocated and touched
+    with side_process([sys.executable, os.path.abspath(__file__), kind, threads], f"the neighbor {spec}") as report:
         yield report
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-        if out.strip():
-            report.update(json.loads(out.strip().splitlines()[-1]))
 
 
 if __name__ == "__main__":

@@ -249,6 +249,11 @@ WAITS = {"weights": ("weights_wait_s", "weights_wait_ms"),  # forward: the host 
          "weights wanted": ("wanted_wait_s", "wanted_wait_ms")}  # step(): the daemon passed an event's last use
 
 
+def daemon_workers(args) -> int:
+    """The daemon's worker threads: --daemon-threads, else one per CPU this process may run on."""
+    return args.daemon_threads or len(os.sched_getaffinity(0))
+
+
 def daemon_waits(model) -> dict[str, float]:
     """Seconds a trainstream model has waited for the daemon so far, per kind of WAITS; zeros once
     offload="auto" switched to stock AdamW."""
@@ -471,8 +476,7 @@ def run(args, mode: str) -> dict:
             model.wte.register_forward_hook(lambda *_: PHASES.mark_gpu("token embedding"))
         PHASES.gpu = args.gpu_phases
         sampled = daemon_pid if args.daemon_busy and offloaded else None
-        workers = args.daemon_threads or len(os.sched_getaffinity(0))  # the daemon's pool: 1 per CPU by default
-        with neighbor(args.beside) as beside, sampling(sampled, workers) as samples:
+        with neighbor(args.beside) as beside, sampling(sampled, daemon_workers(args)) as samples:
             times, waited, cores = timed_steps(args, step, memory, losses, waits, hooks)
         if beside:
             result["beside"] = beside
@@ -653,7 +657,7 @@ def main() -> None:
                "activation_paging": args.activation_paging, "paging_gib": args.paging_gib,
                "bf16_weights": args.bf16_weights, "moment_dtype": args.moment_dtype,
                "gpu": torch.cuda.get_device_name(0), "host": platform.node(), "threads": args.threads,
-               "daemon_threads": args.daemon_threads or len(os.sched_getaffinity(0)),
+               "daemon_threads": daemon_workers(args),
                "daemon_worker_nice": args.daemon_nice,
                "host_bandwidth_gbs": triad, "host_bandwidth_source": triad_source, "runs": []}
     for mode in args.modes.split(","):
