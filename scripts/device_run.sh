@@ -320,6 +320,39 @@ for what in "$@"; do
         small_offload "$OUT/gpt_124m_daemon-busy_run$run.json" "run $run" --daemon-busy
       done
       ;;
+    adamw-beside-copies)
+      stage adamw-beside-copies  # the daemon's AdamW for fp32 weights (out of place, no upload: the 124M's update)
+      # alone and beside another CUDA context copying N GB/s each way between the GPU and pinned host memory
+      # (neighbor.py copies), as the daemon's pulls and pushes do during a step: whether they share host memory
+      for gbs in 0 14 28 55 0; do
+        out=/tmp/copies_$gbs.out && rm -f "$out"
+        if ((gbs)); then
+          python3 benchmarks/train_gpt/neighbor.py copies $gbs >"$out" & copier=$!
+          until grep -q ready "$out" 2>/dev/null; do sleep 0.2; done
+        fi
+        {
+          echo "beside copies of $gbs GB/s each way:"
+          build/benchmarks/adamw/ts_bench_adamw --threads 16 --params 100e6 \
+            --only "fp32 grad, fp32 moments, no upload, other half" 2>&1 | grep -i "gb/s\|other half" | tail -2
+        } | tee -a "$OUT/adamw_beside_copies.log"
+        if ((gbs)); then kill -TERM $copier && wait $copier; tail -1 "$out" | tee -a "$OUT/adamw_beside_copies.log"; fi
+      done
+      ;;
+    gpt-split-probe)
+      stage gpt-split-probe  # the 124M's forced offload, RUNS (2) times each, with the daemon sampled (--daemon-busy):
+      # main; the probe whose token lookup reads the tied embedding detached (its gradient is the output
+      # projection's alone, in early in backward: the most the tied split could gain); and both again under the
+      # Python of .device/before.tar (python-before first: main's Python with each module's wait in its pre-hook);
+      # PROBE_VARIANTS chooses among the four
+      for run in $(seq "${RUNS:-2}"); do
+        for variant in ${PROBE_VARIANTS:-main probe per-module per-module-probe}; do
+          python=$PWD/python && [[ $variant == per-module* ]] && python=/tmp/before/python
+          probe=() && [[ $variant == *probe ]] && probe=(--probe-detached-lookup)
+          PYTHONPATH=$python:/tmp/site small_offload "$OUT/gpt_124m_split-probe_${variant}_run$run.json" \
+            "$variant $run" --daemon-busy "${probe[@]}"
+        done
+      done
+      ;;
     tied-rows)
       stage tied-rows  # the 124M's tied embedding gradient in its two parts (benchmarks/train_gpt/tied_rows.py): exact
       # or not on this GPU, when the projection's part is in, what the lookup's costs; 8x512 tokens take torch's

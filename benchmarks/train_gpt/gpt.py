@@ -6,6 +6,7 @@ non-reentrant); `chunked_loss` computes the output projection and the loss in ch
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -72,9 +73,13 @@ def _init(module: nn.Module, layers: int) -> nn.Module:
     return module
 
 
+def _lookup_without_gradient(embedding: nn.Embedding, tokens: torch.Tensor) -> torch.Tensor:
+    return F.embedding(tokens, embedding.weight.detach())
+
+
 class GPT(nn.Module):
     def __init__(self, c: GPTConfig, dtype: torch.dtype = torch.float32, checkpoint_blocks: bool = False,
-                 chunked_loss: bool = False):
+                 chunked_loss: bool = False, detached_lookup: bool = False):
         super().__init__()
         self.checkpoint_blocks = checkpoint_blocks
         self.chunked_loss = chunked_loss
@@ -86,6 +91,8 @@ class GPT(nn.Module):
         self.ln = nn.LayerNorm(c.width, bias=False)
         _init(self.wte, c.layers), _init(self.wpe, c.layers)
         self.to(dtype)
+        if detached_lookup:  # a probe, not training: the tied weight's gradient is the projection's alone
+            self.wte.forward = functools.partial(_lookup_without_gradient, self.wte)
 
     def forward(self, tokens, targets):
         x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))

@@ -100,6 +100,24 @@ def cpu_seconds(pid: int | str = "self") -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+FIRST_STAGED = "backward to its first staged gradients"
+
+
+def mark_first_staged(transport) -> None:
+    """--gpu-phases with cuda-ipc: a GPU mark once backward's first bucket is copied into a staging slot,
+    where the daemon may start pulling it. It splits backward's GPU time at the first gradients the
+    daemon can take: the daemon sat idle 4-6 ms into backward, the tied embedding's gradient complete
+    2.7 ms into it or not (2026-12-06)."""
+    stage = transport.bucket_done
+
+    def bucket_done(b: int, send) -> None:
+        stage(b, send)
+        if PHASES.gpu_steps and all(phase != FIRST_STAGED for phase, _ in PHASES.gpu_steps[-1]):
+            PHASES.mark_gpu(FIRST_STAGED)
+
+    transport.bucket_done = bucket_done
+
+
 class Phases:
     """Where a step's wall time goes, as the trainer's thread sees it: the forward up to the loss (with
     trainstream: waiting for weights), backward (sending gradients, waiting for slots), the optimizer's
@@ -365,7 +383,8 @@ def run(args, mode: str) -> dict:
     weight_dtype = torch.bfloat16 if args.bf16_weights else torch.float32
     autocast = not args.bf16_weights
     result = {"mode": mode}
-    model_options = {"checkpoint_blocks": args.checkpoint_blocks, "chunked_loss": args.chunked_loss}
+    model_options = {"checkpoint_blocks": args.checkpoint_blocks, "chunked_loss": args.chunked_loss,
+                     "detached_lookup": args.probe_detached_lookup}
     losses: list[float] = []
     daemon_pid = None
     hooks = None  # HookTimes of a trainstream model, with --hook-times
@@ -463,6 +482,8 @@ def run(args, mode: str) -> dict:
                 cap_torch(args, getattr(transport, "device_bytes", 0) + context_bytes)
             pager, job = rank.pager, rank.job
             hooks = HookTimes(rank) if args.hook_times else None
+            if args.gpu_phases and mode == "trainstream" and hasattr(transport, "bucket_done"):
+                mark_first_staged(transport)
             del rank, transport  # auto's switch frees the transport's GPU buffers: no reference may keep them
 
             def step(tokens, targets):
@@ -610,6 +631,11 @@ def main() -> None:
     parser.add_argument("--checkpoint-blocks", action="store_true", help="recompute each block in backward")
     parser.add_argument("--chunked-loss", action="store_true", help="output projection + loss in chunks of tokens")
     parser.add_argument("--max-grad-norm", type=float, default=None)
+    parser.add_argument("--probe-detached-lookup", action="store_true",
+                        help="a probe, not training: the token lookup reads the tied embedding detached, so that its "
+                             "gradient is the output projection's alone, complete early in backward: the most that "
+                             "splitting the tied embedding's update could gain (its rows' update after backward left "
+                             "out)")
     parser.add_argument("--uncapped-reference", action="store_true",
                         help="the gpu-only reference runs without --vram-cap-gib (a model that does not fit under it)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="the torch triad's threads")
@@ -653,7 +679,8 @@ def main() -> None:
     results = {"config": args.config, "batch": args.batch, "seq": args.seq, "vram_cap_gib": args.vram_cap_gib,
                "param_offload": args.param_offload, "page_dtype": args.page_dtype,
                "checkpoint_blocks": args.checkpoint_blocks,
-               "chunked_loss": args.chunked_loss, "max_grad_norm": args.max_grad_norm, "pinned_h2d_gbs": h2d,
+               "chunked_loss": args.chunked_loss, "max_grad_norm": args.max_grad_norm,
+               "probe_detached_lookup": args.probe_detached_lookup, "pinned_h2d_gbs": h2d,
                "activation_paging": args.activation_paging, "paging_gib": args.paging_gib,
                "bf16_weights": args.bf16_weights, "moment_dtype": args.moment_dtype,
                "gpu": torch.cuda.get_device_name(0), "host": platform.node(), "threads": args.threads,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "train_gpt"))
-from tied_rows import check_exact, compact, tokens_of  # noqa: E402
+from tied_rows import check_exact, compact, split_backward, tokens_of  # noqa: E402
 
 import gpt  # noqa: E402
 
@@ -34,3 +34,20 @@ def test_compact_rows_are_the_sorted_distinct_tokens_and_their_summed_gradients(
     assert int(count) == 3 and row_ids[:3].tolist() == [2, 5, 9]
     assert rows[:3].tolist() == [[2 + 8, 3 + 9], [0 + 4 + 10, 1 + 5 + 11], [6, 7]]
     assert not rows[3:].any() and not row_ids[3:].any()  # padding: one row a token
+
+
+def test_the_detached_lookup_probe_leaves_the_tied_weight_the_projections_gradient_alone():
+    """train_gpt --probe-detached-lookup: the step without the lookup's gradient, not training."""
+    torch.manual_seed(0)
+    model = gpt.GPT(gpt.TINY)
+    torch.manual_seed(0)
+    probe = gpt.GPT(gpt.TINY, detached_lookup=True)
+    tokens = tokens_of("markov", gpt.TINY.vocab, 4, 64, "cpu")
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    split_backward(model, inputs, targets, autocast=False)
+    projection = model.wte.weight.grad.clone()
+    probe(inputs, targets).backward()
+    assert torch.equal(probe.wte.weight.grad, projection)
+    model.zero_grad(set_to_none=True)
+    model(inputs, targets).backward()
+    assert not torch.equal(model.wte.weight.grad, projection)  # the lookup's part is what the probe drops
