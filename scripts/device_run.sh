@@ -338,6 +338,17 @@ for what in "$@"; do
         if ((gbs)); then kill -TERM $copier && wait $copier; tail -1 "$out" | tee -a "$OUT/adamw_beside_copies.log"; fi
       done
       ;;
+    gpt-small-buckets)
+      stage gpt-small-buckets  # the 124M's forced offload with buckets of each size in BUCKET_MBS (8 16 32 64 MiB),
+      # alternated RUNS (2) times, the daemon sampled: how the bucket size moves backward's lead-in (its first
+      # bucket staged and pulled whole) and the pushes' tail (the last bucket pushed whole)
+      for run in $(seq "${RUNS:-2}"); do
+        for mb in ${BUCKET_MBS:-8 16 32 64}; do
+          small_offload "$OUT/gpt_124m_bucket${mb}mb_run$run.json" "bucket $mb MiB, run $run" --bucket-mb "$mb" \
+            --daemon-busy
+        done
+      done
+      ;;
     gpt-split-probe)
       stage gpt-split-probe  # the 124M's forced offload, RUNS (2) times each, with the daemon sampled (--daemon-busy):
       # main; the probe whose token lookup reads the tied embedding detached (its gradient is the output
