@@ -101,6 +101,7 @@ def cpu_seconds(pid: int | str = "self") -> float:
 
 
 FIRST_STAGED = "backward to its first staged gradients"
+TO_THE_PROJECTION = "forward to the output projection"  # with --gpu-phases, "forward" is then the projection and loss
 
 
 def mark_first_staged(transport) -> None:
@@ -495,6 +496,9 @@ def run(args, mode: str) -> dict:
         waits = functools.partial(daemon_waits, model) if offloaded else None
         if args.gpu_phases and not mode.startswith("deepspeed"):  # the token embedding: the forward's first kernel
             model.wte.register_forward_hook(lambda *_: PHASES.mark_gpu("token embedding"))
+            # the final norm: what follows (the output projection and the loss) needs the tied weight's update
+            # whole, and backward then runs the projection's before its first gradient goes to the daemon
+            model.ln.register_forward_hook(lambda *_: PHASES.mark_gpu(TO_THE_PROJECTION))
         PHASES.gpu = args.gpu_phases
         sampled = daemon_pid if args.daemon_busy and offloaded else None
         with neighbor(args.beside) as beside, sampling(sampled, daemon_workers(args)) as samples:
@@ -649,7 +653,9 @@ def main() -> None:
     parser.add_argument("--hook-times", action="store_true",
                         help="time trainstream's hooks on the trainer's thread (hook_times.py): hooks_per_step")
     parser.add_argument("--gpu-phases", action="store_true",
-                        help="each step's phases on the GPU's clock too, the token embedding apart (gpu_phases_ms)")
+                        help="each step's phases on the GPU's clock too (gpu_phases_ms), the token embedding, the "
+                             "forward to the output projection and (cuda-ipc) backward to its first staged gradients "
+                             "apart")
     parser.add_argument("--daemon-busy", action="store_true",
                         help="trainstream modes: the daemon's running workers sampled every 0.5 ms (busy_sampler.py), "
                         "per GPU phase (implies --gpu-phases): daemon_busy")
