@@ -2,7 +2,9 @@
 
 `checkpoint_blocks` recomputes each block's activations in backward (torch.utils.checkpoint,
 non-reentrant); `chunked_loss` computes the output projection and the loss in chunks of tokens
-(trainstream.chunked_cross_entropy), so that the logits of a 50k vocabulary never exist whole."""
+(trainstream.chunked_cross_entropy), so that the logits of a 50k vocabulary never exist whole.
+`detached_lookup` is a probe, not training: the token lookup reads the tied weight detached, so that
+the weight's gradient is the output projection's alone (train_gpt --probe-detached-lookup)."""
 
 from __future__ import annotations
 

@@ -260,9 +260,9 @@ class Rank:
             # module's gradients last (a tied embedding's too), so its bucket is the last to be updated.
             # The 124M GPT's forward ran 182 torch functions a step in the guard's mode before (one H100,
             # 2026-12-05, benchmarks/results/train_gpt.md); queued module by module its step was no
-            # faster (41.6 against 40.7 ms, medians of 8 runs each on two H100s, 2026-12-06). Only with
-            # the tied embedding's gradient in early would they pay: 2-3 ms of its 31-38 ms step in a
-            # probe that drops the lookup's gradient (train_gpt --probe-detached-lookup, 2026-12-06).
+            # faster (41.6 against 40.7 ms, medians of 8 runs each on two H100s, 2026-12-06). Waits module
+            # by module pay only with the tied embedding's gradient in early: 2-3 ms of its 31-38 ms step
+            # in a probe that drops the lookup's gradient (train_gpt --probe-detached-lookup, 2026-12-06).
             self.refresh(sorted(self.stale), on_gpu=True)
             return
         published = [b for b in sorted(self.stale) if self.session.params_ready(b, self._ready_step[b])]
