@@ -75,7 +75,8 @@ def _init(module: nn.Module, layers: int) -> nn.Module:
     return module
 
 
-def _lookup_without_gradient(embedding: nn.Embedding, tokens: torch.Tensor) -> torch.Tensor:
+def lookup_without_gradient(embedding: nn.Embedding, tokens: torch.Tensor) -> torch.Tensor:
+    """The token lookup outside autograd's view of the embedding's weight: no gradient reaches it."""
     return F.embedding(tokens, embedding.weight.detach())
 
 
@@ -94,7 +95,7 @@ class GPT(nn.Module):
         _init(self.wte, c.layers), _init(self.wpe, c.layers)
         self.to(dtype)
         if detached_lookup:  # a probe, not training: the tied weight's gradient is the projection's alone
-            self.wte.forward = functools.partial(_lookup_without_gradient, self.wte)
+            self.wte.forward = functools.partial(lookup_without_gradient, self.wte)
 
     def forward(self, tokens, targets):
         x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))

@@ -30,7 +30,6 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from markov_text import MarkovText  # noqa: E402
@@ -69,7 +68,7 @@ def split_backward(model: gpt.GPT, tokens: torch.Tensor, targets: torch.Tensor, 
     looked_up = []
 
     def lookup(ids):
-        looked_up.append(F.embedding(ids, weight.detach()).requires_grad_())
+        looked_up.append(gpt.lookup_without_gradient(model.wte, ids).requires_grad_())
         return looked_up[-1]
 
     def mark(i: int) -> None:
