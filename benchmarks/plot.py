@@ -93,6 +93,8 @@ def load_train_gpt(results: str) -> list[ResultFile]:
             continue
         with open(path) as f:
             data = json.load(f)
+        if data.get("probe_detached_lookup"):  # train_gpt's probe: not training, never a result to draw
+            continue
         meta = {k: v for k, v in data.items() if k != "runs"}
         runs = {r["mode"]: r for r in data.get("runs", [])
                 if not (os.path.basename(path) in PEERS_UNCLIPPED and r["mode"] in ("stock", "torchao"))}
