@@ -77,6 +77,8 @@ void CheckOperationsSettings(const Config& config) {
            "snapshot_every needs snapshot_dir (--snapshot-dir)");
   TS_CHECK(config.snapshot_dir.empty() || config.snapshot_dir.front() == '/', Code::kInvalidArgument,
            "snapshot_dir '{}' must be an absolute path", config.snapshot_dir);
+  TS_CHECK(config.trace_dir.empty() || config.trace_dir.front() == '/', Code::kInvalidArgument,
+           "trace_dir '{}' must be an absolute path", config.trace_dir);
 }
 
 }  // namespace
@@ -115,7 +117,8 @@ void LoadConfigFile(const std::string& path, Config& config) {
                                                   "peer_connections",
                                                   "metrics_listen",
                                                   "snapshot_dir",
-                                                  "snapshot_every"};
+                                                  "snapshot_every",
+                                                  "trace_dir"};
   for (const auto& [key, value] : table) {
     TS_CHECK(std::find(kKnown.begin(), kKnown.end(), key.str()) != kKnown.end(), Code::kInvalidArgument,
              "unknown key '{}' in config file {}", key.str(), path);
@@ -142,6 +145,7 @@ void LoadConfigFile(const std::string& path, Config& config) {
   ReadKey(table, "metrics_listen", config.metrics_listen);
   ReadKey(table, "snapshot_dir", config.snapshot_dir);
   ReadKey(table, "snapshot_every", config.snapshot_every);
+  ReadKey(table, "trace_dir", config.trace_dir);
 }
 
 std::optional<Config> ParseConfig(int argc, char** argv) {
@@ -182,12 +186,14 @@ std::optional<Config> ParseConfig(int argc, char** argv) {
   app.add_option("--peer-timeout", peer_timeout, "seconds a peer may stay silent before its job fails (default 30)");
   app.add_option("--peer-connections", peer_connections,
                  "connections to the next node of a job's ring, 1 to 16 (default 4)");
-  std::optional<std::string> metrics_listen, snapshot_dir;
+  std::optional<std::string> metrics_listen, snapshot_dir, trace_dir;
   std::optional<uint64_t> snapshot_every;
   app.add_option("--metrics-listen", metrics_listen, "host:port of the Prometheus metrics endpoint (default: off)");
   app.add_option("--snapshot-dir", snapshot_dir,
                  "directory of periodic snapshots, and of requested ones without a path (default: none)");
   app.add_option("--snapshot-every", snapshot_every, "snapshot every job every N steps into --snapshot-dir (0: never)");
+  app.add_option("--trace-dir", trace_dir,
+                 "directory where each job's step timeline is written when it ends, for benchmarks (default: none)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::Success& e) {
@@ -220,6 +226,7 @@ std::optional<Config> ParseConfig(int argc, char** argv) {
   if (metrics_listen) config.metrics_listen = *metrics_listen;
   if (snapshot_dir) config.snapshot_dir = *snapshot_dir;
   if (snapshot_every) config.snapshot_every = *snapshot_every;
+  if (trace_dir) config.trace_dir = *trace_dir;
   CheckWorkerSettings(config);
   CheckPeerSettings(config);
   CheckSessionLimits(config);

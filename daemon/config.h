@@ -35,6 +35,7 @@ struct Config {
   std::string metrics_listen;                     // "host:port" of the Prometheus endpoint; empty: off
   std::string snapshot_dir;                       // periodic snapshots, and requested ones without a path; empty: none
   uint64_t snapshot_every = 0;                    // steps between periodic snapshots (needs snapshot_dir); 0: none
+  std::string trace_dir;                          // each job's step timeline, written when it ends; empty: none
   std::string config_file;
 };
 

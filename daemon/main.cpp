@@ -131,12 +131,14 @@ std::unique_ptr<MetricsServer> StartMetrics(const Config& config, JobRegistry& r
 }
 
 // Snapshots without a path, and periodic ones, go to --snapshot-dir: it must exist before they do.
-void PrepareSnapshotDir(const Config& config) {
-  if (config.snapshot_dir.empty()) return;
+// Creates `dir` (a snapshot or trace directory) at start, so that a bad path fails there and not when
+// a job first writes to it.
+void PrepareDir(const std::string& dir, const char* what) {
+  if (dir.empty()) return;
   std::error_code error;
-  std::filesystem::create_directories(config.snapshot_dir, error);
-  TS_CHECK(!error && std::filesystem::is_directory(config.snapshot_dir), Code::kFailedPrecondition,
-           "cannot create the snapshot directory {}: {}", config.snapshot_dir, error.message());
+  std::filesystem::create_directories(dir, error);
+  TS_CHECK(!error && std::filesystem::is_directory(dir), Code::kFailedPrecondition, "cannot create the {} {}: {}", what,
+           dir, error.message());
 }
 
 int Serve(const Config& config) {
@@ -156,7 +158,8 @@ int Serve(const Config& config) {
 
   RaiseOpenFileLimit();
   PrepareSocketPath(config.socket);
-  PrepareSnapshotDir(config);
+  PrepareDir(config.snapshot_dir, "snapshot directory");
+  PrepareDir(config.trace_dir, "trace directory");
   const std::vector<int> worker_cpus = CpusLeftAfterReserving(AllowedCpus(), config.reserved_cores);
   const uint32_t threads = config.threads != 0 ? config.threads : std::max<size_t>(1, worker_cpus.size());
   WorkerPool pool(threads, /*pin_threads=*/true, {}, static_cast<int>(config.worker_nice), worker_cpus);

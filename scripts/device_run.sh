@@ -364,6 +364,22 @@ for what in "$@"; do
         done
       done
       ;;
+    gpt-trace)
+      stage gpt-trace  # the 124M's forced offload RUNS (2) times with the daemon's step trace (train_gpt --daemon-trace
+      # --gpu-phases): each bucket's pulls, update blocks and pushes on the GPU phases' clock, to tell whether the
+      # update runs slower inside the step than alone or its threads wait between pieces; TRACE_VARIANTS adds the
+      # split probe (probe) and the waits module by module (per-module*, python-before first), as gpt-split-probe
+      for run in $(seq "${RUNS:-2}"); do
+        for variant in ${TRACE_VARIANTS:-main}; do
+          python=$PWD/python && [[ $variant == per-module* ]] && python=/tmp/before/python
+          probe=() && [[ $variant == *probe ]] && probe=(--probe-detached-lookup)
+          json="$OUT/gpt_124m_trace_${variant}_run$run.json"
+          PYTHONPATH=$python:/tmp/site small_offload "$json" "$variant $run" --daemon-trace --gpu-phases "${probe[@]}"
+          python3 -c "import json, sys; sys.path.insert(0, 'benchmarks/train_gpt'); import daemon_trace; \
+            print(daemon_trace.summary(json.load(open(sys.argv[1]))['runs'][0].get('daemon_trace', {})))" "$json"
+        done
+      done
+      ;;
     tied-rows)
       stage tied-rows  # the 124M's tied embedding gradient in its two parts (benchmarks/train_gpt/tied_rows.py): exact
       # or not on this GPU, when the projection's part is in, what the lookup's costs; 8x512 tokens take torch's

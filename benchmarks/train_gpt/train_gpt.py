@@ -34,14 +34,17 @@ import json
 import logging
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import daemon_trace  # noqa: E402
 from busy_sampler import busy_cores, idle_ns, sampling  # noqa: E402
 from hook_times import HookTimes  # noqa: E402
 from neighbor import neighbor  # noqa: E402
@@ -452,8 +455,11 @@ def run(args, mode: str) -> dict:
             # dev box), a cost of every torch program, not of wrap().
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
             start = time.perf_counter()
-            if (args.daemon_threads or args.daemon_nice is not None) and mode == "trainstream":
-                private = PrivateDaemon(threads=args.daemon_threads, worker_nice=args.daemon_nice)
+            private = None
+            if (args.daemon_threads or args.daemon_nice is not None or args.daemon_trace) and mode == "trainstream":
+                trace_dir = tempfile.mkdtemp(prefix="trainstream-trace-") if args.daemon_trace else None
+                private = PrivateDaemon(threads=args.daemon_threads, worker_nice=args.daemon_nice,
+                                        trace_dir=trace_dir)
                 client = trainstream.connect(f"unix:{private.socket_path}")
             else:
                 client = trainstream.connect()
@@ -560,6 +566,13 @@ def run(args, mode: str) -> dict:
                 result["page_loads_per_step"] = pager.loads / (args.warmup + args.steps)
             else:
                 trainstream.unwrap(model)
+            if args.daemon_trace and private is not None:  # its job writes the trace as the daemon stops
+                private.stop()
+                result["daemon_trace"] = daemon_trace.analyse(
+                    daemon_trace.load(trace_dir), PHASES.start_ns, [0] * args.warmup + [round(t * 1e9) for t in times],
+                    args.warmup, PHASES.gpu_windows_ns(args.warmup) if args.gpu_phases else None)
+                shutil.rmtree(trace_dir, ignore_errors=True)
+                print(daemon_trace.summary(result["daemon_trace"]), flush=True)
     except torch.OutOfMemoryError as e:
         result["oom"] = True
         result["error"] = str(e).splitlines()[0]
@@ -656,6 +669,10 @@ def main() -> None:
                         help="each step's phases on the GPU's clock too (gpu_phases_ms), the token embedding, the "
                              "forward to the output projection and (cuda-ipc) backward to its first staged gradients "
                              "apart")
+    parser.add_argument("--daemon-trace", action="store_true",
+                        help="mode trainstream: a private daemon that writes its step trace (trainstreamd "
+                        "--trace-dir): each bucket's pulls, update blocks and pushes against the steps "
+                        "(daemon_trace.py): daemon_trace")
     parser.add_argument("--daemon-busy", action="store_true",
                         help="trainstream modes: the daemon's running workers sampled every 0.5 ms (busy_sampler.py), "
                         "per GPU phase (implies --gpu-phases): daemon_busy")

@@ -43,7 +43,7 @@ void RefuseTornState(const std::string& name, const shm::StateView& state, const
 
 Job::Job(std::string name, uint32_t uid, const shm::LayoutSpec& spec, uint64_t seed, WorkerPool& pool,
          const PeerConfig& peer_config, const OrphanedJob* adopted, const SnapshotFile* restored,
-         SnapshotSchedule snapshots)
+         SnapshotSchedule snapshots, const std::string& trace_dir)
     : name_(std::move(name)),
       uid_(uid),
       spec_(spec),
@@ -79,9 +79,9 @@ Job::Job(std::string name, uint32_t uid, const shm::LayoutSpec& spec, uint64_t s
   snapshots_ = std::make_unique<JobSnapshots>(
       SnapshotMeta{.job = name_, .uid = uid_, .seed = seed, .step = 0, .hparams = {}, .spec = spec_}, ViewState(),
       layout_, std::move(snapshots));
-  engine_ =
-      std::make_unique<StepEngine>(name_, spec_, layout_, ViewState(), seed, pool, peers_.get(),
-                                   /*adopted=*/adopted != nullptr, [this](const Commit& commit) { OnCommit(commit); });
+  engine_ = std::make_unique<StepEngine>(
+      name_, spec_, layout_, ViewState(), seed, pool, peers_.get(),
+      /*adopted=*/adopted != nullptr, [this](const Commit& commit) { OnCommit(commit); }, TraceInDir(trace_dir, key_));
   snapshots_->Connect(SnapshotHooks{.attached_ranks = [this] { return attached_ranks(); },
                                     .announce = [this] { engine_->AnnounceCommitted(); }});
   spdlog::info(

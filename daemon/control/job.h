@@ -46,10 +46,11 @@ class Job {
  public:
   // Creates the job's state, or with `adopted`, takes over the state an earlier daemon left (its
   // layout must be `spec`'s; kFailedPrecondition if it holds torn buckets: one state half, killed
-  // during an update), or with `restored`, fills it from a snapshot (of `spec`'s layout).
+  // during an update), or with `restored`, fills it from a snapshot (of `spec`'s layout). With
+  // `trace_dir`, its engine's timeline goes there when the job ends (daemon/engine/step_trace.h).
   Job(std::string name, uint32_t uid, const shm::LayoutSpec& spec, uint64_t seed, WorkerPool& pool,
       const PeerConfig& peer_config = {}, const OrphanedJob* adopted = nullptr, const SnapshotFile* restored = nullptr,
-      SnapshotSchedule snapshots = {});
+      SnapshotSchedule snapshots = {}, const std::string& trace_dir = {});
   // Names this daemon's socket in the state, so that a daemon restarted on it can re-adopt the job.
   void StampSocket(uint64_t socket_hash);
   ~Job();  // stops the engine, then unlinks every segment of the job

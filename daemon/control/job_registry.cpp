@@ -134,12 +134,14 @@ JobRegistry::Found JobRegistry::FindOrCreate(const std::string& name, uint32_t u
              "job '{}' was left by a trainstreamd that died, with another layout: drop it (drop_job) to start a new "
              "job of that name, or attach with its layout to resume it",
              name);
-    auto job = std::make_shared<Job>(name, uid, spec, seed, pool_, peer_config_, &orphan->second, nullptr, Schedule());
+    auto job = std::make_shared<Job>(name, uid, spec, seed, pool_, peer_config_, &orphan->second, nullptr, Schedule(),
+                                     config_.trace_dir);
     orphans_.erase(orphan);
     jobs_.emplace(id, job);
     return {job, false};
   }
-  auto job = std::make_shared<Job>(name, uid, spec, seed, pool_, peer_config_, nullptr, nullptr, Schedule());
+  auto job = std::make_shared<Job>(name, uid, spec, seed, pool_, peer_config_, nullptr, nullptr, Schedule(),
+                                   config_.trace_dir);
   job->StampSocket(SocketWord());
   jobs_.emplace(id, job);
   return {job, true};
@@ -199,7 +201,7 @@ std::shared_ptr<Job> JobRegistry::Restore(const std::string& name, uint32_t owne
   }
   // Filled outside the lock (a large state takes a while); the name is checked again before it counts.
   auto job = std::make_shared<Job>(name, owner, spec, snapshot.meta().seed, pool_, peer_config_, nullptr, &snapshot,
-                                   Schedule());
+                                   Schedule(), config_.trace_dir);
   job->StampSocket(SocketWord());
   std::lock_guard lock(mutex_);
   check_free();

@@ -41,7 +41,7 @@ double Total(const std::vector<double>& partial) {
 
 StepEngine::StepEngine(std::string job_name, const shm::LayoutSpec& spec, const shm::JobLayout& layout,
                        shm::StateView state, uint64_t seed, WorkerPool& pool, AllReduce* peers, bool adopted,
-                       CommitObserver on_commit)
+                       CommitObserver on_commit, std::unique_ptr<StepTrace> trace)
     : job_name_(std::move(job_name)),
       spec_(spec),
       layout_(layout),
@@ -51,6 +51,7 @@ StepEngine::StepEngine(std::string job_name, const shm::LayoutSpec& spec, const 
       pool_(pool),
       peers_(peers),
       on_commit_(std::move(on_commit)),
+      trace_(std::move(trace)),
       ranks_(spec.world_size),
       buckets_(layout.buckets.size()),
       had_grad_(spec.params.size(), 0),
@@ -450,10 +451,12 @@ void StepEngine::PullThenDeliver(const std::shared_ptr<RankChannel>& channel, ui
   const uint32_t micro = buckets_[b].micro;
   const uint64_t offset = piece * channel->transfer->slot_bytes();
   ++inflight_;
+  const int64_t pulling = trace_ ? StepTrace::Now() : 0;
   channel->transfer->PullGradients(
       slot, shm::GradsOf(bucket, state_, channel->view) + offset,
       std::min(channel->transfer->slot_bytes(), bucket.bytes() - offset),
-      [this, channel, b, slot, step, micro](std::optional<Error> error) {
+      [this, channel, b, slot, step, micro, piece, pulling](std::optional<Error> error) {
+        if (trace_) trace_->Record({SpanKind::kPull, b, step, piece, pulling, StepTrace::Now()});
         Continue([this, channel, b, slot, step, micro, error = std::move(error)] {
           if (!Attached(channel)) return;
           if (error) {
@@ -816,7 +819,7 @@ void StepEngine::StartUpdate(uint32_t b, float clip_coefficient, Pass pass) {
   update->blocks = blocks;
   update->pieces = UpdatePieces(b, *blocks);
   update->piece_written.assign(update->pieces.size(), 0);
-  update->work = std::move(work);
+  update->work = Traced(b, plan->step, std::move(work));
   update->finish = [this, b, plan, speculative, partial, nonfinite, norm_nonfinite] {
     if (speculative) return OnSpeculated(b, Total(*partial), norm_nonfinite->load());
     OnUpdated(b, plan->step, plan->to, nonfinite->load());
@@ -826,6 +829,16 @@ void StepEngine::StartUpdate(uint32_t b, float clip_coefficient, Pass pass) {
     if (channel) channel->streamed[b] = 0;
   }
   ScheduleReadyPieces(b);
+}
+
+std::function<void(size_t, const Block&)> StepEngine::Traced(uint32_t b, uint64_t step,
+                                                             std::function<void(size_t, const Block&)> work) const {
+  if (!trace_) return work;
+  return [trace = trace_.get(), b, step, work = std::move(work)](size_t i, const Block& block) {
+    const int64_t began = StepTrace::Now();
+    work(i, block);
+    trace->Record({SpanKind::kUpdateBlock, b, step, StepTrace::ThreadId(), began, StepTrace::Now()});
+  };
 }
 
 void StepEngine::ScheduleReadyPieces(uint32_t b) {
@@ -943,6 +956,10 @@ void StepEngine::OnUpdated(uint32_t b, uint64_t step, uint32_t half, bool nonfin
 // the next step and its weights go out.
 void StepEngine::CommitBucket(uint32_t b, uint64_t step, uint32_t half) {
   state_.bucket_state[b].Store({.step = step, .half = half});
+  if (trace_) {
+    const int64_t now = StepTrace::Now();
+    trace_->Record({SpanKind::kCommit, b, step, half, now, now});
+  }
   BucketProgress& progress = buckets_[b];
   progress.updating = false;
   progress.upload_dirty = false;
@@ -1107,6 +1124,10 @@ void StepEngine::OnWeightsWanted(const std::shared_ptr<RankChannel>& channel, co
     });
   });
   channel->weights_wanted = static_cast<int64_t>(message.step);
+  if (trace_) {
+    const int64_t now = StepTrace::Now();
+    trace_->Record({SpanKind::kWeightsWanted, 0, message.step, channel->rank, now, now});
+  }
   if ((message.flags & shm::kWeightsOnGpu) != 0) {
     channel->claims_on_gpu = static_cast<int64_t>(message.step);
     // The load it follows may have completed already; if it is still running, its end checks the claim.
@@ -1193,9 +1214,13 @@ void StepEngine::Push(const std::shared_ptr<RankChannel>& channel, uint32_t b, i
   ++inflight_;
   const uint64_t generation = channel->push_generation;
   const bool last = end == layout_.buckets[b].bytes();
+  const int64_t pushing = trace_ ? StepTrace::Now() : 0;
   channel->transfer->PushWeights(
       offset + begin, source + begin, end - begin,
-      [this, channel, b, step, generation, written, last](std::optional<Error> error) {
+      [this, channel, b, step, generation, written, last, pushing, bytes = end - begin](std::optional<Error> error) {
+        if (trace_) {
+          trace_->Record({SpanKind::kPush, b, static_cast<uint64_t>(step), bytes, pushing, StepTrace::Now()});
+        }
         Continue([this, channel, b, step, generation, written, last, error = std::move(error)] {
           OnPushed(channel, b, static_cast<uint64_t>(step), generation, written, last, error);
         });

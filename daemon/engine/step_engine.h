@@ -55,6 +55,7 @@
 #include "daemon/engine/bucket_passes.h"
 #include "daemon/engine/clip_gate.h"
 #include "daemon/engine/rank_channel.h"
+#include "daemon/engine/step_trace.h"
 #include "daemon/engine/worker_pool.h"
 #include "shm/job_layout.h"
 
@@ -86,10 +87,10 @@ class StepEngine {
  public:
   // `peers` sums the gradients over the daemons of a multi-node job (nullptr for one node). `adopted`:
   // the state is a dead daemon's, which may have been killed while it wrote the upload region.
-  // `on_commit` hears of every commit of a bucket's state.
+  // `on_commit` hears of every commit of a bucket's state; `trace` (optional) records the step's timeline.
   StepEngine(std::string job_name, const shm::LayoutSpec& spec, const shm::JobLayout& layout, shm::StateView state,
              uint64_t seed, WorkerPool& pool, AllReduce* peers = nullptr, bool adopted = false,
-             CommitObserver on_commit = {});
+             CommitObserver on_commit = {}, std::unique_ptr<StepTrace> trace = nullptr);
   ~StepEngine();  // stops the thread and waits for in-flight work
   StepEngine(const StepEngine&) = delete;
   StepEngine& operator=(const StepEngine&) = delete;
@@ -206,6 +207,9 @@ class StepEngine {
   [[nodiscard]] std::vector<std::pair<size_t, uint64_t>> UpdatePieces(uint32_t bucket,
                                                                       const std::vector<Block>& blocks) const;
   void OnPieceWritten(uint32_t bucket, uint32_t piece);
+  // `work` (a block of bucket's update of `step`), recording each block's span when tracing.
+  [[nodiscard]] std::function<void(size_t, const Block&)> Traced(uint32_t bucket, uint64_t step,
+                                                                 std::function<void(size_t, const Block&)> work) const;
   // Gives the pool the pieces of the bucket's running update whose gradients are in.
   void ScheduleReadyPieces(uint32_t bucket);
   // One rank, two state halves, the step's last micro-batch, no norm to wait for: the bucket's update
@@ -292,6 +296,7 @@ class StepEngine {
   WorkerPool& pool_;
   AllReduce* const peers_;
   const CommitObserver on_commit_;
+  const std::unique_ptr<StepTrace> trace_;  // nullptr: not tracing; written once the engine has stopped
 
   std::once_flag placed_;
   std::mutex mutex_;                                 // guards ranks_ and diverged_

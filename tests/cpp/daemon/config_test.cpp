@@ -241,17 +241,21 @@ TEST(ParseConfig, BadPeerAddressesAreRejected) {
 }
 
 TEST(ParseConfig, OperationsFlagsAndKeys) {
-  const Config flags =
-      ParseOk({"--metrics-listen", "127.0.0.1:9150", "--snapshot-dir", "/var/lib/ts", "--snapshot-every", "100"});
+  const Config flags = ParseOk({"--metrics-listen", "127.0.0.1:9150", "--snapshot-dir", "/var/lib/ts",
+                                "--snapshot-every", "100", "--trace-dir", "/tmp/traces"});
   EXPECT_EQ(flags.metrics_listen, "127.0.0.1:9150");
+  EXPECT_EQ(flags.trace_dir, "/tmp/traces");
   EXPECT_EQ(flags.snapshot_dir, "/var/lib/ts");
   EXPECT_EQ(flags.snapshot_every, 100u);
-  TempToml file("metrics_listen = \"[::]:9150\"\nsnapshot_dir = \"/srv/snaps\"\nsnapshot_every = 7\n");
+  TempToml file(
+      "metrics_listen = \"[::]:9150\"\nsnapshot_dir = \"/srv/snaps\"\nsnapshot_every = 7\ntrace_dir = \"/srv/t\"\n");
   const Config from_file = ParseOk({"--config", file.path()});
   EXPECT_EQ(from_file.metrics_listen, "[::]:9150");
   EXPECT_EQ(from_file.snapshot_dir, "/srv/snaps");
   EXPECT_EQ(from_file.snapshot_every, 7u);
+  EXPECT_EQ(from_file.trace_dir, "/srv/t");
   EXPECT_TRUE(ParseOk({}).metrics_listen.empty());  // off by default
+  EXPECT_TRUE(ParseOk({}).trace_dir.empty());
 }
 
 TEST(ParseConfig, BadOperationsSettingsAreRejected) {
@@ -259,6 +263,7 @@ TEST(ParseConfig, BadOperationsSettingsAreRejected) {
   ExpectRejected({"--snapshot-every", "10"}, "snapshot_every needs snapshot_dir");
   ExpectRejected({"--snapshot-dir", "relative/dir"}, "snapshot_dir 'relative/dir' must be an absolute path");
   ExpectFileRejected("snapshot_every = -1\n", "snapshot_every");
+  ExpectRejected({"--trace-dir", "traces"}, "trace_dir 'traces' must be an absolute path");
 }
 
 Config WithPeers(const std::string& listen, const std::string& advertise = "") {

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <atomic>
@@ -14,10 +15,13 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <future>
 #include <latch>
 #include <limits>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <numeric>
@@ -34,6 +38,7 @@
 #include "daemon/control/job_registry.h"
 #include "daemon/engine/rank_transfer.h"
 #include "daemon/engine/session_sink.h"
+#include "daemon/engine/step_trace.h"
 #include "daemon/engine/worker_pool.h"
 #include "shm/error.h"
 #include "shm/job_layout.h"
@@ -476,7 +481,8 @@ class FakeGpu final : public RankTransfer {
 class CudaIpcStagesTest : public StepEngineTest {
  protected:
   void SetUp() override {
-    job_ = std::make_unique<Job>("job", static_cast<uint32_t>(getuid()), Spec(), /*seed=*/7, Pool());
+    job_ = std::make_unique<Job>("job", static_cast<uint32_t>(getuid()), Spec(), /*seed=*/7, Pool(), PeerConfig{},
+                                 nullptr, nullptr, SnapshotSchedule{}, TraceDir());
     client_ = std::make_unique<RankClient>(*job_, 0);
     gpu_ = MakeGpu();
     job_->SetTransfer(0, gpu_, "fake-gpu");
@@ -488,6 +494,7 @@ class CudaIpcStagesTest : public StepEngineTest {
   }
   [[nodiscard]] virtual shm::LayoutSpec Spec() const { return TwoParamSpec(1); }
   virtual WorkerPool& Pool() { return pool_; }
+  [[nodiscard]] virtual std::string TraceDir() const { return ""; }
   [[nodiscard]] virtual size_t SlotBytes(size_t largest_bucket) const { return largest_bucket; }
   // Where the rank keeps each bucket on its GPU: by default at its offset in the gradient region.
   [[nodiscard]] virtual std::vector<std::optional<uint64_t>> ParamOffsets() const {
@@ -868,6 +875,68 @@ TEST_F(CudaIpcPiecesTest, APieceOutOfOrderFailsTheSession) {
   EXPECT_NE(failure->find(fmt::format("piece 1 of bucket {} (3 pieces), but piece 0 is the next one", b)),
             std::string::npos)
       << *failure;
+}
+
+// trainstreamd --trace-dir: a job's step timeline, written when the job ends, holds every piece's pull,
+// every block of every update, each push and commit, in the order the protocol allows: a bucket's
+// update reads only pulled gradients, commits after its last block, and is pushed after its commit.
+class CudaIpcTracedTest : public CudaIpcPiecesTest {
+ protected:
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  [[nodiscard]] std::string TraceDir() const override { return dir_; }
+  // The spans of one kind for (bucket, step), as the trace file has them.
+  struct Spans {
+    std::vector<std::pair<int64_t, int64_t>> of[5];
+    [[nodiscard]] int64_t FirstBegin(SpanKind kind) const { return std::ranges::min(of[Index(kind)]).first; }
+    [[nodiscard]] int64_t LastEnd(SpanKind kind) const {
+      return std::ranges::max(of[Index(kind)], {}, [](const auto& span) { return span.second; }).second;
+    }
+    static size_t Index(SpanKind kind) { return static_cast<size_t>(kind); }
+  };
+  const std::string dir_ = [] {
+    std::string dir = (std::filesystem::temp_directory_path() / "ts-trace-XXXXXX").string();
+    return std::string(mkdtemp(dir.data()));
+  }();
+};
+
+TEST_F(CudaIpcTracedTest, TheTraceHoldsEachStepsPullsUpdatesAndPushesInProtocolOrder) {
+  ExpectStepsMatchAdamW();  // steps 1-3
+  const std::string key = job_->key();
+  const std::vector<shm::BucketLayout> buckets = layout().buckets;
+  client_.reset();
+  job_.reset();  // the engine stops and writes its trace
+  std::ifstream file(fmt::format("{}/trace-{}.json", dir_, key));
+  ASSERT_TRUE(file.is_open());
+  const nlohmann::json trace = nlohmann::json::parse(file);
+  EXPECT_EQ(trace["dropped"], 0);
+  EXPECT_EQ(trace["kinds"], nlohmann::json({"pull", "update-block", "push", "weights-wanted", "commit"}));
+  std::map<std::pair<uint64_t, uint64_t>, Spans> spans;  // by (bucket, step)
+  size_t wanted = 0;
+  for (const auto& span : trace["spans"]) {
+    const auto kind = span[0].get<uint32_t>();
+    ASSERT_LT(kind, 5u);
+    ASSERT_LE(span[4].get<int64_t>(), span[5].get<int64_t>());
+    if (kind == static_cast<uint32_t>(SpanKind::kWeightsWanted)) {
+      ++wanted;
+      continue;
+    }
+    spans[{span[1], span[2]}].of[kind].emplace_back(span[4], span[5]);
+  }
+  EXPECT_EQ(wanted, 4u);  // steps 0-3
+  for (uint32_t b = 0; b < buckets.size(); ++b) {
+    for (uint64_t step = 1; step <= 3; ++step) {
+      SCOPED_TRACE(fmt::format("bucket {} step {}", b, step));
+      const Spans& s = spans[{b, step}];
+      const uint64_t pieces = (buckets[b].bytes() + gpu_->slot_bytes() - 1) / gpu_->slot_bytes();
+      EXPECT_EQ(s.of[Spans::Index(SpanKind::kPull)].size(), pieces);
+      ASSERT_FALSE(s.of[Spans::Index(SpanKind::kUpdateBlock)].empty());
+      ASSERT_EQ(s.of[Spans::Index(SpanKind::kCommit)].size(), 1u);
+      ASSERT_FALSE(s.of[Spans::Index(SpanKind::kPush)].empty());
+      EXPECT_GE(s.FirstBegin(SpanKind::kUpdateBlock), s.LastEnd(SpanKind::kPull));  // one state half: not streamed
+      EXPECT_GE(s.FirstBegin(SpanKind::kCommit), s.LastEnd(SpanKind::kUpdateBlock));
+      EXPECT_GE(s.FirstBegin(SpanKind::kPush), s.FirstBegin(SpanKind::kCommit));
+    }
+  }
 }
 
 // A bucket four staging slots large (an embedding, the job's only parameter) is updated in four pieces,

@@ -1,0 +1,63 @@
+// A job's step timeline, for finding where a step's time goes (trainstreamd --trace-dir; read by
+// benchmarks/train_gpt --daemon-trace). Off unless asked for.
+//
+// Each span is one stretch of work on one bucket for one step: a piece of gradients copied from a
+// GPU, one block of an update on a worker thread, a push of weights to a GPU; an instant (begin ==
+// end) marks a rank's optimizer.step() reaching the daemon or a bucket's commit. Times are
+// CLOCK_MONOTONIC nanoseconds (std::chrono::steady_clock on Linux), the clock of Python's
+// time.monotonic_ns, so that a benchmark sets them against its own marks. Why spans and not the
+// busy sampler's /proc states: the 124M's step runs 3.6-4.7 ms longer than the daemon's update alone
+// plus its idle time, and only per-block times say whether the update itself ran slower or its
+// threads waited between pieces (benchmarks/results/train_gpt.md, 2026-12-06, fourth session).
+//
+// Invariants: Record takes a slot with one relaxed fetch_add in an array allocated up front (no lock,
+// no allocation on the step's path), from any thread. Once the array is full later spans are counted,
+// not kept. The file is written once, when the trace is destroyed (its engine has stopped, so nothing
+// records any more); a trace that cannot be written is logged, never an error of the job.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace trainstream::daemon {
+
+enum class SpanKind : uint8_t { kPull, kUpdateBlock, kPush, kWeightsWanted, kCommit };
+
+struct Span {
+  SpanKind kind = SpanKind::kPull;
+  uint32_t bucket = 0;
+  uint64_t step = 0;
+  uint64_t detail = 0;  // kPull: the piece; kUpdateBlock: the worker's thread id; kPush: its bytes
+  int64_t begin_ns = 0;
+  int64_t end_ns = 0;
+};
+
+class StepTrace {
+ public:
+  StepTrace(std::string path, size_t capacity);
+  ~StepTrace();  // writes the file
+  StepTrace(const StepTrace&) = delete;
+  StepTrace& operator=(const StepTrace&) = delete;
+
+  void Record(const Span& span);
+  [[nodiscard]] static int64_t Now();
+  [[nodiscard]] static uint64_t ThreadId();  // the calling thread's id, as /proc shows it
+
+  // Writes the spans recorded so far as one JSON object: {"pid", "dropped", "kinds", "spans": [[kind,
+  // bucket, step, detail, begin_ns, end_ns], ...]}. Returns false (and logs) where it cannot.
+  bool Write() const;
+
+ private:
+  const std::string path_;
+  std::unique_ptr<Span[]> spans_;
+  const size_t capacity_;
+  std::atomic<size_t> next_{0};
+};
+
+// Where a job's trace goes in `dir` (empty: none): trace-<job key>.json.
+std::unique_ptr<StepTrace> TraceInDir(const std::string& dir, const std::string& job_key);
+
+}  // namespace trainstream::daemon
