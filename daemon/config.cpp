@@ -61,6 +61,8 @@ void CheckPeerSettings(const Config& config) {
 // Zero would refuse every session.
 void CheckWorkerSettings(const Config& config) {
   TS_CHECK(config.worker_nice <= 19, Code::kInvalidArgument, "worker_nice is {}; expected 0 to 19", config.worker_nice);
+  TS_CHECK(config.worker_policy == "normal" || config.worker_policy == "idle", Code::kInvalidArgument,
+           "worker_policy is '{}'; expected normal or idle", config.worker_policy);
 }
 
 void CheckSessionLimits(const Config& config) {
@@ -102,6 +104,7 @@ void LoadConfigFile(const std::string& path, Config& config) {
   static const std::vector<std::string> kKnown = {"socket",
                                                   "threads",
                                                   "worker_nice",
+                                                  "worker_policy",
                                                   "reserved_cores",
                                                   "log_level",
                                                   "socket_mode",
@@ -126,6 +129,7 @@ void LoadConfigFile(const std::string& path, Config& config) {
   ReadKey(table, "socket", config.socket);
   ReadKey(table, "threads", config.threads);
   ReadKey(table, "worker_nice", config.worker_nice);
+  ReadKey(table, "worker_policy", config.worker_policy);
   ReadKey(table, "reserved_cores", config.reserved_cores);
   ReadKey(table, "log_level", config.log_level);
   TS_CHECK(std::find(kLogLevels.begin(), kLogLevels.end(), config.log_level) != kLogLevels.end(),
@@ -155,7 +159,7 @@ std::optional<Config> ParseConfig(int argc, char** argv) {
   std::string config_file;
   app.add_option("--config", config_file, "TOML file with the same keys as these flags");
   // Flags are parsed into optionals so that a flag overrides the file only when given.
-  std::optional<std::string> socket, log_level;
+  std::optional<std::string> socket, log_level, worker_policy;
   std::optional<uint32_t> threads, worker_nice, reserved_cores, max_jobs, max_unattached, max_unattached_per_uid;
   std::optional<uint64_t> ttl, max_host_bytes;
   std::optional<int64_t> parent_pid;
@@ -163,6 +167,8 @@ std::optional<Config> ParseConfig(int argc, char** argv) {
   app.add_option("--threads", threads, "optimizer worker threads (default: one per CPU not reserved)");
   app.add_option("--worker-nice", worker_nice,
                  "nice value of the worker threads, 0-19 (default 10): they yield a shared core to the trainers");
+  app.add_option("--worker-policy", worker_policy,
+                 "normal (at --worker-nice) or idle (SCHED_IDLE: any other thread takes a worker's core at once)");
   app.add_option("--reserved-cores", reserved_cores,
                  "physical cores no worker is pinned to, left to the training processes (default 0)");
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error")->check(CLI::IsMember(kLogLevels));
@@ -210,6 +216,7 @@ std::optional<Config> ParseConfig(int argc, char** argv) {
   if (socket) config.socket = *socket;
   if (threads) config.threads = *threads;
   if (worker_nice) config.worker_nice = *worker_nice;
+  if (worker_policy) config.worker_policy = *worker_policy;
   if (reserved_cores) config.reserved_cores = *reserved_cores;
   if (log_level) config.log_level = *log_level;
   if (ttl) config.job_ttl_seconds = *ttl;

@@ -16,6 +16,9 @@ struct Config {
   // takes it: the 124M GPT's forced-offload step on the H200 (16 workers on 16 cores) took 47.1 ms at 10
   // against 65.1 ms at 0, its backward 23.8 against 38.1 ms (benchmarks/results/train_gpt.md).
   uint32_t worker_nice = 10;
+  // "normal" (at worker_nice) or "idle" (SCHED_IDLE: every other thread takes a worker's core the moment
+  // it wakes; daemon/engine/worker_pool.h).
+  std::string worker_policy = "normal";
   // Physical cores (every hyperthread of each) no worker is pinned to, left to the training processes'
   // threads; `threads` 0 then means one per CPU left.
   uint32_t reserved_cores = 0;

@@ -368,11 +368,13 @@ for what in "$@"; do
       stage gpt-trace  # the 124M's forced offload RUNS (2) times with the daemon's step trace (train_gpt --daemon-trace
       # --gpu-phases): each bucket's pulls, update blocks and pushes on the GPU phases' clock, to tell whether the
       # update runs slower inside the step than alone or its threads wait between pieces; TRACE_VARIANTS adds the
-      # split probe (probe) and the waits module by module (per-module*, python-before first), as gpt-split-probe
+      # split probe (probe) and the waits module by module (per-module*, python-before first), as gpt-split-probe, and
+      # the workers at SCHED_IDLE (a variant ending in idle: trainstreamd --worker-policy idle)
       for run in $(seq "${RUNS:-2}"); do
         for variant in ${TRACE_VARIANTS:-main}; do
           python=$PWD/python && [[ $variant == per-module* ]] && python=/tmp/before/python
-          probe=() && [[ $variant == *probe ]] && probe=(--probe-detached-lookup)
+          probe=() && [[ $variant == *probe* ]] && probe=(--probe-detached-lookup)
+          [[ $variant == *idle ]] && probe+=(--daemon-policy idle)
           json="$OUT/gpt_124m_trace_${variant}_run$run.json"
           PYTHONPATH=$python:/tmp/site small_offload "$json" "$variant $run" --daemon-trace --gpu-phases "${probe[@]}"
           python3 -c "import json, sys; sys.path.insert(0, 'benchmarks/train_gpt'); import daemon_trace; \

@@ -15,6 +15,7 @@ from iteration i's start and only cycles followed by a timed iteration are count
 from __future__ import annotations
 
 import glob
+import gzip
 import json
 import os
 import statistics
@@ -32,6 +33,12 @@ def load(trace_dir: str) -> dict:
     if trace["kinds"] != ["pull", "update-block", "push", "weights-wanted", "commit"]:
         raise RuntimeError(f"unknown span kinds {trace['kinds']}")
     return trace
+
+
+def keep(trace: dict, starts_ns: list[int], path: str) -> None:
+    """The trace with the trainer's iteration starts beside it, gzipped into `path`."""
+    with gzip.open(path, "wt") as f:
+        json.dump({**trace, "iteration_starts_ns": starts_ns}, f)
 
 
 def busy_by_width(blocks: list[tuple[int, int]], begin: int, end: int, threads: int) -> dict[str, float]:

@@ -456,10 +456,11 @@ def run(args, mode: str) -> dict:
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
             start = time.perf_counter()
             private = None
-            if (args.daemon_threads or args.daemon_nice is not None or args.daemon_trace) and mode == "trainstream":
+            own_daemon = args.daemon_threads or args.daemon_nice is not None or args.daemon_policy or args.daemon_trace
+            if own_daemon and mode == "trainstream":
                 trace_dir = tempfile.mkdtemp(prefix="trainstream-trace-") if args.daemon_trace else None
                 private = PrivateDaemon(threads=args.daemon_threads, worker_nice=args.daemon_nice,
-                                        trace_dir=trace_dir)
+                                        trace_dir=trace_dir, worker_policy=args.daemon_policy)
                 client = trainstream.connect(f"unix:{private.socket_path}")
             else:
                 client = trainstream.connect()
@@ -568,9 +569,12 @@ def run(args, mode: str) -> dict:
                 trainstream.unwrap(model)
             if args.daemon_trace and private is not None:  # its job writes the trace as the daemon stops
                 private.stop()
+                trace = daemon_trace.load(trace_dir)
                 result["daemon_trace"] = daemon_trace.analyse(
-                    daemon_trace.load(trace_dir), PHASES.start_ns, [0] * args.warmup + [round(t * 1e9) for t in times],
+                    trace, PHASES.start_ns, [0] * args.warmup + [round(t * 1e9) for t in times],
                     args.warmup, PHASES.gpu_windows_ns(args.warmup) if args.gpu_phases else None)
+                if args.json:  # the spans themselves beside the result, for questions the summary does not answer
+                    daemon_trace.keep(trace, PHASES.start_ns, args.json.removesuffix(".json") + ".trace.json.gz")
                 shutil.rmtree(trace_dir, ignore_errors=True)
                 print(daemon_trace.summary(result["daemon_trace"]), flush=True)
     except torch.OutOfMemoryError as e:
@@ -660,6 +664,8 @@ def main() -> None:
                         help="mode trainstream: a private daemon with this many worker threads (default: 1 per CPU)")
     parser.add_argument("--daemon-nice", type=int,
                         help="mode trainstream: a private daemon whose worker threads run at this nice value")
+    parser.add_argument("--daemon-policy", choices=("normal", "idle"),
+                        help="mode trainstream: a private daemon whose worker threads run at this policy")
     parser.add_argument("--profile", help="a torch.profiler trace of the timed steps into this file (for one mode), "
                         "and its ops' CPU times beside it (<file>_ops.txt)")
     parser.add_argument("--profile-stacks", action="store_true", help="with --profile: Python stacks too (slows it)")
@@ -708,7 +714,7 @@ def main() -> None:
                "bf16_weights": args.bf16_weights, "moment_dtype": args.moment_dtype,
                "gpu": torch.cuda.get_device_name(0), "host": platform.node(), "threads": args.threads,
                "daemon_threads": daemon_workers(args),
-               "daemon_worker_nice": args.daemon_nice,
+               "daemon_worker_nice": args.daemon_nice, "daemon_worker_policy": args.daemon_policy,
                "host_bandwidth_gbs": triad, "host_bandwidth_source": triad_source, "runs": []}
     for mode in args.modes.split(","):
         r = run_in_subprocess(mode)

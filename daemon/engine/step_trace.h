@@ -30,7 +30,7 @@ struct Span {
   SpanKind kind = SpanKind::kPull;
   uint32_t bucket = 0;
   uint64_t step = 0;
-  uint64_t detail = 0;  // kPull: the piece; kUpdateBlock: the worker's thread id; kPush: its bytes
+  uint64_t detail = 0;  // the piece pulled, the worker's thread id, the bytes pushed, the rank, the half
   int64_t begin_ns = 0;
   int64_t end_ns = 0;
 };

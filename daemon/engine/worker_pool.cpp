@@ -100,7 +100,7 @@ std::vector<int> CpusLeftAfterReserving(const std::vector<int>& allowed, uint32_
 }
 
 WorkerPool::WorkerPool(size_t threads, bool pin_threads, std::vector<uint32_t> thread_nodes, int nice,
-                       std::vector<int> cpus) {
+                       std::vector<int> cpus, WorkerPolicy policy) {
   if (threads == 0) threads = 1;
   if (cpus.empty()) cpus = AllowedCpus();
   // Pinned only when every thread gets a CPU of its own: sharing would only add migrations.
@@ -117,7 +117,7 @@ WorkerPool::WorkerPool(size_t threads, bool pin_threads, std::vector<uint32_t> t
   for (size_t i = 0; i < threads; ++i) {
     const auto node =
         static_cast<uint32_t>(std::lower_bound(dense.begin(), dense.end(), thread_nodes[i]) - dense.begin());
-    threads_.emplace_back([this, node, nice] { Run(node, nice); });
+    threads_.emplace_back([this, node, nice, policy] { Run(node, nice, policy); });
     if (pin) {
       cpu_set_t set;
       CPU_ZERO(&set);
@@ -166,9 +166,15 @@ void WorkerPool::Submit(size_t blocks, Work work, std::function<void()> on_done,
   wake_.notify_all();
 }
 
-void WorkerPool::Run(uint32_t node, int nice) {
-  // Linux keeps a nice value per thread; raising one's own needs no privilege.
-  if (nice != 0) setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), nice);
+void WorkerPool::Run(uint32_t node, int nice, WorkerPolicy policy) {
+  // Linux keeps a nice value and a policy per thread; lowering one's own needs no privilege.
+  const auto tid = static_cast<pid_t>(syscall(SYS_gettid));
+  if (policy == WorkerPolicy::kIdle) {
+    const sched_param none{};
+    sched_setscheduler(tid, SCHED_IDLE, &none);
+  } else if (nice != 0) {
+    setpriority(PRIO_PROCESS, static_cast<id_t>(tid), nice);
+  }
   for (;;) {
     std::shared_ptr<Batch> batch;
     size_t block = 0;

@@ -38,6 +38,11 @@ uint64_t CoreOfCpu(int cpu);
 std::vector<int> CpusLeftAfterReserving(const std::vector<int>& allowed, uint32_t reserved_cores,
                                         const std::function<uint64_t(int)>& core_of = CoreOfCpu);
 
+// How the workers are scheduled beside other threads. kIdle (Linux SCHED_IDLE): any thread of normal
+// policy that wakes on a worker's core takes it at once, where at a nice value it may wait for the
+// scheduler's next tick (4 ms on the GPU machines), and the workers get only what such threads leave.
+enum class WorkerPolicy { kNormal, kIdle };
+
 class WorkerPool {
  public:
   using Work = std::function<void(size_t block)>;      // does one block of a batch
@@ -45,9 +50,9 @@ class WorkerPool {
 
   // `thread_nodes` overrides the node of each thread (tests); by default, the node of its pinned CPU.
   // `nice` (0-19) lowers the threads' scheduling priority, so that a trainer's thread sharing a core
-  // with one preempts it. `cpus`: those the threads are pinned to (empty: every allowed CPU).
+  // with one preempts it (ignored with kIdle). `cpus`: those the threads are pinned to (empty: every allowed CPU).
   explicit WorkerPool(size_t threads, bool pin_threads = true, std::vector<uint32_t> thread_nodes = {}, int nice = 0,
-                      std::vector<int> cpus = {});
+                      std::vector<int> cpus = {}, WorkerPolicy policy = WorkerPolicy::kNormal);
   ~WorkerPool();
   WorkerPool(const WorkerPool&) = delete;
   WorkerPool& operator=(const WorkerPool&) = delete;
@@ -69,7 +74,7 @@ class WorkerPool {
     }
   };
 
-  void Run(uint32_t node, int nice);
+  void Run(uint32_t node, int nice, WorkerPolicy policy);
 
   std::mutex mutex_;
   std::condition_variable wake_;

@@ -86,7 +86,7 @@ class PrivateDaemon:
     each job writes its step timeline there when the daemon stops (benchmarks: trainstreamd --trace-dir)."""
 
     def __init__(self, threads: int | None = None, log_level: str = "warn", startup_timeout_s: float = 20.0,
-                 worker_nice: int | None = None, trace_dir: str | None = None):
+                 worker_nice: int | None = None, trace_dir: str | None = None, worker_policy: str | None = None):
         runtime = os.environ.get("XDG_RUNTIME_DIR")
         base = runtime if runtime and os.access(runtime, os.W_OK) else tempfile.gettempdir()
         self._dir = tempfile.mkdtemp(prefix="trainstream-", dir=base)
@@ -100,6 +100,8 @@ class PrivateDaemon:
             args += ["--worker-nice", str(worker_nice)]
         if trace_dir:
             args += ["--trace-dir", trace_dir]
+        if worker_policy:
+            args += ["--worker-policy", worker_policy]
         with open(self._log_path, "wb") as log:
             self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         self._wait_ready(startup_timeout_s)

@@ -4,6 +4,8 @@ that made its gradients, with the update's width (no thread, some, all) adding u
 
 from __future__ import annotations
 
+import gzip
+import json
 import os
 import sys
 import time
@@ -59,3 +61,7 @@ def test_a_jobs_trace_places_each_update_after_the_iteration_that_made_its_gradi
     assert {row["bucket"] for row in report["typical_buckets"]} == set(range(buckets))  # each updated
     assert all(row["update_thread_ms"] > 0 for row in report["typical_buckets"])
     assert "update" in daemon_trace.summary(report)
+    daemon_trace.keep(trace, starts, str(tmp_path / "kept.trace.json.gz"))
+    with gzip.open(tmp_path / "kept.trace.json.gz", "rt") as f:
+        kept = json.load(f)
+    assert kept["spans"] == trace["spans"] and kept["iteration_starts_ns"] == starts

@@ -218,6 +218,11 @@ TEST(ParseConfig, WorkerNiceComesFromTheFileAndStaysInRange) {
   EXPECT_EQ(ParseOk({"--config", file.path()}).worker_nice, 3u);
   ExpectRejected({"--worker-nice", "20"}, "worker_nice is 20; expected 0 to 19");
   ExpectFileRejected("worker_nice = 25\n", "worker_nice is 25; expected 0 to 19");
+  EXPECT_EQ(ParseOk({}).worker_policy, "normal");
+  EXPECT_EQ(ParseOk({"--worker-policy", "idle"}).worker_policy, "idle");
+  TempToml policy("worker_policy = \"idle\"\n");
+  EXPECT_EQ(ParseOk({"--config", policy.path()}).worker_policy, "idle");
+  ExpectRejected({"--worker-policy", "fifo"}, "worker_policy is 'fifo'; expected normal or idle");
 }
 
 TEST(ParseConfig, ReservedCoresComeFromTheFile) {

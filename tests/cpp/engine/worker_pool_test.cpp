@@ -2,6 +2,7 @@
 // callback runs once after every block, concurrent submitters, priority order, NUMA homes, and the
 // threads' nice value.
 #include <gtest/gtest.h>
+#include <sched.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -213,6 +214,24 @@ TEST(WorkerPool, ThreadsRunAtTheirNiceValue) {
   ASSERT_TRUE(done.WaitFor(1));
   EXPECT_EQ(seen, std::set<int>{kNice});
   EXPECT_EQ(getpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid))), own);  // the caller's unchanged
+}
+
+TEST(WorkerPool, ThreadsOfTheIdlePolicyRunAtSchedIdle) {
+  WorkerPool pool(2, false, {}, /*nice=*/7, {}, WorkerPolicy::kIdle);
+  std::mutex mutex;
+  std::set<int> seen;
+  DoneCounter done;
+  pool.Submit(
+      64,
+      [&](size_t) {
+        const int policy = sched_getscheduler(static_cast<pid_t>(syscall(SYS_gettid)));
+        std::lock_guard lock(mutex);
+        seen.insert(policy);
+      },
+      done.Callback());
+  ASSERT_TRUE(done.WaitFor(1));
+  EXPECT_EQ(seen, std::set<int>{SCHED_IDLE});
+  EXPECT_EQ(sched_getscheduler(0), SCHED_OTHER);  // the caller's unchanged
 }
 
 // Eight CPUs on four cores, hyperthread siblings n and n+4, as Linux numbers a two-way SMT machine.
