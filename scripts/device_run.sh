@@ -378,7 +378,9 @@ for what in "$@"; do
           json="$OUT/gpt_124m_trace_${variant}_run$run.json"
           PYTHONPATH=$python:/tmp/site small_offload "$json" "$variant $run" --daemon-trace --gpu-phases "${probe[@]}"
           python3 -c "import json, sys; sys.path.insert(0, 'benchmarks/train_gpt'); import daemon_trace; \
-            print(daemon_trace.summary(json.load(open(sys.argv[1]))['runs'][0].get('daemon_trace', {})))" "$json"
+            r = json.load(open(sys.argv[1]))['runs'][0]; \
+            print(sys.argv[2], r.get('error') or f\"{r['step_ms']:.1f} ms\", daemon_trace.summary(r.get('daemon_trace', {})))" \
+            "$json" "[$variant $run]"
         done
       done
       ;;
