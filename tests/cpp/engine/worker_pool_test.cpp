@@ -11,6 +11,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <fstream>
+#include <functional>
 #include <future>
 #include <latch>
 #include <map>
@@ -195,42 +196,40 @@ TEST(WorkerPool, EqualPriorityRunsInSubmissionOrder) {
   EXPECT_EQ(recorder.WaitForOrder(5), (std::vector<int>{0, 1, 2, 3, 4}));
 }
 
+// What `probe` says on the pool's threads, over a batch of 64 blocks.
+std::set<int> SeenOnWorkers(WorkerPool& pool, const std::function<int()>& probe) {
+  std::mutex mutex;
+  std::set<int> seen;
+  DoneCounter done;
+  pool.Submit(
+      64,
+      [&](size_t) {
+        const int value = probe();
+        std::lock_guard lock(mutex);
+        seen.insert(value);
+      },
+      done.Callback());
+  EXPECT_TRUE(done.WaitFor(1));
+  return seen;
+}
+
+int OwnNice() {
+  return getpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)));
+}
+
 TEST(WorkerPool, ThreadsRunAtTheirNiceValue) {
   constexpr int kNice = 7;
   const int own = getpriority(PRIO_PROCESS, 0);
   if (own > kNice) GTEST_SKIP() << "this process already runs at nice " << own;
   WorkerPool pool(2, false, {}, kNice);
-  std::mutex mutex;
-  std::set<int> seen;
-  DoneCounter done;
-  pool.Submit(
-      64,
-      [&](size_t) {
-        const int nice = getpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)));
-        std::lock_guard lock(mutex);
-        seen.insert(nice);
-      },
-      done.Callback());
-  ASSERT_TRUE(done.WaitFor(1));
-  EXPECT_EQ(seen, std::set<int>{kNice});
-  EXPECT_EQ(getpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid))), own);  // the caller's unchanged
+  EXPECT_EQ(SeenOnWorkers(pool, OwnNice), std::set<int>{kNice});
+  EXPECT_EQ(OwnNice(), own);  // the caller's unchanged
 }
 
 TEST(WorkerPool, ThreadsOfTheIdlePolicyRunAtSchedIdle) {
   WorkerPool pool(2, false, {}, /*nice=*/7, {}, WorkerPolicy::kIdle);
-  std::mutex mutex;
-  std::set<int> seen;
-  DoneCounter done;
-  pool.Submit(
-      64,
-      [&](size_t) {
-        const int policy = sched_getscheduler(static_cast<pid_t>(syscall(SYS_gettid)));
-        std::lock_guard lock(mutex);
-        seen.insert(policy);
-      },
-      done.Callback());
-  ASSERT_TRUE(done.WaitFor(1));
-  EXPECT_EQ(seen, std::set<int>{SCHED_IDLE});
+  EXPECT_EQ(SeenOnWorkers(pool, [] { return sched_getscheduler(static_cast<pid_t>(syscall(SYS_gettid))); }),
+            std::set<int>{SCHED_IDLE});
   EXPECT_EQ(sched_getscheduler(0), SCHED_OTHER);  // the caller's unchanged
 }
 
