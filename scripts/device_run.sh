@@ -353,7 +353,7 @@ for what in "$@"; do
       stage gpt-split-probe  # the 124M's forced offload, RUNS (2) times each, with the daemon sampled (--daemon-busy):
       # main; the probe whose token lookup reads the tied embedding detached (its gradient is the output
       # projection's alone, in early in backward: the most the tied split could gain); and both again under the
-      # Python of .device/before.tar (python-before first: main's Python with each module's wait in its pre-hook);
+      # Python of /tmp/before (python-per-module first: this tree's Python with each module's wait in its pre-hook);
       # PROBE_VARIANTS chooses among the four
       for run in $(seq "${RUNS:-2}"); do
         for variant in ${PROBE_VARIANTS:-main probe per-module per-module-probe}; do
@@ -368,7 +368,7 @@ for what in "$@"; do
       stage gpt-trace  # the 124M's forced offload RUNS (2) times with the daemon's step trace (train_gpt --daemon-trace
       # --gpu-phases): each bucket's pulls, update blocks and pushes on the GPU phases' clock, to tell whether the
       # update runs slower inside the step than alone or its threads wait between pieces; TRACE_VARIANTS adds the
-      # split probe (probe) and the waits module by module (per-module*, python-before first), as gpt-split-probe, and
+      # split probe (probe) and the waits module by module (per-module*, python-per-module first), as gpt-split-probe, and
       # the workers at SCHED_IDLE (a variant ending in idle: trainstreamd --worker-policy idle)
       for run in $(seq "${RUNS:-2}"); do
         for variant in ${TRACE_VARIANTS:-main}; do
@@ -432,6 +432,19 @@ for what in "$@"; do
         -DPython_EXECUTABLE="$(command -v python3)" >"$OUT/build_before.log" 2>&1 \
         && cmake --build build -j"${BUILD_JOBS:-16}" --target trainstreamd _C ts_bench_adamw >>"$OUT/build_before.log" 2>&1) \
         || { tail -20 "$OUT/build_before.log"; exit 1; }
+      ;;
+    python-per-module)
+      stage python-per-module  # this tree's Python with each module's wait queued by its own pre-hook (the GPU branch
+      # of Rank.take_published cut out) in /tmp/before/python, for the per-module variants of gpt-split-probe and
+      # gpt-trace: made from the tree, where a hand-made .device/before.tar went stale (2026-12-06, fifth session)
+      rm -rf /tmp/before && mkdir -p /tmp/before && cp -r python /tmp/before/ && python3 - /tmp/before/python/trainstream/_rank.py <<'CUT'
+import sys
+path = sys.argv[1]
+text = open(path).read()
+start = text.index("        if self.transport.waits_on_gpu:\n")
+end = text.index("            return\n", start) + len("            return\n")
+open(path, "w").write(text[:start] + text[end:])
+CUT
       ;;
     python-before)
       stage python-before  # the Python of .device/before.tar over this tree's binaries (use-bin or build-fast
