@@ -162,8 +162,9 @@ int Serve(const Config& config) {
   PrepareDir(config.trace_dir, "trace directory");
   const std::vector<int> worker_cpus = CpusLeftAfterReserving(AllowedCpus(), config.reserved_cores);
   const uint32_t threads = config.threads != 0 ? config.threads : std::max<size_t>(1, worker_cpus.size());
+  const bool idle_workers = config.worker_policy == "idle";
   WorkerPool pool(threads, /*pin_threads=*/true, {}, static_cast<int>(config.worker_nice), worker_cpus,
-                  config.worker_policy == "idle" ? WorkerPolicy::kIdle : WorkerPolicy::kNormal);
+                  idle_workers ? WorkerPolicy::kIdle : WorkerPolicy::kNormal);
   PeerMailbox mailbox;
   PeerPlane peers = StartPeerPlane(config, mailbox);
   JobRegistry registry(config, pool, peers.jobs);
@@ -183,8 +184,7 @@ int Serve(const Config& config) {
   std::unique_ptr<grpc::Server> server = StartControlServer(service);
   socket = std::make_unique<ControlSocket>(config.socket, config.socket_mode, *server);
   spdlog::info("trainstreamd {} listening on {} ({} worker threads {}, {} cores reserved, kernel {}, pid {})", kVersion,
-               config.socket, threads,
-               config.worker_policy == "idle" ? "at SCHED_IDLE" : fmt::format("at nice {}", config.worker_nice),
+               config.socket, threads, idle_workers ? "at SCHED_IDLE" : fmt::format("at nice {}", config.worker_nice),
                config.reserved_cores, optimizer::ActiveKernelName(), getpid());
   NotifySystemd("READY=1");
 

@@ -60,6 +60,18 @@ small_offload() {
   brief "$json" | sed "s|^|[$label] |"
 }
 
+# small_offload of a named variant (JSON $1, variant $2, label $3, further arguments to train_gpt): "per-module*"
+# under /tmp/before's Python (python-per-module), "*probe*" with the split probe (--probe-detached-lookup),
+# "*idle" with the daemon's workers at SCHED_IDLE.
+variant_offload() {
+  local json=$1 variant=$2 label=$3 && shift 3
+  local python=$PWD/python extra=()
+  [[ $variant == per-module* ]] && python=/tmp/before/python
+  [[ $variant == *probe* ]] && extra+=(--probe-detached-lookup)
+  [[ $variant == *idle ]] && extra+=(--daemon-policy idle)
+  PYTHONPATH=$python:/tmp/site small_offload "$json" "$label" "$@" "${extra[@]}"
+}
+
 # The 124M's forced offload under each value of environment variable $1 (the values $2) in turn,
 # alternated RUNS (2) times, each run its own process and JSON: gpt_124m_$3<value>_run<n>.json.
 alternated() {
@@ -357,10 +369,7 @@ for what in "$@"; do
       # PROBE_VARIANTS chooses among the four
       for run in $(seq "${RUNS:-2}"); do
         for variant in ${PROBE_VARIANTS:-main probe per-module per-module-probe}; do
-          python=$PWD/python && [[ $variant == per-module* ]] && python=/tmp/before/python
-          probe=() && [[ $variant == *probe ]] && probe=(--probe-detached-lookup)
-          PYTHONPATH=$python:/tmp/site small_offload "$OUT/gpt_124m_split-probe_${variant}_run$run.json" \
-            "$variant $run" --daemon-busy "${probe[@]}"
+          variant_offload "$OUT/gpt_124m_split-probe_${variant}_run$run.json" "$variant" "$variant $run" --daemon-busy
         done
       done
       ;;
@@ -372,11 +381,8 @@ for what in "$@"; do
       # the workers at SCHED_IDLE (a variant ending in idle: trainstreamd --worker-policy idle)
       for run in $(seq "${RUNS:-2}"); do
         for variant in ${TRACE_VARIANTS:-main}; do
-          python=$PWD/python && [[ $variant == per-module* ]] && python=/tmp/before/python
-          probe=() && [[ $variant == *probe* ]] && probe=(--probe-detached-lookup)
-          [[ $variant == *idle ]] && probe+=(--daemon-policy idle)
           json="$OUT/gpt_124m_trace_${variant}_run$run.json"
-          PYTHONPATH=$python:/tmp/site small_offload "$json" "$variant $run" --daemon-trace --gpu-phases "${probe[@]}"
+          variant_offload "$json" "$variant" "$variant $run" --daemon-trace --gpu-phases
           python3 -c "import json, sys; sys.path.insert(0, 'benchmarks/train_gpt'); import daemon_trace; \
             r = json.load(open(sys.argv[1]))['runs'][0]; \
             print(sys.argv[2], r.get('error') or f\"{r['step_ms']:.1f} ms\", daemon_trace.summary(r.get('daemon_trace', {})))" \
