@@ -46,6 +46,7 @@ std::string DescribeMismatch(const shm::LayoutSpec& have, const shm::LayoutSpec&
   compare("world_size", have.world_size, want.world_size);
   compare("accumulation_steps", have.accumulation_steps, want.accumulation_steps);
   compare("max_grad_norm", have.max_grad_norm, want.max_grad_norm);
+  compare("step_terms", have.step_terms, want.step_terms);
   compare("bucket_bytes", have.bucket_bytes, want.bucket_bytes);
   compare("moments", NameOf(have.moment_dtype), NameOf(want.moment_dtype));
   compare("num_groups", have.num_groups, want.num_groups);
@@ -103,7 +104,8 @@ shm::LayoutSpec JobRegistry::Decide(const std::string& name, shm::LayoutSpec req
     }
   }
   if (request.speculative_clipping == shm::Speculation::kAuto) {
-    const bool speculate = request.state_halves == 2 && request.max_grad_norm > 0;
+    // A job with step terms may clip any step (its ranks' clip_grad_norm_ calls say which).
+    const bool speculate = request.state_halves == 2 && (request.max_grad_norm > 0 || request.step_terms);
     request.speculative_clipping = speculate ? shm::Speculation::kOn : shm::Speculation::kOff;
   }
   return request;

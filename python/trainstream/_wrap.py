@@ -18,13 +18,14 @@ import functools
 import logging
 import random
 import time
+import types
 import weakref
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from trainstream import _blocks, _distributed, _layout, _peers
+from trainstream import _blocks, _compile, _distributed, _layout, _peers
 from trainstream._activation_offload import ActivationOffload
 from trainstream._activation_offload import check as check_activation_offload
 from trainstream._C import TrainstreamError
@@ -32,7 +33,7 @@ from trainstream._connect import Client, check_wait_timeout, connect
 from trainstream._guards import Conversion
 from trainstream._offload_auto import AutoOffload
 from trainstream._optimizer import OffloadedOptimizer
-from trainstream._rank import Rank, default_job_name
+from trainstream._rank import Rank, check_accumulation_steps, check_max_grad_norm, default_job_name
 from trainstream._stock import StockOptimizer
 
 log = logging.getLogger("trainstream")
@@ -57,7 +58,7 @@ _wrapped: "weakref.WeakKeyDictionary[torch.nn.Module, Wrapped]" = weakref.WeakKe
 def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Client | None = None,
          job: str | None = None, rank: int | None = None, world_size: int | None = None,
          max_grad_norm: float | None = None,
-         accumulation_steps: int = 1, bucket_mb: float = 32, moment_dtype: str = "float32",
+         accumulation_steps="auto", bucket_mb: float = 32, moment_dtype: str = "float32",
          seed: int | None = None, peers: list[str] | None = None,
          node_rank: int | None = None, device: str | torch.device | None = None, param_offload=False,
          blocks=None, page_prefetch: int = 2,
@@ -74,9 +75,13 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
     id), else, with `distributed="auto"` (the default) or True, from an initialized torch.distributed
     process group of more than one rank: the ranks agree on the node-local ranks, the nodes and the job
     name over it (see _distributed.py); `distributed=False` ignores both. The daemon averages the ranks'
-    gradients: do not also wrap the model in DistributedDataParallel. `max_grad_norm` clips like
-    torch.nn.utils.clip_grad_norm_ (do not clip p.grad yourself: gradients leave during backward). With
-    `accumulation_steps=k`, call optimizer.step() after every k backward passes. `peers` lists the
+    gradients: do not also wrap the model in DistributedDataParallel. The training loop stays as it is:
+    gradients leave during backward, and the backward passes between two optimizer.step() calls are
+    summed (`accumulation_steps="auto"`; a number k says every step has k, which a step's update can then
+    start during its last backward pass from the first step on), torch.nn.utils.clip_grad_norm_ on the
+    model's parameters clips the step in the daemon and returns its norm, zero_grad() before step() drops
+    the step's gradients, and a torch.amp.GradScaler steps it as it steps torch's fused optimizers.
+    `max_grad_norm` clips every step like clip_grad_norm_ (then the loop need not). `peers` lists the
     peer-plane addresses ("host:port") of the job's daemons on every node, in node order, and `node_rank`
     is this node's index (defaults: $TRAINSTREAM_PEERS, comma-separated, and $TRAINSTREAM_NODE_RANK,
     torchrun's GROUP_RANK, or RANK // LOCAL_WORLD_SIZE); the daemons then all-reduce the node-summed
@@ -128,6 +133,8 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
     """
     if model in _wrapped:
         raise TrainstreamError("this model is already wrapped; call trainstream.unwrap(model) first")
+    check_accumulation_steps(accumulation_steps)
+    max_grad_norm = check_max_grad_norm(max_grad_norm)
     _check_choice("offload", offload, OFFLOAD_CHOICES, "'auto', True or False")
     check_activation_offload(activation_offload)
     if wait_timeout is not None:
@@ -183,6 +190,8 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
     w = Wrapped(model, wrapped, attach, auto_named, world_size * max(1, len(peers)), max_grad_norm,
                 own_client=own_client)
     _wrapped[model] = w
+    model.zero_grad = types.MethodType(_zero_grad, model)  # the Hugging Face Trainer's way to zero them
+    _compile.adopt(model)
     r.relayout = functools.partial(_relayout, w)
     if state is not None:
         wrapped.load_state_dict(state)  # an optimizer that already stepped keeps its moments
@@ -191,6 +200,15 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
         wrapped.after_step.append(auto.after_step)
     _watch_activations(w, activation_offload, r.device)
     return model, wrapped
+
+
+def _zero_grad(model: torch.nn.Module, set_to_none: bool = True) -> None:
+    """model.zero_grad() of a wrapped model: as optimizer.zero_grad(), the step's gradients so far are
+    dropped in the daemon too. A copy of the model (copy.deepcopy) is not wrapped and zeroes its own."""
+    w = _wrapped.get(model)
+    if w is not None and w.optimizer._rank is not None:
+        w.optimizer._rank.zero_grad()
+    torch.nn.Module.zero_grad(model, set_to_none)
 
 
 def _check_choice(option: str, value, choices: tuple, allowed: str) -> None:
@@ -208,10 +226,6 @@ def _wrap_in_torch(model, optimizer, max_grad_norm, accumulation_steps, param_of
         raise TrainstreamError(f"param_offload={param_offload!r} needs offload=True or 'auto': the paged weights live "
                                "in the daemon's job")
     _blocks.refuse_options_without_paging(blocks, page_dtype)
-    if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
-        raise TrainstreamError(f"accumulation_steps must be >= 1, not {accumulation_steps}")
-    if max_grad_norm is not None and not max_grad_norm > 0:
-        raise TrainstreamError(f"max_grad_norm must be > 0 or None, not {max_grad_norm}")
     _layout.optimizer_kind(optimizer)
     if device is not None:
         _place(model, torch.device(device), set())
@@ -423,6 +437,7 @@ def unwrap(model: torch.nn.Module, device: str | torch.device | None = None) -> 
         w.optimizer._stock.max_grad_norm = None
         w.optimizer._stock.clear_grads = False
     del _wrapped[model]
+    model.__dict__.pop("zero_grad", None)
     return model
 
 
