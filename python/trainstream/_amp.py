@@ -35,7 +35,9 @@ def _unscale_grads_(self: GradScaler, optimizer, inv_scale: torch.Tensor, found_
         _, nonfinite = rank.wait_norm(asked)
         return torch.tensor(1.0 if nonfinite else 0.0)
 
-    return {found_inf.device: PendingScalar(resolve, found_inf.dtype, found_inf.device)}
+    found = PendingScalar(resolve, found_inf.dtype, found_inf.device)
+    rank.read_norm_later(asked, found)
+    return {found_inf.device: found}
 
 
 def install() -> None:

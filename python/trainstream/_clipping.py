@@ -95,7 +95,9 @@ def _pending_norm(rank: Rank, asked: tuple[int, int]) -> PendingScalar:
         norm, _ = rank.wait_norm(asked)
         return torch.tensor(norm, dtype=torch.float64)
 
-    return PendingScalar(resolve, rank.model_dtype(first), first.device)
+    norm = PendingScalar(resolve, rank.model_dtype(first), first.device)
+    rank.read_norm_later(asked, norm)
+    return norm
 
 
 def clip_grad_value_(parameters, clip_value: float, foreach: bool | None = None) -> None:

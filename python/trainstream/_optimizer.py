@@ -13,6 +13,7 @@ daemon (_amp.py), and `last_grad_norm` is the norm of the last step clip_grad_no
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from typing import Callable
 
@@ -31,6 +32,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.param_groups = inner.param_groups
         self.state = {}
         self._inner_type = type(inner)
+        # An LR scheduler made before wrap() checks that this optimizer stepped: torch marks the one it patched.
+        self._scheduled = weakref.ref(inner)
         self._rank = rank                            # the daemon's job while offloaded, else None
         self._resume_step = rank.resume_step if rank is not None else 0
         self._stock: StockOptimizer | None = None    # the torch optimizer once the state left the daemon
@@ -95,6 +98,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                     delattr(self._stock.optimizer, key)
         else:
             self._rank.step()
+        scheduled = self._scheduled()
+        if scheduled is not None and scheduled is not self:
+            scheduled._opt_called = True  # what torch's LR scheduler looks for (no "step() before" warning)
         for measure in list(self.after_step):
             measure()
         return loss

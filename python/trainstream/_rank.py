@@ -130,7 +130,10 @@ class Rank:
         self._most_micros = 0           # the most backward passes a step had: what the next ones expect
         self._grad_factor = 1.0         # what a GradScaler's unscale_ multiplied the step's gradients by
         self._discards = 0              # zero_grad() calls that dropped this step's gradients
-        self._dropped_norms: dict[tuple[int, int], tuple[float, bool]] = {}  # norms of gradients dropped since
+        # Norms asked for (step, discards before), and the tensors that will read them: the client keeps only
+        # the last few steps' norms, so each step() settles those of the steps before (_settle_norms).
+        self._norm_readers: dict[tuple[int, int], list[weakref.ref]] = {}
+        self._norms: dict[tuple[int, int], tuple[float, bool]] = {}
         self._norm: tuple[int, float] | None = None  # the step whose norm was asked for, and its max norm
         self.last_grad_norm: torch.Tensor | None = None  # the last clipped step's total norm
         self.compiled_forward = 0  # compiled forwards running with every weight taken in (_compile.py)
@@ -523,6 +526,7 @@ class Rank:
             if self.max_grad_norm is not None and self._norm is None:
                 self.session.send_norm_terms(step, self._micro, self._grad_factor, self.max_grad_norm)
             self.session.send_commit_terms(step, self._micro, self._grad_factor)
+            self._settle_norms(wait=False)
             self._most_micros = max(self._most_micros, self._micro)
             self._grad_factor = 1.0
             self._discards = 0
@@ -552,8 +556,7 @@ class Rank:
                     "spanning nodes cannot (they were all-reduced): call zero_grad() before backward() or after "
                     "optimizer.step()")
             step = self.current_step
-            if self._norm is not None:  # its norm stays what it was for whoever reads it later
-                self._dropped_norms = {(step, self._discards): self.session.wait_step_norm(step)}
+            self._settle_norms(wait=True)  # the dropped gradients' norms stay what they were for their readers
             self._discards += 1
             self.session.discard(step, self._discards)
             self._micro = 0
@@ -587,8 +590,25 @@ class Rank:
     def wait_norm(self, asked: tuple[int, int]) -> tuple[float, bool]:
         """The norm request_norm asked for (times the GradScaler's factor), and whether some gradients are
         inf or NaN: waits for the daemon."""
-        dropped = self._dropped_norms.get(asked)
-        return dropped if dropped is not None else self.session.wait_step_norm(asked[0])
+        settled = self._norms.get(asked)
+        return settled if settled is not None else self.session.wait_step_norm(asked[0])
+
+    def read_norm_later(self, asked: tuple[int, int], reader: torch.Tensor) -> None:
+        """`reader` (a PendingScalar) will read the norm `asked` for, maybe steps later."""
+        self._norm_readers.setdefault(asked, []).append(weakref.ref(reader))
+
+    def _settle_norms(self, wait: bool) -> None:
+        """The norms asked for before the step now ending (`wait`: and this one's too, whose gradients
+        zero_grad drops) go to the tensors that will read them, before the client forgets them."""
+        current = (self.current_step, self._discards)
+        for asked in [a for a in self._norm_readers if a != current or wait]:
+            readers = self._norm_readers.pop(asked)
+            alive = [r for r in (ref() for ref in readers) if r is not None]
+            if alive:
+                self._norms[asked] = self.session.wait_step_norm(asked[0])
+                for reader in alive:
+                    reader.value()
+                del self._norms[asked]
 
     def unscale(self, inv_scale: float) -> None:
         """A GradScaler's unscale_: the step's gradients are multiplied by `inv_scale` from now on."""

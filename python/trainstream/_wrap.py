@@ -133,6 +133,7 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
     """
     if model in _wrapped:
         raise TrainstreamError("this model is already wrapped; call trainstream.unwrap(model) first")
+    holder, optimizer = optimizer, _inside_holders(optimizer)  # accelerate's AcceleratedOptimizer, say
     check_accumulation_steps(accumulation_steps)
     max_grad_norm = check_max_grad_norm(max_grad_norm)
     _check_choice("offload", offload, OFFLOAD_CHOICES, "'auto', True or False")
@@ -144,8 +145,9 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
                                f"not {job!r}")
     _check_parameters_are_the_models(model, optimizer)
     if offload is False:
-        return _wrap_in_torch(model, optimizer, max_grad_norm, accumulation_steps, param_offload, blocks, device,
-                              activation_offload, page_dtype)
+        model, wrapped = _wrap_in_torch(model, optimizer, max_grad_norm, param_offload, blocks, device,
+                                        activation_offload, page_dtype)
+        return model, _rehome(holder, optimizer, wrapped)
     started = time.perf_counter()
     own_client = client is None
     given_node_rank = node_rank
@@ -199,7 +201,41 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
         auto = AutoOffload(wrapped, functools.partial(_switch, w), w.ranks)
         wrapped.after_step.append(auto.after_step)
     _watch_activations(w, activation_offload, r.device)
-    return model, wrapped
+    return model, _rehome(holder, optimizer, wrapped)
+
+
+def _inside_holders(optimizer):
+    """The torch optimizer inside framework wrappers that hold it as `.optimizer` (accelerate's
+    AcceleratedOptimizer, a LightningOptimizer's `_optimizer`): what trainstream wraps."""
+    for _ in range(8):
+        if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            break
+        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):
+            break
+        optimizer = inner
+    return optimizer
+
+
+def _rehome(holder, inner: torch.optim.Optimizer, wrapped: OffloadedOptimizer):
+    """The framework wrapper `holder` (or `wrapped` itself, given a torch optimizer), now holding
+    `wrapped` where it held `inner`; accelerate's, which patches its optimizer's step() for a GradScaler,
+    patches the new one's."""
+    if holder is inner:
+        return wrapped
+    outer = holder
+    while True:
+        attribute = "optimizer" if getattr(outer, "optimizer", None) is not None else "_optimizer"
+        below = getattr(outer, attribute)
+        if below is inner:
+            setattr(outer, attribute, wrapped)
+            break
+        outer = below
+    if hasattr(outer, "_optimizer_original_step_method"):
+        from accelerate.optimizer import patch_optimizer_step
+        outer._optimizer_original_step_method = wrapped.step
+        outer._optimizer_patched_step_method = patch_optimizer_step(outer, wrapped.step)
+    return holder
 
 
 def _zero_grad(model: torch.nn.Module, set_to_none: bool = True) -> None:
@@ -216,8 +252,8 @@ def _check_choice(option: str, value, choices: tuple, allowed: str) -> None:
         raise TrainstreamError(f"{option}={value!r}: use {allowed}")
 
 
-def _wrap_in_torch(model, optimizer, max_grad_norm, accumulation_steps, param_offload, blocks, device,
-                   activation_offload, page_dtype) -> tuple[torch.nn.Module, OffloadedOptimizer]:
+def _wrap_in_torch(model, optimizer, max_grad_norm, param_offload, blocks, device, activation_offload,
+                   page_dtype) -> tuple[torch.nn.Module, OffloadedOptimizer]:
     """offload=False: the optimizer runs in torch from the start (fused where torch has the kernels), with
     wrap's contract: clipping by max_grad_norm, p.grad emptied after each step."""
     if isinstance(param_offload, str) and param_offload == "auto":
