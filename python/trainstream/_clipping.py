@@ -1,8 +1,9 @@
 """torch.nn.utils.clip_grad_norm_ on wrapped parameters: the daemon clips the step, exactly as torch would.
 
 A wrapped model's gradients leave for the daemon during backward, so p.grad is empty when a training loop
-clips. While trainstream is imported, torch.nn.utils.clip_grad_norm_ (and what frameworks call through it:
-accelerate's clip_grad_norm_, Lightning's gradient_clip_val, the Hugging Face Trainer's max_grad_norm) asks
+clips. While trainstream is imported, torch.nn.utils.clip_grad_norm_ (and what frameworks call instead:
+Lightning's gradient_clip_val goes through it; accelerate's Accelerator.clip_grad_norm_, which the Hugging
+Face Trainer's max_grad_norm uses, reads p.grad itself and is taken over once accelerate is loaded) asks
 the daemon to clip the step's summed gradients to max_norm and returns their total norm as a tensor that
 waits for the daemon when first read (_pending.py). Calls it cannot honour raise at the call, naming what to
 do instead: another norm than 2, part of a wrapped model's parameters, wrapped parameters beside others
@@ -15,6 +16,7 @@ parameters either clips the step in the daemon or raises before anything changed
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 import torch.nn.utils.clip_grad as _clip_grad
@@ -117,9 +119,31 @@ def clip_grads_with_norm_(parameters, max_norm: float, total_norm: torch.Tensor,
 
 
 def install() -> None:
-    """Puts the takeovers where training code looks them up (torch.nn.utils and its clip_grad module)."""
+    """Puts the takeovers where training code looks them up (torch.nn.utils and its clip_grad module;
+    accelerate's Accelerator where it is loaded)."""
     for module in (torch.nn.utils, _clip_grad):
         module.clip_grad_norm_ = clip_grad_norm_
         module.clip_grad_value_ = clip_grad_value_
     torch.nn.utils.clip_grads_with_norm_ = clip_grads_with_norm_
+    install_accelerate()
+
+
+def install_accelerate() -> None:
+    """Accelerator.clip_grad_norm_ of wrapped parameters unscales (its GradScaler's unscale_, into the
+    step's terms) and clips in the daemon; other parameters go through accelerate's own. Once accelerate
+    is loaded: at import of trainstream, and again at each wrap()."""
+    accelerator = sys.modules.get("accelerate.accelerator")
+    if accelerator is None or getattr(accelerator.Accelerator.clip_grad_norm_, "_trainstream", False):
+        return
+    accelerate_clip = accelerator.Accelerator.clip_grad_norm_
+
+    def accelerator_clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        params = _parameters(parameters)
+        if _wrapped_rank(params, "Accelerator.clip_grad_norm_") is None:
+            return accelerate_clip(self, params, max_norm, norm_type)
+        self.unscale_gradients()
+        return clip_grad_norm_(params, max_norm, norm_type)
+
+    accelerator_clip_grad_norm_._trainstream = True
+    accelerator.Accelerator.clip_grad_norm_ = accelerator_clip_grad_norm_
 

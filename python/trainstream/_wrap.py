@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from trainstream import _blocks, _compile, _distributed, _layout, _peers
+from trainstream import _blocks, _clipping, _compile, _distributed, _layout, _peers
 from trainstream._activation_offload import ActivationOffload
 from trainstream._activation_offload import check as check_activation_offload
 from trainstream._C import TrainstreamError
@@ -134,6 +134,7 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
     if model in _wrapped:
         raise TrainstreamError("this model is already wrapped; call trainstream.unwrap(model) first")
     holder, optimizer = optimizer, _inside_holders(optimizer)  # accelerate's AcceleratedOptimizer, say
+    _clipping.install_accelerate()  # loaded since trainstream was
     check_accumulation_steps(accumulation_steps)
     max_grad_norm = check_max_grad_norm(max_grad_norm)
     _check_choice("offload", offload, OFFLOAD_CHOICES, "'auto', True or False")
