@@ -35,6 +35,12 @@ void ReadKey(const toml::table& table, const char* key, T& out) {
   }
 }
 
+template <typename T>
+void ReadKey(const toml::table& table, const char* key, std::optional<T>& out) {
+  if (!table.contains(key)) return;
+  ReadKey(table, key, out.emplace());
+}
+
 // Splits "host:port" (host may be a bracketed IPv6 literal) at its last colon; `what` names the setting.
 std::pair<std::string, std::string> SplitHostPort(const std::string& address, const char* what) {
   const size_t colon = address.rfind(':');
@@ -65,6 +71,11 @@ void CheckWorkerSettings(const Config& config) {
            "worker_policy is '{}'; expected normal or idle", config.worker_policy);
 }
 
+void CheckQuotas(const Config& config) {
+  TS_CHECK(config.max_jobs_per_uid != 0u, Code::kInvalidArgument,
+           "max_jobs_per_uid is 0; expected at least 1 (max_jobs or more: no limit per uid)");
+}
+
 void CheckSessionLimits(const Config& config) {
   TS_CHECK(config.max_unattached_sessions >= 1, Code::kInvalidArgument,
            "max_unattached_sessions is 0; expected at least 1");
@@ -84,6 +95,10 @@ void CheckOperationsSettings(const Config& config) {
 }
 
 }  // namespace
+
+uint32_t MaxJobsPerUid(const Config& config) {
+  return config.max_jobs_per_uid.value_or(config.max_jobs / 2 + config.max_jobs % 2);
+}
 
 std::string PeerAdvertiseAddress(const Config& config, const std::string& hostname, int bound_port) {
   if (config.peer_listen.empty()) return "";
@@ -111,6 +126,8 @@ void LoadConfigFile(const std::string& path, Config& config) {
                                                   "job_ttl_seconds",
                                                   "max_jobs",
                                                   "max_host_bytes",
+                                                  "max_jobs_per_uid",
+                                                  "max_host_bytes_per_uid",
                                                   "max_unattached_sessions",
                                                   "max_unattached_sessions_per_uid",
                                                   "peer_listen",
@@ -139,6 +156,8 @@ void LoadConfigFile(const std::string& path, Config& config) {
   ReadKey(table, "job_ttl_seconds", config.job_ttl_seconds);
   ReadKey(table, "max_jobs", config.max_jobs);
   ReadKey(table, "max_host_bytes", config.max_host_bytes);
+  ReadKey(table, "max_jobs_per_uid", config.max_jobs_per_uid);
+  ReadKey(table, "max_host_bytes_per_uid", config.max_host_bytes_per_uid);
   ReadKey(table, "max_unattached_sessions", config.max_unattached_sessions);
   ReadKey(table, "max_unattached_sessions_per_uid", config.max_unattached_sessions_per_uid);
   ReadKey(table, "peer_listen", config.peer_listen);
@@ -160,8 +179,9 @@ std::optional<Config> ParseConfig(int argc, char** argv) {
   app.add_option("--config", config_file, "TOML file with the same keys as these flags");
   // Flags are parsed into optionals so that a flag overrides the file only when given.
   std::optional<std::string> socket, log_level, worker_policy;
-  std::optional<uint32_t> threads, worker_nice, reserved_cores, max_jobs, max_unattached, max_unattached_per_uid;
-  std::optional<uint64_t> ttl, max_host_bytes;
+  std::optional<uint32_t> threads, worker_nice, reserved_cores, max_jobs, max_jobs_per_uid, max_unattached,
+      max_unattached_per_uid;
+  std::optional<uint64_t> ttl, max_host_bytes, max_host_bytes_per_uid;
   std::optional<int64_t> parent_pid;
   app.add_option("--socket", socket, "Unix socket to listen on (default " + defaults.socket + ")");
   app.add_option("--threads", threads, "optimizer worker threads (default: one per CPU not reserved)");
@@ -175,6 +195,10 @@ std::optional<Config> ParseConfig(int argc, char** argv) {
   app.add_option("--job-ttl", ttl, "seconds a job with no attached rank is kept (default 3600)");
   app.add_option("--max-jobs", max_jobs, "maximum number of jobs (default 64)");
   app.add_option("--max-host-bytes", max_host_bytes, "maximum bytes of shared memory over all jobs (0: no limit)");
+  app.add_option("--max-jobs-per-uid", max_jobs_per_uid,
+                 "maximum number of jobs of one user other than root (default: half of --max-jobs)");
+  app.add_option("--max-host-bytes-per-uid", max_host_bytes_per_uid,
+                 "maximum bytes of shared memory of one user other than root (0: no limit)");
   app.add_option("--max-unattached-sessions", max_unattached,
                  "Session streams not attached yet, over all users (default 256)");
   app.add_option("--max-unattached-sessions-per-uid", max_unattached_per_uid,
@@ -222,6 +246,8 @@ std::optional<Config> ParseConfig(int argc, char** argv) {
   if (ttl) config.job_ttl_seconds = *ttl;
   if (max_jobs) config.max_jobs = *max_jobs;
   if (max_host_bytes) config.max_host_bytes = *max_host_bytes;
+  if (max_jobs_per_uid) config.max_jobs_per_uid = *max_jobs_per_uid;
+  if (max_host_bytes_per_uid) config.max_host_bytes_per_uid = *max_host_bytes_per_uid;
   if (max_unattached) config.max_unattached_sessions = *max_unattached;
   if (max_unattached_per_uid) config.max_unattached_sessions_per_uid = *max_unattached_per_uid;
   if (parent_pid) config.parent_pid = *parent_pid;
@@ -236,6 +262,7 @@ std::optional<Config> ParseConfig(int argc, char** argv) {
   if (trace_dir) config.trace_dir = *trace_dir;
   CheckWorkerSettings(config);
   CheckPeerSettings(config);
+  CheckQuotas(config);
   CheckSessionLimits(config);
   CheckOperationsSettings(config);
   return config;

@@ -26,7 +26,11 @@ struct Config {
   uint32_t socket_mode = 0660;
   uint64_t job_ttl_seconds = 3600;  // a job with no rank attached is dropped after this
   uint32_t max_jobs = 64;
-  uint64_t max_host_bytes = 0;                    // 0: unlimited
+  uint64_t max_host_bytes = 0;  // 0: unlimited
+  // The same per uid (root's jobs count only toward the two above): unset, MaxJobsPerUid gives half of
+  // max_jobs, so that one user's idle jobs (kept job_ttl_seconds) leave room for the others.
+  std::optional<uint32_t> max_jobs_per_uid;
+  uint64_t max_host_bytes_per_uid = 0;            // 0: unlimited
   uint32_t max_unattached_sessions = 256;         // Session streams not attached yet, over all uids
   uint32_t max_unattached_sessions_per_uid = 32;  // ... of one uid
   int64_t parent_pid = 0;                         // private daemon: exit when this process dies
@@ -48,6 +52,9 @@ std::optional<Config> ParseConfig(int argc, char** argv);
 
 // Loads the keys of a TOML file into `config` (used by ParseConfig; exposed for tests).
 void LoadConfigFile(const std::string& path, Config& config);
+
+// The jobs one uid other than root may hold at once: max_jobs_per_uid, else half of max_jobs rounded up.
+uint32_t MaxJobsPerUid(const Config& config);
 
 // The peer-plane address this daemon reports to its clients, which publish it to the other nodes:
 // peer_advertise if set, else peer_listen's host (`hostname` when it is a wildcard: 0.0.0.0, [::] or

@@ -107,6 +107,26 @@ TEST(ParseConfig, SessionLimitsHaveDefaultsAndRefuseZero) {
   ExpectRejected({"--max-unattached-sessions-per-uid", "0"}, "max_unattached_sessions_per_uid is 0");
 }
 
+TEST(ParseConfig, PerUidQuotasDefaultToHalfTheJobsAndNoByteLimit) {
+  const Config config = ParseOk({});
+  EXPECT_FALSE(config.max_jobs_per_uid.has_value());
+  EXPECT_EQ(MaxJobsPerUid(config), 32u);
+  EXPECT_EQ(config.max_host_bytes_per_uid, 0u);
+  EXPECT_EQ(MaxJobsPerUid(ParseOk({"--max-jobs", "3"})), 2u);  // rounded up: one job for the others
+  EXPECT_EQ(MaxJobsPerUid(ParseOk({"--max-jobs", "1"})), 1u);
+  EXPECT_EQ(MaxJobsPerUid(ParseOk({"--max-jobs", "3", "--max-jobs-per-uid", "3"})), 3u);
+  EXPECT_EQ(ParseOk({"--max-host-bytes-per-uid", "4096"}).max_host_bytes_per_uid, 4096u);
+  TempToml file("max_jobs = 10\nmax_jobs_per_uid = 4\nmax_host_bytes_per_uid = 1073741824\n");
+  const Config from_file = ParseOk({"--config", file.path()});
+  EXPECT_EQ(MaxJobsPerUid(from_file), 4u);
+  EXPECT_EQ(from_file.max_host_bytes_per_uid, 1073741824u);
+  EXPECT_EQ(MaxJobsPerUid(ParseOk({"--config", file.path(), "--max-jobs-per-uid", "7"})), 7u);
+  ExpectRejected({"--max-jobs-per-uid", "0"}, "max_jobs_per_uid is 0; expected at least 1");
+  ExpectFileRejected("max_jobs_per_uid = 0\n", "max_jobs_per_uid is 0");
+  ExpectFileRejected("max_jobs_per_uid = -1\n", "max_jobs_per_uid");
+  ExpectFileRejected("max_host_bytes_per_uid = \"lots\"\n", "max_host_bytes_per_uid");
+}
+
 TEST(ParseConfig, FlagsCombine) {
   const Config config = ParseOk({"--threads", "2", "--max-jobs", "9", "--log-level", "warn"});
   EXPECT_EQ(config.threads, 2u);
