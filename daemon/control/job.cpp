@@ -81,7 +81,8 @@ Job::Job(std::string name, uint32_t uid, const shm::LayoutSpec& spec, uint64_t s
       layout_, std::move(snapshots));
   engine_ = std::make_unique<StepEngine>(
       name_, spec_, layout_, ViewState(), seed, pool, peers_.get(),
-      /*adopted=*/adopted != nullptr, [this](const Commit& commit) { OnCommit(commit); }, TraceInDir(trace_dir, key_));
+      /*adopted=*/adopted != nullptr, [this](const Commit& commit) { OnCommit(commit); },
+      TraceInDir(trace_dir, key_, uid_));
   snapshots_->Connect(SnapshotHooks{.attached_ranks = [this] { return attached_ranks(); },
                                     .announce = [this] { engine_->AnnounceCommitted(); }});
   spdlog::info(
