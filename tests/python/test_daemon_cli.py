@@ -25,7 +25,8 @@ from trainstream._connect import daemon_binary
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE_CONFIG = os.path.join(REPO, "deploy", "trainstreamd.toml")
 FLAGS = ["--help", "--version", "--config", "--socket", "--threads", "--worker-nice", "--reserved-cores", "--log-level",
-         "--job-ttl", "--max-jobs", "--max-host-bytes", "--parent-pid"]
+         "--job-ttl", "--max-jobs", "--max-host-bytes", "--max-jobs-per-uid", "--max-host-bytes-per-uid",
+         "--parent-pid"]
 
 
 def run_daemon(*args: str, timeout: float = 10) -> subprocess.CompletedProcess:
