@@ -1,0 +1,285 @@
+#include "daemon/peer/peer_listener.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <grpcpp/server.h>
+#include <grpcpp/server_posix.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <spdlog/spdlog.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "daemon/metrics/counters.h"
+#include "shm/error.h"
+
+namespace trainstream::daemon {
+
+namespace {
+using Clock = PeerConnections::Clock;
+using std::chrono::milliseconds;
+
+constexpr char kPreface[] = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";  // what an HTTP/2 client sends first
+constexpr int kPrefaceBytes = sizeof(kPreface) - 1;
+constexpr milliseconds kTick{250};              // how often handed-over connections are swept
+constexpr milliseconds kAcceptPause{100};       // after accept() failed for want of descriptors or memory
+constexpr milliseconds kRoomWait{20};           // a connection that spoke, waiting for a place
+constexpr std::chrono::seconds kWarnEvery{10};  // refused connections are summed up in the log this often
+
+void SetOption(int fd, int level, int name, int value) {
+  setsockopt(fd, level, name, &value, sizeof(value));
+}
+
+// One listening socket bound to `address`; -1 (errno set) if it cannot.
+int ListenOn(const sockaddr* address, socklen_t length, bool dual_stack) {
+  const int fd = socket(address->sa_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  SetOption(fd, SOL_SOCKET, SO_REUSEADDR, 1);
+  SetOption(fd, IPPROTO_TCP, TCP_NODELAY, 1);  // accepted sockets inherit it, as gRPC's listener sets it
+  if (address->sa_family == AF_INET6) SetOption(fd, IPPROTO_IPV6, IPV6_V6ONLY, dual_stack ? 0 : 1);
+  if (bind(fd, address, length) != 0 || listen(fd, SOMAXCONN) != 0) {
+    const int error = errno;
+    close(fd);
+    errno = error;
+    return -1;
+  }
+  return fd;
+}
+
+int BoundPort(int fd) {
+  sockaddr_storage address{};
+  socklen_t length = sizeof(address);
+  if (getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) return 0;
+  return ntohs(address.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&address)->sin6_port
+                                             : reinterpret_cast<sockaddr_in*>(&address)->sin_port);
+}
+
+// The sockets of `address`: a wildcard host is one dual-stack socket (IPv4 alone where there is no
+// IPv6), any other host every address it resolves to, all on one port.
+std::vector<int> Listen(const std::string& address, int& port) {
+  const size_t colon = address.rfind(':');
+  TS_CHECK(colon != std::string::npos, Code::kInvalidArgument, "peer_listen '{}' must be HOST:PORT", address);
+  std::string host = address.substr(0, colon);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  port = std::stoi(address.substr(colon + 1));
+  std::vector<int> listeners;
+  std::string failure;
+  auto bind_all = [&](addrinfo* list, bool dual_stack) {
+    for (addrinfo* a = list; a != nullptr; a = a->ai_next) {
+      if (port != 0) reinterpret_cast<sockaddr_in*>(a->ai_addr)->sin_port = htons(port);  // same offset in v6
+      const int fd = ListenOn(a->ai_addr, a->ai_addrlen, dual_stack);
+      if (fd < 0) {
+        failure = std::strerror(errno);
+        continue;
+      }
+      listeners.push_back(fd);
+      port = BoundPort(fd);
+      if (dual_stack) return;  // one socket serves both families
+    }
+  };
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* list = nullptr;
+  const bool wildcard = host.empty() || host == "::";
+  const std::string service = std::to_string(port);
+  const int resolved = getaddrinfo(wildcard ? "::" : host.c_str(), service.c_str(), &hints, &list);
+  if (resolved == 0) {
+    bind_all(list, wildcard);
+    freeaddrinfo(list);
+  } else {
+    failure = gai_strerror(resolved);
+  }
+  if (listeners.empty() && wildcard && getaddrinfo("0.0.0.0", service.c_str(), &hints, &list) == 0) {
+    bind_all(list, false);  // no IPv6 here
+    freeaddrinfo(list);
+  }
+  TS_CHECK(!listeners.empty(), Code::kUnavailable, "cannot listen for peers on {}: {}", address, failure);
+  return listeners;
+}
+}  // namespace
+
+std::string PeerAddressOf(int fd) {
+  sockaddr_storage address{};
+  socklen_t length = sizeof(address);
+  if (getpeername(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) return "unknown";
+  char text[INET6_ADDRSTRLEN] = {};
+  if (address.ss_family == AF_INET) {
+    const auto* v4 = reinterpret_cast<const sockaddr_in*>(&address);
+    inet_ntop(AF_INET, &v4->sin_addr, text, sizeof(text));
+    return fmt::format("ipv4:{}:{}", text, ntohs(v4->sin_port));
+  }
+  const auto* v6 = reinterpret_cast<const sockaddr_in6*>(&address);
+  if (IN6_IS_ADDR_V4MAPPED(&v6->sin6_addr)) {  // an IPv4 peer of a dual-stack socket
+    inet_ntop(AF_INET, &v6->sin6_addr.s6_addr[12], text, sizeof(text));
+    return fmt::format("ipv4:{}:{}", text, ntohs(v6->sin6_port));
+  }
+  inet_ntop(AF_INET6, &v6->sin6_addr, text, sizeof(text));
+  return fmt::format("ipv6:[{}]:{}", text, ntohs(v6->sin6_port));
+}
+
+PeerListener::PeerListener(const std::string& address, grpc::Server& server, PeerConnections& connections,
+                           Limits limits)
+    : server_(server), connections_(connections), limits_(limits) {
+  listeners_ = Listen(address, port_);
+  wake_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (wake_ < 0) {
+    const int error = errno;
+    for (const int fd : listeners_) close(fd);
+    Throw(Code::kUnavailable, "cannot create an eventfd: {}", std::strerror(error));
+  }
+  thread_ = std::thread([this] { Run(); });
+}
+
+PeerListener::~PeerListener() {
+  Stop();
+}
+
+void PeerListener::Stop() {
+  if (!thread_.joinable()) return;
+  const uint64_t one = 1;
+  if (write(wake_, &one, sizeof(one)) < 0) spdlog::warn("cannot wake the peer listener: {}", std::strerror(errno));
+  thread_.join();
+  for (const int fd : listeners_) close(fd);
+  for (Pending& pending : pending_) {
+    if (pending.fd >= 0) close(pending.fd);
+  }
+  pending_.clear();
+  close(wake_);
+}
+
+void PeerListener::Run() {
+  auto next_sweep = Clock::now() + kTick;
+  for (;;) {
+    const auto now = Clock::now();
+    std::vector<pollfd> polled{{wake_, POLLIN, 0}};
+    const bool accepting = now >= accept_again_;
+    if (accepting) {
+      for (const int fd : listeners_) polled.push_back({fd, POLLIN, 0});
+    }
+    auto wake_at = accepting ? next_sweep : std::min(next_sweep, accept_again_);
+    std::vector<size_t> polled_pending;  // the index in pending_ of each pending connection polled
+    for (size_t i = 0; i < pending_.size(); ++i) {
+      const Pending& pending = pending_[i];
+      wake_at = std::min(wake_at, pending.spoke ? now + kRoomWait : pending.accepted + connections_.limits().handshake);
+      if (pending.spoke) continue;
+      polled.push_back({pending.fd, POLLIN | POLLRDHUP, 0});
+      polled_pending.push_back(i);
+    }
+    const auto wait = std::chrono::duration_cast<milliseconds>(wake_at - now).count();
+    if (poll(polled.data(), polled.size(), static_cast<int>(std::max<int64_t>(wait, 0) + 1)) < 0 && errno != EINTR) {
+      spdlog::error("the peer listener stopped: poll failed: {}", std::strerror(errno));
+      return;
+    }
+    if (polled[0].revents != 0) return;  // Stop
+    const auto polled_at = Clock::now();
+    size_t index = 1;
+    if (accepting) {
+      for (const int fd : listeners_) {
+        if (polled[index++].revents != 0) AcceptFrom(fd, polled_at);
+      }
+    }
+    for (const size_t i : polled_pending) {  // AcceptFrom only appends to pending_, and may close some
+      const pollfd& entry = polled[index++];
+      if (entry.revents != 0 && pending_[i].fd == entry.fd) Check(pending_[i], entry.revents);
+    }
+    for (Pending& pending : pending_) {
+      if (pending.fd >= 0 && pending.spoke) HandOver(pending);
+      if (pending.fd >= 0 && polled_at - pending.accepted >= connections_.limits().handshake) {
+        Close(pending, "it did not speak HTTP/2 within the handshake time");
+      }
+    }
+    std::erase_if(pending_, [](const Pending& pending) { return pending.fd < 0; });
+    if (polled_at >= next_sweep) {
+      refused_ += connections_.Sweep(polled_at, false);
+      next_sweep = polled_at + kTick;
+    }
+    if (refused_ > 0 && polled_at - warned_ >= kWarnEvery) {
+      spdlog::warn(
+          "peer port: {} connections closed without a call carrying the peer secret since the last such "
+          "warning (a scan or a flood? the peer port should be open to the cluster's nodes only)",
+          refused_);
+      refused_ = 0;
+      warned_ = polled_at;
+    }
+  }
+}
+
+void PeerListener::AcceptFrom(int listener, Clock::time_point now) {
+  for (;;) {
+    const int fd = accept4(listener, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return;
+      // EMFILE, ENFILE, ENOBUFS, ENOMEM, or worse: gRPC's listener gave up here for good; this one pauses.
+      spdlog::warn("cannot accept a peer connection: {}; accepting again in {} ms", std::strerror(errno),
+                   kAcceptPause.count());
+      accept_again_ = now + kAcceptPause;
+      return;
+    }
+    pending_.push_back(Pending{fd, PeerAddressOf(fd), now});
+    if (fd >= limits_.ceiling) {  // the descriptors above are kept for handed-over peers and local trainers
+      Close(pending_.back(), "no descriptor to spare below the reserved ones");
+      accept_again_ = now + kAcceptPause;
+      return;
+    }
+    SetOption(fd, SOL_SOCKET, SO_RCVLOWAT, kPrefaceBytes);  // poll wakes once the whole preface is here
+    const auto waiting = std::count_if(pending_.begin(), pending_.end(), [](auto& p) { return p.fd >= 0 && !p.spoke; });
+    if (static_cast<size_t>(waiting) > limits_.pending) {
+      const auto oldest = std::find_if(pending_.begin(), pending_.end(), [](auto& p) { return p.fd >= 0 && !p.spoke; });
+      Close(*oldest, "a newer connection took its place before it spoke HTTP/2");
+    }
+  }
+}
+
+void PeerListener::Check(Pending& pending, short events) {  // NOLINT(google-runtime-int)
+  char head[kPrefaceBytes];
+  const ssize_t n = recv(pending.fd, head, sizeof(head), MSG_PEEK | MSG_DONTWAIT);
+  if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
+  if (n <= 0) return Close(pending, "it ended before speaking HTTP/2");
+  if (std::memcmp(head, kPreface, static_cast<size_t>(n)) != 0) return Close(pending, "it does not speak HTTP/2");
+  if (n < kPrefaceBytes) {
+    if ((events & (POLLHUP | POLLRDHUP | POLLERR)) != 0) Close(pending, "it ended before speaking HTTP/2");
+    return;
+  }
+  SetOption(pending.fd, SOL_SOCKET, SO_RCVLOWAT, 1);
+  pending.spoke = true;
+}
+
+void PeerListener::HandOver(Pending& pending) {
+  const int fd = connections_.Adopt(pending.fd, pending.address, pending.accepted);
+  if (fd >= 0) {
+    pending.fd = -1;  // Adopt closed it; the connection is gRPC's now
+    grpc::AddInsecureChannelFromFd(&server_, fd);
+    return;
+  }
+  if (pending.asked_room) return;  // an untrusted connection is going away for it
+  // Every place is taken: an untrusted connection makes room, and this one waits for it; or none can.
+  pending.asked_room = true;
+  const size_t shut = connections_.Sweep(Clock::now(), true);
+  refused_ += shut;
+  if (shut == 0) {
+    spdlog::warn(
+        "peer connection from {} refused: all {} places are held by peers with the secret (raise the "
+        "open-file limit)",
+        pending.address, connections_.limits().count);
+    Close(pending, "no place left");
+  }
+}
+
+void PeerListener::Close(Pending& pending, const char* why) {
+  spdlog::debug("peer connection from {} closed: {}", pending.address, why);
+  ++refused_;
+  ProcessCounters::Instance().CountError(ErrorKind::kPeerConnection);
+  close(pending.fd);
+  pending.fd = -1;
+}
+
+}  // namespace trainstream::daemon
