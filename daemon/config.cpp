@@ -118,6 +118,7 @@ void LoadConfigFile(const std::string& path, Config& config) {
                                                   "peer_secret_file",
                                                   "peer_timeout_seconds",
                                                   "peer_connections",
+                                                  "peer_max_unknown_job_bytes",
                                                   "metrics_listen",
                                                   "snapshot_dir",
                                                   "snapshot_every",
@@ -146,6 +147,7 @@ void LoadConfigFile(const std::string& path, Config& config) {
   ReadKey(table, "peer_secret_file", config.peer_secret_file);
   ReadKey(table, "peer_timeout_seconds", config.peer_timeout_seconds);
   ReadKey(table, "peer_connections", config.peer_connections);
+  ReadKey(table, "peer_max_unknown_job_bytes", config.peer_max_unknown_job_bytes);
   ReadKey(table, "metrics_listen", config.metrics_listen);
   ReadKey(table, "snapshot_dir", config.snapshot_dir);
   ReadKey(table, "snapshot_every", config.snapshot_every);

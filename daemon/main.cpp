@@ -169,7 +169,7 @@ int Serve(const Config& config) {
   const bool idle_workers = config.worker_policy == "idle";
   WorkerPool pool(threads, /*pin_threads=*/true, {}, static_cast<int>(config.worker_nice), worker_cpus,
                   idle_workers ? WorkerPolicy::kIdle : WorkerPolicy::kNormal);
-  PeerMailbox mailbox;
+  PeerMailbox mailbox(config.peer_max_unknown_job_bytes);
   PeerPlane peers = StartPeerPlane(config, mailbox);
   JobRegistry registry(config, pool, peers.jobs);
   RemoveDeadPrivateJobs();

@@ -206,11 +206,15 @@ TEST(ParseConfig, PeerFlagsAndKeys) {
   EXPECT_EQ(flags.peer_advertise, "node3.cluster:7150");
   EXPECT_EQ(flags.peer_connections, 4u);
   EXPECT_EQ(ParseOk({"--peer-connections", "1"}).peer_connections, 1u);
-  TempToml file("peer_listen = \"[::]:7151\"\npeer_advertise = \"10.0.0.3:7151\"\npeer_connections = 16\n");
+  EXPECT_EQ(flags.peer_max_unknown_job_bytes, uint64_t{256} << 20);
+  TempToml file(
+      "peer_listen = \"[::]:7151\"\npeer_advertise = \"10.0.0.3:7151\"\npeer_connections = 16\n"
+      "peer_max_unknown_job_bytes = 1048576\n");
   const Config from_file = ParseOk({"--config", file.path()});
   EXPECT_EQ(from_file.peer_listen, "[::]:7151");
   EXPECT_EQ(from_file.peer_advertise, "10.0.0.3:7151");
   EXPECT_EQ(from_file.peer_connections, 16u);
+  EXPECT_EQ(from_file.peer_max_unknown_job_bytes, 1048576u);
 }
 
 TEST(ParseConfig, WorkerNiceComesFromTheFileAndStaysInRange) {
