@@ -4,9 +4,7 @@
 #include <fcntl.h>
 #include <grpcpp/server.h>
 #include <grpcpp/server_posix.h>
-#include <netdb.h>
 #include <netinet/in.h>
-#include <netinet/tcp.h>
 #include <poll.h>
 #include <spdlog/spdlog.h>
 #include <sys/eventfd.h>
@@ -18,6 +16,7 @@
 #include <cstring>
 
 #include "daemon/metrics/counters.h"
+#include "daemon/tcp_listen.h"
 #include "shm/error.h"
 
 namespace trainstream::daemon {
@@ -37,73 +36,6 @@ void SetOption(int fd, int level, int name, int value) {
   setsockopt(fd, level, name, &value, sizeof(value));
 }
 
-// One listening socket bound to `address`; -1 (errno set) if it cannot.
-int ListenOn(const sockaddr* address, socklen_t length, bool dual_stack) {
-  const int fd = socket(address->sa_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-  if (fd < 0) return -1;
-  SetOption(fd, SOL_SOCKET, SO_REUSEADDR, 1);
-  SetOption(fd, IPPROTO_TCP, TCP_NODELAY, 1);  // accepted sockets inherit it, as gRPC's listener sets it
-  if (address->sa_family == AF_INET6) SetOption(fd, IPPROTO_IPV6, IPV6_V6ONLY, dual_stack ? 0 : 1);
-  if (bind(fd, address, length) != 0 || listen(fd, SOMAXCONN) != 0) {
-    const int error = errno;
-    close(fd);
-    errno = error;
-    return -1;
-  }
-  return fd;
-}
-
-int BoundPort(int fd) {
-  sockaddr_storage address{};
-  socklen_t length = sizeof(address);
-  if (getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) return 0;
-  return ntohs(address.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&address)->sin6_port
-                                             : reinterpret_cast<sockaddr_in*>(&address)->sin_port);
-}
-
-// The sockets of `address`: a wildcard host is one dual-stack socket (IPv4 alone where there is no
-// IPv6), any other host every address it resolves to, all on one port.
-std::vector<int> Listen(const std::string& address, int& port) {
-  const size_t colon = address.rfind(':');
-  TS_CHECK(colon != std::string::npos, Code::kInvalidArgument, "peer_listen '{}' must be HOST:PORT", address);
-  std::string host = address.substr(0, colon);
-  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
-  port = std::stoi(address.substr(colon + 1));
-  std::vector<int> listeners;
-  std::string failure;
-  auto bind_all = [&](addrinfo* list, bool dual_stack) {
-    for (addrinfo* a = list; a != nullptr; a = a->ai_next) {
-      if (port != 0) reinterpret_cast<sockaddr_in*>(a->ai_addr)->sin_port = htons(port);  // same offset in v6
-      const int fd = ListenOn(a->ai_addr, a->ai_addrlen, dual_stack);
-      if (fd < 0) {
-        failure = std::strerror(errno);
-        continue;
-      }
-      listeners.push_back(fd);
-      port = BoundPort(fd);
-      if (dual_stack) return;  // one socket serves both families
-    }
-  };
-  addrinfo hints{};
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
-  addrinfo* list = nullptr;
-  const bool wildcard = host.empty() || host == "::";
-  const std::string service = std::to_string(port);
-  const int resolved = getaddrinfo(wildcard ? "::" : host.c_str(), service.c_str(), &hints, &list);
-  if (resolved == 0) {
-    bind_all(list, wildcard);
-    freeaddrinfo(list);
-  } else {
-    failure = gai_strerror(resolved);
-  }
-  if (listeners.empty() && wildcard && getaddrinfo("0.0.0.0", service.c_str(), &hints, &list) == 0) {
-    bind_all(list, false);  // no IPv6 here
-    freeaddrinfo(list);
-  }
-  TS_CHECK(!listeners.empty(), Code::kUnavailable, "cannot listen for peers on {}: {}", address, failure);
-  return listeners;
-}
 }  // namespace
 
 std::string PeerAddressOf(int fd) {
@@ -128,7 +60,9 @@ std::string PeerAddressOf(int fd) {
 PeerListener::PeerListener(const std::string& address, grpc::Server& server, PeerConnections& connections,
                            Limits limits)
     : server_(server), connections_(connections), limits_(limits) {
-  listeners_ = Listen(address, port_);
+  TcpListeners listening = ListenTcp(address, "peer_listen");
+  listeners_ = std::move(listening.fds);
+  port_ = listening.port;
   wake_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (wake_ < 0) {
     const int error = errno;
