@@ -60,21 +60,21 @@ void PrepareSocketPath(const std::string& path) {
   }
 }
 
-// A secret that other local users can read lets any of them deliver fragments to this daemon's jobs,
-// and to every other node's: worth a warning at every start (a refusal would stop working setups).
-std::string ReadSecret(const std::string& path) {
+// A secret that other local users can read lets any of them use what it guards (the peer plane: deliver
+// fragments to every node's jobs; the metrics token: read the metrics): worth a warning at every start (a
+// refusal would stop working setups). `what` names the setting.
+std::string ReadSecret(const std::string& path, const char* what) {
   std::ifstream file(path);
-  TS_CHECK(file.good(), Code::kInvalidArgument, "cannot read the peer secret file '{}'", path);
+  TS_CHECK(file.good(), Code::kInvalidArgument, "cannot read the {} file '{}'", what, path);
   struct stat status {};
   if (stat(path.c_str(), &status) == 0 && (status.st_mode & 077) != 0) {
     spdlog::warn(
-        "the peer secret file '{}' has mode {:04o}: users other than its owner can read the secret and "
-        "deliver fragments to every node's jobs; make it 0600 (chmod 600 {})",
+        "the {} file '{}' has mode {:04o}: users other than its owner can read it; make it 0600 (chmod 600 {})", what,
         path, status.st_mode & 07777, path);
   }
   std::string secret((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
   while (!secret.empty() && std::isspace(static_cast<unsigned char>(secret.back()))) secret.pop_back();
-  TS_CHECK(secret.size() >= 16, Code::kInvalidArgument, "the peer secret in '{}' is shorter than 16 characters", path);
+  TS_CHECK(secret.size() >= 16, Code::kInvalidArgument, "the {} in '{}' is shorter than 16 characters", what, path);
   return secret;
 }
 
@@ -95,7 +95,7 @@ PeerPlane StartPeerPlane(const Config& config, PeerMailbox& mailbox) {
   PeerPlane plane;
   if (config.peer_listen.empty()) return plane;
   TS_CHECK(!config.peer_secret_file.empty(), Code::kInvalidArgument, "--peer-listen needs --peer-secret-file");
-  plane.jobs = PeerConfig{&mailbox, ReadSecret(config.peer_secret_file),
+  plane.jobs = PeerConfig{&mailbox, ReadSecret(config.peer_secret_file, "peer secret"),
                           std::chrono::seconds(config.peer_timeout_seconds), config.peer_connections};
   KeepPeerBuffersMapped();
   plane.server = std::make_unique<PeerServer>(config.peer_listen, mailbox, plane.jobs.secret);
@@ -129,8 +129,12 @@ std::unique_ptr<grpc::Server> StartControlServer(ControlService& service) {
 // The Prometheus endpoint, if --metrics-listen asks for one.
 std::unique_ptr<MetricsServer> StartMetrics(const Config& config, JobRegistry& registry, const WorkerPool& pool) {
   if (config.metrics_listen.empty()) return nullptr;
-  auto metrics = std::make_unique<MetricsServer>(config.metrics_listen, registry, pool);
-  spdlog::info("metrics endpoint listening on {} (port {}), path /metrics", config.metrics_listen, metrics->port());
+  const std::string token =
+      config.metrics_token_file.empty() ? "" : ReadSecret(config.metrics_token_file, "metrics token");
+  auto metrics = std::make_unique<MetricsServer>(config.metrics_listen, MetricsLabelsFrom(config.metrics_labels), token,
+                                                 registry, pool);
+  spdlog::info("metrics endpoint listening on {} (port {}), path /metrics, labels {}, {}", config.metrics_listen,
+               metrics->port(), config.metrics_labels, token.empty() ? "no token asked" : "bearer token asked");
   return metrics;
 }
 
