@@ -39,7 +39,7 @@ struct Node {
     data.assign(kFloats, static_cast<float>(rank + 1));
   }
   std::future<std::optional<Error>> Submit() {
-    ring->Submit(1, 0, data.data(), data.size(), [this](std::optional<Error> error) { done.set_value(error); });
+    ring->Submit(1, 0, data.data(), data.size(), [this](const std::optional<Error>& error) { done.set_value(error); });
     return done.get_future();
   }
   void AwaitRegistered() {
