@@ -30,17 +30,17 @@ TEST(MetricsHttp, AScrapeGetsTheMetricsInPrometheusTextFormat) {
 TEST(MetricsHttp, WithATokenOnlyARequestCarryingItIsAnswered) {
   int scrapes = 0;
   EXPECT_TRUE(Answer("GET /metrics HTTP/1.1\r\n\r\n", kToken, &scrapes).starts_with("HTTP/1.1 401 "));
-  const std::string wrong = Answer("GET /metrics HTTP/1.1\r\nAuthorization: Bearer a-metrics-token-012345678X\r\n\r\n",
-                                   kToken, &scrapes);
+  const std::string wrong =
+      Answer("GET /metrics HTTP/1.1\r\nAuthorization: Bearer a-metrics-token-012345678X\r\n\r\n", kToken, &scrapes);
   EXPECT_TRUE(wrong.starts_with("HTTP/1.1 401 ")) << wrong;
   EXPECT_NE(wrong.find("WWW-Authenticate: Bearer"), std::string::npos);
-  EXPECT_TRUE(Answer("GET /metrics HTTP/1.1\r\nAuthorization: Basic a-metrics-token-0123456789\r\n\r\n", kToken,
-                     &scrapes)
-                  .starts_with("HTTP/1.1 401 "));
+  EXPECT_TRUE(
+      Answer("GET /metrics HTTP/1.1\r\nAuthorization: Basic a-metrics-token-0123456789\r\n\r\n", kToken, &scrapes)
+          .starts_with("HTTP/1.1 401 "));
   EXPECT_EQ(scrapes, 0);  // nothing read for a refused request
-  EXPECT_TRUE(Answer("GET /metrics HTTP/1.1\r\nauthorization:  bearer a-metrics-token-0123456789 \r\n\r\n", kToken,
-                     &scrapes)
-                  .starts_with("HTTP/1.1 200 "));
+  EXPECT_TRUE(
+      Answer("GET /metrics HTTP/1.1\r\nauthorization:  bearer a-metrics-token-0123456789 \r\n\r\n", kToken, &scrapes)
+          .starts_with("HTTP/1.1 200 "));
   EXPECT_EQ(scrapes, 1);
 }
 
