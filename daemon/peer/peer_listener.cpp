@@ -153,8 +153,10 @@ void PeerListener::AcceptFrom(int listener, Clock::time_point now) {
       if (errno == EINTR || errno == ECONNABORTED) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) return;
       // EMFILE, ENFILE, ENOBUFS, ENOMEM, or worse: gRPC's listener gave up here for good; this one pauses.
-      spdlog::warn("cannot accept a peer connection: {}; accepting again in {} ms", std::strerror(errno),
-                   kAcceptPause.count());
+      const auto level = now - accept_failed_ >= kWarnEvery ? spdlog::level::warn : spdlog::level::debug;
+      spdlog::log(level, "cannot accept a peer connection: {}; accepting again every {} ms", std::strerror(errno),
+                  kAcceptPause.count());
+      if (level == spdlog::level::warn) accept_failed_ = now;
       accept_again_ = now + kAcceptPause;
       return;
     }

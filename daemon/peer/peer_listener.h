@@ -67,11 +67,12 @@ class PeerListener {
   const Limits limits_;
   std::vector<int> listeners_;
   int port_ = 0;
-  int wake_ = -1;                                    // an eventfd that Stop writes
-  std::deque<Pending> pending_;                      // oldest first; fd -1 once closed
-  PeerConnections::Clock::time_point accept_again_;  // after accept() failed, not before this
-  PeerConnections::Clock::time_point warned_;        // the last warning about refused connections
-  size_t refused_ = 0;                               // connections closed unhanded or untrusted since then
+  int wake_ = -1;                                     // an eventfd that Stop writes
+  std::deque<Pending> pending_;                       // oldest first; fd -1 once closed
+  PeerConnections::Clock::time_point accept_again_;   // after accept() failed, not before this
+  PeerConnections::Clock::time_point accept_failed_;  // the last warning that accept() failed
+  PeerConnections::Clock::time_point warned_;         // the last warning about refused connections
+  size_t refused_ = 0;                                // connections closed unhanded or untrusted since then
   std::thread thread_;
 };
 

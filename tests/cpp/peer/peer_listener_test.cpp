@@ -2,7 +2,8 @@
 // daemon/peer/peer_connections.h), on loopback with short handshake times: a connection that never
 // speaks, or speaks something else than HTTP/2, is closed; at most `pending` wait, the oldest goes;
 // a connection that never carries the secret is shut down while one that did stays; and connections
-// that speak HTTP/2 but hold every place cannot keep out a peer that has the secret.
+// that speak HTTP/2 but hold every place cannot keep out a peer that has the secret; and the port
+// accepts again after the process ran out of descriptors (gRPC's own listener stopped for good).
 #include <arpa/inet.h>
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
@@ -149,6 +150,32 @@ TEST(PeerListener, ConnectionsThatSpeakButHaveNoSecretCannotKeepAPeerOut) {
   EXPECT_EQ(server.connections().size(), 4U);  // every place taken, more waiting
   auto stub = Stub(server.port());
   EXPECT_TRUE(Deliver(*stub, kSecret).ok());
+}
+
+TEST(PeerListener, ThePortAcceptsAgainAfterDescriptorsRanOut) {
+  PeerMailbox mailbox;
+  PeerServer server("127.0.0.1:0", mailbox, kSecret, Limits(8, 8, 60s));
+  auto early = std::make_unique<Connection>(server.port());  // its socket exists before they run out
+  early->Send(kPreface);
+  for (int i = 0; i < 1000 && server.connections().size() < 1; ++i) std::this_thread::sleep_for(10ms);
+  ASSERT_EQ(server.connections().size(), 1U);
+  const int spare = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);  // made before none are left
+  std::vector<int> held;                                             // every other descriptor of the process
+  for (int fd = dup(spare); fd >= 0; fd = dup(spare)) held.push_back(fd);
+  ASSERT_EQ(errno, EMFILE);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(server.port());
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(connect(spare, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);  // accept() fails: EMFILE
+  ASSERT_EQ(send(spare, kPreface, sizeof(kPreface) - 1, MSG_NOSIGNAL), static_cast<ssize_t>(sizeof(kPreface) - 1));
+  std::this_thread::sleep_for(500ms);  // the listener meets EMFILE meanwhile
+  for (const int fd : held) close(fd);
+  for (int i = 0; i < 1000 && server.connections().size() < 2; ++i) std::this_thread::sleep_for(10ms);
+  EXPECT_EQ(server.connections().size(), 2U);  // the connection made while none was left got in
+  auto stub = Stub(server.port());
+  EXPECT_TRUE(Deliver(*stub, kSecret).ok());
+  close(spare);
 }
 
 }  // namespace
