@@ -85,7 +85,16 @@ void CheckSessionLimits(const Config& config) {
 
 // Snapshots every N steps need a directory; the metrics address must parse.
 void CheckOperationsSettings(const Config& config) {
-  if (!config.metrics_listen.empty()) SplitHostPort(config.metrics_listen, "metrics_listen");
+  if (config.metrics_listen.starts_with("unix:")) {
+    TS_CHECK(config.metrics_listen.size() > 6 && config.metrics_listen[5] == '/', Code::kInvalidArgument,
+             "metrics_listen '{}' must be unix: with an absolute path", config.metrics_listen);
+  } else if (!config.metrics_listen.empty()) {
+    SplitHostPort(config.metrics_listen, "metrics_listen");
+  }
+  TS_CHECK(config.metrics_labels == "none" || config.metrics_labels == "uid" || config.metrics_labels == "job",
+           Code::kInvalidArgument, "metrics_labels is '{}'; expected none, uid or job", config.metrics_labels);
+  TS_CHECK(config.metrics_token_file.empty() || !config.metrics_listen.empty(), Code::kInvalidArgument,
+           "metrics_token_file needs metrics_listen (--metrics-listen)");
   TS_CHECK(config.snapshot_every == 0 || !config.snapshot_dir.empty(), Code::kInvalidArgument,
            "snapshot_every needs snapshot_dir (--snapshot-dir)");
   TS_CHECK(config.snapshot_dir.empty() || config.snapshot_dir.front() == '/', Code::kInvalidArgument,
@@ -135,7 +144,10 @@ void LoadConfigFile(const std::string& path, Config& config) {
                                                   "peer_secret_file",
                                                   "peer_timeout_seconds",
                                                   "peer_connections",
+                                                  "peer_max_unknown_job_bytes",
                                                   "metrics_listen",
+                                                  "metrics_labels",
+                                                  "metrics_token_file",
                                                   "snapshot_dir",
                                                   "snapshot_every",
                                                   "trace_dir"};
@@ -165,7 +177,10 @@ void LoadConfigFile(const std::string& path, Config& config) {
   ReadKey(table, "peer_secret_file", config.peer_secret_file);
   ReadKey(table, "peer_timeout_seconds", config.peer_timeout_seconds);
   ReadKey(table, "peer_connections", config.peer_connections);
+  ReadKey(table, "peer_max_unknown_job_bytes", config.peer_max_unknown_job_bytes);
   ReadKey(table, "metrics_listen", config.metrics_listen);
+  ReadKey(table, "metrics_labels", config.metrics_labels);
+  ReadKey(table, "metrics_token_file", config.metrics_token_file);
   ReadKey(table, "snapshot_dir", config.snapshot_dir);
   ReadKey(table, "snapshot_every", config.snapshot_every);
   ReadKey(table, "trace_dir", config.trace_dir);
@@ -216,9 +231,14 @@ std::optional<Config> ParseConfig(int argc, char** argv) {
   app.add_option("--peer-timeout", peer_timeout, "seconds a peer may stay silent before its job fails (default 30)");
   app.add_option("--peer-connections", peer_connections,
                  "connections to the next node of a job's ring, 1 to 16 (default 4)");
-  std::optional<std::string> metrics_listen, snapshot_dir, trace_dir;
+  std::optional<std::string> metrics_listen, metrics_labels, metrics_token_file, snapshot_dir, trace_dir;
   std::optional<uint64_t> snapshot_every;
-  app.add_option("--metrics-listen", metrics_listen, "host:port of the Prometheus metrics endpoint (default: off)");
+  app.add_option("--metrics-listen", metrics_listen,
+                 "host:port or unix:/path of the Prometheus metrics endpoint (default: off)");
+  app.add_option("--metrics-labels", metrics_labels,
+                 "what the metrics tell about jobs: none, uid (sums per user, the default) or job (names)");
+  app.add_option("--metrics-token-file", metrics_token_file,
+                 "file holding a bearer token every scrape must carry (default: none asked)");
   app.add_option("--snapshot-dir", snapshot_dir,
                  "directory of periodic snapshots, and of requested ones without a path (default: none)");
   app.add_option("--snapshot-every", snapshot_every, "snapshot every job every N steps into --snapshot-dir (0: never)");
@@ -257,6 +277,8 @@ std::optional<Config> ParseConfig(int argc, char** argv) {
   if (peer_timeout) config.peer_timeout_seconds = *peer_timeout;
   if (peer_connections) config.peer_connections = *peer_connections;
   if (metrics_listen) config.metrics_listen = *metrics_listen;
+  if (metrics_labels) config.metrics_labels = *metrics_labels;
+  if (metrics_token_file) config.metrics_token_file = *metrics_token_file;
   if (snapshot_dir) config.snapshot_dir = *snapshot_dir;
   if (snapshot_every) config.snapshot_every = *snapshot_every;
   if (trace_dir) config.trace_dir = *trace_dir;

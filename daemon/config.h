@@ -39,10 +39,18 @@ struct Config {
   std::string peer_secret_file;                   // the peers' shared secret (required with peer_listen)
   uint64_t peer_timeout_seconds = 30;             // a peer silent for this long fails the job
   uint32_t peer_connections = 4;                  // to the next daemon of a job's ring (docs/multi-node.md), 1-16
-  std::string metrics_listen;                     // "host:port" of the Prometheus endpoint; empty: off
-  std::string snapshot_dir;                       // periodic snapshots, and requested ones without a path; empty: none
-  uint64_t snapshot_every = 0;                    // steps between periodic snapshots (needs snapshot_dir); 0: none
-  std::string trace_dir;                          // each job's step timeline, written when it ends; empty: none
+  // Bytes of fragments kept for jobs this daemon does not have (yet): a new job's first all-reduce
+  // delivers up to 1/M of its first bucket before this node's ranks attach (M nodes; 16 MiB of a default
+  // 32 MiB bucket over 2 nodes), and a peer's mistake could deliver without end (daemon/peer/peer_mailbox.h).
+  uint64_t peer_max_unknown_job_bytes = uint64_t{256} << 20;
+  std::string metrics_listen;  // "host:port" or "unix:/path" of the Prometheus endpoint; empty: off
+  // What the endpoint tells about jobs (daemon/metrics/metrics_collector.h): "none", "uid" (sums per
+  // uid, no job names) or "job" (every job by name and uid). It may reach users the 0660 socket refuses.
+  std::string metrics_labels = "uid";
+  std::string metrics_token_file;  // a bearer token every scrape must carry; empty: none asked
+  std::string snapshot_dir;        // periodic snapshots, and requested ones without a path; empty: none
+  uint64_t snapshot_every = 0;     // steps between periodic snapshots (needs snapshot_dir); 0: none
+  std::string trace_dir;           // each job's step timeline, written when it ends; empty: none
   std::string config_file;
 };
 

@@ -62,6 +62,8 @@ enum class ErrorKind : uint8_t {
   kGpuCopy,         // a cuda-ipc copy failed
   kPeerAllReduce,   // an all-reduce between daemons failed
   kSnapshot,        // a snapshot could not be written
+  kPeerFragment,    // a fragment a peer delivered was refused (wrong secret, size, place, a duplicate, ...)
+  kPeerConnection,  // a connection to the peer port was closed unauthenticated, or refused for want of room
   kCount,
 };
 const char* NameOf(ErrorKind kind);
