@@ -28,6 +28,7 @@ const char* NameOf(ErrorKind kind) {
     case ErrorKind::kGpuCopy: return "gpu_copy";
     case ErrorKind::kPeerAllReduce: return "peer_allreduce";
     case ErrorKind::kSnapshot: return "snapshot";
+    case ErrorKind::kTruncatedSegment: return "truncated_segment";
     case ErrorKind::kCount: break;
   }
   return "unknown";
