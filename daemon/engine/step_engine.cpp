@@ -146,7 +146,7 @@ bool StepEngine::CheckMemory() {
   if (lost == nullptr) return false;
   lost_ = lost->LostMessage();
   const std::string message = fmt::format(
-      "trainstreamd dropped job '{}': {}; its optimizer state is gone, restart from a checkpoint", job_name_, *lost_);
+      "job '{}' was dropped: {}; its optimizer state is gone, restart from a checkpoint", job_name_, *lost_);
   spdlog::error("{}", message);
   if (peers_ != nullptr) peers_->Reset(message);
   for (const auto& channel : ranks_) {

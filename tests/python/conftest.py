@@ -141,9 +141,9 @@ def daemon():
 OTHER_UID = 65534  # "nobody": tests that run as root run clients as this uid
 
 
-@pytest.fixture
-def shared_daemon():
-    """A daemon every uid may reach: socket 0666 in `shared_dir`, a directory every uid may write."""
+def open_daemon(*extra: str) -> Daemon:
+    """A daemon (started with `extra` arguments) every uid may reach: socket 0666 in `shared_dir`, a
+    directory every uid may write. Skips the test unless it runs as root (to run clients as another uid)."""
     if os.geteuid() != 0:
         pytest.skip("needs root to run clients as another uid")
     shared_dir = tempfile.mkdtemp(prefix="ts-shared-")
@@ -151,11 +151,17 @@ def shared_daemon():
     config = os.path.join(shared_dir, "open.toml")
     with open(config, "w") as f:
         f.write("socket_mode = 0o666\n")
-    d = Daemon("--config", config, socket=os.path.join(shared_dir, "d.sock"))
+    d = Daemon("--config", config, *extra, socket=os.path.join(shared_dir, "d.sock"))
     d.shared_dir = shared_dir
+    return d
+
+
+@pytest.fixture
+def shared_daemon():
+    d = open_daemon()
     yield d
     d.stop()
-    shutil.rmtree(shared_dir, ignore_errors=True)
+    shutil.rmtree(d.shared_dir, ignore_errors=True)
 
 
 @pytest.fixture

@@ -69,7 +69,7 @@ class TruncatedSegmentTest : public ::testing::Test {
   void ExpectDroppedFor(const std::string& segment) {
     const std::optional<std::string> failure = client_->sink().WaitForFailure();
     ASSERT_TRUE(failure.has_value()) << "the session did not fail";
-    EXPECT_NE(failure->find(fmt::format("trainstreamd dropped job 'cut': shared memory segment {} was truncated by its "
+    EXPECT_NE(failure->find(fmt::format("job 'cut' was dropped: shared memory segment {} was truncated by its "
                                         "owner (uid {}) while trainstreamd used it",
                                         segment, kUid)),
               std::string::npos)
