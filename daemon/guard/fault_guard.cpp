@@ -6,6 +6,8 @@
 
 #include <atomic>
 #include <cerrno>
+#include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <mutex>
 #include <utility>
@@ -21,12 +23,12 @@ namespace {
 struct Slot {
   std::atomic<bool> taken{false};
   std::atomic<uint64_t> version{0};
-  std::atomic<uintptr_t> begin{0};
+  std::atomic<std::byte*> begin{nullptr};
   std::atomic<size_t> bytes{0};
   std::atomic<bool> lost{false};
 };
-static_assert(std::atomic<uint64_t>::is_always_lock_free && std::atomic<uintptr_t>::is_always_lock_free &&
-                  std::atomic<size_t>::is_always_lock_free && std::atomic<bool>::is_always_lock_free,
+static_assert(std::atomic<uint64_t>::is_always_lock_free && std::atomic<std::byte*>::is_always_lock_free &&
+                  std::atomic<bool>::is_always_lock_free && sizeof(size_t) == sizeof(uint64_t),
               "the handler reads the slots: lock-free atomics only");
 
 // Every mapping of a client's memory the daemon holds: a job's state and one segment per attached rank
@@ -40,22 +42,24 @@ struct sigaction g_previous {};  // written once, before the handler is installe
 
 struct Match {
   Slot* slot;
-  uintptr_t begin;
+  std::byte* begin;
   size_t bytes;
 };
 
-Match Find(uintptr_t address) {
+Match Find(const void* address) {
   const size_t used = g_used.load();
   for (size_t i = 0; i < used; ++i) {
     Slot& slot = g_slots[i];
     const uint64_t version = slot.version.load();
     if (version % 2 != 0) continue;  // changing: never a live mapping that faults (see the header)
-    const uintptr_t begin = slot.begin.load();
+    std::byte* const begin = slot.begin.load();
     const size_t bytes = slot.bytes.load();
     if (slot.version.load() != version || bytes == 0) continue;
-    if (address - begin < bytes) return {&slot, begin, bytes};
+    if (reinterpret_cast<uintptr_t>(address) - reinterpret_cast<uintptr_t>(begin) < bytes) {
+      return {&slot, begin, bytes};
+    }
   }
-  return {nullptr, 0, 0};
+  return {nullptr, nullptr, 0};
 }
 
 // What the process did with a SIGBUS before: its handler, else the default action (terminate with a
@@ -78,8 +82,8 @@ void PassOn(int signal, siginfo_t* info, void* context) {
 void OnSigbus(int signal, siginfo_t* info, void* context) {
   const int saved_errno = errno;
   if (info != nullptr && info->si_code == BUS_ADRERR) {
-    const Match match = Find(reinterpret_cast<uintptr_t>(info->si_addr));
-    if (match.slot != nullptr && mmap(reinterpret_cast<void*>(match.begin), match.bytes, PROT_READ | PROT_WRITE,
+    const Match match = Find(info->si_addr);
+    if (match.slot != nullptr && mmap(match.begin, match.bytes, PROT_READ | PROT_WRITE,
                                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) != MAP_FAILED) {
       match.slot->lost.store(true);
       g_absorbed.fetch_add(1);
@@ -91,7 +95,7 @@ void OnSigbus(int signal, siginfo_t* info, void* context) {
   PassOn(signal, info, context);
 }
 
-int Claim(uintptr_t begin, size_t bytes) {
+int Claim(std::byte* begin, size_t bytes) {
   for (size_t i = 0; i < kSlots; ++i) {
     bool free = false;
     if (!g_slots[i].taken.compare_exchange_strong(free, true)) continue;
@@ -114,7 +118,7 @@ void Release(int index) {
   Slot& slot = g_slots[index];
   slot.version.fetch_add(1);
   slot.bytes.store(0);
-  slot.begin.store(0);
+  slot.begin.store(nullptr);
   slot.version.fetch_add(1);
   slot.taken.store(false);
 }
@@ -142,11 +146,12 @@ uint64_t AbsorbedFaults() {
 }
 
 GuardedRange::GuardedRange(const void* data, size_t bytes) {
-  const auto begin = reinterpret_cast<uintptr_t>(data);
-  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
-  TS_CHECK(begin % page == 0, Code::kInternal, "a guarded range must start on a page (at {:#x})", begin);
+  const auto page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  TS_CHECK(reinterpret_cast<uintptr_t>(data) % page == 0, Code::kInternal, "a guarded range must start on a page ({})",
+           data);
   InstallFaultGuard();
-  slot_ = Claim(begin, (bytes + page - 1) / page * page);
+  // The handler maps over it: the memory is the caller's to give up (const: read-only mappings too).
+  slot_ = Claim(static_cast<std::byte*>(const_cast<void*>(data)), (bytes + page - 1) / page * page);
 }
 
 GuardedRange::GuardedRange(GuardedRange&& other) noexcept : slot_(std::exchange(other.slot_, -1)) {}

@@ -97,7 +97,7 @@ class TruncatedSegmentTest : public ::testing::Test {
   }
 
   WorkerPool pool_{2, /*pin_threads=*/false};
-  const Config config_;
+  const Config config_{};
   JobRegistry registry_{config_, pool_};
   std::shared_ptr<Job> cut_, beside_;
   std::unique_ptr<RankClient> client_, beside_client_;
