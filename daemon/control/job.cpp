@@ -156,8 +156,11 @@ Job::Attachment Job::Attach(uint32_t rank, std::shared_ptr<SessionSink> session,
   shm::Segment::Remove(name);  // left over from a rank that died while its removal raced this attach
   ClientSegment segment = ClientSegment::Create(name, layout_.rank_bytes, uid_);
   shm::InitRankSegment(segment.data(), layout_, rank);
-  rank_memory_[rank] = {segment.data(), segment.size()};
+  TS_CHECK(!segment.lost(), Code::kAborted, "rank {} of job '{}' cannot attach: {}", rank, name_,
+           segment.LostMessage());
+  const std::pair<const void*, size_t> memory{segment.data(), segment.size()};
   engine_->AddRank(std::make_shared<RankChannel>(rank, std::move(segment), layout_, std::move(session)));
+  rank_memory_[rank] = memory;
   ++attached_;
   transports_[rank] = transport;
   const auto* header = static_cast<const shm::StateHeader*>(state_.data());
