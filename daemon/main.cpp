@@ -1,5 +1,6 @@
 // trainstreamd: parses the configuration, serves the Control service on a Unix socket, and shuts down
-// cleanly on SIGTERM/SIGINT (sessions told, segments removed, socket unlinked).
+// cleanly on SIGTERM/SIGINT (sessions told, segments removed, socket unlinked). Its SIGBUS handler
+// absorbs faults in the memory its clients can truncate (daemon/guard/fault_guard.h).
 #include <absl/synchronization/mutex.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -24,6 +25,7 @@
 #include "daemon/control/control_socket.h"
 #include "daemon/control/job_registry.h"
 #include "daemon/control/orphaned_jobs.h"
+#include "daemon/guard/fault_guard.h"
 #include "daemon/metrics/metrics_server.h"
 #include "daemon/optimizer/adamw_kernels.h"
 #include "daemon/peer/peer_server.h"
@@ -164,6 +166,8 @@ int Serve(const Config& config) {
     if (getppid() != config.parent_pid) return 0;  // the parent is already gone
   }
 
+  // Before anything maps a client's segment (the orphans below): a truncated one must not kill the daemon.
+  InstallFaultGuard();
   RaiseOpenFileLimit();
   PrepareSocketPath(config.socket);
   PrepareDir(config.snapshot_dir, "snapshot directory");
@@ -203,6 +207,7 @@ int Serve(const Config& config) {
       spdlog::info("received {}, shutting down", strsignal(signal));
       break;
     }
+    registry.DropLost();
     registry.ExpireIdle();
     // A reduction waits at most the peer timeout for progress; what waited several times that long
     // belongs to none (a job that never came here, a failed step).

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "daemon/metrics/counters.h"
 #include "shm/error.h"
 #include "shm/segment.h"
 
@@ -136,8 +137,14 @@ JobRegistry::Found JobRegistry::FindOrCreate(const std::string& name, uint32_t u
              "job '{}' was left by a trainstreamd that died, with another layout: drop it (drop_job) to start a new "
              "job of that name, or attach with its layout to resume it",
              name);
-    auto job = std::make_shared<Job>(name, uid, spec, seed, pool_, peer_config_, &orphan->second, nullptr, Schedule(),
-                                     config_.trace_dir);
+    std::shared_ptr<Job> job;
+    try {
+      job = std::make_shared<Job>(name, uid, spec, seed, pool_, peer_config_, &orphan->second, nullptr, Schedule(),
+                                  config_.trace_dir);
+    } catch (const Error&) {
+      if (!shm::Segment::Exists(orphan->second.state_segment)) orphans_.erase(orphan);  // refused and removed
+      throw;
+    }
     orphans_.erase(orphan);
     jobs_.emplace(id, job);
     return {job, false};
@@ -324,6 +331,28 @@ size_t JobRegistry::ExpireIdle() {
   }
   for (const auto& job : expired) DropWaitingFragments(*job);
   return expired.size();  // destroyed here, outside the lock
+}
+
+size_t JobRegistry::DropLost() {
+  std::vector<std::pair<std::shared_ptr<Job>, std::string>> lost;
+  {
+    std::lock_guard lock(mutex_);
+    for (auto it = jobs_.begin(); it != jobs_.end();) {
+      if (auto why = it->second->Lost()) {
+        it->second->Close(*why, /*force=*/true);
+        lost.emplace_back(std::move(it->second), std::move(*why));
+        it = jobs_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (const auto& [job, why] : lost) {
+    spdlog::warn("job '{}' (uid {}) dropped, its segments removed: {}", job->name(), job->uid(), why);
+    ProcessCounters::Instance().CountError(ErrorKind::kTruncatedSegment);
+    DropWaitingFragments(*job);
+  }
+  return lost.size();  // destroyed here, outside the lock
 }
 
 void JobRegistry::Shutdown(const std::string& reason) {

@@ -55,6 +55,9 @@ class JobRegistry {
   std::vector<std::shared_ptr<Job>> Jobs();
   // Drops jobs idle for longer than the TTL. Returns how many.
   size_t ExpireIdle();
+  // Drops the jobs whose owner truncated one of their segments under the daemon (Job::Lost): their
+  // sessions have failed saying so, and their segments are removed. Returns how many.
+  size_t DropLost();
   // Fails every session and drops every job.
   void Shutdown(const std::string& reason);
   // Claims the jobs of daemons that died (daemon/control/orphaned_jobs.h). Returns how many.

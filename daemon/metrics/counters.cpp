@@ -30,6 +30,7 @@ const char* NameOf(ErrorKind kind) {
     case ErrorKind::kSnapshot: return "snapshot";
     case ErrorKind::kPeerFragment: return "peer_fragment_refused";
     case ErrorKind::kPeerConnection: return "peer_connection_refused";
+    case ErrorKind::kTruncatedSegment: return "truncated_segment";
     case ErrorKind::kCount: break;
   }
   return "unknown";
