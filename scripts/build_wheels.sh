@@ -13,7 +13,7 @@
 # policies) and build (for the sdist).
 #
 # The Pythons share one CMake build folder, build-wheel/shared: trainstreamd, trainstreamctl and the client
-# library do not depend on the Python, so the first wheel builds everything (about 6.5 min on 2 cores) and
+# library do not depend on the Python, so the first wheel builds everything (about 6.7 min on 2 cores) and
 # each further one only trainstream._C (docs/install.md has the figures).
 set -euo pipefail
 
