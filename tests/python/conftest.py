@@ -1,7 +1,8 @@
 """Fixtures that run real trainstreamd processes on private sockets.
 
-The daemon binary comes from $TRAINSTREAMD (scripts/test.sh points it at the build tree) or PATH;
-trainstreamctl from $TRAINSTREAMCTL, else the build tree beside that daemon, else beside it, else PATH.
+The daemon binary is connect()'s: $TRAINSTREAMD (scripts/test.sh points it at the build tree), else the
+installed wheel's (scripts/test_wheel.sh), else PATH; trainstreamctl from $TRAINSTREAMCTL, else the build
+tree beside that daemon, else beside it, else PATH.
 """
 
 from __future__ import annotations
