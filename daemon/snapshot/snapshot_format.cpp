@@ -194,18 +194,37 @@ SnapshotFile::SnapshotFile(const std::string& path) : path_(path) {
   TS_CHECK(mapped != MAP_FAILED, Code::kInternal, "cannot map snapshot '{}': {}", path, strerror(errno));
   data_ = static_cast<const std::byte*>(mapped);
   try {
+    guard_ = GuardedRange(data_, size_);
     header_ = DecodeHeader(data_, size_);
     meta_ = MetaFromMetadata(header_.metadata);
     layout_ = shm::ComputeLayout(meta_.spec);
     CheckTensors();
+    CheckNotTruncated();
   } catch (const Error& e) {
-    if (data_ != nullptr) munmap(const_cast<std::byte*>(data_), size_);
+    const bool truncated = guard_.lost();  // what was wrong may be the zeros in its place
+    Unmap();
+    if (truncated) Throw(Code::kFailedPrecondition, "{}", TruncatedMessage());
     Throw(e.code(), "snapshot '{}' is not valid: {}", path, e.what());
   }
 }
 
 SnapshotFile::~SnapshotFile() {
+  Unmap();
+}
+
+void SnapshotFile::Unmap() {
+  guard_ = GuardedRange();  // before the munmap: the range may be mapped again by anyone
   if (data_ != nullptr) munmap(const_cast<std::byte*>(data_), size_);
+  data_ = nullptr;
+}
+
+void SnapshotFile::CheckNotTruncated() const {
+  TS_CHECK(!guard_.lost(), Code::kFailedPrecondition, "{}", TruncatedMessage());
+}
+
+std::string SnapshotFile::TruncatedMessage() const {
+  return fmt::format("snapshot '{}' was truncated while trainstreamd read it (it had {} bytes); nothing was restored",
+                     path_, size_);
 }
 
 // Every tensor the layout needs, with its dtype and shape, and nothing else.
@@ -258,6 +277,7 @@ void SnapshotFile::RestoreInto(const CommittedState& state) const {
     state.MakeUploadCopy(b);
     lowest = std::min(lowest, static_cast<uint64_t>(step));
   }
+  CheckNotTruncated();  // the zeros in its place were copied: the job must not start from them
   state.Publish(lowest);
 }
 

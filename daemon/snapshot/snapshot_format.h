@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "daemon/guard/fault_guard.h"
 #include "daemon/snapshot/committed_state.h"
 #include "daemon/snapshot/safetensors.h"
 #include "shm/job_layout.h"
@@ -37,7 +38,9 @@ std::string TensorName(const char* kind, uint32_t index);  // "master.3"
 // The file's header: every tensor of the job's layout, and `meta` as metadata.
 SafetensorsHeader SnapshotHeader(const SnapshotMeta& meta);
 
-// A snapshot file opened to restore a job: mapped read-only, checked through and through.
+// A snapshot file opened to restore a job: mapped read-only, checked through and through. The file is
+// its owner's, who may truncate it while the daemon reads it: the mapping is guarded
+// (daemon/guard/fault_guard.h), and a file that lost pages so is refused.
 class SnapshotFile {
  public:
   // kNotFound / kPermissionDenied if it cannot be opened (with the calling thread's file identity),
@@ -50,15 +53,20 @@ class SnapshotFile {
   [[nodiscard]] const SnapshotMeta& meta() const { return meta_; }
   [[nodiscard]] const std::string& path() const { return path_; }
   // Writes everything the file holds into a new job's state (its layout is meta().spec's).
+  // kFailedPrecondition if the file was truncated meanwhile (the state then holds zeros in its place).
   void RestoreInto(const CommittedState& state) const;
 
  private:
   [[nodiscard]] std::span<const std::byte> Tensor(const std::string& name) const;
   void CheckTensors() const;
+  void CheckNotTruncated() const;
+  [[nodiscard]] std::string TruncatedMessage() const;
+  void Unmap();
 
   std::string path_;
   const std::byte* data_ = nullptr;
   uint64_t size_ = 0;
+  GuardedRange guard_;  // over [data_, data_ + size_)
   SafetensorsHeader header_;
   SnapshotMeta meta_;
   shm::JobLayout layout_;
