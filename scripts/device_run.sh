@@ -667,6 +667,12 @@ CUT
           2>&1 | tail -3
       done
       ;;
+    drop-in)
+      stage drop-in  # the one line on the GPU: a small GPT in bf16 and fp16 + GradScaler, eager and compiled; the nanoGPT loop
+      timeout 900 python3 -m pytest -q -p no:cacheprovider tests/python/test_drop_in_cuda.py >"$OUT/pytest_drop_in.log" 2>&1
+      tail -3 "$OUT/pytest_drop_in.log"
+      timeout 1200 python3 benchmarks/drop_in/nanogpt_loop.py --json "$OUT/nanogpt_loop.json" 2>&1 | tail -12
+      ;;
     test-cuda)
       stage test-cuda  # with torch's default CUDA allocator and with expandable segments
       for allocator in ${CUDA_ALLOCATORS:-default expandable}; do
