@@ -31,13 +31,15 @@ MODES = ("stock", "explicit", "oneline")
 
 def run_mode(args) -> dict:
     import torch
+    from markov_text import MarkovText
 
     import gpt
-    from markov_text import MarkovText
 
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = True
-    model = gpt.build(args.config, "cuda", torch.float32)
+    model = gpt.build(args.config, args.device, torch.float32)
+    cuda = args.device == "cuda"
+    synchronize = torch.cuda.synchronize if cuda else (lambda: None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1,
                                   fused=args.mode == "stock")
     if args.mode != "stock":
@@ -46,20 +48,20 @@ def run_mode(args) -> dict:
         model, optimizer = trainstream.wrap(model, optimizer, **extra)
     forward = torch.compile(model) if args.compile else model
     text = MarkovText(model.wte.weight.shape[0])
-    batches = [text.batch(i, args.batch, args.seq).cuda() for i in range(args.micro * 4)]
+    batches = [text.batch(i, args.batch, args.seq).to(args.device) for i in range(args.micro * 4)]
     times, losses, norms = [], [], []
     for step in range(args.steps):
-        torch.cuda.synchronize()
+        synchronize()
         started = time.perf_counter()
         for micro in range(args.micro):
             tokens = batches[(step * args.micro + micro) % len(batches)]
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.autocast(args.device, dtype=torch.bfloat16):
                 loss = forward(tokens[:, :-1], tokens[:, 1:]) / args.micro
             loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
+        synchronize()
         times.append(time.perf_counter() - started)
         losses.append(loss.item() * args.micro)
         norms.append(norm.item())
@@ -67,12 +69,14 @@ def run_mode(args) -> dict:
     return {"mode": args.mode, "step_ms": 1000 * statistics.median(timed),
             "step_ms_p10_p90": [1000 * sorted(timed)[len(timed) // 10], 1000 * sorted(timed)[-len(timed) // 10 - 1]],
             "losses": losses, "norms": norms, "clipped_steps": sum(n > 1.0 for n in norms),
-            "tokens_per_step": args.micro * args.batch * args.seq, "gpu": torch.cuda.get_device_name()}
+            "tokens_per_step": args.micro * args.batch * args.seq,
+            "device": torch.cuda.get_device_name() if cuda else "cpu"}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="124m")
+    parser.add_argument("--device", default="cuda", help="cuda, or cpu to try the script on a small --config")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--micro", type=int, default=4)
@@ -88,7 +92,8 @@ def main() -> int:
         return 0
     results = {}
     for mode in args.modes.split(","):
-        command = [sys.executable, __file__, "--mode", mode, "--config", args.config, "--batch", str(args.batch),
+        command = [sys.executable, __file__, "--mode", mode, "--config", args.config, "--device", args.device,
+                   "--batch", str(args.batch),
                    "--seq", str(args.seq), "--micro", str(args.micro), "--steps", str(args.steps),
                    "--warmup", str(args.warmup)] + ([] if args.compile else ["--no-compile"])
         done = subprocess.run(command, capture_output=True, text=True, timeout=900)
