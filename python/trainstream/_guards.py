@@ -8,9 +8,9 @@ ApplyGuard — `module.to()`, `.cuda()`, `.half()`, ... after wrap: a conversion
     attached again in the new layout, its fp32 master weights and moments unchanged), or is refused.
 
 Both take the Rank (_rank.py) and use only its `model`, `params`, `needs_read_guard()`,
-`take_published()`, `take_all()`, `compiled_forward`, `refresh_read()`, `synchronize()` and `relayout`. Invariants: a torch function of
-the model's forward never reads a stale wrapped parameter, nor a paged one whose block is not in its
-slot; a conversion that cannot be done is refused before anything changes.
+`take_published()`, `take_all()`, `compiled_forward`, `refresh_read()`, `synchronize()` and `relayout`.
+Invariants: a torch function of the model's forward never reads a stale wrapped parameter, nor a paged
+one whose block is not in its slot; a conversion that cannot be done is refused before anything changes.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
+import math
 import random
 import time
 import types
@@ -139,8 +140,12 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
     max_grad_norm = check_max_grad_norm(max_grad_norm)
     _check_choice("offload", offload, OFFLOAD_CHOICES, "'auto', True or False")
     check_activation_offload(activation_offload)
+    _check_number("wait_timeout", wait_timeout, "None (TRAINSTREAM_WAIT_TIMEOUT, else 300 s) or seconds > 0")
     if wait_timeout is not None:
         wait_timeout = check_wait_timeout(wait_timeout, "wait_timeout")
+    _check_paging_sizes(page_prefetch, page_pool_mb)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64):
+        raise TrainstreamError(f"seed must be None (random) or an integer in [0, 2**64), not {seed!r}")
     if job is not None and (not isinstance(job, str) or not job):
         raise TrainstreamError(f"job must be a non-empty string, or None for a name unique to this process; "
                                f"not {job!r}")
@@ -246,6 +251,24 @@ def _zero_grad(model: torch.nn.Module, set_to_none: bool = True) -> None:
     if w is not None and w.optimizer._rank is not None:
         w.optimizer._rank.zero_grad()
     torch.nn.Module.zero_grad(model, set_to_none)
+
+
+def _check_number(option: str, value, allowed: str) -> None:
+    """`value` is None or a real number (not a bool or a string that float() would take)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise TrainstreamError(f"{option}={value!r}: use {allowed}")
+
+
+def _check_paging_sizes(page_prefetch, page_pool_mb) -> None:
+    """The paging pool's size: blocks loaded ahead, or MiB; checked whether or not anything pages, so a
+    mistake shows where it was made. Against the GPU's memory: _paging.BlockPager."""
+    if isinstance(page_prefetch, bool) or not isinstance(page_prefetch, int) or not 0 <= page_prefetch <= 1024:
+        raise TrainstreamError(f"page_prefetch must be an integer in [0, 1024] (the blocks loaded while one "
+                               f"computes), not {page_prefetch!r}")
+    _check_number("page_pool_mb", page_pool_mb, "None (page_prefetch + 1 blocks) or MiB > 0")
+    if page_pool_mb is not None and not 0 < page_pool_mb < math.inf:  # nan too
+        raise TrainstreamError(f"page_pool_mb must be None (page_prefetch + 1 blocks) or a finite number of MiB > 0, "
+                               f"not {page_pool_mb!r}")
 
 
 def _check_choice(option: str, value, choices: tuple, allowed: str) -> None:
