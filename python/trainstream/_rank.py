@@ -82,7 +82,7 @@ class Rank:
         if not isinstance(bucket_mb, (int, float)) or not MIN_BUCKET_MB <= bucket_mb <= MAX_BUCKET_MB:  # nan too
             raise TrainstreamError(f"bucket_mb must be a number of MiB in [{MIN_BUCKET_MB}, {MAX_BUCKET_MB}] (4 KiB to "
                                    f"1 TiB), not {bucket_mb!r}")
-        halves, speculation = _state_options(state_halves, speculative_clipping, max_grad_norm)
+        halves, speculation = _state_options(state_halves, speculative_clipping)
         self.client = client
         self.model = model
         self.kind = _layout.optimizer_kind(optimizer)
@@ -673,7 +673,7 @@ class _WeightGate(_paging.WeightGate):
         return hash((rank._loads, *(rank._ready_step[b] for b in buckets)))
 
 
-def _state_options(state_halves, speculative_clipping, max_grad_norm) -> tuple[int, int]:
+def _state_options(state_halves, speculative_clipping) -> tuple[int, int]:
     """wrap()'s state_halves ("auto", 1, 2) and speculative_clipping ("auto", True, False) as the attach
     codes: halves 0 (the daemon decides), 1, 2; speculation 0 off, 1 on, 2 the daemon decides."""
     halves = {"auto": 0, 1: 1, 2: 2}.get(state_halves) if not isinstance(state_halves, bool) else None
@@ -683,8 +683,6 @@ def _state_options(state_halves, speculative_clipping, max_grad_norm) -> tuple[i
         if isinstance(speculative_clipping, (bool, str)) else None
     if speculation is None:
         raise TrainstreamError(f"speculative_clipping must be 'auto', True or False, not {speculative_clipping!r}")
-    if speculation == 1 and max_grad_norm is None:
-        raise TrainstreamError("speculative_clipping=True needs max_grad_norm: there is no clipping to speculate about")
     if speculation == 1 and halves == 1:
         raise TrainstreamError("speculative_clipping=True needs state_halves=2 (or 'auto'): a redo starts again "
                                "from the committed half")
