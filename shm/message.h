@@ -42,8 +42,8 @@ enum MessageFlags : uint16_t {
   // kGradReady with step terms: the rank cannot tell whether this micro-batch is the last (no step has
   // told it yet, or more came than ever before): the daemon holds it until the terms or the next one
   kUncertainMicro = 4,
-  kTermsNorm = 8,            // kStepTerms: send the norm (kStepNorm) once every bucket's gradients are in
-  kTermsClip = 16,           // kStepTerms: clip to max norm `value` (torch.nn.utils.clip_grad_norm_)
+  kTermsNorm = 8,     // kStepTerms: send the norm (kStepNorm) once every bucket's gradients are in
+  kTermsClip = 16,    // kStepTerms: clip to max norm `value` (torch.nn.utils.clip_grad_norm_)
   kTermsCommit = 32,  // kStepTerms: optimizer.step() was called; update with `factor`
   kNonFinite = 64,    // kStepNorm
 };

@@ -473,7 +473,10 @@ void StepEngine::OnGradReady(RankChannel& channel, const shm::Message& message) 
   if (spec_.accumulation_steps != 0) {
     TS_CHECK(final_micro == (message.micro + 1 == spec_.accumulation_steps) && !uncertain, Code::kInvalidArgument,
              "GRAD_READY micro-batch {} marked {}, but accumulation_steps is {}", message.micro,
-             uncertain ? "uncertain" : final_micro ? "final" : "not final", spec_.accumulation_steps);
+             uncertain     ? "uncertain"
+             : final_micro ? "final"
+                           : "not final",
+             spec_.accumulation_steps);
   }
   TS_CHECK(!(final_micro && uncertain), Code::kInvalidArgument,
            "GRAD_READY micro-batch {} marked both final and uncertain", message.micro);
@@ -762,8 +765,8 @@ StepGate& StepEngine::GateOf(uint64_t step) {
   if (found != gates_.end()) return found->second;
   const bool speculate = layout_.speculative_clipping && clipped_run_ < kClippedRunToWait;
   const bool expects_norms = spec_.max_grad_norm > 0 || last_needed_norms_;
-  StepGate& gate = gates_.try_emplace(step, buckets_.size(), spec_.world_size, speculate, last_factor_, expects_norms)
-                       .first->second;
+  StepGate& gate =
+      gates_.try_emplace(step, buckets_.size(), spec_.world_size, speculate, last_factor_, expects_norms).first->second;
   if (!spec_.step_terms) gate.SetTerms(StepGate::FromOptions(spec_.accumulation_steps, spec_.max_grad_norm));
   return gate;
 }
@@ -847,7 +850,8 @@ void StepEngine::OnSpeculated(uint32_t b, double sum_of_squares, bool nonfinite)
   if (progress.plan->with_norm) gate.AddNorm(b, sum_of_squares, nonfinite, progress.plan->multiplier);
   if (!gate.HasNorm(b) && gate.NormsNeeded()) return StartNorm(b);  // its gradients are still there
   MaybeDecide(step);
-  if (buckets_[b].step != step || buckets_[b].phase != Phase::kAwaitingDecision) return;  // decided: committed or redone
+  if (buckets_[b].step != step || buckets_[b].phase != Phase::kAwaitingDecision)
+    return;                             // decided: committed or redone
   for (const auto& channel : ranks_) {  // its weights reach the GPUs while the step waits for its decision
     if (channel && channel->transfer != nullptr) MaybePush(channel, b);
   }
@@ -1251,8 +1255,8 @@ void StepEngine::AdvanceCompleted() {
 // The step the ranks are in: the one after the job's completed step (the buckets of a later step wait
 // for it to complete before they update).
 void CheckCurrentStep(const shm::Message& message, uint64_t completed, uint32_t rank, const char* what) {
-  TS_CHECK(message.step == completed + 1, Code::kInvalidArgument, "{} from rank {} for step {}, but the job is in step {}",
-           what, rank, message.step, completed + 1);
+  TS_CHECK(message.step == completed + 1, Code::kInvalidArgument,
+           "{} from rank {} for step {}, but the job is in step {}", what, rank, message.step, completed + 1);
 }
 
 void StepEngine::OnStepTerms(RankChannel& channel, const shm::Message& message) {
@@ -1268,7 +1272,8 @@ void StepEngine::OnStepTerms(RankChannel& channel, const shm::Message& message) 
            more_micros_);
   for (uint32_t b = 0; b < buckets_.size(); ++b) {
     const BucketProgress& progress = buckets_[b];
-    const bool collected = progress.delivered_count > 0 || (progress.phase != Phase::kCollecting && !progress.from_accum);
+    const bool collected =
+        progress.delivered_count > 0 || (progress.phase != Phase::kCollecting && !progress.from_accum);
     const uint32_t seen = progress.micro + (collected ? 1 : 0);  // micro-batches it has of the step
     TS_CHECK(progress.step != step || seen <= message.micro, Code::kInvalidArgument,
              "step {} summed {} backward passes, but bucket {} has {} already", step, message.micro, b, seen);
@@ -1321,8 +1326,8 @@ void StepEngine::OnDiscard(RankChannel& channel, const shm::Message& message) {
   CheckCurrentStep(message, completed_, channel.rank, "DISCARD");
   const uint32_t before = discarded_step_ == message.step ? discards_ : 0;
   if (message.micro <= before) {  // another rank's discard of it came first
-    if (!discarding_) PostTo(channel, shm::Message{.kind = shm::MessageKind::kDiscarded, .step = message.step,
-                                                   .micro = discards_});
+    if (!discarding_)
+      PostTo(channel, shm::Message{.kind = shm::MessageKind::kDiscarded, .step = message.step, .micro = discards_});
     return;
   }
   TS_CHECK(message.micro == before + 1, Code::kInvalidArgument,
@@ -1340,10 +1345,11 @@ void StepEngine::OnDiscard(RankChannel& channel, const shm::Message& message) {
     } else if (progress.phase == Phase::kBusy) {
       progress.discard = true;  // Discarded() restarts it when its pass ends
     } else if (progress.phase == Phase::kAwaitingDecision && progress.plan != nullptr && !Revocable(b)) {
-      Diverge(fmt::format("step {}: zero_grad() after bucket {} was updated in place (the job has one state half, or "
-                          "keeps paged gradients in their upload copy); drop the job and call zero_grad() only "
-                          "after optimizer.step()",
-                          message.step, b));
+      Diverge(
+          fmt::format("step {}: zero_grad() after bucket {} was updated in place (the job has one state half, or "
+                      "keeps paged gradients in their upload copy); drop the job and call zero_grad() only "
+                      "after optimizer.step()",
+                      message.step, b));
       return;
     } else {
       Abandon(b);

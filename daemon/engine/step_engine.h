@@ -60,8 +60,8 @@
 #include <thread>
 #include <vector>
 
-#include "daemon/engine/all_reduce.h"
 #include "daemon/engine/accumulator_memory.h"
+#include "daemon/engine/all_reduce.h"
 #include "daemon/engine/bucket_passes.h"
 #include "daemon/engine/rank_channel.h"
 #include "daemon/engine/step_gate.h"
@@ -375,7 +375,7 @@ class StepEngine {
   // What the steps before said, which the next step's updates assume until its own terms are in.
   float last_factor_ = 1.0f;
   bool last_needed_norms_ = false;
-  uint64_t more_step_ = 0;       // kMoreMicro said: this step's micro-batches below more_micros_ are not its last
+  uint64_t more_step_ = 0;  // kMoreMicro said: this step's micro-batches below more_micros_ are not its last
   uint32_t more_micros_ = 0;
   std::optional<uint64_t> discarding_;  // kDiscard of this step: kDiscarded once its passes ended
   uint64_t discarded_step_ = 0;         // the step the last kDiscard dropped, and how many times

@@ -26,18 +26,17 @@ void StepGate::SetTerms(const StepTerms& terms) {
 }
 
 void StepGate::AddTerms(uint32_t rank, const shm::Message& message) {
-  TS_CHECK(rank < committed_.size(), Code::kInvalidArgument, "step terms from rank {} of {}", rank,
-           committed_.size());
-  TS_CHECK(message.micro >= 1, Code::kInvalidArgument, "step terms of step {} after {} backward passes",
-           message.step, message.micro);
+  TS_CHECK(rank < committed_.size(), Code::kInvalidArgument, "step terms from rank {} of {}", rank, committed_.size());
+  TS_CHECK(message.micro >= 1, Code::kInvalidArgument, "step terms of step {} after {} backward passes", message.step,
+           message.micro);
   const bool clip = (message.flags & shm::kTermsClip) != 0;
   const bool commit = (message.flags & shm::kTermsCommit) != 0;
   TS_CHECK(!clip || (message.value > 0 && !std::isnan(message.value)), Code::kInvalidArgument,
            "step {}: clipping to max norm {} (it must be > 0)", message.step, message.value);
   auto finite_positive = [](float value) { return std::isfinite(value) && value > 0; };
-  TS_CHECK(finite_positive(message.norm_factor) && (!commit || finite_positive(message.factor)),
-           Code::kInvalidArgument, "step {}: gradient multipliers {} and {} (they must be finite and > 0)",
-           message.step, message.norm_factor, message.factor);
+  TS_CHECK(finite_positive(message.norm_factor) && (!commit || finite_positive(message.factor)), Code::kInvalidArgument,
+           "step {}: gradient multipliers {} and {} (they must be finite and > 0)", message.step, message.norm_factor,
+           message.factor);
   StepTerms terms{.micro_batches = message.micro,
                   .norm_wanted = (message.flags & shm::kTermsNorm) != 0,
                   .max_norm = clip ? message.value : 0.0,
