@@ -37,6 +37,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._rank = rank                            # the daemon's job while offloaded, else None
         self._resume_step = rank.resume_step if rank is not None else 0
         self._stock: StockOptimizer | None = None    # the torch optimizer once the state left the daemon
+        # The torch.distributed group whose ranks train this job together (TrainStream 0.2's attribute), or
+        # None: one process, or ranks placed without a group (torchrun's variables, explicit rank=).
+        self._dp = None
         self.after_step: list[Callable[[], None]] = []  # what wrap's automatic modes measure after a step
         self._optimizer_step_pre_hooks = OrderedDict()
         self._optimizer_step_post_hooks = OrderedDict()

@@ -195,6 +195,8 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
     r = attach(paging=paging, device=device)
     r.timings = {"place and connect": placed_s, **r.timings}
     wrapped = OffloadedOptimizer(optimizer, r)
+    if world_size * max(1, len(peers)) > 1 and _distributed.spans_group(2):
+        wrapped._dp = torch.distributed.group.WORLD
     w = Wrapped(model, wrapped, attach, auto_named, world_size * max(1, len(peers)), max_grad_norm,
                 own_client=own_client)
     _wrapped[model] = w
