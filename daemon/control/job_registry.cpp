@@ -290,11 +290,7 @@ void JobRegistry::Drop(const std::string& name, uint32_t uid, bool force) {
     jobs_.erase(it);
   }
   job->FailAll(fmt::format("job '{}' was dropped", name));
-  DropWaitingFragments(*job);
-}
-
-void JobRegistry::DropWaitingFragments(const Job& job) {
-  if (peer_config_.mailbox != nullptr && job.spec().nodes() > 1) peer_config_.mailbox->Drop(job.name());
+  job->Dropped();
 }
 
 std::vector<std::shared_ptr<Job>> JobRegistry::Jobs() {
@@ -329,7 +325,7 @@ size_t JobRegistry::ExpireIdle() {
       orphans_.clear();
     }
   }
-  for (const auto& job : expired) DropWaitingFragments(*job);
+  for (const auto& job : expired) job->Dropped();
   return expired.size();  // destroyed here, outside the lock
 }
 
@@ -350,7 +346,7 @@ size_t JobRegistry::DropLost() {
   for (const auto& [job, why] : lost) {
     spdlog::warn("job '{}' (uid {}) dropped, its segments removed: {}", job->name(), job->uid(), why);
     ProcessCounters::Instance().CountError(ErrorKind::kTruncatedSegment);
-    DropWaitingFragments(*job);
+    job->Dropped();
   }
   return lost.size();  // destroyed here, outside the lock
 }
