@@ -11,14 +11,14 @@
 //
 // Every opening of a job here is an instance of it, and a job dropped and created again under its name
 // opens a new one while the dropped one's all-reduce may still be winding down (its Job outlives the
-// registry's drop until its last user lets go). A dropped instance is no longer open: it is handed no
-// fragments, neither arriving nor waiting ones, and what it registers or reduces later refuses nothing,
-// so a new job of the name starts clean. Fragments name their job only (the registry lets one
-// multi-node job hold a name), so they are for every open instance of it; normally that is one, but a
-// job being built may open one beside it for a moment before the registry refuses it (a restore racing
-// a create). Registrations and the bound of reduced buckets below are kept per instance. (A fragment
-// that a peer's dropped instance sent late cannot be told from its new one's: the wire names no
-// instance.)
+// registry's drop until its last user lets go; the registry drops it before a new job of the name can
+// open). A dropped instance is no longer open: it is handed no fragments, neither arriving nor waiting
+// ones, and what it registers or reduces later refuses nothing, so a new job of the name starts clean.
+// Fragments name their job only (the registry lets one multi-node job hold a name), so they are for
+// every open instance of it; normally that is one, but a job being built may open one beside it for a
+// moment before the registry refuses it (a restore racing a create). Registrations and the bound of
+// reduced buckets below are kept per instance. (A fragment that a peer's dropped instance sent late
+// cannot be told from its new one's: the wire names no instance.)
 //
 // What a peer may leave here is bounded. A key delivered twice is refused (the first one stays), and
 // so is a fragment of a bucket that an open instance of its job has already reduced here. Fragments of
