@@ -288,15 +288,11 @@ void JobRegistry::Drop(const std::string& name, uint32_t uid, bool force) {
     auto it = jobs_.find(id);
     TS_CHECK(it != jobs_.end(), Code::kNotFound, "uid {} has no job named '{}'", uid, name);
     it->second->Close("it was dropped", force);
+    it->second->Dropped();
     job = std::move(it->second);
     jobs_.erase(it);
   }
   job->FailAll(fmt::format("job '{}' was dropped", name));
-  DropWaitingFragments(*job);
-}
-
-void JobRegistry::DropWaitingFragments(const Job& job) {
-  if (peer_config_.mailbox != nullptr && job.spec().nodes() > 1) peer_config_.mailbox->Drop(job.name());
 }
 
 std::vector<std::shared_ptr<Job>> JobRegistry::Jobs() {
@@ -316,6 +312,7 @@ size_t JobRegistry::ExpireIdle() {
       if (it->second->CloseIfIdle(ttl, "it was idle for the TTL")) {
         spdlog::info("job '{}' idle for over {} s: dropping it (uid {})", it->first.second, config_.job_ttl_seconds,
                      it->first.first);
+        it->second->Dropped();
         expired.push_back(std::move(it->second));
         it = jobs_.erase(it);
       } else {
@@ -331,7 +328,6 @@ size_t JobRegistry::ExpireIdle() {
       orphans_.clear();
     }
   }
-  for (const auto& job : expired) DropWaitingFragments(*job);
   return expired.size();  // destroyed here, outside the lock
 }
 
@@ -342,6 +338,7 @@ size_t JobRegistry::DropLost() {
     for (auto it = jobs_.begin(); it != jobs_.end();) {
       if (auto why = it->second->Lost()) {
         it->second->Close(*why, /*force=*/true);
+        it->second->Dropped();
         lost.emplace_back(std::move(it->second), std::move(*why));
         it = jobs_.erase(it);
       } else {
@@ -352,7 +349,6 @@ size_t JobRegistry::DropLost() {
   for (const auto& [job, why] : lost) {
     spdlog::warn("job '{}' (uid {}) dropped, its segments removed: {}", job->name(), job->uid(), why);
     ProcessCounters::Instance().CountError(ErrorKind::kTruncatedSegment);
-    DropWaitingFragments(*job);
   }
   return lost.size();  // destroyed here, outside the lock
 }
