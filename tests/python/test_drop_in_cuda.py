@@ -1,6 +1,15 @@
-"""The one line on the GPU: a small GPT trained the nanoGPT way (micro-batches, clip_grad_norm_, autocast in
-bf16, or in fp16 with a GradScaler whose first scale overflows, compiled or not), wrapped with nothing but
-`trainstream.wrap(model, optimizer)`, against the same loop with torch.optim.AdamW on the GPU."""
+"""The one line on the GPU: a small GPT trained the nanoGPT way (micro-batches, clip_grad_norm_; in fp32,
+under autocast in bf16, or in fp16 with a GradScaler whose first scales overflow; compiled or not), wrapped
+with nothing but `trainstream.wrap(model, optimizer)`.
+
+It must train exactly what wrap's explicit arguments train (accumulation_steps, max_grad_norm: the daemon's
+same arithmetic), with the same skipped steps and scales, and be no further from torch.optim.AdamW's model
+than torch's own fused AdamW is. Bit-exact it cannot be: last-bit differences between two AdamW updates grow
+where Adam divides by small second moments, and 16-bit activations widen them (this model in fp32 on the
+dev box after 20 steps: the daemon 5.2e-5 from torch's for-loop AdamW, torch's fused AdamW 5.1e-5; under
+autocast on an H100 losses 3.6e-4 apart relative). Compiled, exact equality with the explicit arguments is
+not to be had either: two compiled runs of one loop differ.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +26,7 @@ pytestmark = [pytest.mark.cuda,
 
 STEPS = 20
 MICRO = 2
+INIT_SCALE = 2.0 ** 26
 
 
 class TinyGPT(torch.nn.Module):
@@ -31,13 +41,18 @@ class TinyGPT(torch.nn.Module):
                                  "up": torch.nn.Linear(width, 4 * width), "down": torch.nn.Linear(4 * width, width)})
             for _ in range(layers))
         self.ln = torch.nn.LayerNorm(width)
+        for embedding in (self.wte, self.wpe):  # GPT-2's: logits near zero at the start, a loss near ln(vocab)
+            torch.nn.init.normal_(embedding.weight, std=0.02)
 
     def forward(self, tokens, targets):
         b, t = tokens.shape
         x = self.wte(tokens) + self.wpe(torch.arange(t, device=tokens.device))
         for blk in self.blocks:
             q, k, v = blk["qkv"](blk["ln1"](x)).view(b, t, 3, self.heads, -1).transpose(1, 3).unbind(2)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1)
+            # attention spelled out: the same sums in every run (a fused kernel's backward may reorder them)
+            scores = (q @ k.transpose(-2, -1)) / q.shape[-1] ** 0.5
+            scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
+            y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, -1)
             x = x + blk["proj"](y)
             x = x + blk["down"](F.gelu(blk["up"](blk["ln2"](x))))
         logits = F.linear(self.ln(x), self.wte.weight)
@@ -54,7 +69,7 @@ def train(model, optimizer, dtype, scaler, forward):
     losses, scales = [], []
     for step in range(STEPS):
         for micro in range(MICRO):
-            with torch.autocast("cuda", dtype=dtype):
+            with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
                 loss = forward(*batch(step, micro)) / MICRO
             (scaler.scale(loss) if scaler else loss).backward()
         if scaler:
@@ -71,28 +86,49 @@ def train(model, optimizer, dtype, scaler, forward):
     return losses, scales
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16-scaler"])
+def run(start, dtype, compiled, mode):
+    """`mode`: stock (torch's for-loop AdamW), fused (torch's fused AdamW), explicit or oneline."""
+    torch.manual_seed(1)  # dropout-free, but the same generator state for every mode
+    model = copy.deepcopy(start)
+    kind = {"fused": True} if mode == "fused" else {"foreach": False}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, **kind)
+    if mode == "explicit":
+        model, optimizer = trainstream.wrap(model, optimizer, accumulation_steps=MICRO, max_grad_norm=0.5)
+    elif mode == "oneline":
+        model, optimizer = trainstream.wrap(model, optimizer)
+    # 2^26 overflows fp16 (the logits' gradients, about 1/256 of the scale): three skipped steps and backoffs,
+    # then growth every 4 steps and an overflow again
+    scaler = torch.amp.GradScaler("cuda", init_scale=INIT_SCALE, growth_interval=4) if dtype == torch.float16 else None
+    torch._dynamo.reset()
+    losses, scales = train(model, optimizer, dtype, scaler, torch.compile(model) if compiled else model)
+    if mode in ("explicit", "oneline"):
+        trainstream.synchronize(model)
+    weights = [p.detach().float().clone() for p in model.parameters()]
+    if mode in ("explicit", "oneline"):
+        trainstream.unwrap(model)
+    return losses, scales, weights
+
+
+def distance(a, b):
+    return max((p - q).abs().max().item() for p, q in zip(a, b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16-scaler"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_a_nanogpt_loop_on_the_gpu(dtype, compiled):
     torch.manual_seed(0)
-    plain = TinyGPT().cuda()
-    wrapped = copy.deepcopy(plain)
-    fp16 = dtype == torch.float16
-
-    def scaler():  # 2^24 overflows fp16 in the first steps: skipped steps and backoff, then growth
-        return torch.amp.GradScaler("cuda", init_scale=2.0 ** 24, growth_interval=4) if fp16 else None
-
-    torch._dynamo.reset()
-    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, foreach=False)
-    losses, scales = train(plain, plain_opt, dtype, scaler(), torch.compile(plain) if compiled else plain)
-    wrapped, optimizer = trainstream.wrap(wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-3))
-    torch._dynamo.reset()
-    losses_wrapped, scales_wrapped = train(wrapped, optimizer, dtype, scaler(),
-                                           torch.compile(wrapped) if compiled else wrapped)
-    trainstream.synchronize(wrapped)
-    if fp16:
-        assert scales_wrapped == scales and min(scales) < 2.0 ** 24  # the same skips and backoffs
-    assert losses_wrapped == pytest.approx(losses, rel=1e-4)
-    difference = max((p - q).abs().max().item() for p, q in zip(plain.parameters(), wrapped.parameters()))
-    assert difference < 1e-5
-    trainstream.unwrap(wrapped)
+    start = TinyGPT().cuda()
+    stock, fused, explicit, oneline = (run(start, dtype, compiled, mode)
+                                       for mode in ("stock", "fused", "explicit", "oneline"))
+    if dtype == torch.float16:  # the first steps overflowed and were skipped in each
+        assert oneline[1][:3] == explicit[1][:3] == stock[1][:3] and min(oneline[1]) < INIT_SCALE
+    # torch's two AdamWs apart: their arithmetic, and a compiled graph's run-to-run noise (Inductor's CPU
+    # reductions: two compiled runs of the same fp32 loop 2.7e-5 apart on the dev box)
+    floor = distance(fused[2], stock[2])
+    assert distance(oneline[2], stock[2]) <= 2 * floor + 1e-6
+    if compiled:
+        assert distance(oneline[2], explicit[2]) <= 2 * floor + 1e-6
+        return
+    assert oneline[1] == explicit[1]  # the same skipped steps and loss scales
+    assert oneline[0] == pytest.approx(explicit[0], rel=1e-6, abs=1e-6)
+    assert distance(oneline[2], explicit[2]) <= 1e-6
