@@ -5,6 +5,8 @@ backward, clip_grad_norm_(1.0) in the loop, fused AdamW), three ways, each in a 
   explicit  trainstream.wrap(model, optimizer, accumulation_steps=K, max_grad_norm=1.0)
   oneline   trainstream.wrap(model, optimizer): the micro-batches counted, the loop's clipping taken over
   oneline-eager  the same, not compiled (a compiled wrapped model must be at least as fast as an eager one)
+  counted   wrap(model, optimizer, max_grad_norm=1.0): the micro-batches counted, the clipping said (--modes)
+  clipped   wrap(model, optimizer, accumulation_steps=K): the count said, the loop's clipping taken over (--modes)
 
 It prints each mode's median step time over the steps after the warm-up (compilation), its losses, and the
 ratios: oneline against explicit (the cost of the one line: the first step waits for its terms, each later
@@ -45,7 +47,8 @@ def run_mode(args) -> dict:
                                   fused=args.mode == "stock")
     if args.mode != "stock":
         import trainstream
-        extra = {"accumulation_steps": args.micro, "max_grad_norm": 1.0} if args.mode == "explicit" else {}
+        extra = {"explicit": {"accumulation_steps": args.micro, "max_grad_norm": 1.0},
+                 "counted": {"max_grad_norm": 1.0}, "clipped": {"accumulation_steps": args.micro}}.get(args.mode, {})
         model, optimizer = trainstream.wrap(model, optimizer, **extra)
     forward = torch.compile(model) if args.compile and args.mode != "oneline-eager" else model
     text = MarkovText(model.wte.weight.shape[0])
