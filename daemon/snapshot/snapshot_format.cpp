@@ -10,6 +10,7 @@
 #include <cstring>
 #include <map>
 
+#include "daemon/snapshot/bounded_json.h"
 #include "shm/error.h"
 #include "shm/version.h"
 
@@ -75,7 +76,7 @@ std::string LayoutToJson(const shm::LayoutSpec& spec) {
 }
 
 shm::LayoutSpec LayoutFromJson(const std::string& text) {
-  const nlohmann::json json = nlohmann::json::parse(text);
+  const nlohmann::json json = ParseBoundedJson(text, "layout metadata");
   shm::LayoutSpec spec;
   spec.params = ParamsFromJson(json.at("params"));
   spec.frozen = ParamsFromJson(json.at("frozen"));
@@ -105,7 +106,7 @@ std::string HParamsToJson(const std::vector<shm::HParams>& hparams) {
 
 std::vector<shm::HParams> HParamsFromJson(const std::string& text) {
   std::vector<shm::HParams> hparams;
-  for (const nlohmann::json& h : nlohmann::json::parse(text)) {
+  for (const nlohmann::json& h : ParseBoundedJson(text, "hparams metadata")) {
     const auto v = h.get<std::vector<double>>();
     TS_CHECK(v.size() == 5, Code::kInvalidArgument, "hparams entries need 5 numbers");
     hparams.push_back(shm::HParams{.lr = v[0], .beta1 = v[1], .beta2 = v[2], .eps = v[3], .weight_decay = v[4]});
@@ -123,7 +124,7 @@ SnapshotMeta MetaFromMetadata(const std::map<std::string, std::string>& metadata
   auto format = metadata.find("format");
   TS_CHECK(format != metadata.end() && format->second == kSnapshotFormat, Code::kInvalidArgument,
            "it is not a trainstream snapshot (metadata 'format' is {}, expected '{}')",
-           format == metadata.end() ? "missing" : "'" + format->second + "'", kSnapshotFormat);
+           format == metadata.end() ? "missing" : "'" + Excerpt(format->second) + "'", kSnapshotFormat);
   try {
     return SnapshotMeta{.job = Required(metadata, "job"),
                         .uid = static_cast<uint32_t>(std::stoul(Required(metadata, "uid"))),

@@ -193,7 +193,7 @@ def test_corrupt_truncated_and_foreign_files_are_refused_by_name(daemon, tmp_pat
     cases = {
         "truncated": (data[: len(data) // 2], "truncated"),
         "empty": (b"", "fewer than a safetensors header needs"),
-        "bad-length": (b"\xff" * 8 + data[8:], "header length"),
+        "bad-length": (b"\xff" * 8 + data[8:], "the limit is"),
         "not-json": (data[:8] + b"{" * header + data[8 + header:], "not a JSON object"),
     }
     for name, (content, why) in cases.items():

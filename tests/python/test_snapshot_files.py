@@ -1,0 +1,139 @@
+"""Snapshot files a client controls, against a real root daemon, restored as a second uid (issue 46):
+headers nested or sized to exhaust the daemon. Every one is refused with an error naming what is
+wrong; the daemon stays up, answers, and keeps nothing of the failed restore."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import struct
+import uuid
+
+import pytest
+from conftest import OTHER_UID, Daemon, ctl, ctl_json
+
+FORMAT = "trainstream.snapshot.v1"
+# In every job name here: a state segment whose header names it is this run's (other tests, of other
+# engineers too, may hold segments of the same uids meanwhile).
+RUN = f"t{uuid.uuid4().hex[:12]}"
+
+
+def layout(numel: int, state_halves: int = 1) -> dict:
+    """One fp32 parameter of `numel` elements: one bucket, whatever its size."""
+    return {"params": [{"name": "w", "shape": [numel], "dtype": "float32", "group": 0, "partition": 0}],
+            "frozen": [], "num_groups": 1, "bucket_bytes": 1 << 25, "moment_dtype": "float32",
+            "optimizer": "adamw", "accumulation_steps": 1, "world_size": 1, "max_grad_norm": 0.0, "peers": [],
+            "node_rank": 0, "state_halves": state_halves, "speculative_clipping": False}
+
+
+def header_bytes(numel: int, metadata: dict) -> bytes:
+    """A snapshot's header for one parameter of `numel` elements: length word and JSON, 8-aligned."""
+    tensors, offset = {}, 0
+    for name, dtype, count, size in (("master.0", "F32", numel, 4), ("exp_avg.0", "F32", numel, 4),
+                                     ("exp_avg_sq.0", "F32", numel, 4), ("step", "I64", 1, 8),
+                                     ("bucket_step", "I64", 1, 8)):
+        tensors[name] = {"dtype": dtype, "shape": [count], "data_offsets": [offset, offset + count * size]}
+        offset += count * size
+    text = json.dumps({"__metadata__": metadata, **tensors}, separators=(",", ":"))
+    text += " " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text.encode()
+
+
+def forge(path: str, numel: int = 8, *, uid: int | str = OTHER_UID, job: str = f"forged-{RUN}", step: int | str = 3,
+          bucket_step: int = 3, param_step: int = 3, master: list[float] | None = None,
+          exp_avg_sq: list[float] | None = None, owner: int | None = OTHER_UID, sparse: bool = False,
+          **metadata: str) -> str:
+    """Writes a trainstream snapshot of one parameter as `owner`'s file; what is not given is
+    consistent (every step 3, zero weights). `sparse`: the tensors are a hole (a large file, fast)."""
+    meta = {"format": FORMAT, "job": job, "uid": str(uid), "seed": "7", "step": str(step),
+            "layout": json.dumps(layout(numel)), "hparams": "[]", "daemon_version": "0.1.0", **metadata}
+    with open(path, "wb") as f:
+        f.write(header_bytes(numel, meta))
+        if sparse:
+            f.seek(3 * 4 * numel, os.SEEK_CUR)
+        else:
+            for values in (master, None, exp_avg_sq):
+                f.write(struct.pack(f"<{numel}f", *(values or [0.0] * numel)))
+        f.write(struct.pack("<qq", param_step, bucket_step))
+    if owner is not None:
+        os.chown(path, owner, owner)
+    return path
+
+
+def restore(daemon: Daemon, path: str, *args: str, user: int | None = OTHER_UID, timeout: float = 30):
+    return ctl(daemon.socket, "restore", path, *args, user=user, check=False, timeout=timeout)
+
+
+def segments_of(uid: int) -> set[str]:
+    """This run's segments of `uid` in /dev/shm: those whose first page names one of its jobs."""
+    mine = set()
+    for path in glob.glob(f"/dev/shm/trainstream.{uid}.*"):
+        try:
+            with open(path, "rb") as segment:
+                if RUN.encode() in segment.read(4096):
+                    mine.add(path)
+        except FileNotFoundError:
+            pass
+    return mine
+
+
+def assert_refused(result, *phrases: str) -> None:
+    assert result.returncode == 1, (result.returncode, result.stdout, result.stderr)
+    for phrase in phrases:
+        assert phrase in result.stderr, (phrase, result.stderr)
+
+
+def assert_serving_with_nothing_left(daemon: Daemon, uid: int = OTHER_UID) -> None:
+    assert daemon.process.poll() is None, daemon.output()[-3000:]
+    assert [j for j in ctl_json(daemon.socket, "jobs") if j["uid"] == uid] == []
+    assert segments_of(uid) == set(), "a segment of the failed restore stayed"
+
+
+@pytest.fixture
+def shared(shared_daemon):
+    return shared_daemon
+
+
+def nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+@pytest.mark.parametrize("where, why", [("shape", "tensor 'a' has dimension an array"),
+                                        ("metadata", "__metadata__ must be an object of strings, not an array"),
+                                        ("layout", "its layout metadata is nested deeper than 8 levels")])
+def test_a_deeply_nested_header_is_refused(shared, where, why):
+    """100k levels (200 KB): on main the recursive dump() of an error message overflowed the stack."""
+    path = os.path.join(shared.shared_dir, f"nested-{where}.safetensors")
+    if where == "layout":
+        forge(path, layout=nested(100_000))
+    else:
+        entry = {"dtype": "F32", "shape": "@", "data_offsets": [0, 4]}
+        document = {"__metadata__": {"format": FORMAT}, "a": entry} if where == "shape" else {"__metadata__": "@"}
+        text = json.dumps(document).replace('"@"', nested(100_000))
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", len(text)) + text.encode() + b"\0" * 4)
+        os.chown(path, OTHER_UID, OTHER_UID)
+    assert_refused(restore(shared, path), "is not valid", why)
+    assert_serving_with_nothing_left(shared)
+
+
+def resident_peak_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+
+
+def test_a_header_beyond_the_limit_is_refused_before_it_is_read(shared):
+    """A 44 MiB header of 700k entries took 632 MB of the daemon to refuse on main."""
+    path = os.path.join(shared.shared_dir, "huge-header.safetensors")
+    entry = '"t{}":{{"dtype":"F32","shape":[1],"data_offsets":[{},{}]}}'
+    text = "{" + ",".join(entry.format(i, 4 * i, 4 * i + 4) for i in range(700_000)) + "}"
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text.encode() + b"\0" * 4 * 700_000)
+    os.chown(path, OTHER_UID, OTHER_UID)
+    before = resident_peak_bytes(shared.process.pid)
+    for _ in range(4):
+        assert_refused(restore(shared, path), "is not valid", f"its header is {len(text)} bytes",
+                       "the limit is 16777216")
+    assert resident_peak_bytes(shared.process.pid) - before < 32 << 20  # it was never read
+    assert_serving_with_nothing_left(shared)
