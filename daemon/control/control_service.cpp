@@ -368,8 +368,9 @@ grpc::Status ControlService::Restore(grpc::ServerContext* context, const v1::Res
              "snapshot path '{}' must be an absolute path", request->path());
     std::unique_ptr<SnapshotFile> file;
     {
-      const FileIdentity as_caller(uid);  // read only what the caller may read
-      file = std::make_unique<SnapshotFile>(request->path());
+      const FileIdentity as_caller(uid);  // open only what the caller may read
+      file = std::make_unique<SnapshotFile>(request->path(),
+                                            RestoreOptions{.cancelled = [context] { return context->IsCancelled(); }});
     }
     const SnapshotMeta& meta = file->meta();
     TS_CHECK(uid == 0 || uid == meta.uid, Code::kPermissionDenied,

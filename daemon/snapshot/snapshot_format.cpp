@@ -1,14 +1,12 @@
 #include "daemon/snapshot/snapshot_format.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 #include <nlohmann/json.hpp>
 
-#include <cerrno>
+#include <algorithm>
+#include <array>
 #include <cstring>
 #include <map>
+#include <utility>
 
 #include "daemon/snapshot/bounded_json.h"
 #include "shm/error.h"
@@ -173,47 +171,35 @@ SafetensorsHeader SnapshotHeader(const SnapshotMeta& meta) {
   return header;
 }
 
-SnapshotFile::SnapshotFile(const std::string& path) : path_(path) {
-  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
-  if (fd < 0) {
-    const int error = errno;
-    Throw(error == ENOENT                     ? Code::kNotFound
-          : error == EACCES || error == EPERM ? Code::kPermissionDenied
-                                              : Code::kInvalidArgument,
-          "cannot open snapshot '{}': {}", path, strerror(error));
-  }
-  struct stat status {};
-  if (fstat(fd, &status) != 0 || !S_ISREG(status.st_mode)) {
-    close(fd);
-    Throw(Code::kInvalidArgument, "snapshot '{}' is not a regular file", path);
-  }
-  size_ = static_cast<uint64_t>(status.st_size);
-  void* mapped = size_ == 0 ? nullptr : mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
-  close(fd);
-  TS_CHECK(mapped != MAP_FAILED, Code::kInternal, "cannot map snapshot '{}': {}", path, strerror(errno));
-  data_ = static_cast<const std::byte*>(mapped);
+SnapshotFile::SnapshotFile(const std::string& path, RestoreOptions options)
+    : file_(path), options_(std::move(options)) {
   try {
-    header_ = DecodeHeader(data_, size_);
+    TS_CHECK(file_.size() >= 8, Code::kInvalidArgument, "the file has {} bytes, fewer than a safetensors header needs",
+             file_.size());
+    std::array<std::byte, 8> length_word{};
+    file_.ReadAt(0, length_word);
+    std::string json(HeaderLength(length_word, file_.size()), '\0');
+    file_.ReadAt(8, std::as_writable_bytes(std::span(json)));
+    header_ = DecodeHeader(json, file_.size());
+    json = std::string();  // before the layout's own parse: one header in memory at a time
     meta_ = MetaFromMetadata(header_.metadata);
     layout_ = shm::ComputeLayout(meta_.spec);
     CheckTensors();
+    ReadSteps();
   } catch (const Error& e) {
-    if (data_ != nullptr) munmap(const_cast<std::byte*>(data_), size_);
     Throw(e.code(), "snapshot '{}' is not valid: {}", path, e.what());
   }
 }
 
-SnapshotFile::~SnapshotFile() {
-  if (data_ != nullptr) munmap(const_cast<std::byte*>(data_), size_);
-}
-
 // Every tensor the layout needs, with its dtype and shape, and nothing else.
 void SnapshotFile::CheckTensors() const {
+  // Counted first: a forged layout of many parameters costs no expected header of as many tensors.
+  const size_t needed = 3 * meta_.spec.params.size() + meta_.spec.frozen.size() + 2;
+  TS_CHECK(header_.tensors.size() == needed, Code::kInvalidArgument, "it holds {} tensors, its layout needs {}",
+           header_.tensors.size(), needed);
   const SafetensorsHeader expected = SnapshotHeader(meta_);
   std::map<std::string, const TensorEntry*> found;
   for (const TensorEntry& tensor : header_.tensors) found[tensor.name] = &tensor;
-  TS_CHECK(found.size() == expected.tensors.size(), Code::kInvalidArgument, "it holds {} tensors, its layout needs {}",
-           found.size(), expected.tensors.size());
   for (const TensorEntry& want : expected.tensors) {
     auto have = found.find(want.name);
     TS_CHECK(have != found.end(), Code::kInvalidArgument, "tensor '{}' is missing", want.name);
@@ -223,39 +209,58 @@ void SnapshotFile::CheckTensors() const {
   }
 }
 
-std::span<const std::byte> SnapshotFile::Tensor(const std::string& name) const {
+void SnapshotFile::ReadSteps() {
+  steps_.resize(meta_.spec.params.size());
+  bucket_steps_.resize(layout_.buckets.size());
+  file_.ReadAt(header_.data_start + Tensor("step").begin, std::as_writable_bytes(std::span(steps_)));
+  file_.ReadAt(header_.data_start + Tensor("bucket_step").begin, std::as_writable_bytes(std::span(bucket_steps_)));
+  for (uint32_t i = 0; i < steps_.size(); ++i) {
+    TS_CHECK(steps_[i] >= 0, Code::kInvalidArgument, "parameter {} has step {}", i, steps_[i]);
+  }
+  for (uint32_t b = 0; b < bucket_steps_.size(); ++b) {
+    TS_CHECK(bucket_steps_[b] >= 0 && bucket_steps_[b] < (int64_t{1} << 62), Code::kInvalidArgument,
+             "bucket {} has step {}", b, bucket_steps_[b]);
+  }
+}
+
+const TensorEntry& SnapshotFile::Tensor(const std::string& name) const {
   for (const TensorEntry& tensor : header_.tensors) {
-    if (tensor.name == name) return {data_ + header_.data_start + tensor.begin, tensor.bytes()};
+    if (tensor.name == name) return tensor;
   }
   Throw(Code::kInternal, "snapshot tensor '{}' vanished", name);  // CheckTensors saw every one
 }
 
 void SnapshotFile::RestoreInto(const CommittedState& state) const {
-  const auto steps = Tensor("step");
-  const auto bucket_steps = Tensor("bucket_step");
+  struct Copy {
+    const TensorEntry* tensor;
+    std::span<std::byte> into;
+  };
+  std::vector<Copy> copies;
   for (uint32_t i = 0; i < meta_.spec.params.size(); ++i) {
     const ParamStateRef param = state.Param(i);
-    std::memcpy(param.master.data(), Tensor(TensorName("master", i)).data(), param.master.size_bytes());
-    std::memcpy(param.exp_avg.data(), Tensor(TensorName("exp_avg", i)).data(), param.exp_avg.size());
-    std::memcpy(param.exp_avg_sq.data(), Tensor(TensorName("exp_avg_sq", i)).data(), param.exp_avg_sq.size());
-    int64_t step = 0;
-    std::memcpy(&step, steps.data() + i * sizeof(step), sizeof(step));
-    TS_CHECK(step >= 0, Code::kInvalidArgument, "snapshot '{}': parameter {} has step {}", path_, i, step);
-    param.step = static_cast<uint64_t>(step);
+    copies.push_back({&Tensor(TensorName("master", i)), std::as_writable_bytes(param.master)});
+    copies.push_back({&Tensor(TensorName("exp_avg", i)), param.exp_avg});
+    copies.push_back({&Tensor(TensorName("exp_avg_sq", i)), param.exp_avg_sq});
   }
-  for (uint32_t j = 0; j < meta_.spec.frozen.size(); ++j) {
-    const auto frozen = state.Frozen(j);
-    std::memcpy(frozen.data(), Tensor(TensorName("frozen", j)).data(), frozen.size());
+  for (uint32_t j = 0; j < meta_.spec.frozen.size(); ++j)
+    copies.push_back({&Tensor(TensorName("frozen", j)), state.Frozen(j)});
+  // In the file's order: one pass forward through it.
+  std::sort(copies.begin(), copies.end(),
+            [](const Copy& a, const Copy& b) { return a.tensor->begin < b.tensor->begin; });
+  for (const Copy& copy : copies) {
+    file_.ReadAt(header_.data_start + copy.tensor->begin, copy.into, [&](std::span<const std::byte>, uint64_t) {
+      TS_CHECK(!options_.cancelled || !options_.cancelled(), Code::kAborted,
+               "the restore from '{}' was cancelled (the caller went away, or trainstreamd is shutting "
+               "down)",
+               path());
+    });
   }
+  for (uint32_t i = 0; i < meta_.spec.params.size(); ++i) state.Param(i).step = static_cast<uint64_t>(steps_[i]);
   uint64_t lowest = UINT64_MAX;
   for (uint32_t b = 0; b < layout_.buckets.size(); ++b) {
-    int64_t step = 0;
-    std::memcpy(&step, bucket_steps.data() + b * sizeof(step), sizeof(step));
-    TS_CHECK(step >= 0 && step < (int64_t{1} << 62), Code::kInvalidArgument, "snapshot '{}': bucket {} has step {}",
-             path_, b, step);
-    state.SetBucketStep(b, static_cast<uint64_t>(step));
+    state.SetBucketStep(b, static_cast<uint64_t>(bucket_steps_[b]));
     state.MakeUploadCopy(b);
-    lowest = std::min(lowest, static_cast<uint64_t>(step));
+    lowest = std::min(lowest, static_cast<uint64_t>(bucket_steps_[b]));
   }
   state.Publish(lowest);
 }

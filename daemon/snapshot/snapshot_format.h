@@ -11,12 +11,14 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "daemon/snapshot/committed_state.h"
 #include "daemon/snapshot/safetensors.h"
+#include "daemon/snapshot/untrusted_file.h"
 #include "shm/job_layout.h"
 
 namespace trainstream::daemon {
@@ -37,31 +39,41 @@ std::string TensorName(const char* kind, uint32_t index);  // "master.3"
 // The file's header: every tensor of the job's layout, and `meta` as metadata.
 SafetensorsHeader SnapshotHeader(const SnapshotMeta& meta);
 
-// A snapshot file opened to restore a job: mapped read-only, checked through and through.
+// How a restore stops early.
+struct RestoreOptions {
+  // Asked between chunks of the copy; true stops it (kAborted): the caller went away, or the daemon
+  // is shutting down.
+  std::function<bool()> cancelled;
+};
+
+// A snapshot file opened to restore a job, from a file its client controls
+// (daemon/snapshot/untrusted_file.h): its header, metadata and step counts are read and checked when
+// it is opened, its tensors when RestoreInto copies them, and what is checked is what is kept in memory
+// or copied, never read again from the file.
 class SnapshotFile {
  public:
   // kNotFound / kPermissionDenied if it cannot be opened (with the calling thread's file identity),
   // kInvalidArgument naming what is wrong if it is not a complete trainstream snapshot.
-  explicit SnapshotFile(const std::string& path);
-  ~SnapshotFile();
-  SnapshotFile(const SnapshotFile&) = delete;
-  SnapshotFile& operator=(const SnapshotFile&) = delete;
+  explicit SnapshotFile(const std::string& path, RestoreOptions options = {});
 
   [[nodiscard]] const SnapshotMeta& meta() const { return meta_; }
-  [[nodiscard]] const std::string& path() const { return path_; }
-  // Writes everything the file holds into a new job's state (its layout is meta().spec's).
+  [[nodiscard]] const std::string& path() const { return file_.path(); }
+  // Writes everything the file holds into a new job's state (its layout is meta().spec's). Throws
+  // kInvalidArgument if the file changed since it was opened (ended early), kAborted if cancelled;
+  // the state is then partly written: discard it.
   void RestoreInto(const CommittedState& state) const;
 
  private:
-  [[nodiscard]] std::span<const std::byte> Tensor(const std::string& name) const;
+  [[nodiscard]] const TensorEntry& Tensor(const std::string& name) const;
   void CheckTensors() const;
+  void ReadSteps();  // the step counts: checked now, restored from what was checked
 
-  std::string path_;
-  const std::byte* data_ = nullptr;
-  uint64_t size_ = 0;
+  UntrustedFile file_;
+  RestoreOptions options_;
   SafetensorsHeader header_;
   SnapshotMeta meta_;
   shm::JobLayout layout_;
+  std::vector<int64_t> steps_, bucket_steps_;
 };
 
 }  // namespace trainstream::daemon

@@ -1,6 +1,7 @@
-"""Snapshot files a client controls, against a real root daemon, restored as a second uid (issue 46):
-headers nested or sized to exhaust the daemon. Every one is refused with an error naming what is
-wrong; the daemon stays up, answers, and keeps nothing of the failed restore."""
+"""Snapshot files a client controls, against a real root daemon, restored as a second uid (issue 46): a
+FIFO as the path, a file truncated while the daemon reads it, headers nested or sized to exhaust the
+daemon. Every one is refused with an error naming what is wrong; the daemon stays up, answers, and
+keeps nothing of the failed restore."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import glob
 import json
 import os
 import struct
+import subprocess
 import uuid
 
 import pytest
-from conftest import OTHER_UID, Daemon, ctl, ctl_json
+from conftest import OTHER_UID, Daemon, ctl, ctl_binary, ctl_json, wait_until
 
 FORMAT = "trainstream.snapshot.v1"
 # In every job name here: a state segment whose header names it is this run's (other tests, of other
@@ -95,6 +97,49 @@ def shared(shared_daemon):
     return shared_daemon
 
 
+def test_a_fifo_as_the_snapshot_path_is_refused_at_once_and_shutdown_still_works(shared):
+    """On main each restore blocked a daemon thread in open() forever, and SIGTERM no longer ended it."""
+    fifo = os.path.join(shared.shared_dir, "fifo.safetensors")
+    os.mkfifo(fifo)
+    os.chown(fifo, OTHER_UID, OTHER_UID)
+    for _ in range(20):
+        assert_refused(restore(shared, fifo, timeout=20), f"snapshot '{fifo}'", "is not a regular file")
+    directory = os.path.join(shared.shared_dir, "a-directory")
+    os.mkdir(directory)
+    assert_refused(restore(shared, directory), "is not a regular file")
+    assert_refused(restore(shared, "/dev/zero"), "is not a regular file")
+    assert_serving_with_nothing_left(shared)
+    assert shared.stop(timeout=15) == 0, shared.output()[-3000:]  # SIGTERM, not the SIGKILL after 15 s
+
+
+def test_a_snapshot_truncated_while_it_is_restored_is_refused_and_leaves_no_segment(shared):
+    """The file is truncated by its owner once the daemon has begun to make the job (its state
+    segment appears): on main the copy from the mapped file died of SIGBUS, and the segment stayed."""
+    numel = 24 << 20  # 288 MiB of tensors: the restore is still under way when the segment appears
+    path = forge(os.path.join(shared.shared_dir, "shrinking.safetensors"), numel, sparse=True)
+    size = os.path.getsize(path)
+    for attempt in range(5):
+        restorer = subprocess.Popen([ctl_binary(), "--socket", shared.socket, "restore", path, "--job",
+                                     f"shrinking{attempt}-{RUN}"], user=OTHER_UID, group=OTHER_UID, extra_groups=[],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        seen = wait_until(lambda: segments_of(OTHER_UID) or restorer.poll() is not None, 30, interval=0.0005)
+        os.truncate(path, size // 2)
+        _, stderr = restorer.communicate(timeout=60)
+        if seen and restorer.returncode != 0:
+            break
+        ctl(shared.socket, "drop", f"shrinking{attempt}-{RUN}", "--uid", str(OTHER_UID))  # it finished first: again
+        forge(path, numel, sparse=True)
+    else:
+        pytest.skip("every restore finished before the truncation landed")
+    assert shared.process.poll() is None, f"the daemon died: {shared.output()[-3000:]}"
+    assert restorer.returncode == 1 and f"snapshot '{path}'" in stderr, stderr
+    assert "ended early" in stderr or "is not valid" in stderr, stderr
+    assert_serving_with_nothing_left(shared)
+    forge(path, numel, sparse=True)  # whole again: the same file restores
+    assert ctl_json(shared.socket, "restore", path, "--job", f"whole-{RUN}", user=OTHER_UID)["step"] == 3
+    ctl(shared.socket, "drop", f"whole-{RUN}", user=OTHER_UID)
+
+
 def nested(depth: int) -> str:
     return "[" * depth + "]" * depth
 
@@ -136,4 +181,11 @@ def test_a_header_beyond_the_limit_is_refused_before_it_is_read(shared):
         assert_refused(restore(shared, path), "is not valid", f"its header is {len(text)} bytes",
                        "the limit is 16777216")
     assert resident_peak_bytes(shared.process.pid) - before < 32 << 20  # it was never read
+    assert_serving_with_nothing_left(shared)
+
+
+def test_a_restore_by_a_user_of_a_file_they_may_not_read_is_refused(shared):
+    path = forge(os.path.join(shared.shared_dir, "roots.safetensors"), owner=None)
+    os.chmod(path, 0o600)
+    assert_refused(restore(shared, path), "Permission denied")
     assert_serving_with_nothing_left(shared)

@@ -1,12 +1,15 @@
-// Snapshot headers against the limit on them (daemon/snapshot/safetensors.h): the sizes of real jobs'
-// headers, and a job whose header would be over it.
+// A snapshot file opened for a restore (daemon/snapshot/snapshot_format.h): the header sizes of real
+// jobs against the limit, and a file that changes between its check and its copy, restored into a real
+// state segment.
 #include "daemon/snapshot/snapshot_format.h"
 #include "daemon/snapshot/snapshot_writer.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <vector>
 
 #include "tests/cpp/shm/test_support.h"
@@ -104,6 +107,104 @@ TEST(SnapshotFile, AJobWhoseHeaderIsOverTheLimitIsNotSnapshotted) {
   TS_EXPECT_ERROR(WriteSnapshot(meta, state, capture, path, std::nullopt, no_copy_comes), Code::kFailedPrecondition,
                   "job 'many' has 60000 parameters: its snapshot's header would be");
   EXPECT_FALSE(std::filesystem::exists(path));
+}
+
+// One fp32 parameter of `numel` elements (one bucket), consistent at step 3 with zero weights.
+struct Forged {
+  SnapshotMeta meta;
+  std::vector<int64_t> steps{3}, bucket_steps{3};
+  std::vector<float> master;
+  std::map<std::string, std::string> metadata;  // replaces the meta's entries
+  explicit Forged(int64_t numel = 64) : master(static_cast<size_t>(numel), 0.5f) {
+    meta.job = "forged";
+    meta.uid = 65534;
+    meta.seed = 7;
+    meta.step = 3;
+    meta.spec.params = {Param("w", {numel})};
+  }
+};
+
+std::string Write(const std::filesystem::path& path, const Forged& forged) {
+  SafetensorsHeader header = SnapshotHeader(forged.meta);
+  for (const auto& [key, value] : forged.metadata) header.metadata[key] = value;
+  std::string bytes = EncodeHeader(header);
+  for (const TensorEntry& tensor : header.tensors) {
+    std::span<const std::byte> data;
+    std::vector<std::byte> zeros(tensor.bytes());
+    if (tensor.name == "master.0") data = std::as_bytes(std::span(forged.master));
+    if (tensor.name == "step") data = std::as_bytes(std::span(forged.steps));
+    if (tensor.name == "bucket_step") data = std::as_bytes(std::span(forged.bucket_steps));
+    if (data.empty()) data = zeros;
+    EXPECT_EQ(data.size(), tensor.bytes()) << tensor.name;
+    bytes.append(reinterpret_cast<const char*>(data.data()), data.size());
+  }
+  std::ofstream(path, std::ios::binary) << bytes;
+  return path.string();
+}
+
+// A job's state segment of the snapshot's layout, as a restore fills it.
+struct State {
+  explicit State(const shm::LayoutSpec& spec_of) : spec(spec_of), layout(shm::ComputeLayout(spec)) {
+    segment = shm::Segment::Create(name.str(), layout.state_bytes);
+    shm::InitStateSegment(segment.data(), layout);
+  }
+  [[nodiscard]] CommittedState committed() const {
+    return CommittedState(shm::ViewState(segment.data(), layout, spec), layout, spec);
+  }
+  ScopedSegmentName name;
+  shm::LayoutSpec spec;
+  shm::JobLayout layout;
+  shm::Segment segment;
+};
+
+class SnapshotFileTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::temp_directory_path() / ("ts-snapshot-file-" + std::to_string(getpid()));
+    std::filesystem::create_directories(dir_);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  [[nodiscard]] std::string Path(const char* name) const { return (dir_ / name).string(); }
+  std::filesystem::path dir_;
+};
+
+// Two parameters of 1024 elements in two buckets of 4 KiB.
+Forged TwoBuckets() {
+  Forged forged(1024);
+  forged.meta.spec.params = {Param("a", {1024}), Param("b", {1024})};
+  forged.meta.spec.bucket_bytes = 4096;
+  forged.steps = {3, 3};
+  forged.bucket_steps = {3, 3};
+  return forged;
+}
+
+TEST_F(SnapshotFileTest, AConsistentFileRestoresWhatItHolds) {
+  Forged forged = TwoBuckets();
+  forged.bucket_steps = {4, 3};  // a bucket may hold the step after the snapshot's (a trainer died mid-step)
+  const SnapshotFile file(Write(Path("good"), forged));
+  EXPECT_EQ(file.meta().uid, 65534u);
+  const State state(file.meta().spec);
+  file.RestoreInto(state.committed());
+  const uint32_t a = 0;
+  EXPECT_EQ(state.committed().Param(a).master[1023], 0.5f);
+  EXPECT_EQ(state.committed().Param(a).step, 3u);
+  EXPECT_EQ(state.committed().BucketStep(0), 4u);
+  EXPECT_EQ(state.committed().BucketStep(1), 3u);
+}
+
+// Truncated between its check (the constructor) and its copy: the copy fails, nothing is mapped.
+TEST_F(SnapshotFileTest, AFileTruncatedAfterItsCheckFailsTheCopy) {
+  const std::string path = Write(Path("shrinking"), Forged(1 << 20));
+  const SnapshotFile file(path);
+  ASSERT_EQ(truncate(path.c_str(), 4096), 0);
+  const State state(file.meta().spec);
+  TS_EXPECT_ERROR(file.RestoreInto(state.committed()), Code::kInvalidArgument, "ended early");
+}
+
+TEST_F(SnapshotFileTest, ACancelledRestoreStops) {
+  const SnapshotFile file(Write(Path("cancelled"), Forged(1 << 20)), RestoreOptions{.cancelled = [] { return true; }});
+  const State state(file.meta().spec);
+  TS_EXPECT_ERROR(file.RestoreInto(state.committed()), Code::kAborted, "was cancelled");
 }
 
 }  // namespace
