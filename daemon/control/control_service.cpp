@@ -370,7 +370,8 @@ grpc::Status ControlService::Restore(grpc::ServerContext* context, const v1::Res
     {
       const FileIdentity as_caller(uid);  // open only what the caller may read
       file = std::make_unique<SnapshotFile>(request->path(),
-                                            RestoreOptions{.cancelled = [context] { return context->IsCancelled(); }});
+                                            RestoreOptions{.allow_nonfinite = request->allow_nonfinite(),
+                                                           .cancelled = [context] { return context->IsCancelled(); }});
     }
     const SnapshotMeta& meta = file->meta();
     TS_CHECK(uid == 0 || uid == meta.uid, Code::kPermissionDenied,

@@ -4,8 +4,12 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
+#include <charconv>
 #include <cstring>
+#include <limits>
 #include <map>
+#include <optional>
 #include <utility>
 
 #include "daemon/snapshot/bounded_json.h"
@@ -118,23 +122,66 @@ const std::string& Required(const std::map<std::string, std::string>& metadata, 
   return found->second;
 }
 
+// Steps stay below 2^62 (shm::BucketCommit keeps them in 62 bits), and a bucket may hold the step after
+// the snapshot's.
+constexpr uint64_t kStepLimit = uint64_t{1} << 62;
+constexpr uint64_t kMaxSnapshotStep = kStepLimit - 2;
+// (uid_t)-1 is no user: chown() and setfsuid() take it for "leave as it is".
+constexpr uint64_t kMaxUid = std::numeric_limits<uint32_t>::max() - 1;
+
+// A metadata number: decimal digits only (no sign, no space), at most `max`.
+uint64_t NumberIn(const std::map<std::string, std::string>& metadata, const char* key, uint64_t max) {
+  const std::string& text = Required(metadata, key);
+  uint64_t value = 0;
+  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  TS_CHECK(!text.empty() && error == std::errc() && end == text.data() + text.size() && value <= max,
+           Code::kInvalidArgument, "its {} metadata '{}' is not a number from 0 to {}", key, Excerpt(text), max);
+  return value;
+}
+
 SnapshotMeta MetaFromMetadata(const std::map<std::string, std::string>& metadata) {
   auto format = metadata.find("format");
   TS_CHECK(format != metadata.end() && format->second == kSnapshotFormat, Code::kInvalidArgument,
            "it is not a trainstream snapshot (metadata 'format' is {}, expected '{}')",
            format == metadata.end() ? "missing" : "'" + Excerpt(format->second) + "'", kSnapshotFormat);
+  SnapshotMeta meta{.job = Required(metadata, "job"),
+                    .uid = static_cast<uint32_t>(NumberIn(metadata, "uid", kMaxUid)),
+                    .seed = NumberIn(metadata, "seed", std::numeric_limits<uint64_t>::max()),
+                    .step = NumberIn(metadata, "step", kMaxSnapshotStep),
+                    .hparams = {},
+                    .spec = {}};
   try {
-    return SnapshotMeta{.job = Required(metadata, "job"),
-                        .uid = static_cast<uint32_t>(std::stoul(Required(metadata, "uid"))),
-                        .seed = std::stoull(Required(metadata, "seed")),
-                        .step = std::stoull(Required(metadata, "step")),
-                        .hparams = HParamsFromJson(Required(metadata, "hparams")),
-                        .spec = LayoutFromJson(Required(metadata, "layout"))};
-  } catch (const nlohmann::json::exception& e) {
+    meta.hparams = HParamsFromJson(Required(metadata, "hparams"));
+    meta.spec = LayoutFromJson(Required(metadata, "layout"));
+  } catch (const nlohmann::json::exception& e) {  // a value of the wrong type: its messages print no value
     Throw(Code::kInvalidArgument, "its layout or hparams metadata is malformed: {}", e.what());
-  } catch (const std::logic_error& e) {  // std::stoul and friends
-    Throw(Code::kInvalidArgument, "its uid, seed or step metadata is not a number");
   }
+  TS_CHECK(meta.hparams.empty() || meta.hparams.size() == meta.spec.num_groups, Code::kInvalidArgument,
+           "its hparams metadata has {} groups, its layout {} (expected as many, or none)", meta.hparams.size(),
+           meta.spec.num_groups);
+  return meta;
+}
+
+// The first inf or NaN among `bytes` of a tensor of `dtype` (F32 or BF16), as (element, value).
+std::optional<std::pair<uint64_t, double>> FirstNonFinite(std::span<const std::byte> bytes, const std::string& dtype) {
+  if (dtype == "F32") {
+    const size_t n = bytes.size() / sizeof(uint32_t);
+    for (size_t i = 0; i < n; ++i) {
+      uint32_t bits = 0;
+      std::memcpy(&bits, bytes.data() + i * sizeof(bits), sizeof(bits));
+      if ((bits & 0x7f800000u) == 0x7f800000u) return std::pair{i, static_cast<double>(std::bit_cast<float>(bits))};
+    }
+  } else if (dtype == "BF16") {
+    const size_t n = bytes.size() / sizeof(uint16_t);
+    for (size_t i = 0; i < n; ++i) {
+      uint16_t bits = 0;
+      std::memcpy(&bits, bytes.data() + i * sizeof(bits), sizeof(bits));
+      if ((bits & 0x7f80u) == 0x7f80u) {
+        return std::pair{i, static_cast<double>(std::bit_cast<float>(static_cast<uint32_t>(bits) << 16))};
+      }
+    }
+  }
+  return std::nullopt;
 }
 
 }  // namespace
@@ -215,12 +262,18 @@ void SnapshotFile::ReadSteps() {
   file_.ReadAt(header_.data_start + Tensor("step").begin, std::as_writable_bytes(std::span(steps_)));
   file_.ReadAt(header_.data_start + Tensor("bucket_step").begin, std::as_writable_bytes(std::span(bucket_steps_)));
   for (uint32_t i = 0; i < steps_.size(); ++i) {
-    TS_CHECK(steps_[i] >= 0, Code::kInvalidArgument, "parameter {} has step {}", i, steps_[i]);
+    TS_CHECK(steps_[i] >= 0 && static_cast<uint64_t>(steps_[i]) < kStepLimit, Code::kInvalidArgument,
+             "parameter {} ({}) has AdamW step {} (expected 0 to 2^62 - 1)", i, Excerpt(meta_.spec.params[i].name),
+             steps_[i]);
   }
+  const auto step = static_cast<int64_t>(meta_.step);
   for (uint32_t b = 0; b < bucket_steps_.size(); ++b) {
-    TS_CHECK(bucket_steps_[b] >= 0 && bucket_steps_[b] < (int64_t{1} << 62), Code::kInvalidArgument,
-             "bucket {} has step {}", b, bucket_steps_[b]);
+    TS_CHECK(bucket_steps_[b] == step || bucket_steps_[b] == step + 1, Code::kInvalidArgument,
+             "bucket {} holds step {}, but the snapshot's step is {} (a bucket holds that step or the next)", b,
+             bucket_steps_[b], step);
   }
+  TS_CHECK(std::find(bucket_steps_.begin(), bucket_steps_.end(), step) != bucket_steps_.end(), Code::kInvalidArgument,
+           "no bucket holds the snapshot's step {} (its step is the lowest of its buckets')", step);
 }
 
 const TensorEntry& SnapshotFile::Tensor(const std::string& name) const {
@@ -234,35 +287,45 @@ void SnapshotFile::RestoreInto(const CommittedState& state) const {
   struct Copy {
     const TensorEntry* tensor;
     std::span<std::byte> into;
+    bool checked;  // for inf and NaN
   };
   std::vector<Copy> copies;
+  const bool check = !options_.allow_nonfinite;
   for (uint32_t i = 0; i < meta_.spec.params.size(); ++i) {
     const ParamStateRef param = state.Param(i);
-    copies.push_back({&Tensor(TensorName("master", i)), std::as_writable_bytes(param.master)});
-    copies.push_back({&Tensor(TensorName("exp_avg", i)), param.exp_avg});
-    copies.push_back({&Tensor(TensorName("exp_avg_sq", i)), param.exp_avg_sq});
+    copies.push_back({&Tensor(TensorName("master", i)), std::as_writable_bytes(param.master), check});
+    copies.push_back({&Tensor(TensorName("exp_avg", i)), param.exp_avg, check});
+    copies.push_back({&Tensor(TensorName("exp_avg_sq", i)), param.exp_avg_sq, check});
   }
-  for (uint32_t j = 0; j < meta_.spec.frozen.size(); ++j)
-    copies.push_back({&Tensor(TensorName("frozen", j)), state.Frozen(j)});
+  for (uint32_t j = 0; j < meta_.spec.frozen.size(); ++j) {
+    copies.push_back({&Tensor(TensorName("frozen", j)), state.Frozen(j), false});
+  }
   // In the file's order: one pass forward through it.
   std::sort(copies.begin(), copies.end(),
             [](const Copy& a, const Copy& b) { return a.tensor->begin < b.tensor->begin; });
   for (const Copy& copy : copies) {
-    file_.ReadAt(header_.data_start + copy.tensor->begin, copy.into, [&](std::span<const std::byte>, uint64_t) {
-      TS_CHECK(!options_.cancelled || !options_.cancelled(), Code::kAborted,
-               "the restore from '{}' was cancelled (the caller went away, or trainstreamd is shutting "
-               "down)",
-               path());
-    });
+    file_.ReadAt(header_.data_start + copy.tensor->begin, copy.into,
+                 [&](std::span<const std::byte> chunk, uint64_t offset) {
+                   TS_CHECK(!options_.cancelled || !options_.cancelled(), Code::kAborted,
+                            "the restore from '{}' was cancelled (the caller went away, or trainstreamd is shutting "
+                            "down)",
+                            path());
+                   if (!copy.checked) return;
+                   const auto found = FirstNonFinite(chunk, copy.tensor->dtype);
+                   TS_CHECK(!found, Code::kInvalidArgument,
+                            "snapshot '{}': tensor '{}' holds a non-finite value ({}) at element {}: the job had "
+                            "diverged when it was taken. Restore from an earlier snapshot, or pass --allow-nonfinite "
+                            "(RestoreRequest.allow_nonfinite) to restore it as it is",
+                            path(), copy.tensor->name, found->second,
+                            offset / SafetensorsDTypeSize(copy.tensor->dtype) + found->first);
+                 });
   }
   for (uint32_t i = 0; i < meta_.spec.params.size(); ++i) state.Param(i).step = static_cast<uint64_t>(steps_[i]);
-  uint64_t lowest = UINT64_MAX;
   for (uint32_t b = 0; b < layout_.buckets.size(); ++b) {
     state.SetBucketStep(b, static_cast<uint64_t>(bucket_steps_[b]));
     state.MakeUploadCopy(b);
-    lowest = std::min(lowest, static_cast<uint64_t>(bucket_steps_[b]));
   }
-  state.Publish(lowest);
+  state.Publish(meta_.step);
 }
 
 }  // namespace trainstream::daemon

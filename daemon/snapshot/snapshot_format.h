@@ -39,8 +39,11 @@ std::string TensorName(const char* kind, uint32_t index);  // "master.3"
 // The file's header: every tensor of the job's layout, and `meta` as metadata.
 SafetensorsHeader SnapshotHeader(const SnapshotMeta& meta);
 
-// How a restore stops early.
+// What a restore accepts beyond a consistent snapshot, and how it stops early.
 struct RestoreOptions {
+  // Master weights and moments that are inf or NaN (a job that had diverged) restore too; by default
+  // they are refused, naming the tensor and the element.
+  bool allow_nonfinite = false;
   // Asked between chunks of the copy; true stops it (kAborted): the caller went away, or the daemon
   // is shutting down.
   std::function<bool()> cancelled;
@@ -49,18 +52,21 @@ struct RestoreOptions {
 // A snapshot file opened to restore a job, from a file its client controls
 // (daemon/snapshot/untrusted_file.h): its header, metadata and step counts are read and checked when
 // it is opened, its tensors when RestoreInto copies them, and what is checked is what is kept in memory
-// or copied, never read again from the file.
+// or copied, never read again from the file. Consistent: the metadata's numbers are decimal and in
+// range (a uid is below 2^32 - 1), every bucket holds the snapshot's step or the next one (the engine
+// lets no bucket run further ahead) and one holds it, the AdamW step counts are below 2^62, the
+// hyperparameters are given for every group or none.
 class SnapshotFile {
  public:
   // kNotFound / kPermissionDenied if it cannot be opened (with the calling thread's file identity),
-  // kInvalidArgument naming what is wrong if it is not a complete trainstream snapshot.
+  // kInvalidArgument naming what is wrong if it is not a complete, consistent trainstream snapshot.
   explicit SnapshotFile(const std::string& path, RestoreOptions options = {});
 
   [[nodiscard]] const SnapshotMeta& meta() const { return meta_; }
   [[nodiscard]] const std::string& path() const { return file_.path(); }
   // Writes everything the file holds into a new job's state (its layout is meta().spec's). Throws
-  // kInvalidArgument if the file changed since it was opened (ended early), kAborted if cancelled;
-  // the state is then partly written: discard it.
+  // kInvalidArgument if the file changed since it was opened (ended early) or holds non-finite values
+  // (unless allowed), kAborted if cancelled; the state is then partly written: discard it.
   void RestoreInto(const CommittedState& state) const;
 
  private:

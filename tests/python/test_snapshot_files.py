@@ -1,7 +1,8 @@
-"""Snapshot files a client controls, against a real root daemon, restored as a second uid (issue 46): a
-FIFO as the path, a file truncated while the daemon reads it, headers nested or sized to exhaust the
-daemon. Every one is refused with an error naming what is wrong; the daemon stays up, answers, and
-keeps nothing of the failed restore."""
+"""Snapshot files a client controls, against a real root daemon, restored as a second uid where the
+scenario is a user's (issue 46): a FIFO as the path, a file truncated while the daemon reads it,
+forged metadata (uid out of range, steps that disagree, numbers that are no numbers), non-finite
+weights, headers nested or sized to exhaust the daemon. Every one is refused with an error naming
+what is wrong; the daemon stays up, answers, and keeps nothing of the failed restore."""
 
 from __future__ import annotations
 
@@ -138,6 +139,49 @@ def test_a_snapshot_truncated_while_it_is_restored_is_refused_and_leaves_no_segm
     forge(path, numel, sparse=True)  # whole again: the same file restores
     assert ctl_json(shared.socket, "restore", path, "--job", f"whole-{RUN}", user=OTHER_UID)["step"] == 3
     ctl(shared.socket, "drop", f"whole-{RUN}", user=OTHER_UID)
+
+
+@pytest.mark.parametrize("uid", ["-1", "4294967296", "4294967295", "18446744073709551615", "+5", " 5", "5x", ""])
+def test_a_uid_out_of_range_or_not_a_number_is_refused(shared, uid):
+    """On main root restoring uid -1 made a job of uid 4294967295 whose segment stayed root's (and
+    was never reclaimed), and 4294967296 made a job of uid 0."""
+    path = forge(os.path.join(shared.shared_dir, "uid.safetensors"), uid=uid, owner=None)
+    assert_refused(restore(shared, path, user=None), "is not valid",
+                   f"its uid metadata '{uid}' is not a number from 0 to 4294967294")
+    assert ctl_json(shared.socket, "jobs") == []
+    assert segments_of(0) == set() and segments_of(4294967295) == set()
+
+
+@pytest.mark.parametrize("fields, why", [
+    ({"step": "-5"}, "its step metadata '-5' is not a number from 0 to"),
+    ({"step": 1, "bucket_step": 3}, "bucket 0 holds step 3, but the snapshot's step is 1"),
+    ({"step": 2, "bucket_step": 3}, "no bucket holds the snapshot's step 2"),
+    ({"step": 3, "bucket_step": 1 << 61}, f"bucket 0 holds step {1 << 61}, but the snapshot's step is 3"),
+    ({"step": 1 << 62, "bucket_step": 1 << 62}, "is not a number from 0 to"),
+    ({"param_step": -1}, "parameter 0 (w) has AdamW step -1"),
+    ({"seed": "0x10"}, "its seed metadata '0x10' is not a number"),
+    ({"hparams": "[[0.1, 0.9, 0.999, 1e-8, 0.0], [0.1, 0.9, 0.999, 1e-8, 0.0]]"},
+     "hparams metadata has 2 groups, its layout 1"),
+])
+def test_steps_and_counts_that_disagree_are_refused(shared, fields, why):
+    path = forge(os.path.join(shared.shared_dir, "steps.safetensors"), **fields)
+    assert_refused(restore(shared, path), "is not valid", why)
+    assert_serving_with_nothing_left(shared)
+
+
+def test_nonfinite_weights_are_refused_naming_the_tensor_unless_allowed(shared):
+    """A daemon writes NaN into a snapshot only if training diverged; such a job trains NaN from its
+    first step. Refused by default, naming the tensor and element; --allow-nonfinite restores it
+    (to repair a few parameters by hand, with load_state_dict)."""
+    nan = forge(os.path.join(shared.shared_dir, "nan.safetensors"), master=[0.0] * 5 + [float("nan")] + [0.0] * 2)
+    assert_refused(restore(shared, nan), "tensor 'master.0' holds a non-finite value (nan) at element 5",
+                   "--allow-nonfinite")
+    inf = forge(os.path.join(shared.shared_dir, "inf.safetensors"), exp_avg_sq=[float("inf")] + [0.0] * 7)
+    assert_refused(restore(shared, inf), "tensor 'exp_avg_sq.0' holds a non-finite value (inf) at element 0")
+    assert_serving_with_nothing_left(shared)
+    restored = ctl_json(shared.socket, "restore", nan, "--job", "diverged", "--allow-nonfinite", user=OTHER_UID)
+    assert restored["job"] == "diverged" and restored["step"] == 3
+    ctl(shared.socket, "drop", "diverged", user=OTHER_UID)
 
 
 def nested(depth: int) -> str:

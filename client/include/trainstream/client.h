@@ -187,7 +187,8 @@ class Client {
                           std::chrono::milliseconds timeout = std::chrono::minutes(10),
                           std::optional<uint32_t> owner_uid = std::nullopt);
   // Recreates a job of this uid from a snapshot file (named `job`, or as in the snapshot if empty).
-  RestoreReport Restore(const std::string& path, const std::string& job = "");
+  // `allow_nonfinite`: also if its master weights or moments hold inf or NaN (refused otherwise).
+  RestoreReport Restore(const std::string& path, const std::string& job = "", bool allow_nonfinite = false);
   // Creates the job if needed and attaches `rank`; the rank stays attached until the session closes.
   // `wait_timeout` replaces the client's for the session's waits (the attach itself included).
   std::unique_ptr<RankSession> Attach(const std::string& job, uint32_t rank, const shm::LayoutSpec& spec, uint64_t seed,

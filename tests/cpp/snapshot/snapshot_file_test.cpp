@@ -1,15 +1,17 @@
 // A snapshot file opened for a restore (daemon/snapshot/snapshot_format.h): the header sizes of real
-// jobs against the limit, and a file that changes between its check and its copy, restored into a real
-// state segment.
+// jobs against the limit, forged metadata and steps, non-finite values, and a file that changes between
+// its check and its copy, restored into a real state segment.
 #include "daemon/snapshot/snapshot_format.h"
 #include "daemon/snapshot/snapshot_writer.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <vector>
 
 #include "tests/cpp/shm/test_support.h"
@@ -192,6 +194,66 @@ TEST_F(SnapshotFileTest, AConsistentFileRestoresWhatItHolds) {
   EXPECT_EQ(state.committed().BucketStep(1), 3u);
 }
 
+// uid_t -1 means "no change" to chown: a job of it kept root's segment; 2^32 wrapped to root.
+TEST_F(SnapshotFileTest, NumbersInMetadataAreDecimalAndInRange) {
+  for (const auto& [key, value, why] : std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"uid", "-1", "its uid metadata '-1' is not a number from 0 to 4294967294"},
+           {"uid", "4294967295", "its uid metadata '4294967295' is not"},
+           {"uid", "4294967296", "its uid metadata '4294967296' is not"},
+           {"uid", " 1", "its uid metadata ' 1' is not"},
+           {"uid", "1 ", "its uid metadata '1 ' is not"},
+           {"uid", "+1", "its uid metadata '+1' is not"},
+           {"uid", "", "its uid metadata '' is not"},
+           {"step", "-5", "its step metadata '-5' is not a number from 0 to 4611686018427387902"},
+           {"seed", "18446744073709551616", "its seed metadata '18446744073709551616' is not"},
+           {"hparams", "[[1,2,3,4,5],[1,2,3,4,5]]", "its hparams metadata has 2 groups, its layout 1"},
+           {"hparams", "[[1,2,3,4]]", "hparams entries need 5 numbers"},
+       }) {
+    Forged forged;
+    forged.metadata[key] = value;
+    TS_EXPECT_ERROR(SnapshotFile(Write(Path("meta"), forged)), Code::kInvalidArgument, why);
+  }
+  Forged highest;
+  highest.meta.uid = 4294967294u;
+  EXPECT_EQ(SnapshotFile(Write(Path("highest"), highest)).meta().uid, 4294967294u);
+}
+
+TEST_F(SnapshotFileTest, StepsThatDisagreeAreRefused) {
+  const auto refused = [&](int64_t meta_step, int64_t bucket_step, int64_t param_step, const std::string& why) {
+    Forged forged;
+    forged.meta.step = static_cast<uint64_t>(meta_step);
+    forged.bucket_steps = {bucket_step};
+    forged.steps = {param_step};
+    TS_EXPECT_ERROR(SnapshotFile(Write(Path("steps"), forged)), Code::kInvalidArgument, why);
+  };
+  refused(3, int64_t{1} << 61, 3, "bucket 0 holds step 2305843009213693952, but the snapshot's step is 3");
+  refused(3, 5, 3, "bucket 0 holds step 5, but the snapshot's step is 3");
+  refused(3, 2, 3, "bucket 0 holds step 2, but the snapshot's step is 3");
+  refused(3, -1, 3, "bucket 0 holds step -1");
+  refused(3, 3, -1, "parameter 0 (w) has AdamW step -1");
+  refused(3, 3, int64_t{1} << 62, "parameter 0 (w) has AdamW step 4611686018427387904");
+  Forged two_buckets = TwoBuckets();
+  two_buckets.bucket_steps = {4, 4};  // the snapshot's step is the lowest: 4, not 3
+  TS_EXPECT_ERROR(SnapshotFile(Write(Path("none"), two_buckets)), Code::kInvalidArgument,
+                  "no bucket holds the snapshot's step 3");
+}
+
+// Inf or NaN in master weights or moments: refused by default, naming the tensor and the element.
+TEST_F(SnapshotFileTest, NonFiniteValuesAreRefusedUnlessAllowed) {
+  Forged forged(3 * (UntrustedFile::kChunkBytes / 4));  // three chunks: the element counts past the first
+  forged.master[UntrustedFile::kChunkBytes / 4 + 5] = std::numeric_limits<float>::quiet_NaN();
+  const std::string path = Write(Path("nan"), forged);
+  const SnapshotFile refused(path);
+  const State state(refused.meta().spec);
+  TS_EXPECT_ERROR(refused.RestoreInto(state.committed()), Code::kInvalidArgument,
+                  fmt::format("tensor 'master.0' holds a non-finite value (nan) at element {}",
+                              UntrustedFile::kChunkBytes / 4 + 5));
+  const SnapshotFile allowed(path, RestoreOptions{.allow_nonfinite = true, .cancelled = {}});
+  const State restored(allowed.meta().spec);
+  allowed.RestoreInto(restored.committed());
+  EXPECT_TRUE(std::isnan(restored.committed().Param(0).master[UntrustedFile::kChunkBytes / 4 + 5]));
+}
+
 // Truncated between its check (the constructor) and its copy: the copy fails, nothing is mapped.
 TEST_F(SnapshotFileTest, AFileTruncatedAfterItsCheckFailsTheCopy) {
   const std::string path = Write(Path("shrinking"), Forged(1 << 20));
@@ -202,7 +264,8 @@ TEST_F(SnapshotFileTest, AFileTruncatedAfterItsCheckFailsTheCopy) {
 }
 
 TEST_F(SnapshotFileTest, ACancelledRestoreStops) {
-  const SnapshotFile file(Write(Path("cancelled"), Forged(1 << 20)), RestoreOptions{.cancelled = [] { return true; }});
+  const SnapshotFile file(Write(Path("cancelled"), Forged(1 << 20)),
+                          RestoreOptions{.allow_nonfinite = false, .cancelled = [] { return true; }});
   const State state(file.meta().spec);
   TS_EXPECT_ERROR(file.RestoreInto(state.committed()), Code::kAborted, "was cancelled");
 }
