@@ -40,14 +40,14 @@ void JobSnapshots::Stop() {
   if (periodic.joinable()) periodic.join();
 }
 
-std::string JobSnapshots::PathIn(const std::string& dir, const std::string& job) {
+std::string JobSnapshots::PathIn(const std::string& dir, const std::string& job, uint32_t uid) {
   std::string name;
   for (size_t i = 0; i < job.size(); ++i) {
     const auto c = static_cast<unsigned char>(job[i]);
     const bool plain = std::isalnum(c) != 0 || c == '_' || c == '-' || (c == '.' && i > 0);
     name += plain ? std::string(1, static_cast<char>(c)) : fmt::format("%{:02X}", c);
   }
-  return (std::filesystem::path(dir) / (name + ".safetensors")).string();
+  return (std::filesystem::path(dir) / fmt::format("{}.uid{}.safetensors", name, uid)).string();
 }
 
 void JobSnapshots::OnCommit(const Commit& commit) {
@@ -128,9 +128,9 @@ SnapshotWritten JobSnapshots::Take(const std::string& path, uint32_t caller_uid,
   }
   try {
     const FileIdentity as_caller(caller_uid);
-    SnapshotWritten written =
-        WriteSnapshot(identity_, committed_, *capture, path.empty() ? PathIn(schedule_.dir, identity_.job) : path,
-                      std::nullopt, TakeAsIsWhenIdle(*capture, deadline));
+    SnapshotWritten written = WriteSnapshot(identity_, committed_, *capture,
+                                            path.empty() ? PathIn(schedule_.dir, identity_.job, identity_.uid) : path,
+                                            std::nullopt, TakeAsIsWhenIdle(*capture, deadline));
     Finish(capture, written);
     spdlog::info("job '{}': snapshot of step {} written to {} ({} bytes)", identity_.job, written.step, written.path,
                  written.bytes);
@@ -146,7 +146,7 @@ void JobSnapshots::WritePeriodic(const std::shared_ptr<SnapshotCapture>& capture
   std::optional<SnapshotWritten> written;
   try {
     const std::optional<uint32_t> owner = geteuid() == 0 ? std::optional(identity_.uid) : std::nullopt;
-    written = WriteSnapshot(identity_, committed_, *capture, PathIn(schedule_.dir, identity_.job), owner,
+    written = WriteSnapshot(identity_, committed_, *capture, PathIn(schedule_.dir, identity_.job, identity_.uid), owner,
                             TakeAsIsWhenIdle(*capture, std::nullopt));
     spdlog::info("job '{}': periodic snapshot of step {} written to {}", identity_.job, written->step, written->path);
   } catch (const std::exception& e) {

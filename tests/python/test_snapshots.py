@@ -132,7 +132,7 @@ def test_periodic_snapshots_are_written_every_n_steps(tmp_path):
         model, opt = wrapped(d, "every/2")  # a name with a slash: escaped in the file name
         train(model, opt, range(5))
         trainstream.synchronize(model)
-        path = str(tmp_path / "snaps" / "every%2F2.safetensors")
+        path = str(tmp_path / "snaps" / f"every%2F2.uid{os.getuid()}.safetensors")
         assert wait_until(lambda: ctl_json(d.socket, "jobs")[0]["last_snapshot_step"] == 4, 10)
         assert ctl_json(d.socket, "jobs")[0]["last_snapshot"] == path
         tensors = load_file(path)
