@@ -107,21 +107,32 @@ SnapshotWritten JobSnapshots::Take(const std::string& path, uint32_t caller_uid,
   TS_CHECK(!path.empty() || !schedule_.dir.empty(), Code::kInvalidArgument,
            "no snapshot path given, and trainstreamd has no --snapshot-dir to put it in");
   std::shared_ptr<SnapshotCapture> capture;
-  bool idle = false;
+  bool idle = false, between_steps = false;
   {
     std::lock_guard lock(mutex_);
     TS_CHECK(!stopped_, Code::kAborted, "job '{}' was removed", identity_.job);
     TS_CHECK(!active_, Code::kUnavailable, "a snapshot of job '{}' is being taken already; try again later",
              identity_.job);
     idle = hooks_.attached_ranks() == 0;
-    uint64_t latest = 0;  // no bucket is past it: every one commits latest + 1 next
-    for (uint32_t b = 0; b < layout_.buckets.size(); ++b) latest = std::max(latest, committed_.BucketStep(b));
-    capture = std::make_shared<SnapshotCapture>(committed_, layout_, identity_.spec.num_groups,
-                                                idle ? std::nullopt : std::optional<uint64_t>(latest + 1));
+    uint64_t latest = 0, earliest = UINT64_MAX;  // no bucket is past latest: every one commits latest + 1 next
+    for (uint32_t b = 0; b < layout_.buckets.size(); ++b) {
+      latest = std::max(latest, committed_.BucketStep(b));
+      earliest = std::min(earliest, committed_.BucketStep(b));
+    }
+    // Every bucket holds the same step: taken at once as the engine announces them, unless one turns out
+    // to be under way (the capture then moves on to the next step). A trainer that is attached but
+    // between steps (evaluating, checkpointing, waiting for data) may not step again for a long while.
+    between_steps = !idle && earliest == latest;
+    const std::optional<uint64_t> target =
+        idle ? std::nullopt : std::optional<uint64_t>(between_steps ? latest : latest + 1);
+    capture = std::make_shared<SnapshotCapture>(committed_, layout_, identity_.spec.num_groups, target, between_steps);
     active_ = capture;
   }
-  if (idle) {
-    spdlog::info("job '{}': snapshot of its current state requested (no rank is attached)", identity_.job);
+  if (idle || between_steps) {
+    spdlog::info("job '{}': snapshot of its current state requested ({})", identity_.job,
+                 idle ? "no rank is attached"
+                      : fmt::format("every bucket holds step {}; the next one if a bucket is being updated",
+                                    *capture->target()));
     hooks_.announce();
   } else {
     spdlog::info("job '{}': snapshot at its next step boundary (step {}) requested", identity_.job, *capture->target());

@@ -4,7 +4,8 @@
 // or, for periodic snapshots, on a thread of its own.
 //
 // A requested snapshot of a job that ranks train is taken at its next step boundary (every bucket as
-// it commits that step); of a job no rank is attached to, at once. A periodic one is taken at each
+// it commits that step); of a job no rank is attached to, or whose buckets all hold the same step (its
+// ranks are between steps), at once. A periodic one is taken at each
 // step that is a multiple of `every`, unless another snapshot is still copying buckets then, or two
 // periodic ones are still being written (that step is skipped); its file, <dir>/<job>.uid<uid>.safetensors (the
 // name escaped; job names are per uid, so two uids' jobs of one name must not share a file), is replaced each time,
