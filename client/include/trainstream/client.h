@@ -182,7 +182,8 @@ class Client {
   // Drops this uid's job `job`; root may name another owner.
   void DropJob(const std::string& job, bool force, std::optional<uint32_t> owner_uid = std::nullopt);
   // Writes this uid's job `job`'s state to `path` as the daemon sees it (empty: its --snapshot-dir), at
-  // the job's next step boundary if ranks train it; waits at most `timeout`. Root may name another owner.
+  // the job's next step boundary if ranks train it (at once if they are between steps); waits at most
+  // `timeout`. Root may name another owner.
   SnapshotReport Snapshot(const std::string& job, const std::string& path,
                           std::chrono::milliseconds timeout = std::chrono::minutes(10),
                           std::optional<uint32_t> owner_uid = std::nullopt);
