@@ -35,6 +35,12 @@ void ReadKey(const toml::table& table, const char* key, T& out) {
   }
 }
 
+template <typename T>
+void ReadKey(const toml::table& table, const char* key, std::optional<T>& out) {
+  if (!table.contains(key)) return;
+  ReadKey(table, key, out.emplace());
+}
+
 // Splits "host:port" (host may be a bracketed IPv6 literal) at its last colon; `what` names the setting.
 std::pair<std::string, std::string> SplitHostPort(const std::string& address, const char* what) {
   const size_t colon = address.rfind(':');
@@ -65,6 +71,11 @@ void CheckWorkerSettings(const Config& config) {
            "worker_policy is '{}'; expected normal or idle", config.worker_policy);
 }
 
+void CheckQuotas(const Config& config) {
+  TS_CHECK(config.max_jobs_per_uid != 0u, Code::kInvalidArgument,
+           "max_jobs_per_uid is 0; expected at least 1 (max_jobs or more: no limit per uid)");
+}
+
 void CheckSessionLimits(const Config& config) {
   TS_CHECK(config.max_unattached_sessions >= 1, Code::kInvalidArgument,
            "max_unattached_sessions is 0; expected at least 1");
@@ -74,7 +85,16 @@ void CheckSessionLimits(const Config& config) {
 
 // Snapshots every N steps need a directory; the metrics address must parse.
 void CheckOperationsSettings(const Config& config) {
-  if (!config.metrics_listen.empty()) SplitHostPort(config.metrics_listen, "metrics_listen");
+  if (config.metrics_listen.starts_with("unix:")) {
+    TS_CHECK(config.metrics_listen.size() > 6 && config.metrics_listen[5] == '/', Code::kInvalidArgument,
+             "metrics_listen '{}' must be unix: with an absolute path", config.metrics_listen);
+  } else if (!config.metrics_listen.empty()) {
+    SplitHostPort(config.metrics_listen, "metrics_listen");
+  }
+  TS_CHECK(config.metrics_labels == "none" || config.metrics_labels == "uid" || config.metrics_labels == "job",
+           Code::kInvalidArgument, "metrics_labels is '{}'; expected none, uid or job", config.metrics_labels);
+  TS_CHECK(config.metrics_token_file.empty() || !config.metrics_listen.empty(), Code::kInvalidArgument,
+           "metrics_token_file needs metrics_listen (--metrics-listen)");
   TS_CHECK(config.snapshot_every == 0 || !config.snapshot_dir.empty(), Code::kInvalidArgument,
            "snapshot_every needs snapshot_dir (--snapshot-dir)");
   TS_CHECK(config.snapshot_dir.empty() || config.snapshot_dir.front() == '/', Code::kInvalidArgument,
@@ -84,6 +104,10 @@ void CheckOperationsSettings(const Config& config) {
 }
 
 }  // namespace
+
+uint32_t MaxJobsPerUid(const Config& config) {
+  return config.max_jobs_per_uid.value_or(config.max_jobs / 2 + config.max_jobs % 2);
+}
 
 std::string PeerAdvertiseAddress(const Config& config, const std::string& hostname, int bound_port) {
   if (config.peer_listen.empty()) return "";
@@ -111,6 +135,8 @@ void LoadConfigFile(const std::string& path, Config& config) {
                                                   "job_ttl_seconds",
                                                   "max_jobs",
                                                   "max_host_bytes",
+                                                  "max_jobs_per_uid",
+                                                  "max_host_bytes_per_uid",
                                                   "max_unattached_sessions",
                                                   "max_unattached_sessions_per_uid",
                                                   "peer_listen",
@@ -118,7 +144,10 @@ void LoadConfigFile(const std::string& path, Config& config) {
                                                   "peer_secret_file",
                                                   "peer_timeout_seconds",
                                                   "peer_connections",
+                                                  "peer_max_unknown_job_bytes",
                                                   "metrics_listen",
+                                                  "metrics_labels",
+                                                  "metrics_token_file",
                                                   "snapshot_dir",
                                                   "snapshot_every",
                                                   "trace_dir"};
@@ -139,6 +168,8 @@ void LoadConfigFile(const std::string& path, Config& config) {
   ReadKey(table, "job_ttl_seconds", config.job_ttl_seconds);
   ReadKey(table, "max_jobs", config.max_jobs);
   ReadKey(table, "max_host_bytes", config.max_host_bytes);
+  ReadKey(table, "max_jobs_per_uid", config.max_jobs_per_uid);
+  ReadKey(table, "max_host_bytes_per_uid", config.max_host_bytes_per_uid);
   ReadKey(table, "max_unattached_sessions", config.max_unattached_sessions);
   ReadKey(table, "max_unattached_sessions_per_uid", config.max_unattached_sessions_per_uid);
   ReadKey(table, "peer_listen", config.peer_listen);
@@ -146,7 +177,10 @@ void LoadConfigFile(const std::string& path, Config& config) {
   ReadKey(table, "peer_secret_file", config.peer_secret_file);
   ReadKey(table, "peer_timeout_seconds", config.peer_timeout_seconds);
   ReadKey(table, "peer_connections", config.peer_connections);
+  ReadKey(table, "peer_max_unknown_job_bytes", config.peer_max_unknown_job_bytes);
   ReadKey(table, "metrics_listen", config.metrics_listen);
+  ReadKey(table, "metrics_labels", config.metrics_labels);
+  ReadKey(table, "metrics_token_file", config.metrics_token_file);
   ReadKey(table, "snapshot_dir", config.snapshot_dir);
   ReadKey(table, "snapshot_every", config.snapshot_every);
   ReadKey(table, "trace_dir", config.trace_dir);
@@ -160,8 +194,9 @@ std::optional<Config> ParseConfig(int argc, char** argv) {
   app.add_option("--config", config_file, "TOML file with the same keys as these flags");
   // Flags are parsed into optionals so that a flag overrides the file only when given.
   std::optional<std::string> socket, log_level, worker_policy;
-  std::optional<uint32_t> threads, worker_nice, reserved_cores, max_jobs, max_unattached, max_unattached_per_uid;
-  std::optional<uint64_t> ttl, max_host_bytes;
+  std::optional<uint32_t> threads, worker_nice, reserved_cores, max_jobs, max_jobs_per_uid, max_unattached,
+      max_unattached_per_uid;
+  std::optional<uint64_t> ttl, max_host_bytes, max_host_bytes_per_uid;
   std::optional<int64_t> parent_pid;
   app.add_option("--socket", socket, "Unix socket to listen on (default " + defaults.socket + ")");
   app.add_option("--threads", threads, "optimizer worker threads (default: one per CPU not reserved)");
@@ -175,6 +210,10 @@ std::optional<Config> ParseConfig(int argc, char** argv) {
   app.add_option("--job-ttl", ttl, "seconds a job with no attached rank is kept (default 3600)");
   app.add_option("--max-jobs", max_jobs, "maximum number of jobs (default 64)");
   app.add_option("--max-host-bytes", max_host_bytes, "maximum bytes of shared memory over all jobs (0: no limit)");
+  app.add_option("--max-jobs-per-uid", max_jobs_per_uid,
+                 "maximum number of jobs of one user other than root (default: half of --max-jobs)");
+  app.add_option("--max-host-bytes-per-uid", max_host_bytes_per_uid,
+                 "maximum bytes of shared memory of one user other than root (0: no limit)");
   app.add_option("--max-unattached-sessions", max_unattached,
                  "Session streams not attached yet, over all users (default 256)");
   app.add_option("--max-unattached-sessions-per-uid", max_unattached_per_uid,
@@ -192,9 +231,14 @@ std::optional<Config> ParseConfig(int argc, char** argv) {
   app.add_option("--peer-timeout", peer_timeout, "seconds a peer may stay silent before its job fails (default 30)");
   app.add_option("--peer-connections", peer_connections,
                  "connections to the next node of a job's ring, 1 to 16 (default 4)");
-  std::optional<std::string> metrics_listen, snapshot_dir, trace_dir;
+  std::optional<std::string> metrics_listen, metrics_labels, metrics_token_file, snapshot_dir, trace_dir;
   std::optional<uint64_t> snapshot_every;
-  app.add_option("--metrics-listen", metrics_listen, "host:port of the Prometheus metrics endpoint (default: off)");
+  app.add_option("--metrics-listen", metrics_listen,
+                 "host:port or unix:/path of the Prometheus metrics endpoint (default: off)");
+  app.add_option("--metrics-labels", metrics_labels,
+                 "what the metrics tell about jobs: none, uid (sums per user, the default) or job (names)");
+  app.add_option("--metrics-token-file", metrics_token_file,
+                 "file holding a bearer token every scrape must carry (default: none asked)");
   app.add_option("--snapshot-dir", snapshot_dir,
                  "directory of periodic snapshots, and of requested ones without a path (default: none)");
   app.add_option("--snapshot-every", snapshot_every, "snapshot every job every N steps into --snapshot-dir (0: never)");
@@ -222,6 +266,8 @@ std::optional<Config> ParseConfig(int argc, char** argv) {
   if (ttl) config.job_ttl_seconds = *ttl;
   if (max_jobs) config.max_jobs = *max_jobs;
   if (max_host_bytes) config.max_host_bytes = *max_host_bytes;
+  if (max_jobs_per_uid) config.max_jobs_per_uid = *max_jobs_per_uid;
+  if (max_host_bytes_per_uid) config.max_host_bytes_per_uid = *max_host_bytes_per_uid;
   if (max_unattached) config.max_unattached_sessions = *max_unattached;
   if (max_unattached_per_uid) config.max_unattached_sessions_per_uid = *max_unattached_per_uid;
   if (parent_pid) config.parent_pid = *parent_pid;
@@ -231,11 +277,14 @@ std::optional<Config> ParseConfig(int argc, char** argv) {
   if (peer_timeout) config.peer_timeout_seconds = *peer_timeout;
   if (peer_connections) config.peer_connections = *peer_connections;
   if (metrics_listen) config.metrics_listen = *metrics_listen;
+  if (metrics_labels) config.metrics_labels = *metrics_labels;
+  if (metrics_token_file) config.metrics_token_file = *metrics_token_file;
   if (snapshot_dir) config.snapshot_dir = *snapshot_dir;
   if (snapshot_every) config.snapshot_every = *snapshot_every;
   if (trace_dir) config.trace_dir = *trace_dir;
   CheckWorkerSettings(config);
   CheckPeerSettings(config);
+  CheckQuotas(config);
   CheckSessionLimits(config);
   CheckOperationsSettings(config);
   return config;

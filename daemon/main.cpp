@@ -1,5 +1,6 @@
 // trainstreamd: parses the configuration, serves the Control service on a Unix socket, and shuts down
-// cleanly on SIGTERM/SIGINT (sessions told, segments removed, socket unlinked).
+// cleanly on SIGTERM/SIGINT (sessions told, segments removed, socket unlinked). Its SIGBUS handler
+// absorbs faults in the memory its clients can truncate (daemon/guard/fault_guard.h).
 #include <absl/synchronization/mutex.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -24,9 +25,10 @@
 #include "daemon/control/control_socket.h"
 #include "daemon/control/job_registry.h"
 #include "daemon/control/orphaned_jobs.h"
+#include "daemon/guard/fault_guard.h"
 #include "daemon/metrics/metrics_server.h"
 #include "daemon/optimizer/adamw_kernels.h"
-#include "daemon/peer/peer_service.h"
+#include "daemon/peer/peer_server.h"
 #include "daemon/systemd_notify.h"
 #include "shm/error.h"
 #include "shm/version.h"
@@ -60,12 +62,21 @@ void PrepareSocketPath(const std::string& path) {
   }
 }
 
-std::string ReadSecret(const std::string& path) {
+// A secret that other local users can read lets any of them use what it guards (the peer plane: deliver
+// fragments to every node's jobs; the metrics token: read the metrics): worth a warning at every start (a
+// refusal would stop working setups). `what` names the setting.
+std::string ReadSecret(const std::string& path, const char* what) {
   std::ifstream file(path);
-  TS_CHECK(file.good(), Code::kInvalidArgument, "cannot read the peer secret file '{}'", path);
+  TS_CHECK(file.good(), Code::kInvalidArgument, "cannot read the {} file '{}'", what, path);
+  struct stat status {};
+  if (stat(path.c_str(), &status) == 0 && (status.st_mode & 077) != 0) {
+    spdlog::warn(
+        "the {} file '{}' has mode {:04o}: users other than its owner can read it; make it 0600 (chmod 600 {})", what,
+        path, status.st_mode & 07777, path);
+  }
   std::string secret((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
   while (!secret.empty() && std::isspace(static_cast<unsigned char>(secret.back()))) secret.pop_back();
-  TS_CHECK(secret.size() >= 16, Code::kInvalidArgument, "the peer secret in '{}' is shorter than 16 characters", path);
+  TS_CHECK(secret.size() >= 16, Code::kInvalidArgument, "the {} in '{}' is shorter than 16 characters", what, path);
   return secret;
 }
 
@@ -77,8 +88,7 @@ std::string Hostname() {
 
 // The Peer service on TCP, for multi-node jobs; all empty unless --peer-listen was given.
 struct PeerPlane {
-  std::unique_ptr<PeerService> service;  // outlives the server that calls it
-  std::unique_ptr<grpc::Server> server;
+  std::unique_ptr<PeerServer> server;
   std::string advertise;  // the address the other nodes should dial
   PeerConfig jobs;        // for the jobs' all-reduces
 };
@@ -87,23 +97,19 @@ PeerPlane StartPeerPlane(const Config& config, PeerMailbox& mailbox) {
   PeerPlane plane;
   if (config.peer_listen.empty()) return plane;
   TS_CHECK(!config.peer_secret_file.empty(), Code::kInvalidArgument, "--peer-listen needs --peer-secret-file");
-  plane.jobs = PeerConfig{&mailbox, ReadSecret(config.peer_secret_file),
+  plane.jobs = PeerConfig{&mailbox, ReadSecret(config.peer_secret_file, "peer secret"),
                           std::chrono::seconds(config.peer_timeout_seconds), config.peer_connections};
-  plane.service = std::make_unique<PeerService>(mailbox, plane.jobs.secret);
   KeepPeerBuffersMapped();
-  int port = 0;
-  plane.server = StartPeerServer(config.peer_listen, *plane.service, port);
-  TS_CHECK(plane.server != nullptr && port != 0, Code::kUnavailable, "cannot listen for peers on {}",
-           config.peer_listen);
+  plane.server = std::make_unique<PeerServer>(config.peer_listen, mailbox, plane.jobs.secret);
+  const int port = plane.server->port();
   plane.advertise = PeerAdvertiseAddress(config, Hostname(), port);
   spdlog::info("peer plane listening on {} (port {}), advertised to the other nodes as {}", config.peer_listen, port,
                plane.advertise);
   return plane;
 }
 
-// Every connection is a descriptor, and gRPC 1.51 stops accepting on a listener for good once
-// accept() fails with EMFILE: a flood of connections to the peer port left both planes unreachable
-// until a restart. So the daemon takes all the descriptors its hard limit allows.
+// Every connection is a descriptor: the daemon takes all that its hard limit allows, and splits them
+// between the control socket, the peer port and the rest (daemon/peer/peer_server.h).
 void RaiseOpenFileLimit() {
   rlimit limit{};
   if (getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == limit.rlim_max) return;
@@ -125,8 +131,12 @@ std::unique_ptr<grpc::Server> StartControlServer(ControlService& service) {
 // The Prometheus endpoint, if --metrics-listen asks for one.
 std::unique_ptr<MetricsServer> StartMetrics(const Config& config, JobRegistry& registry, const WorkerPool& pool) {
   if (config.metrics_listen.empty()) return nullptr;
-  auto metrics = std::make_unique<MetricsServer>(config.metrics_listen, registry, pool);
-  spdlog::info("metrics endpoint listening on {} (port {}), path /metrics", config.metrics_listen, metrics->port());
+  const std::string token =
+      config.metrics_token_file.empty() ? "" : ReadSecret(config.metrics_token_file, "metrics token");
+  auto metrics = std::make_unique<MetricsServer>(config.metrics_listen, MetricsLabelsFrom(config.metrics_labels), token,
+                                                 registry, pool);
+  spdlog::info("metrics endpoint listening on {} (port {}), path /metrics, labels {}, {}", config.metrics_listen,
+               metrics->port(), config.metrics_labels, token.empty() ? "no token asked" : "bearer token asked");
   return metrics;
 }
 
@@ -156,6 +166,8 @@ int Serve(const Config& config) {
     if (getppid() != config.parent_pid) return 0;  // the parent is already gone
   }
 
+  // Before anything maps a client's segment (the orphans below): a truncated one must not kill the daemon.
+  InstallFaultGuard();
   RaiseOpenFileLimit();
   PrepareSocketPath(config.socket);
   PrepareDir(config.snapshot_dir, "snapshot directory");
@@ -165,7 +177,7 @@ int Serve(const Config& config) {
   const bool idle_workers = config.worker_policy == "idle";
   WorkerPool pool(threads, /*pin_threads=*/true, {}, static_cast<int>(config.worker_nice), worker_cpus,
                   idle_workers ? WorkerPolicy::kIdle : WorkerPolicy::kNormal);
-  PeerMailbox mailbox;
+  PeerMailbox mailbox(config.peer_max_unknown_job_bytes);
   PeerPlane peers = StartPeerPlane(config, mailbox);
   JobRegistry registry(config, pool, peers.jobs);
   RemoveDeadPrivateJobs();
@@ -195,6 +207,7 @@ int Serve(const Config& config) {
       spdlog::info("received {}, shutting down", strsignal(signal));
       break;
     }
+    registry.DropLost();
     registry.ExpireIdle();
     // A reduction waits at most the peer timeout for progress; what waited several times that long
     // belongs to none (a job that never came here, a failed step).

@@ -9,17 +9,56 @@
 # default is cuda-ipc); the gpt stages name their JSON after it. The torchao stage installs the
 # reference offloader from a wheel in .device (the machine has no network):
 #   pip download torchao --no-deps -d .device
+#
+# trainstream from a wheel instead of a build: carry a cp312 wheel in .device/trainstream/ (git-ignored, as
+# all of .device; about 6 MB of carry's 64 MiB, beside sysroot.tgz's 14 MB):
+#   scripts/build_wheels.sh --python 3.12 --no-sdist --out .device/trainstream
+#   device run, carry [".device"]:  scripts/device_run.sh wheel-info test-cuda gpt-large
+# The wheel goes into a fresh venv, /tmp/ts-venv, that sees the machine's torch and the other packages of
+# its python3 through a .pth file. No sysroot is on any path and TRAINSTREAMD is unset: connect() starts
+# the wheel's trainstreamd, the tests' conftest finds it and its trainstreamctl the same way. Stages that
+# compile or use a build's binaries (build, build-fast, build-before, use-bin, python-before) switch the
+# rest of the run to this tree's build and the sysroot (use_sysroot), as without a wheel.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+VENV=/tmp/ts-venv
 
-if [[ ! -d .device/sysroot ]]; then tar -C .device -xzf .device/sysroot.tgz; fi
-export TS_SYSROOT=$PWD/.device/sysroot/usr
-export PATH=$TS_SYSROOT/bin:$PATH LD_LIBRARY_PATH=$TS_SYSROOT/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
-export PKG_CONFIG_PATH=$TS_SYSROOT/lib/x86_64-linux-gnu/pkgconfig
-export TRAINSTREAMD=$PWD/build/daemon/trainstreamd PYTHONPATH=$PWD/python
+# The sysroot's libraries for the compiler and this tree's build (its daemon, its Python package) for
+# everything after: once per run.
+use_sysroot() {
+  [[ -n ${TS_SYSROOT:-} ]] && return
+  if [[ ! -d .device/sysroot ]]; then tar -C .device -xzf .device/sysroot.tgz; fi
+  export TS_SYSROOT=$PWD/.device/sysroot/usr
+  export PATH=$TS_SYSROOT/bin:${PATH//$VENV\/bin:/} LD_LIBRARY_PATH=$TS_SYSROOT/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+  export PKG_CONFIG_PATH=$TS_SYSROOT/lib/x86_64-linux-gnu/pkgconfig
+  export TRAINSTREAMD=$PWD/build/daemon/trainstreamd PYTHONPATH=$PWD/python:/tmp/site
+}
+
+# The carried wheel $1 installed into $VENV (again only when the wheel changed), first on PATH.
+use_wheel() {
+  if [[ ! -x $VENV/bin/trainstreamd ]] || [[ $(cat "$VENV/installed-wheel" 2>/dev/null) != "$(sha256sum <"$1")" ]]; then
+    local machine_site venv_site
+    machine_site=$(python3 -c "import sysconfig; print(sysconfig.get_path('purelib'))")
+    rm -rf "$VENV"
+    if python3 -m venv "$VENV" 2>/dev/null; then
+      "$VENV/bin/python" -m pip install -q --no-index --no-deps "$1" 2>&1 | tail -2
+    else  # a python3 without ensurepip: the machine's pip installs into the venv
+      python3 -m venv --without-pip "$VENV" && python3 -m pip --python "$VENV/bin/python" install -q --no-index \
+        --no-deps "$1" 2>&1 | tail -2
+    fi
+    venv_site=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_path('purelib'))")
+    echo "$machine_site" >"$venv_site/machine-site-packages.pth"  # after the venv's own: its trainstream wins
+    sha256sum <"$1" >"$VENV/installed-wheel"
+  fi
+  export PATH=$VENV/bin:$PATH PYTHONPATH=/tmp/site
+  unset TRAINSTREAMD
+}
+
+wheel=$(ls .device/trainstream/trainstream-*-cp312-*.whl 2>/dev/null | tail -1)
+if [[ -n $wheel ]]; then use_wheel "$wheel"; else use_sysroot; fi
 
 stage() { echo "=== $1 ($(date +%T))"; }
 
@@ -28,7 +67,6 @@ install_wheels() {
   [[ -d /tmp/site ]] && return
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>&1 | tail -2
 }
-export PYTHONPATH=$PYTHONPATH:/tmp/site
 
 # The host's memory bandwidth the bounds use: the STREAM triad of the machine's benchmarks/adamw result.
 triad_gbs() {
@@ -86,6 +124,7 @@ alternated() {
 for what in "$@"; do
   case $what in
     build-fast)
+      use_sysroot
       stage build-fast  # Release, the daemon, the module and the GPU-facing benchmarks only; binaries to $OUT
       { nproc; free -g; df -h /dev/shm; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; } \
         >"$OUT/machine.txt" 2>&1
@@ -426,11 +465,13 @@ for what in "$@"; do
       done
       ;;
     use-bin)
+      use_sysroot
       stage use-bin  # binaries a build-fast of the same sources returned earlier, carried in .device/bin
       mkdir -p build/daemon build/benchmarks/adamw && cp .device/bin/trainstreamd build/daemon/ \
         && cp .device/bin/ts_bench_adamw build/benchmarks/adamw/ && cp .device/bin/_C*.so python/trainstream/
       ;;
     build-before)
+      use_sysroot
       stage build-before  # the commit in .device/before.tar (a source tarball) built alike, into /tmp/before
       rm -rf /tmp/before && mkdir -p /tmp/before && tar -C /tmp/before -xf .device/before.tar
       (cd /tmp/before && cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$TS_SYSROOT" \
@@ -453,6 +494,7 @@ open(path, "w").write(text[:start] + text[end:])
 CUT
       ;;
     python-before)
+      use_sysroot
       stage python-before  # the Python of .device/before.tar over this tree's binaries (use-bin or build-fast
       # first), in /tmp/before as build-before leaves it: for gpt-small-ab when only the Python changed
       rm -rf /tmp/before && mkdir -p /tmp/before/build/daemon && tar -C /tmp/before -xf .device/before.tar python \
@@ -532,7 +574,23 @@ CUT
         --json "$OUT/gpt_${config}_cap${CAP:-4}_${weights}_paged.json" 2>&1 | tail -6
       free -g | head -2
       ;;
+    wheel-info)
+      stage wheel-info  # which trainstream this run uses, and what its binaries load (into wheel_info.txt)
+      { nproc; free -g; df -h /dev/shm; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; } \
+        >"$OUT/machine.txt" 2>&1
+      mount -o remount,size=120G /dev/shm 2>/dev/null || true
+      { echo "wheel: ${wheel:-none}"; echo "PATH=$PATH"; echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
+        echo "PYTHONPATH=${PYTHONPATH:-} TRAINSTREAMD=${TRAINSTREAMD:-}"; command -v python3 trainstreamd trainstreamctl
+        trainstream --version
+        python3 -c "import torch, trainstream._C as c; print('torch', torch.__version__, 'cuda', torch.cuda.is_available()); print(c.__file__)"
+        site=$(python3 -c "import sysconfig; print(sysconfig.get_path('purelib'))")
+        for binary in "$site"/trainstream/_C.*.so "$site"/trainstream/_bin/*; do echo "== $binary"; ldd "$binary"; done
+      } >"$OUT/wheel_info.txt" 2>&1
+      head -12 "$OUT/wheel_info.txt"; grep -c "trainstream.libs" "$OUT/wheel_info.txt" | sed "s/^/libraries resolved in trainstream.libs: /"
+      grep -E "not found|sysroot" "$OUT/wheel_info.txt" && echo "wheel-info: a library outside the wheel (above)"
+      ;;
     build)
+      use_sysroot
       stage build
       { nproc; free -g; df -h /dev/shm; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; } \
         >"$OUT/machine.txt" 2>&1

@@ -9,7 +9,7 @@ if [[ $(id -u) -ne 0 ]]; then SUDO="sudo"; fi
 packages=(build-essential cmake ninja-build pkg-config
           libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
           libboost-dev libspdlog-dev libfmt-dev libgtest-dev libgmock-dev libcli11-dev libtomlplusplus-dev
-          libsystemd-dev pybind11-dev python3-dev clang-format clang-tidy iproute2
+          pybind11-dev python3-dev python3-venv clang-format clang-tidy iproute2
           prometheus-cpp-dev nlohmann-json3-dev  # trainstreamd --metrics-listen; snapshots, trainstreamctl --json
           clang libclang-rt-14-dev)  # scripts/fuzz.sh: libFuzzer, ASan and UBSan are clang's
 missing=()

@@ -30,7 +30,7 @@
 #include <vector>
 
 #include "daemon/peer/peer_allreduce.h"
-#include "daemon/peer/peer_service.h"
+#include "daemon/peer/peer_server.h"
 
 using namespace trainstream::daemon;  // NOLINT(google-build-using-namespace): a benchmark's main
 
@@ -54,15 +54,18 @@ double CpuSeconds() {
 // ring, with its buffer.
 struct Node {
   PeerMailbox mailbox;
-  std::unique_ptr<PeerService> service;
-  std::unique_ptr<grpc::Server> server;
+  std::unique_ptr<PeerServer> server;
   int port = 0;
   std::unique_ptr<PeerAllReduce> ring;
   std::vector<float> data;
 
-  Node() : service(std::make_unique<PeerService>(mailbox, kSecret)) {
-    server = StartPeerServer("127.0.0.1:0", *service, port);
-    if (!server || port == 0) Die("cannot start the Peer server on 127.0.0.1");
+  Node() {
+    try {
+      server = std::make_unique<PeerServer>("127.0.0.1:0", mailbox, kSecret);
+    } catch (const trainstream::Error& e) {
+      Die(std::string("cannot start the Peer server on 127.0.0.1: ") + e.what());
+    }
+    port = server->port();
   }
 
   void Join(const std::vector<std::string>& peers, uint32_t rank, size_t floats, uint32_t connections) {
@@ -212,6 +215,6 @@ int main(int argc, char** argv) {
     AwaitFiles(ports_dir, nodes, "done", std::chrono::seconds(wait_s));
   }
   for (auto& n : local) n->ring.reset();
-  for (auto& n : local) n->server->Shutdown();
+  for (auto& n : local) n->server->Shutdown(std::chrono::system_clock::now());
   return 0;
 }

@@ -1,8 +1,8 @@
 // trainstreamctl: the operator's command for a trainstreamd, through the Control service on its socket
 // (the client library, client/include/trainstream/client.h). Commands: status, jobs, top, drop,
 // snapshot, restore (docs/operations.md, "trainstreamctl"). The socket: --socket, else
-// $TRAINSTREAM_ADDRESS, else the service's. Errors go to stderr as "trainstreamctl: error: ...",
-// exit 1 (2 for a bad command line).
+// $TRAINSTREAM_ADDRESS, else the service's; --socket and --json go before or after the command.
+// Errors go to stderr as "trainstreamctl: error: ...", exit 1 (2 for a bad command line).
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -76,6 +76,9 @@ int Run(int argc, char** argv) {
   app.add_option("--socket", socket,
                  "the daemon's Unix socket (default: $TRAINSTREAM_ADDRESS, else " + std::string(kServiceSocket) + ")");
   app.add_flag("--json", json, "print JSON (one object or array per line) for scripts");
+  // Inherited by the subcommands added below: what a subcommand does not know goes to the app, so the
+  // options above are accepted before or after it (`trainstreamctl jobs --json`).
+  app.fallthrough();
 
   app.add_subcommand("status", "daemon version, pid, uptime, threads, kernel, memory and quotas");
   app.add_subcommand("jobs", "per job: owner, ranks and transports, step, memory, last update and step");

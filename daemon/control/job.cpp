@@ -39,6 +39,17 @@ void RefuseTornState(const std::string& name, const shm::StateView& state, const
         "resumes exactly after its daemon is killed",
         name, fmt::join(torn, ", "), layout.buckets.size(), step - 1, step, name);
 }
+
+// An orphan whose owner truncated its state (while no daemon held it, or while this one read it) can
+// never resume: its segments are removed, so that neither the job nor its memory lingers until the TTL.
+[[noreturn]] void RefuseTruncated(const std::string& name, const std::string& key, const ClientSegment& state,
+                                  const std::string& why) {
+  RemoveJobSegments(state.owner(), key);
+  Throw(Code::kFailedPrecondition,
+        "job '{}' cannot resume: {}, so its optimizer state is gone. Its segments were removed: attach again to start "
+        "the job anew, from your last checkpoint (model.load_state_dict() and optimizer.load_state_dict())",
+        name, why);
+}
 }  // namespace
 
 Job::Job(std::string name, uint32_t uid, const shm::LayoutSpec& spec, uint64_t seed, WorkerPool& pool,
@@ -55,14 +66,22 @@ Job::Job(std::string name, uint32_t uid, const shm::LayoutSpec& spec, uint64_t s
            "trainstreamd runs as uid {}; a job of uid {} needs a daemon running as root or as that uid", geteuid(),
            uid_);
   if (adopted != nullptr) {
-    state_ = shm::Segment::Open(adopted->state_segment);
+    state_ = ClientSegment::Open(adopted->state_segment, uid_);
+    if (state_.size() < layout_.state_bytes) {
+      RefuseTruncated(name_, key_, state_,
+                      fmt::format("its state segment {} holds {} bytes of the {} its layout needs (its owner, uid {}, "
+                                  "truncated it)",
+                                  state_.name(), state_.size(), layout_.state_bytes, uid_));
+    }
     shm::CheckStateSegment(state_.data(), state_.size(), layout_);
     RefuseTornState(name_, ViewState(), layout_);
+    if (state_.lost()) RefuseTruncated(name_, key_, state_, state_.LostMessage());
+    state_.RemoveOnDestroy();
   } else {
     const auto creating = std::chrono::steady_clock::now();
-    state_ = shm::Segment::Create(shm::SegmentName(uid_, key_, "state"), layout_.state_bytes, uid_,
-                                  LeftToFirstTouch(pool.nodes()));
-    state_.RemoveOnDestroy();  // also when this constructor throws: a failed restore leaves nothing
+    state_ = ClientSegment::Create(shm::SegmentName(uid_, key_, "state"), layout_.state_bytes, uid_,
+                                   LeftToFirstTouch(pool.nodes()));
+    state_.RemoveOnDestroy();  // now, also when this constructor throws: a failed restore leaves nothing
     backed_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - creating).count();
     shm::InitStateSegment(state_.data(), layout_);
     auto* header = static_cast<shm::StateHeader*>(state_.data());
@@ -70,7 +89,6 @@ Job::Job(std::string name, uint32_t uid, const shm::LayoutSpec& spec, uint64_t s
     name_.copy(header->job_name, shm::kMaxJobName);
     if (restored != nullptr) restored->RestoreInto(CommittedState(ViewState(), layout_, spec_));
   }
-  state_.RemoveOnDestroy();
   if (spec_.nodes() > 1) {
     TS_CHECK(peer_config.mailbox != nullptr, Code::kFailedPrecondition,
              "job '{}' spans {} nodes, but this trainstreamd was started without --peer-listen", name_, spec_.nodes());
@@ -82,7 +100,8 @@ Job::Job(std::string name, uint32_t uid, const shm::LayoutSpec& spec, uint64_t s
       layout_, std::move(snapshots));
   engine_ = std::make_unique<StepEngine>(
       name_, spec_, layout_, ViewState(), seed, pool, peers_.get(),
-      /*adopted=*/adopted != nullptr, [this](const Commit& commit) { OnCommit(commit); }, TraceInDir(trace_dir, key_));
+      /*adopted=*/adopted != nullptr, [this](const Commit& commit) { OnCommit(commit); },
+      TraceInDir(trace_dir, key_, uid_), &state_);
   snapshots_->Connect(SnapshotHooks{.attached_ranks = [this] { return attached_ranks(); },
                                     .announce = [this] { engine_->AnnounceCommitted(); }});
   spdlog::info(
@@ -121,6 +140,9 @@ Job::Attachment Job::Attach(uint32_t rank, std::shared_ptr<SessionSink> session,
   std::lock_guard lock(mutex_);  // one attach/detach at a time: they share the rank's segment name
   TS_CHECK(!closed_, Code::kAborted, "job '{}' went away while rank {} attached ({}); attach again", name_, rank,
            closed_.value_or(""));
+  if (auto lost = engine_->Lost()) {
+    Throw(Code::kAborted, "job '{}' is being dropped: {}; attach again in a second to start it anew", name_, *lost);
+  }
   if (auto diverged = engine_->Diverged()) {
     Throw(Code::kFailedPrecondition,
           "job '{}' cannot resume here: {}, so its nodes may hold different weights; drop it on every node "
@@ -132,10 +154,13 @@ Job::Attachment Job::Attach(uint32_t rank, std::shared_ptr<SessionSink> session,
   const uint64_t resume_step = engine_->Resume();
   const std::string name = RankSegmentName(rank);
   shm::Segment::Remove(name);  // left over from a rank that died while its removal raced this attach
-  shm::Segment segment = shm::Segment::Create(name, layout_.rank_bytes, uid_);
+  ClientSegment segment = ClientSegment::Create(name, layout_.rank_bytes, uid_);
   shm::InitRankSegment(segment.data(), layout_, rank);
-  rank_memory_[rank] = {segment.data(), segment.size()};
+  TS_CHECK(!segment.lost(), Code::kAborted, "rank {} of job '{}' cannot attach: {}", rank, name_,
+           segment.LostMessage());
+  const std::pair<const void*, size_t> memory{segment.data(), segment.size()};
   engine_->AddRank(std::make_shared<RankChannel>(rank, std::move(segment), layout_, std::move(session)));
+  rank_memory_[rank] = memory;
   ++attached_;
   transports_[rank] = transport;
   const auto* header = static_cast<const shm::StateHeader*>(state_.data());

@@ -3,6 +3,8 @@
 //
 // A job outlives its ranks: when every rank has detached (or died) the state stays until the job is
 // dropped or its idle TTL expires, so a restarted training process re-attaches and resumes.
+// Its segments belong to its uid, who may truncate them: the daemon maps them guarded
+// (daemon/guard/client_segment.h), and a job whose memory was lost so is dropped (Lost()).
 // Thread-safe: gRPC handler threads attach and detach concurrently.
 #pragma once
 
@@ -18,12 +20,12 @@
 #include "daemon/engine/step_engine.h"
 #include "daemon/engine/worker_pool.h"
 #include "daemon/gpu/cuda_rank_transfer.h"
+#include "daemon/guard/client_segment.h"
 #include "daemon/metrics/counters.h"
 #include "daemon/peer/peer_allreduce.h"
 #include "daemon/snapshot/job_snapshots.h"
 #include "daemon/snapshot/snapshot_format.h"
 #include "shm/job_layout.h"
-#include "shm/segment.h"
 
 namespace trainstream::daemon {
 
@@ -46,7 +48,8 @@ class Job {
  public:
   // Creates the job's state, or with `adopted`, takes over the state an earlier daemon left (its
   // layout must be `spec`'s; kFailedPrecondition if it holds torn buckets: one state half, killed
-  // during an update), or with `restored`, fills it from a snapshot (of `spec`'s layout). With
+  // during an update; kFailedPrecondition, and its segments removed, if its owner truncated it), or
+  // with `restored`, fills it from a snapshot (of `spec`'s layout). With
   // `trace_dir`, its engine's timeline goes there when the job ends (daemon/engine/step_trace.h).
   Job(std::string name, uint32_t uid, const shm::LayoutSpec& spec, uint64_t seed, WorkerPool& pool,
       const PeerConfig& peer_config = {}, const OrphanedJob* adopted = nullptr, const SnapshotFile* restored = nullptr,
@@ -73,6 +76,9 @@ class Job {
   // The rank's data moves through `transfer` (RegisterCudaIpc's work; tests hand in their own).
   void SetTransfer(uint32_t rank, std::shared_ptr<RankTransfer> transfer, const std::string& transport);
   void FailAll(const std::string& message) { engine_->FailAll(message); }
+  // Why the job cannot go on, if so: its owner truncated one of its segments under the daemon
+  // (StepEngine::Lost); every session has failed saying so, and the job must be dropped.
+  [[nodiscard]] std::optional<std::string> Lost() { return engine_->Lost(); }
   // Closes the job to ranks: an Attach that found the job before the registry forgot it fails
   // (kAborted, naming `reason`) instead of running on a job nothing else can see. kFailedPrecondition
   // while ranks are attached, unless `force` (the caller then fails their sessions with FailAll).
@@ -107,7 +113,7 @@ class Job {
   const shm::LayoutSpec spec_;
   const shm::JobLayout layout_;
   const std::string key_;
-  shm::Segment state_;
+  ClientSegment state_;
   std::unique_ptr<PeerAllReduce> peers_;  // multi-node jobs only; outlives the engine that uses it
   const bool fresh_;                      // its state was created empty (not adopted, not restored)
   double backed_seconds_ = 0;             // creating (backing) the state segment: most of a new job's attach

@@ -3,11 +3,11 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
-#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "daemon/metrics/counters.h"
 #include "shm/error.h"
 #include "shm/segment.h"
 
@@ -77,7 +77,7 @@ void CheckJobName(const std::string& name) {
 }  // namespace
 
 // A new job's state halves and speculation where the request leaves them open (see FindOrCreate).
-shm::LayoutSpec JobRegistry::Decide(const std::string& name, shm::LayoutSpec request, uint64_t used) const {
+shm::LayoutSpec JobRegistry::Decide(const std::string& name, uint32_t uid, shm::LayoutSpec request) const {
   if (request.state_halves == 0) {
     request.state_halves = 1;
     if (request.speculative_clipping == shm::Speculation::kOn) {
@@ -89,17 +89,20 @@ shm::LayoutSpec JobRegistry::Decide(const std::string& name, shm::LayoutSpec req
       const shm::JobLayout layout = shm::ComputeLayout(two);
       const uint64_t needed = layout.state_bytes + uint64_t{request.world_size} * layout.rank_bytes;
       const uint64_t shm_free = shm::AvailableInDevShm();
-      const uint64_t quota_left = config_.max_host_bytes == 0
-                                      ? std::numeric_limits<uint64_t>::max()
-                                      : config_.max_host_bytes - std::min(used, config_.max_host_bytes);
-      const bool fits = needed <= shm_free / 4 * 3 && needed <= quota_left / 4 * 3;
+      const std::vector<HostQuota> quotas = HostQuotasOf(uid);
+      const bool fits = needed <= shm_free / 4 * 3 && std::ranges::all_of(quotas, [&](const HostQuota& quota) {
+                          return needed <= quota.left() / 4 * 3;
+                        });
       request.state_halves = fits ? 2 : 1;
+      std::string left;  // of each quota
+      for (const HostQuota& quota : quotas) {
+        left += fmt::format("{}{} bytes left of {}", left.empty() ? "" : ", ", quota.left(), quota.key);
+      }
       spdlog::info(
           "job '{}': {} state {}: with two it needs {} bytes; {} bytes free in /dev/shm, {} (two halves "
           "when they need at most 3/4 of each)",
           name, request.state_halves, fits ? "halves" : "half", needed, shm_free,
-          config_.max_host_bytes == 0 ? std::string("no max_host_bytes quota")
-                                      : fmt::format("{} bytes left of max_host_bytes", quota_left));
+          left.empty() ? "no max_host_bytes quota" : left);
     }
   }
   if (request.speculative_clipping == shm::Speculation::kAuto) {
@@ -126,16 +129,22 @@ JobRegistry::Found JobRegistry::FindOrCreate(const std::string& name, uint32_t u
   auto orphan = orphans_.find(id);
   const shm::LayoutSpec spec = orphan != orphans_.end()
                                    ? Inherit(request, orphan->second.state_halves, orphan->second.speculative_clipping)
-                                   : Decide(name, request, UsedHostBytes());
+                                   : Decide(name, uid, request);
   const shm::JobLayout layout = shm::ComputeLayout(spec);  // validates the decided spec
-  CheckRoomFor(name, spec, layout);
+  CheckRoomFor(name, uid, spec, layout);
   if (orphan != orphans_.end()) {
     TS_CHECK(orphan->second.layout_hash == layout.hash, Code::kInvalidArgument,
              "job '{}' was left by a trainstreamd that died, with another layout: drop it (drop_job) to start a new "
              "job of that name, or attach with its layout to resume it",
              name);
-    auto job = std::make_shared<Job>(name, uid, spec, seed, pool_, peer_config_, &orphan->second, nullptr, Schedule(),
-                                     config_.trace_dir);
+    std::shared_ptr<Job> job;
+    try {
+      job = std::make_shared<Job>(name, uid, spec, seed, pool_, peer_config_, &orphan->second, nullptr, Schedule(),
+                                  config_.trace_dir);
+    } catch (const Error&) {
+      if (!shm::Segment::Exists(orphan->second.state_segment)) orphans_.erase(orphan);  // refused and removed
+      throw;
+    }
     orphans_.erase(orphan);
     jobs_.emplace(id, job);
     return {job, false};
@@ -147,21 +156,45 @@ JobRegistry::Found JobRegistry::FindOrCreate(const std::string& name, uint32_t u
   return {job, true};
 }
 
-uint64_t JobRegistry::UsedHostBytes() const {
-  uint64_t used = 0;
-  for (const auto& [_, job] : jobs_) used += job->host_bytes();
-  return used;
+JobRegistry::Usage JobRegistry::UsageOf(std::optional<uint32_t> uid) const {
+  Usage usage;
+  for (const auto& [id, job] : jobs_) {
+    if (uid && id.first != *uid) continue;
+    ++usage.jobs;
+    usage.host_bytes += job->host_bytes();
+  }
+  return usage;
 }
 
-void JobRegistry::CheckRoomFor(const std::string& name, const shm::LayoutSpec& spec, const shm::JobLayout& layout) {
+std::vector<JobRegistry::HostQuota> JobRegistry::HostQuotasOf(uint32_t uid) const {
+  std::vector<HostQuota> quotas;
+  if (config_.max_host_bytes != 0) {
+    quotas.push_back({"max_host_bytes", config_.max_host_bytes, UsageOf(std::nullopt).host_bytes, ""});
+  }
+  if (uid != 0 && config_.max_host_bytes_per_uid != 0) {
+    quotas.push_back({"max_host_bytes_per_uid", config_.max_host_bytes_per_uid, UsageOf(uid).host_bytes,
+                      fmt::format(" by uid {}", uid)});
+  }
+  return quotas;
+}
+
+void JobRegistry::CheckRoomFor(const std::string& name, uint32_t uid, const shm::LayoutSpec& spec,
+                               const shm::JobLayout& layout) {
   TS_CHECK(jobs_.size() < config_.max_jobs, Code::kResourceExhausted, "job limit reached: {} of max_jobs={}",
            jobs_.size(), config_.max_jobs);
-  if (config_.max_host_bytes != 0) {
-    const uint64_t used = UsedHostBytes();
-    const uint64_t needed = layout.state_bytes + uint64_t{spec.world_size} * layout.rank_bytes;
-    TS_CHECK(used + needed <= config_.max_host_bytes, Code::kResourceExhausted,
-             "host memory quota exceeded: job '{}' needs {} bytes{}, {} of max_host_bytes={} in use", name, needed,
-             spec.state_halves == 2 ? " (two state halves)" : "", used, config_.max_host_bytes);
+  if (uid != 0) {
+    const uint64_t jobs = UsageOf(uid).jobs;
+    TS_CHECK(jobs < MaxJobsPerUid(config_), Code::kResourceExhausted,
+             "job limit of uid {} reached: {} of max_jobs_per_uid={} (drop one: trainstreamctl drop JOB; or raise "
+             "max_jobs_per_uid)",
+             uid, jobs, MaxJobsPerUid(config_));
+  }
+  const uint64_t needed = layout.state_bytes + uint64_t{spec.world_size} * layout.rank_bytes;
+  for (const HostQuota& quota : HostQuotasOf(uid)) {
+    TS_CHECK(quota.used + needed <= quota.limit, Code::kResourceExhausted,
+             "host memory quota exceeded: job '{}' needs {} bytes{}, {} of {}={} in use{} (raise {})", name, needed,
+             spec.state_halves == 2 ? " (two state halves)" : "", quota.used, quota.key, quota.limit, quota.by,
+             quota.key);
   }
   if (spec.nodes() > 1) {
     for (const auto& [other, job] : jobs_) {
@@ -193,7 +226,7 @@ std::shared_ptr<Job> JobRegistry::Restore(const std::string& name, uint32_t owne
   auto check_free = [&] {
     TS_CHECK(!jobs_.contains(id) && !orphans_.contains(id), Code::kAlreadyExists,
              "a job named '{}' exists already (uid {}): drop it first, or restore under another name", name, owner);
-    CheckRoomFor(name, spec, layout);
+    CheckRoomFor(name, owner, spec, layout);
   };
   {
     std::lock_guard lock(mutex_);
@@ -298,6 +331,28 @@ size_t JobRegistry::ExpireIdle() {
   }
   for (const auto& job : expired) DropWaitingFragments(*job);
   return expired.size();  // destroyed here, outside the lock
+}
+
+size_t JobRegistry::DropLost() {
+  std::vector<std::pair<std::shared_ptr<Job>, std::string>> lost;
+  {
+    std::lock_guard lock(mutex_);
+    for (auto it = jobs_.begin(); it != jobs_.end();) {
+      if (auto why = it->second->Lost()) {
+        it->second->Close(*why, /*force=*/true);
+        lost.emplace_back(std::move(it->second), std::move(*why));
+        it = jobs_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (const auto& [job, why] : lost) {
+    spdlog::warn("job '{}' (uid {}) dropped, its segments removed: {}", job->name(), job->uid(), why);
+    ProcessCounters::Instance().CountError(ErrorKind::kTruncatedSegment);
+    DropWaitingFragments(*job);
+  }
+  return lost.size();  // destroyed here, outside the lock
 }
 
 void JobRegistry::Shutdown(const std::string& reason) {

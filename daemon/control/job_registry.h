@@ -2,6 +2,10 @@
 // jobs a dead daemon left behind (orphans: re-adopted by the first attach with their name and layout,
 // dropped like idle jobs after the TTL).
 //
+// Quotas: max_jobs and max_host_bytes over all jobs; max_jobs_per_uid and max_host_bytes_per_uid over
+// the jobs of one uid, root's exempt (root's jobs count toward the global limits only). A job counts
+// toward its owner's, also when root restores it for that owner.
+//
 // Job names are per uid: two users may each have a job "run1", and neither can reach the other's.
 // Multi-node jobs are the exception: the daemons of a job address it by name alone on the peer plane,
 // so a multi-node job's name is unique among the multi-node jobs of the daemon.
@@ -11,6 +15,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -50,6 +55,9 @@ class JobRegistry {
   std::vector<std::shared_ptr<Job>> Jobs();
   // Drops jobs idle for longer than the TTL. Returns how many.
   size_t ExpireIdle();
+  // Drops the jobs whose owner truncated one of their segments under the daemon (Job::Lost): their
+  // sessions have failed saying so, and their segments are removed. Returns how many.
+  size_t DropLost();
   // Fails every session and drops every job.
   void Shutdown(const std::string& reason);
   // Claims the jobs of daemons that died (daemon/control/orphaned_jobs.h). Returns how many.
@@ -60,15 +68,30 @@ class JobRegistry {
  private:
   using JobId = std::pair<uint32_t, std::string>;  // owner uid, name
   void DropWaitingFragments(const Job& job);       // peers' fragments for a multi-node job, in the mailbox
-  // A new job's state halves and speculation, decided where `request` leaves them open. `used`: the
-  // bytes the other jobs hold. Requires mutex_.
-  [[nodiscard]] shm::LayoutSpec Decide(const std::string& name, shm::LayoutSpec request, uint64_t used) const;
-  [[nodiscard]] uint64_t UsedHostBytes() const;  // by the jobs (requires mutex_)
+  // A new job of `uid`: its state halves and speculation, decided where `request` leaves them open.
+  // Requires mutex_.
+  [[nodiscard]] shm::LayoutSpec Decide(const std::string& name, uint32_t uid, shm::LayoutSpec request) const;
+  struct Usage {
+    uint64_t jobs = 0;
+    uint64_t host_bytes = 0;
+  };
+  [[nodiscard]] Usage UsageOf(std::optional<uint32_t> uid) const;  // of all jobs, or of `uid`'s (requires mutex_)
+  // A byte limit a new job of some uid must fit in: max_host_bytes, and max_host_bytes_per_uid for a uid
+  // other than root; only those that are set (requires mutex_).
+  struct HostQuota {
+    const char* key;  // the config key
+    uint64_t limit;
+    uint64_t used;
+    std::string by;  // "" or " by uid <U>", for the message
+    [[nodiscard]] uint64_t left() const { return limit - std::min(used, limit); }
+  };
+  [[nodiscard]] std::vector<HostQuota> HostQuotasOf(uint32_t uid) const;
   // The daemon_socket word its jobs carry: its socket's hash, or PrivateDaemonSocket() (orphaned_jobs.h).
   [[nodiscard]] uint64_t SocketWord() const;
-  // A new job of this layout fits in max_jobs and max_host_bytes, and a multi-node one's name is free
-  // among the multi-node jobs (requires mutex_).
-  void CheckRoomFor(const std::string& name, const shm::LayoutSpec& spec, const shm::JobLayout& layout);
+  // A new job of `uid` with this layout fits in max_jobs and max_host_bytes, and (but for root) in
+  // max_jobs_per_uid and max_host_bytes_per_uid; a multi-node one's name is free among the multi-node
+  // jobs (requires mutex_).
+  void CheckRoomFor(const std::string& name, uint32_t uid, const shm::LayoutSpec& spec, const shm::JobLayout& layout);
   [[nodiscard]] SnapshotSchedule Schedule() const { return {config_.snapshot_dir, config_.snapshot_every}; }
 
   const Config& config_;

@@ -11,6 +11,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "daemon/guard/client_segment.h"
 #include "shm/error.h"
 #include "shm/job_layout.h"
 #include "shm/segment.h"
@@ -64,7 +65,7 @@ std::optional<std::string> StateSegmentKey(const std::string& file, uint32_t uid
 
 // Makes this daemon the owner of the job in `segment` if its daemon listened on `socket_hash`'s socket
 // and is gone; false if it is not one of those, or another daemon took it first.
-bool TakeOver(const shm::Segment& segment, uint64_t socket_hash) {
+bool TakeOver(const ClientSegment& segment, uint64_t socket_hash) {
   if (segment.size() < sizeof(shm::StateHeader)) return false;
   auto* header = static_cast<shm::StateHeader*>(segment.data());
   if (header->magic != shm::StateHeader::kMagic || header->version != shm::kSegmentVersion ||
@@ -94,10 +95,16 @@ void ForEachStateSegment(Visit&& visit) {
 }
 
 std::optional<OrphanedJob> Claim(const std::string& file, uint32_t uid, const std::string& key, uint64_t socket_hash) {
-  shm::Segment segment = shm::Segment::Open(file);
+  const ClientSegment segment = ClientSegment::Open(file, uid);
   if (!TakeOver(segment, socket_hash)) return std::nullopt;
   auto* header = static_cast<shm::StateHeader*>(segment.data());
   const std::string name(header->job_name, strnlen(header->job_name, sizeof(header->job_name)));
+  if (segment.lost()) {  // what was read may be the zeros in its place: the job is its owner's no more
+    spdlog::warn("removing the segments of a job (uid {}, key {}) left by a dead trainstreamd: {}", uid, key,
+                 segment.LostMessage());
+    RemoveJobSegments(uid, key);
+    return std::nullopt;
+  }
   if (name.empty()) return std::nullopt;
   return OrphanedJob{
       .name = name,
@@ -142,7 +149,7 @@ std::vector<OrphanedJob> ClaimOrphanedJobs(uint64_t socket_hash) {
 size_t RemoveDeadPrivateJobs() {
   size_t removed = 0;
   ForEachStateSegment([&](const std::string& file, uint32_t uid, const std::string& key) {
-    const shm::Segment segment = shm::Segment::Open(file);
+    const ClientSegment segment = ClientSegment::Open(file, uid);
     if (!TakeOver(segment, PrivateDaemonSocket())) return;
     spdlog::warn(
         "removing the segments of a job (uid {}, key {}, {} bytes of state) left by a private trainstreamd "

@@ -1,5 +1,6 @@
-// The daemon's end of one attached rank: its mapped rank segment, the consumer of its request ring,
-// the producer of its completion ring, and the session to report errors on.
+// The daemon's end of one attached rank: its mapped rank segment (guarded: its owner may truncate it,
+// daemon/guard/client_segment.h), the consumer of its request ring, the producer of its completion ring,
+// and the session to report errors on.
 //
 // Owned through shared_ptr: worker tasks that read this rank's gradient slots hold a reference, so a
 // rank that detaches mid-update keeps its mapping until the last task that reads it has finished.
@@ -11,13 +12,14 @@
 
 #include "daemon/engine/rank_transfer.h"
 #include "daemon/engine/session_sink.h"
+#include "daemon/guard/client_segment.h"
 #include "shm/job_layout.h"
-#include "shm/segment.h"
 
 namespace trainstream::daemon {
 
 struct RankChannel {
-  RankChannel(uint32_t rank, shm::Segment segment, const shm::JobLayout& layout, std::shared_ptr<SessionSink> session)
+  // `segment` is initialized (shm::InitRankSegment).
+  RankChannel(uint32_t rank, ClientSegment segment, const shm::JobLayout& layout, std::shared_ptr<SessionSink> session)
       : rank(rank),
         segment(std::move(segment)),
         view(shm::ViewRank(this->segment.data(), layout)),
@@ -48,7 +50,7 @@ struct RankChannel {
   }
 
   const uint32_t rank;
-  shm::Segment segment;
+  ClientSegment segment;
   shm::RankView view;
   shm::RingConsumer requests;
   shm::RingProducer completions;

@@ -41,7 +41,7 @@ double Total(const std::vector<double>& partial) {
 
 StepEngine::StepEngine(std::string job_name, const shm::LayoutSpec& spec, const shm::JobLayout& layout,
                        shm::StateView state, uint64_t seed, WorkerPool& pool, AllReduce* peers, bool adopted,
-                       CommitObserver on_commit, std::unique_ptr<StepTrace> trace)
+                       CommitObserver on_commit, std::unique_ptr<StepTrace> trace, const ClientSegment* state_segment)
     : job_name_(std::move(job_name)),
       spec_(spec),
       layout_(layout),
@@ -52,6 +52,7 @@ StepEngine::StepEngine(std::string job_name, const shm::LayoutSpec& spec, const 
       peers_(peers),
       on_commit_(std::move(on_commit)),
       trace_(std::move(trace)),
+      state_segment_(state_segment),
       ranks_(spec.world_size),
       buckets_(layout.buckets.size()),
       had_grad_(spec.params.size(), 0),
@@ -78,6 +79,7 @@ void StepEngine::AddRank(std::shared_ptr<RankChannel> channel) {
   TS_CHECK(rank < ranks_.size(), Code::kInvalidArgument, "rank {} out of range (world size {})", rank, ranks_.size());
   TS_CHECK(ranks_[rank] == nullptr, Code::kAlreadyExists, "rank {} of job '{}' is already attached by another client",
            rank, job_name_);
+  TS_CHECK(!CheckMemory(), Code::kAborted, "job '{}' is being dropped: {}", job_name_, lost_.value_or(""));
   ranks_[rank] = std::move(channel);
 }
 
@@ -124,6 +126,35 @@ bool StepEngine::HasRank(uint32_t rank) {
 std::optional<std::string> StepEngine::Diverged() {
   std::lock_guard lock(mutex_);
   return diverged_;
+}
+
+std::optional<std::string> StepEngine::Lost() {
+  std::lock_guard lock(mutex_);
+  CheckMemory();
+  return lost_;
+}
+
+// What a lost segment's pages hold now are zeros private to the daemon (daemon/guard/fault_guard.h):
+// nothing computed from them may reach a rank, so every session fails before the next message or
+// continuation, and the failed ranks get nothing more (PostTo, PublishWeights and pushes skip them).
+bool StepEngine::CheckMemory() {
+  if (lost_) return true;
+  const ClientSegment* lost = state_segment_ != nullptr && state_segment_->lost() ? state_segment_ : nullptr;
+  for (const auto& channel : ranks_) {
+    if (lost == nullptr && channel && channel->segment.lost()) lost = &channel->segment;
+  }
+  if (lost == nullptr) return false;
+  lost_ = lost->LostMessage();
+  const std::string message = fmt::format(
+      "job '{}' was dropped: {}; its optimizer state is gone, restart from a checkpoint", job_name_, *lost_);
+  spdlog::error("{}", message);
+  if (peers_ != nullptr) peers_->Reset(message);
+  for (const auto& channel : ranks_) {
+    if (!channel) continue;
+    channel->failed = true;
+    channel->session->Fail(message);
+  }
+  return true;
 }
 
 EngineStats StepEngine::Stats() {
@@ -237,6 +268,7 @@ void StepEngine::FailAll(const std::string& message) {
 }
 
 void StepEngine::FailRank(RankChannel& channel, const std::string& message) {
+  if (CheckMemory()) return;  // what went wrong may be the zeros a lost segment holds now: the loss is the news
   channel.failed = true;
   spdlog::warn("job '{}' rank {}: {}", job_name_, channel.rank, message);
   channel.session->Fail(message);
@@ -247,6 +279,7 @@ bool StepEngine::Attached(const std::shared_ptr<RankChannel>& channel) const {
 }
 
 void StepEngine::FailSessions(const std::string& message) {
+  if (CheckMemory()) return;
   for (const auto& channel : ranks_) {
     if (channel) channel->session->Fail(message);
   }
@@ -354,6 +387,7 @@ void StepEngine::Loop() {
 
 bool StepEngine::DrainRequests() {
   std::lock_guard lock(mutex_);
+  CheckMemory();  // every round: an idle job's too
   bool progress = false;
   for (const auto& channel : ranks_) {
     if (!channel || channel->failed) continue;
@@ -379,14 +413,13 @@ bool StepEngine::DrainFinished() {
   }
   if (finished.empty()) return false;
   std::lock_guard lock(mutex_);
+  CheckMemory();  // a worker that found pages gone did so before it handed its continuation back
   for (auto& continuation : finished) {
     try {
       continuation();
     } catch (const Error& e) {  // e.g. hyperparameters rewritten between validation and use
       spdlog::error("job '{}': {}", job_name_, e.what());
-      for (const auto& channel : ranks_) {
-        if (channel) channel->session->Fail(e.what());
-      }
+      FailSessions(e.what());
     }
   }
   RunResumes();

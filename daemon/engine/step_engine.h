@@ -88,9 +88,11 @@ class StepEngine {
   // `peers` sums the gradients over the daemons of a multi-node job (nullptr for one node). `adopted`:
   // the state is a dead daemon's, which may have been killed while it wrote the upload region.
   // `on_commit` hears of every commit of a bucket's state; `trace` (optional) records the step's timeline.
+  // `state_segment`: the guarded mapping `state` lies in (nullptr: tests that map the state unguarded).
   StepEngine(std::string job_name, const shm::LayoutSpec& spec, const shm::JobLayout& layout, shm::StateView state,
              uint64_t seed, WorkerPool& pool, AllReduce* peers = nullptr, bool adopted = false,
-             CommitObserver on_commit = {}, std::unique_ptr<StepTrace> trace = nullptr);
+             CommitObserver on_commit = {}, std::unique_ptr<StepTrace> trace = nullptr,
+             const ClientSegment* state_segment = nullptr);
   ~StepEngine();  // stops the thread and waits for in-flight work
   StepEngine(const StepEngine&) = delete;
   StepEngine& operator=(const StepEngine&) = delete;
@@ -121,6 +123,11 @@ class StepEngine {
   EngineStats Stats();
   // Fails every attached session (daemon shutdown, job dropped).
   void FailAll(const std::string& message);
+  // Why the job cannot go on, if so: its owner truncated its state segment or an attached rank's
+  // segment under the daemon (ClientSegment::LostMessage). The engine checks at every round (at least
+  // every 100 ms, idle or not) and before it fails a rank for anything else; it then fails every
+  // session, posts nothing more to any rank and refuses new ranks. The job must be dropped. Thread-safe.
+  [[nodiscard]] std::optional<std::string> Lost();
   // Soon, on the engine thread: tells on_commit again of the committed state of every bucket that no
   // update or load is changing now (Commit::announced); the others are told when they commit.
   void AnnounceCommitted();
@@ -239,6 +246,9 @@ class StepEngine {
   void Post(std::function<void()> work);
   void Continue(std::function<void()> continuation);
   void FailSessions(const std::string& message);  // requires mutex_
+  // Whether the job's memory is lost (Lost()); the first time, fails every session saying so. Requires
+  // mutex_.
+  bool CheckMemory();
   void RestartBucket(uint32_t bucket);
   void Abandon(uint32_t bucket);
   Sources GradientSlots();
@@ -298,10 +308,13 @@ class StepEngine {
   const CommitObserver on_commit_;
   const std::unique_ptr<StepTrace> trace_;  // nullptr: not tracing; written once the engine has stopped
 
+  const ClientSegment* const state_segment_;
+
   std::once_flag placed_;
-  std::mutex mutex_;                                 // guards ranks_ and diverged_
+  std::mutex mutex_;                                 // guards ranks_, diverged_ and lost_
   std::vector<std::shared_ptr<RankChannel>> ranks_;  // by rank; nullptr when not attached
   std::optional<std::string> diverged_;
+  std::optional<std::string> lost_;
 
   // Engine-thread state.
   std::vector<BucketProgress> buckets_;

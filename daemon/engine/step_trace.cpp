@@ -6,10 +6,9 @@
 #include <unistd.h>
 
 #include <array>
-#include <cerrno>
 #include <chrono>
 #include <cstdio>
-#include <cstring>
+#include <exception>
 
 namespace trainstream::daemon {
 namespace {
@@ -23,8 +22,8 @@ constexpr size_t kTraceSpans = size_t{1} << 20;
 
 }  // namespace
 
-StepTrace::StepTrace(std::string path, size_t capacity)
-    : path_(std::move(path)), spans_(std::make_unique<Span[]>(capacity)), capacity_(capacity) {}
+StepTrace::StepTrace(TraceFile file, size_t capacity)
+    : file_(std::move(file)), spans_(std::make_unique<Span[]>(capacity)), capacity_(capacity) {}
 
 StepTrace::~StepTrace() {
   Write();
@@ -46,34 +45,36 @@ uint64_t StepTrace::ThreadId() {
 }
 
 bool StepTrace::Write() const {
-  std::FILE* file = std::fopen(path_.c_str(), "w");
-  if (file == nullptr) {
-    spdlog::warn("cannot write the step trace {}: {}", path_, std::strerror(errno));
-    return false;
-  }
   const size_t recorded = next_.load(std::memory_order_relaxed);
   const size_t kept = std::min(recorded, capacity_);
-  fmt::print(file, R"({{"pid": {}, "dropped": {}, "kinds": ["{}"], "spans": [)", getpid(), recorded - kept,
-             fmt::join(kKindNames, R"(", ")"));
-  for (size_t i = 0; i < kept; ++i) {
-    const Span& s = spans_[i];
-    fmt::print(file, "{}[{}, {}, {}, {}, {}, {}]", i == 0 ? "" : ",\n", static_cast<int>(s.kind), s.bucket, s.step,
-               s.detail, s.begin_ns, s.end_ns);
-  }
-  fmt::print(file, "]}}\n");
-  const bool written = std::ferror(file) == 0;
-  if (std::fclose(file) != 0 || !written) {
-    spdlog::warn("writing the step trace {} failed", path_);
+  try {
+    file_.Write([&](std::FILE* file) {
+      fmt::print(file, R"({{"pid": {}, "dropped": {}, "kinds": ["{}"], "spans": [)", getpid(), recorded - kept,
+                 fmt::join(kKindNames, R"(", ")"));
+      for (size_t i = 0; i < kept; ++i) {
+        const Span& s = spans_[i];
+        fmt::print(file, "{}[{}, {}, {}, {}, {}, {}]", i == 0 ? "" : ",\n", static_cast<int>(s.kind), s.bucket, s.step,
+                   s.detail, s.begin_ns, s.end_ns);
+      }
+      fmt::print(file, "]}}\n");
+    });
+  } catch (const std::exception& e) {
+    spdlog::warn("the step trace {} is not written: {}", file_.path(), e.what());
     return false;
   }
-  spdlog::info("step trace: {} spans in {}{}", kept, path_,
+  spdlog::info("step trace: {} spans in {}{}", kept, file_.path(),
                recorded > kept ? fmt::format(" ({} more dropped: the trace was full)", recorded - kept) : "");
   return true;
 }
 
-std::unique_ptr<StepTrace> TraceInDir(const std::string& dir, const std::string& job_key) {
+std::unique_ptr<StepTrace> TraceInDir(const std::string& dir, const std::string& job_key, uint32_t owner) {
   if (dir.empty()) return nullptr;
-  return std::make_unique<StepTrace>(fmt::format("{}/trace-{}.json", dir, job_key), kTraceSpans);
+  try {
+    return std::make_unique<StepTrace>(TraceFile(dir, fmt::format("trace-{}.json", job_key), owner), kTraceSpans);
+  } catch (const std::exception& e) {
+    spdlog::warn("job key {}: no step trace: {}", job_key, e.what());
+    return nullptr;
+  }
 }
 
 }  // namespace trainstream::daemon

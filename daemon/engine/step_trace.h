@@ -13,7 +13,9 @@
 // Invariants: Record takes a slot with one relaxed fetch_add in an array allocated up front (no lock,
 // no allocation on the step's path), from any thread. Once the array is full later spans are counted,
 // not kept. The file is written once, when the trace is destroyed (its engine has stopped, so nothing
-// records any more); a trace that cannot be written is logged, never an error of the job.
+// records any more), 0600 and the job's uid's, into a directory no other user can change
+// (daemon/engine/trace_file.h); a trace that cannot be written, or a directory that is no place for it,
+// is logged, never an error of the job.
 #pragma once
 
 #include <atomic>
@@ -21,6 +23,8 @@
 #include <memory>
 #include <string>
 #include <vector>
+
+#include "daemon/engine/trace_file.h"
 
 namespace trainstream::daemon {
 
@@ -37,7 +41,7 @@ struct Span {
 
 class StepTrace {
  public:
-  StepTrace(std::string path, size_t capacity);
+  StepTrace(TraceFile file, size_t capacity);
   ~StepTrace();  // writes the file
   StepTrace(const StepTrace&) = delete;
   StepTrace& operator=(const StepTrace&) = delete;
@@ -51,13 +55,14 @@ class StepTrace {
   bool Write() const;
 
  private:
-  const std::string path_;
+  const TraceFile file_;
   std::unique_ptr<Span[]> spans_;
   const size_t capacity_;
   std::atomic<size_t> next_{0};
 };
 
-// Where a job's trace goes in `dir` (empty: none): trace-<job key>.json.
-std::unique_ptr<StepTrace> TraceInDir(const std::string& dir, const std::string& job_key);
+// The trace of `owner`'s job `job_key`, to be written to `dir`/trace-<job key>.json; none if `dir` is
+// empty, or (logged) is no place for it.
+std::unique_ptr<StepTrace> TraceInDir(const std::string& dir, const std::string& job_key, uint32_t owner);
 
 }  // namespace trainstream::daemon

@@ -28,6 +28,9 @@ const char* NameOf(ErrorKind kind) {
     case ErrorKind::kGpuCopy: return "gpu_copy";
     case ErrorKind::kPeerAllReduce: return "peer_allreduce";
     case ErrorKind::kSnapshot: return "snapshot";
+    case ErrorKind::kPeerFragment: return "peer_fragment_refused";
+    case ErrorKind::kPeerConnection: return "peer_connection_refused";
+    case ErrorKind::kTruncatedSegment: return "truncated_segment";
     case ErrorKind::kCount: break;
   }
   return "unknown";

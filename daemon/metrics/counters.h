@@ -57,11 +57,14 @@ struct PeerCounters {
 
 // What went wrong, counted by kind (the `kind` label of trainstream_errors_total).
 enum class ErrorKind : uint8_t {
-  kRefusedRequest,  // an RPC answered with an error status
-  kSessionFailed,   // a rank's session failed (protocol error, a rank left mid-step, shutdown, ...)
-  kGpuCopy,         // a cuda-ipc copy failed
-  kPeerAllReduce,   // an all-reduce between daemons failed
-  kSnapshot,        // a snapshot could not be written
+  kRefusedRequest,    // an RPC answered with an error status
+  kSessionFailed,     // a rank's session failed (protocol error, a rank left mid-step, shutdown, ...)
+  kGpuCopy,           // a cuda-ipc copy failed
+  kPeerAllReduce,     // an all-reduce between daemons failed
+  kSnapshot,          // a snapshot could not be written
+  kPeerFragment,      // a fragment a peer delivered was refused (wrong secret, size, place, a duplicate, ...)
+  kPeerConnection,    // a connection to the peer port was closed unauthenticated, or refused for want of room
+  kTruncatedSegment,  // a job was dropped: its owner truncated one of its segments under the daemon
   kCount,
 };
 const char* NameOf(ErrorKind kind);

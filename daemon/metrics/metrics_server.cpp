@@ -1,173 +1,180 @@
 #include "daemon/metrics/metrics_server.h"
 
-#include <prometheus/collectable.h>
-#include <prometheus/exposer.h>
-#include <prometheus/metric_family.h>
+#include <poll.h>
+#include <spdlog/spdlog.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
 
-#include <chrono>
-#include <limits>
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
 
-#include "daemon/gpu/pinned_host.h"
-#include "daemon/metrics/counters.h"
-#include "daemon/optimizer/adamw_kernels.h"
+#include "daemon/metrics/metrics_http.h"
+#include "daemon/tcp_listen.h"
 #include "shm/error.h"
-#include "shm/version.h"
 
 namespace trainstream::daemon {
 
 namespace {
+using Clock = std::chrono::steady_clock;
+constexpr std::string_view kUnixPrefix = "unix:";
+constexpr std::chrono::milliseconds kAcceptPause{100};  // after accept() failed for want of descriptors
+constexpr std::chrono::seconds kDrainTime{1};           // reading away the rest of an answered request
 
-using prometheus::ClientMetric;
-using prometheus::MetricFamily;
-using prometheus::MetricType;
-using Labels = std::vector<ClientMetric::Label>;
-
-ClientMetric Valued(MetricType type, double value, Labels labels = {}) {
-  ClientMetric metric;
-  metric.label = std::move(labels);
-  if (type == MetricType::Counter) {
-    metric.counter.value = value;
-  } else {
-    metric.gauge.value = value;
+// A Unix socket at `path`, 0600 before it accepts anything (nobody can connect before listen()); a
+// stale file, that nobody listens on, is replaced.
+int ListenUnix(const std::string& path) {
+  sockaddr_un address{};
+  address.sun_family = AF_UNIX;
+  TS_CHECK(!path.empty() && path.size() < sizeof(address.sun_path), Code::kInvalidArgument,
+           "metrics_listen 'unix:{}' needs a path of 1 to {} bytes", path, sizeof(address.sun_path) - 1);
+  path.copy(address.sun_path, sizeof(address.sun_path) - 1);
+  const auto* raw = reinterpret_cast<const sockaddr*>(&address);
+  struct stat existing {};
+  if (lstat(path.c_str(), &existing) == 0) {
+    const int probe = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    const bool listening = probe >= 0 && connect(probe, raw, sizeof(address)) == 0;
+    if (probe >= 0) close(probe);
+    TS_CHECK(!listening, Code::kAlreadyExists, "metrics_listen: another process is listening on {}", path);
+    TS_CHECK(S_ISSOCK(existing.st_mode), Code::kAlreadyExists, "metrics_listen: {} exists and is not a socket", path);
+    unlink(path.c_str());  // left by a daemon that died
   }
-  return metric;
+  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  TS_CHECK(fd >= 0, Code::kUnavailable, "cannot create a Unix socket: {}", std::strerror(errno));
+  if (bind(fd, raw, sizeof(address)) != 0 || chmod(path.c_str(), 0600) != 0 || listen(fd, SOMAXCONN) != 0) {
+    const int error = errno;
+    close(fd);
+    Throw(Code::kUnavailable, "cannot listen for metrics on unix:{}: {}", path, std::strerror(error));
+  }
+  return fd;
 }
-
-ClientMetric Histogram(const DurationHistogram::Reading& reading, Labels labels = {}) {
-  ClientMetric metric;
-  metric.label = std::move(labels);
-  metric.histogram.sample_count = reading.count;
-  metric.histogram.sample_sum = reading.sum;
-  uint64_t cumulative = 0;
-  for (size_t i = 0; i < DurationHistogram::kBounds.size(); ++i) {
-    cumulative += reading.counts[i];
-    metric.histogram.bucket.push_back({cumulative, DurationHistogram::kBounds[i]});
-  }
-  metric.histogram.bucket.push_back({reading.count, std::numeric_limits<double>::infinity()});
-  return metric;
-}
-
-// The families of one scrape, by name in the order they are first added.
-class Families {
- public:
-  MetricFamily& Of(const std::string& name, MetricType type, const std::string& help) {
-    for (MetricFamily& family : families_) {
-      if (family.name == name) return family;
-    }
-    families_.push_back(MetricFamily{name, help, type, {}});
-    return families_.back();
-  }
-  void Add(const std::string& name, MetricType type, const std::string& help, double value, Labels labels = {}) {
-    Of(name, type, help).metric.push_back(Valued(type, value, std::move(labels)));
-  }
-  std::vector<MetricFamily> Take() { return std::move(families_); }
-
- private:
-  std::vector<MetricFamily> families_;
-};
-
 }  // namespace
 
-class DaemonCollector final : public prometheus::Collectable {
- public:
-  DaemonCollector(JobRegistry& registry, const WorkerPool& pool) : registry_(registry), pool_(pool) {}
-
-  std::vector<MetricFamily> Collect() const override {
-    Families families;
-    CollectDaemon(families);
-    CollectJobs(families);
-    CollectTransfers(families);
-    return families.Take();
+MetricsServer::MetricsServer(const std::string& listen, MetricsLabels labels, std::string token, JobRegistry& registry,
+                             const WorkerPool& pool)
+    : collector_(registry, pool, labels), token_(std::move(token)) {
+  if (listen.starts_with(kUnixPrefix)) {
+    unix_path_ = listen.substr(kUnixPrefix.size());
+    listeners_.push_back(ListenUnix(unix_path_));
+  } else {
+    TcpListeners tcp = ListenTcp(listen, "metrics_listen");
+    listeners_ = std::move(tcp.fds);
+    port_ = tcp.port;
   }
-
- private:
-  void CollectDaemon(Families& f) const {
-    f.Add("trainstream_info", MetricType::Gauge, "trainstreamd's version and optimizer kernel (always 1)", 1,
-          {{"version", std::string(kVersion)}, {"kernel", optimizer::ActiveKernelName()}});
-    const std::chrono::duration<double> up = std::chrono::steady_clock::now() - started_;
-    f.Add("trainstream_uptime_seconds", MetricType::Gauge, "seconds since trainstreamd started", up.count());
-    f.Add("trainstream_worker_threads", MetricType::Gauge, "optimizer worker threads",
-          static_cast<double>(pool_.threads()));
-    f.Add("trainstream_pinned_bytes", MetricType::Gauge, "host memory page-locked for GPU copies",
-          static_cast<double>(PinnedHost::Instance().pinned_bytes()));
-    for (size_t k = 0; k < static_cast<size_t>(ErrorKind::kCount); ++k) {
-      const auto kind = static_cast<ErrorKind>(k);
-      f.Add("trainstream_errors_total", MetricType::Counter, "errors by kind",
-            static_cast<double>(ProcessCounters::Instance().errors(kind)), {{"kind", NameOf(kind)}});
-    }
+  wake_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (wake_ < 0) {
+    const int error = errno;
+    for (const int fd : listeners_) close(fd);
+    Throw(Code::kUnavailable, "cannot create an eventfd: {}", std::strerror(error));
   }
-
-  void CollectJobs(Families& f) const {
-    const auto jobs = registry_.Jobs();
-    const auto orphans = registry_.Orphans();
-    f.Add("trainstream_jobs", MetricType::Gauge, "jobs, by whether a dead daemon left them (orphaned)",
-          static_cast<double>(jobs.size()), {{"orphaned", "false"}});
-    f.Add("trainstream_jobs", MetricType::Gauge, "", static_cast<double>(orphans.size()), {{"orphaned", "true"}});
-    double host_bytes = 0;
-    for (const OrphanedJob& orphan : orphans) host_bytes += static_cast<double>(orphan.state_bytes);
-    for (const auto& job : jobs) {
-      const JobInfo info = job->Info();
-      const Labels labels = {{"job", info.name}, {"uid", std::to_string(info.uid)}};
-      host_bytes += static_cast<double>(info.host_bytes);
-      f.Add("trainstream_job_ranks", MetricType::Gauge, "ranks attached to the job",
-            static_cast<double>(info.engine.attached_ranks.size()), labels);
-      f.Add("trainstream_job_world_size", MetricType::Gauge, "ranks the job has on this node",
-            static_cast<double>(info.world_size), labels);
-      f.Add("trainstream_job_host_bytes", MetricType::Gauge,
-            "the job's shared memory: state and attached rank segments", static_cast<double>(info.host_bytes), labels);
-      f.Add("trainstream_job_pinned_bytes", MetricType::Gauge, "of the job's shared memory, bytes page-locked",
-            static_cast<double>(info.pinned_bytes), labels);
-      f.Add("trainstream_job_steps_total", MetricType::Counter, "steps completed (every bucket updated)",
-            static_cast<double>(info.steps), labels);
-      f.Add("trainstream_job_completed_step", MetricType::Gauge, "the job's last completed step",
-            static_cast<double>(info.completed_step), labels);
-      f.Add("trainstream_job_updates_total", MetricType::Counter, "bucket updates run",
-            static_cast<double>(info.engine.updates), labels);
-      f.Add("trainstream_job_nonfinite_steps_total", MetricType::Counter, "steps whose gradients had inf or NaN",
-            static_cast<double>(info.engine.nonfinite_steps), labels);
-      f.Of("trainstream_update_seconds", MetricType::Histogram, "time of one bucket's AdamW update pass")
-          .metric.push_back(Histogram(info.update_seconds, labels));
-    }
-    f.Add("trainstream_host_bytes", MetricType::Gauge, "shared memory of all jobs", host_bytes);
-  }
-
-  static void CollectTransfers(Families& f) {
-    const char* help = "bytes the daemon copied with a GPU (cuda-ipc): gradients to_host, weights to_device";
-    f.Of("trainstream_gpu_copy_bytes_total", MetricType::Counter, help);  // listed before the first GPU is
-    for (const auto& [gpu, counters] : ProcessCounters::Instance().Gpus()) {
-      f.Add("trainstream_gpu_copy_bytes_total", MetricType::Counter, help,
-            static_cast<double>(counters->to_host_bytes.load()), {{"gpu", gpu}, {"direction", "to_host"}});
-      f.Add("trainstream_gpu_copy_bytes_total", MetricType::Counter, help,
-            static_cast<double>(counters->to_device_bytes.load()), {{"gpu", gpu}, {"direction", "to_device"}});
-    }
-    PeerCounters& peer = ProcessCounters::Instance().peer();
-    f.Add("trainstream_peer_allreduce_bytes_total", MetricType::Counter,
-          "bytes sent to other daemons by the all-reduces of multi-node jobs",
-          static_cast<double>(peer.bytes_sent.load()));
-    f.Of("trainstream_peer_allreduce_seconds", MetricType::Histogram, "time of one bucket's all-reduce between daemons")
-        .metric.push_back(Histogram(peer.allreduce_seconds.Read()));
-  }
-
-  JobRegistry& registry_;
-  const WorkerPool& pool_;
-  const std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
-};
-
-MetricsServer::MetricsServer(const std::string& listen, JobRegistry& registry, const WorkerPool& pool)
-    : collector_(std::make_shared<DaemonCollector>(registry, pool)) {
-  try {
-    exposer_ = std::make_unique<prometheus::Exposer>(listen, /*num_threads=*/2);
-  } catch (const std::exception& e) {
-    Throw(Code::kUnavailable, "cannot serve metrics on {}: {}", listen, e.what());
-  }
-  exposer_->RegisterCollectable(collector_);
+  thread_ = std::thread([this] { Run(); });
 }
 
-MetricsServer::~MetricsServer() = default;
+MetricsServer::~MetricsServer() {
+  const uint64_t one = 1;
+  if (write(wake_, &one, sizeof(one)) < 0) spdlog::warn("cannot wake the metrics endpoint: {}", std::strerror(errno));
+  thread_.join();
+  for (Client& client : clients_) Close(client);
+  for (const int fd : listeners_) close(fd);
+  if (!unix_path_.empty()) unlink(unix_path_.c_str());
+  close(wake_);
+}
 
-int MetricsServer::port() const {
-  const std::vector<int> ports = exposer_->GetListeningPorts();
-  return ports.empty() ? 0 : ports.front();
+void MetricsServer::Run() {
+  for (;;) {
+    const auto now = Clock::now();
+    std::vector<pollfd> polled{{wake_, POLLIN, 0}};
+    const bool accepting = now >= accept_again_;
+    if (accepting) {
+      for (const int fd : listeners_) polled.push_back({fd, POLLIN, 0});
+    }
+    auto wake_at = accepting ? now + kClientTime : accept_again_;
+    for (const Client& client : clients_) {
+      const bool writing = client.answered && client.sent < client.response.size();
+      polled.push_back({client.fd, static_cast<short>(writing ? POLLOUT : POLLIN), 0});  // NOLINT(google-runtime-int)
+      wake_at = std::min(wake_at, client.until);
+    }
+    const auto wait = std::chrono::duration_cast<std::chrono::milliseconds>(wake_at - now).count();
+    if (poll(polled.data(), polled.size(), static_cast<int>(std::max<int64_t>(wait, 0) + 1)) < 0 && errno != EINTR) {
+      spdlog::error("the metrics endpoint stopped: poll failed: {}", std::strerror(errno));
+      return;
+    }
+    if (polled[0].revents != 0) return;
+    size_t index = 1;
+    const size_t polled_clients = clients_.size();  // Accept appends to clients_ (and may close the oldest)
+    if (accepting) {
+      for (const int fd : listeners_) {
+        if (polled[index++].revents != 0) Accept(fd);
+      }
+    }
+    for (size_t i = 0; i < polled_clients; ++i) {
+      Client& client = clients_[i];
+      const pollfd& entry = polled[index++];
+      if (client.fd < 0 || entry.revents == 0) continue;
+      if ((entry.revents & POLLOUT) != 0) {
+        Write(client);
+      } else {
+        Read(client);
+      }
+    }
+    const auto after = Clock::now();
+    for (Client& client : clients_) {
+      if (client.fd >= 0 && after >= client.until) Close(client);
+    }
+    std::erase_if(clients_, [](const Client& client) { return client.fd < 0; });
+  }
+}
+
+void MetricsServer::Accept(int listener) {
+  for (;;) {
+    const int fd = accept4(listener, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK) {
+        spdlog::warn("cannot accept a metrics connection: {}", std::strerror(errno));
+        accept_again_ = Clock::now() + kAcceptPause;
+      }
+      return;
+    }
+    const auto open = std::count_if(clients_.begin(), clients_.end(), [](const Client& c) { return c.fd >= 0; });
+    if (static_cast<size_t>(open) >= kMaxClients) {
+      Close(*std::find_if(clients_.begin(), clients_.end(), [](const Client& c) { return c.fd >= 0; }));
+    }
+    clients_.push_back(Client{fd, Clock::now() + kClientTime, {}, {}});
+  }
+}
+
+void MetricsServer::Read(Client& client) {
+  char buffer[4096];
+  const ssize_t n = recv(client.fd, buffer, sizeof(buffer), MSG_DONTWAIT);
+  if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
+  if (n <= 0) return Close(client);  // the client is gone, or done reading the answer
+  if (client.answered) return;       // the rest of the request, read away
+  if (!client.request.Add(std::string_view(buffer, static_cast<size_t>(n)))) return;
+  client.response = Respond(client.request.head(), token_, [this] { return collector_.Text(); });
+  client.answered = true;
+  Write(client);
+}
+
+void MetricsServer::Write(Client& client) {
+  const ssize_t n = send(client.fd, client.response.data() + client.sent, client.response.size() - client.sent,
+                         MSG_DONTWAIT | MSG_NOSIGNAL);
+  if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
+  if (n < 0) return Close(client);
+  client.sent += static_cast<size_t>(n);
+  if (client.sent < client.response.size()) return;
+  // Closing now could reset the connection under the answer if request bytes are still unread: end
+  // the sending side and read until the client closes.
+  shutdown(client.fd, SHUT_WR);
+  client.until = std::min(client.until, Clock::now() + kDrainTime);
+}
+
+void MetricsServer::Close(Client& client) {
+  if (client.fd >= 0) close(client.fd);
+  client.fd = -1;
 }
 
 }  // namespace trainstream::daemon

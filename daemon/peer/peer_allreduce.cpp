@@ -71,6 +71,7 @@ PeerAllReduce::PeerAllReduce(std::string job, std::vector<std::string> peers, ui
   right_ = std::make_unique<PeerSender>(peers_[right], config_.connections,
                                         fmt::format("peer {} (node {})", peers_[right], right), config_.secret,
                                         config_.timeout, kInFlightPerConnection * config_.connections);
+  config_.mailbox->Open(job_);
   thread_ = std::thread([this] { Run(); });
 }
 
@@ -114,6 +115,7 @@ void PeerAllReduce::Stop(const std::string& reason) {
   }
   changed_.notify_all();
   thread_.join();
+  config_.mailbox->Close(job_);
   FailQueued(reason);
 }
 
@@ -166,7 +168,8 @@ struct PeerAllReduce::Bucket final : PeerSink {
   std::condition_variable changed;
   size_t left = 0;  // fragments still to arrive
   std::chrono::steady_clock::time_point progress = std::chrono::steady_clock::now();
-  std::optional<Error> error;
+  std::optional<Error> error;          // why this node gave the bucket up; later arrivals are told
+  std::optional<std::string> refused;  // the last fragment refused, and why
 
   Bucket(PeerAllReduce& ring, uint64_t step, uint32_t bucket, float* data, size_t n)
       : ring(ring), step(step), bucket(bucket), data(data), split{n, static_cast<uint32_t>(ring.peers_.size())} {
@@ -179,35 +182,52 @@ struct PeerAllReduce::Bucket final : PeerSink {
     return split.Chunk(static_cast<int64_t>(ring.node_rank_) - ring_step - 1);
   }
 
-  void Arrived(const FragmentKey& key, PeerPayload payload) override {
+  // A fragment that does not fit this node's bucket (a peer's layout differs, or a sender that is not
+  // this job's left-hand node) is refused to its sender, who learns why; the bucket goes on, so one
+  // wrong sender fails no reduction it is not part of. The refusal is logged naming the sender and
+  // kept for the message of a reduction that then times out.
+  void Arrived(Delivered fragment) override {
+    try {
+      Take(fragment);
+    } catch (const Error& e) {
+      if (e.code() != Code::kAborted) Refuse(fragment, e.what());
+      throw;
+    }
+  }
+  void Take(const Delivered& fragment) {
+    const FragmentKey& key = fragment.key;
+    const uint32_t sender = ring.Left();
+    TS_CHECK(fragment.from_node == sender, Code::kInvalidArgument,
+             "{} says it comes from node {}, but node {} ({}) is the one that sends to node {} in this job",
+             Describe(key), fragment.from_node, sender, ring.peers_[sender], ring.node_rank_);
+    TS_CHECK(key.round < rounds, Code::kInvalidArgument,
+             "{} has no place on node {}: a bucket has {} rounds over {} nodes (peer lists differ?)", Describe(key),
+             ring.node_rank_, rounds, ring.peers_.size());
     const uint32_t s = key.phase == kReduceScatter ? key.round : rounds + key.round;
-    const uint32_t from = (ring.node_rank_ + ring.peers_.size() - 1) % ring.peers_.size();
-    if (key.round >= rounds || key.fragment >= seen[s].size()) {
-      return Failed(
-          fmt::format("peer {} (node {}) sent fragment {} of round {} of a bucket that has no such fragment "
-                      "(layouts differ?)",
-                      ring.peers_[from], from, key.fragment, key.round));
-    }
+    TS_CHECK(key.fragment < seen[s].size(), Code::kInvalidArgument,
+             "{} has no place on node {}: that round has {} fragments there (layouts differ?)", Describe(key),
+             ring.node_rank_, seen[s].size());
     const auto [begin, count] = split.Fragment(Chunk(s), key.fragment);
-    if (PayloadBytes(payload) != count * sizeof(float)) {
-      return Failed(fmt::format("peer {} (node {}) sent {} bytes for a fragment of {} (layouts differ?)",
-                                ring.peers_[from], from, PayloadBytes(payload), count * sizeof(float)));
-    }
+    TS_CHECK(PayloadBytes(fragment.data) == count * sizeof(float), Code::kInvalidArgument,
+             "{} holds {} bytes; node {} expects {} (layouts differ?)", Describe(key), PayloadBytes(fragment.data),
+             ring.node_rank_, count * sizeof(float));
     {
       std::lock_guard lock(mutex);
-      if (seen[s][key.fragment] || error) return;  // twice (a stale fragment), or the reduction failed
+      if (error)
+        Throw(Code::kAborted, "{} came after node {} gave up that bucket: {}", Describe(key), ring.node_rank_,
+              error->what());
+      TS_CHECK(!seen[s][key.fragment], Code::kAlreadyExists, "{} arrived twice", Describe(key));
       seen[s][key.fragment] = true;
     }
-    ApplyPayload(payload, data + begin, key.phase == kReduceScatter);
+    ApplyPayload(fragment.data, data + begin, key.phase == kReduceScatter);
     if (s + 1 < ring_steps) ring.Post(step, bucket, s + 1, key.fragment, data + begin, count);
     std::lock_guard lock(mutex);
     progress = std::chrono::steady_clock::now();
     if (--left == 0) changed.notify_all();
   }
-  void Failed(const std::string& message) {  // a peer sent what this node's layout has no place for
+  void Refuse(const Delivered& fragment, const std::string& why) {  // whoever caught it logs and counts it
     std::lock_guard lock(mutex);
-    if (!error) error = Error(Code::kInvalidArgument, message);
-    changed.notify_all();
+    refused = fmt::format("from {} (node {}): {}", fragment.sender, fragment.from_node, why);
   }
 };
 
@@ -218,14 +238,21 @@ std::optional<Error> PeerAllReduce::Reduce(uint64_t step, uint32_t bucket, float
     const auto [begin, count] = reduction.split.Fragment(first, p);
     Post(step, bucket, 0, p, data + begin, count);
   }
-  for (auto& [key, payload] : config_.mailbox->Register(job_, step, bucket, &reduction)) {
-    reduction.Arrived(key, std::move(payload));
+  for (Delivered& fragment : config_.mailbox->Register(job_, step, bucket, &reduction)) {
+    const std::string sender = fragment.sender;
+    const uint32_t from_node = fragment.from_node;
+    try {
+      reduction.Arrived(std::move(fragment));
+    } catch (const Error& e) {  // its sender was told it was kept; the bucket remembers why it was refused
+      spdlog::warn("peer fragment from {} (node {}) refused: {}", sender, from_node, e.what());
+      ProcessCounters::Instance().CountError(ErrorKind::kPeerFragment);
+    }
   }
   std::optional<Error> error;
   {
     std::unique_lock lock(reduction.mutex);
-    while (reduction.left > 0 && !reduction.error) {
-      if (reduction.changed.wait_for(lock, kPoll, [&] { return reduction.left == 0 || reduction.error; })) break;
+    while (reduction.left > 0) {
+      if (reduction.changed.wait_for(lock, kPoll, [&] { return reduction.left == 0; })) break;
       if (auto send_error = SendFailure(right_->Error())) {
         error = std::move(send_error);
         break;
@@ -235,15 +262,15 @@ std::optional<Error> PeerAllReduce::Reduce(uint64_t step, uint32_t bucket, float
         break;
       }
       if (std::chrono::steady_clock::now() - reduction.progress >= config_.timeout) {
-        const uint32_t left = (node_rank_ + peers_.size() - 1) % peers_.size();
+        const uint32_t left = Left();
         error = Error(Code::kUnavailable,
-                      fmt::format("peer {} (node {}) sent nothing for bucket {} of step {} within {} ms", peers_[left],
-                                  left, bucket, step, config_.timeout.count()));
+                      fmt::format("peer {} (node {}) sent nothing for bucket {} of step {} within {} ms{}",
+                                  peers_[left], left, bucket, step, config_.timeout.count(),
+                                  reduction.refused ? "; refused meanwhile a fragment " + *reduction.refused : ""));
         break;
       }
     }
-    if (!error && reduction.error) error = reduction.error;
-    if (error) reduction.error = error;  // later arrivals are ignored
+    if (error) reduction.error = error;  // later arrivals are told
   }
   config_.mailbox->Unregister(job_, step, bucket);  // no thread posts any more
   if (error) return Fail(std::move(*error));

@@ -5,7 +5,9 @@
 // every chunk is formed once, in ring order, by one node and then copied to the others, so every
 // node ends with bit-identical values. Buckets are reduced one at a time in (step, bucket) order on
 // every node, which keeps the nodes' rings from waiting on each other in a cycle. A peer that does
-// not deliver within the timeout, or refuses a fragment, fails the bucket with a message naming it.
+// not deliver within the timeout, or refuses a fragment, fails the bucket with a message naming it. A
+// fragment that does not fit this node's bucket is refused to whoever sent it (named in the log, and
+// in the bucket's timeout message if its peer then never sends the right one); it fails nothing here.
 //
 // Chunks travel in fragments of a quarter of a chunk, 128 KiB to 4 MiB (daemon/peer/peer_allreduce.cpp),
 // over 4 connections (--peer-connections) with 2 in flight on each (daemon/peer/peer_sender.h), sent straight from the
@@ -72,6 +74,7 @@ class PeerAllReduce final : public AllReduce {
   std::optional<Error> Fail(Error error);
   void Post(uint64_t step, uint32_t bucket, uint32_t ring_step, uint32_t fragment, const float* data, size_t n);
   bool Stopping();
+  uint32_t Left() const { return static_cast<uint32_t>((node_rank_ + peers_.size() - 1) % peers_.size()); }
 
   const std::string job_;
   const std::vector<std::string> peers_;

@@ -1,34 +1,106 @@
 #include "daemon/peer/peer_mailbox.h"
 
+#include <fmt/format.h>
+
+#include "shm/error.h"
+
 namespace trainstream::daemon {
 
-void PeerMailbox::Put(FragmentKey key, PeerPayload data) {
-  std::unique_lock lock(mutex_);
-  const auto registered = sinks_.find(BucketKey{key.job, key.step, key.bucket});
-  if (registered != sinks_.end()) {
-    Registration& registration = registered->second;  // stays in the map until delivering is 0
-    ++registration.delivering;
-    lock.unlock();
-    registration.sink->Arrived(key, std::move(data));
-    lock.lock();
-    if (--registration.delivering == 0) {
-      lock.unlock();
-      delivered_.notify_all();
-    }
-    return;
-  }
-  fragments_.insert_or_assign(std::move(key), Waiting{std::move(data), std::chrono::steady_clock::now()});
+namespace {
+// What a waiting fragment costs against the bound: its floats and at most a header's bytes, so that
+// empty fragments cannot pile up for free.
+size_t Cost(const PeerPayload& data) {
+  return PayloadBytes(data) + kMaxFragmentHeaderBytes;
+}
+}  // namespace
+
+std::string Describe(const FragmentKey& key) {
+  return fmt::format("fragment {} of round {} of phase {} of bucket {} of step {} of job '{}'", key.fragment, key.round,
+                     key.phase, key.bucket, key.step, key.job);
 }
 
-std::vector<std::pair<FragmentKey, PeerPayload>> PeerMailbox::Register(const std::string& job, uint64_t step,
-                                                                       uint32_t bucket, PeerSink* sink) {
-  std::vector<std::pair<FragmentKey, PeerPayload>> waiting;
+void PeerMailbox::Open(const std::string& job) {
+  std::lock_guard lock(mutex_);
+  OpenJob& open = open_[job];
+  if (open.opened++ > 0) return;
+  for (auto it = fragments_.lower_bound(FragmentKey{job}); it != fragments_.end() && it->first.job == job; ++it) {
+    unknown_bytes_ -= Cost(it->second.data);
+  }
+}
+
+void PeerMailbox::Close(const std::string& job) {
+  std::lock_guard lock(mutex_);
+  const auto open = open_.find(job);
+  if (open == open_.end() || --open->second.opened > 0) return;
+  open_.erase(open);
+  for (auto it = fragments_.lower_bound(FragmentKey{job}); it != fragments_.end() && it->first.job == job; ++it) {
+    unknown_bytes_ += Cost(it->second.data);
+  }
+}
+
+void PeerMailbox::Put(Delivered fragment) {
+  std::unique_lock lock(mutex_);
+  const FragmentKey& key = fragment.key;
+  const auto registered = sinks_.find(BucketKey{key.job, key.step, key.bucket});
+  if (registered != sinks_.end()) return Deliver(lock, registered->second, std::move(fragment));
+  const auto open = open_.find(key.job);
+  if (open != open_.end() && open->second.reduced) {
+    TS_CHECK(std::make_pair(key.step, key.bucket) > *open->second.reduced, Code::kFailedPrecondition,
+             "{} arrived after this node reduced that bucket (bucket {} of step {} is the last one it did)",
+             Describe(key), open->second.reduced->second, open->second.reduced->first);
+  }
+  const auto waiting = fragments_.find(key);
+  TS_CHECK(waiting == fragments_.end(), Code::kAlreadyExists, "{} arrived twice (first from {})", Describe(key),
+           waiting->second.sender);
+  if (open == open_.end()) {
+    const size_t cost = Cost(fragment.data);
+    TS_CHECK(unknown_bytes_ + cost <= max_unknown_bytes_, Code::kResourceExhausted,
+             "{} refused: fragments of jobs this node does not have hold {} bytes, and {} more would pass "
+             "peer_max_unknown_job_bytes ({}); the job's ranks on this node may not have attached yet",
+             Describe(key), unknown_bytes_, cost, max_unknown_bytes_);
+    unknown_bytes_ += cost;
+  }
+  Keep(std::move(fragment));
+}
+
+void PeerMailbox::Deliver(std::unique_lock<std::mutex>& lock, Registration& registration, Delivered fragment) {
+  ++registration.delivering;  // the registration stays in the map until delivering is 0
+  lock.unlock();
+  struct Leave {
+    PeerMailbox& mailbox;
+    Registration& registration;
+    std::unique_lock<std::mutex>& lock;
+    ~Leave() {
+      lock.lock();
+      if (--registration.delivering == 0) mailbox.delivered_.notify_all();
+    }
+  } leave{*this, registration, lock};
+  registration.sink->Arrived(std::move(fragment));  // may throw: Leave still counts it out
+}
+
+void PeerMailbox::Keep(Delivered fragment) {
+  fragments_.emplace(std::move(fragment.key), Waiting{std::move(fragment.data), std::move(fragment.sender),
+                                                      fragment.from_node, std::chrono::steady_clock::now()});
+}
+
+void PeerMailbox::Forget(std::map<FragmentKey, Waiting>::iterator it) {
+  if (!IsOpen(it->first.job)) unknown_bytes_ -= Cost(it->second.data);
+  fragments_.erase(it);
+}
+
+std::vector<Delivered> PeerMailbox::Register(const std::string& job, uint64_t step, uint32_t bucket, PeerSink* sink) {
+  std::vector<Delivered> waiting;
   std::lock_guard lock(mutex_);
   sinks_.insert_or_assign(BucketKey{job, step, bucket}, Registration{sink});
-  const FragmentKey first{job, step, bucket, 0, 0, 0};
-  auto it = fragments_.lower_bound(first);
+  const auto open = open_.find(job);
+  if (open != open_.end() && open->second.reduced && std::make_pair(step, bucket) <= *open->second.reduced) {
+    open->second.reduced.reset();  // the job goes back (a step done again)
+  }
+  auto it = fragments_.lower_bound(FragmentKey{job, step, bucket, 0, 0, 0});
   while (it != fragments_.end() && it->first.job == job && it->first.step == step && it->first.bucket == bucket) {
-    waiting.emplace_back(it->first, std::move(it->second.data));
+    if (!IsOpen(job)) unknown_bytes_ -= Cost(it->second.data);
+    waiting.push_back(
+        Delivered{it->first, std::move(it->second.data), std::move(it->second.sender), it->second.from_node});
     it = fragments_.erase(it);
   }
   return waiting;
@@ -40,17 +112,41 @@ void PeerMailbox::Unregister(const std::string& job, uint64_t step, uint32_t buc
   if (registered == sinks_.end()) return;
   delivered_.wait(lock, [&] { return registered->second.delivering == 0; });
   sinks_.erase(registered);
+  const auto open = open_.find(job);
+  if (open != open_.end()) open->second.reduced = std::make_pair(step, bucket);
+}
+
+bool PeerMailbox::Registered(const std::string& job, uint64_t step, uint32_t bucket) {
+  std::lock_guard lock(mutex_);
+  return sinks_.contains(BucketKey{job, step, bucket});
 }
 
 void PeerMailbox::Drop(const std::string& job) {
   std::lock_guard lock(mutex_);
-  std::erase_if(fragments_, [&](const auto& entry) { return entry.first.job == job; });
+  auto it = fragments_.lower_bound(FragmentKey{job});
+  while (it != fragments_.end() && it->first.job == job) Forget(it++);
+  const auto open = open_.find(job);
+  if (open != open_.end()) open->second.reduced.reset();
 }
 
 size_t PeerMailbox::Expire(std::chrono::steady_clock::duration age) {
   const auto before = std::chrono::steady_clock::now() - age;
   std::lock_guard lock(mutex_);
-  return std::erase_if(fragments_, [&](const auto& entry) { return entry.second.arrived < before; });
+  size_t expired = 0;
+  for (auto it = fragments_.begin(); it != fragments_.end();) {
+    if (it->second.arrived < before) {
+      Forget(it++);
+      ++expired;
+    } else {
+      ++it;
+    }
+  }
+  return expired;
+}
+
+size_t PeerMailbox::unknown_bytes() {
+  std::lock_guard lock(mutex_);
+  return unknown_bytes_;
 }
 
 }  // namespace trainstream::daemon

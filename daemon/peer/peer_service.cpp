@@ -4,6 +4,7 @@
 #include <spdlog/spdlog.h>
 
 #include "daemon/grpc_status.h"
+#include "daemon/metrics/counters.h"
 #include "shm/error.h"
 #include "shm/job_layout.h"
 
@@ -21,14 +22,6 @@ bool SecretsEqual(const std::string& a, const std::string& b) {
   return diff == 0;
 }
 
-std::unique_ptr<grpc::Server> StartPeerServer(const std::string& address, PeerService& service, int& port) {
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &port);
-  builder.SetMaxReceiveMessageSize(static_cast<int>(kMaxFragmentMessageBytes));
-  builder.RegisterService(&service);
-  return builder.BuildAndStart();
-}
-
 grpc::ServerUnaryReactor* PeerService::Deliver(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
                                                grpc::ByteBuffer* response) {
   const grpc::Slice empty;  // a serialized PeerAck
@@ -39,12 +32,15 @@ grpc::ServerUnaryReactor* PeerService::Deliver(grpc::CallbackServerContext* cont
 }
 
 grpc::Status PeerService::Store(grpc::CallbackServerContext& context, const grpc::ByteBuffer& request) {
+  const std::string sender = connections_.NameOf(context);
   const auto& metadata = context.client_metadata();
   const auto secret = metadata.find(kSecretHeader);
   if (secret == metadata.end() || !SecretsEqual(std::string(secret->second.data(), secret->second.size()), secret_)) {
-    spdlog::warn("peer call from {} refused: wrong or missing secret", context.peer());
+    spdlog::warn("peer call from {} refused: wrong or missing secret", sender);
+    ProcessCounters::Instance().CountError(ErrorKind::kPeerFragment);
     return {grpc::StatusCode::UNAUTHENTICATED, "wrong or missing peer secret"};
   }
+  connections_.Trust(context);
   try {
     v1::PeerChunk chunk;
     PeerPayload data = DecodeFragment(request, chunk);
@@ -53,9 +49,12 @@ grpc::Status PeerService::Store(grpc::CallbackServerContext& context, const grpc
     TS_CHECK(chunk.phase() <= 1, Code::kInvalidArgument, "peer chunk of phase {} (0 or 1)", chunk.phase());
     TS_CHECK(!chunk.job().empty() && chunk.job().size() <= shm::kMaxJobName, Code::kInvalidArgument,
              "peer chunk's job name has {} characters (1 to {})", chunk.job().size(), shm::kMaxJobName);
-    mailbox_.Put(FragmentKey{chunk.job(), chunk.step(), chunk.bucket(), chunk.phase(), chunk.round(), chunk.fragment()},
-                 std::move(data));
+    mailbox_.Put(Delivered{
+        FragmentKey{chunk.job(), chunk.step(), chunk.bucket(), chunk.phase(), chunk.round(), chunk.fragment()},
+        std::move(data), sender, chunk.from_node()});
   } catch (const Error& e) {
+    spdlog::warn("peer fragment from {} refused: {}", sender, e.what());
+    ProcessCounters::Instance().CountError(ErrorKind::kPeerFragment);
     return StatusOf(e);
   }
   return grpc::Status::OK;

@@ -20,7 +20,8 @@ inline constexpr char kDeliverMethod[] = "/trainstream.v1.Peer/Deliver";
 // The most float bytes one fragment carries (daemon/peer/peer_allreduce.cpp), and the most a whole message
 // may hold: the fragment and its header, whose one long field is the job name (256 bytes at most).
 inline constexpr size_t kMaxFragmentBytes = size_t{4} << 20;
-inline constexpr size_t kMaxFragmentMessageBytes = kMaxFragmentBytes + 4096;
+inline constexpr size_t kMaxFragmentHeaderBytes = 4096;
+inline constexpr size_t kMaxFragmentMessageBytes = kMaxFragmentBytes + kMaxFragmentHeaderBytes;
 
 // The float32 bytes of one delivered fragment: slices of the received message, in order.
 using PeerPayload = std::vector<grpc::Slice>;

@@ -234,6 +234,7 @@ SnapshotFile::SnapshotFile(const std::string& path, RestoreOptions options)
     CheckTensors();
     ReadSteps();
   } catch (const Error& e) {
+    if (e.code() == Code::kFailedPrecondition) throw;  // truncated while read: the file was valid, as far as read
     Throw(e.code(), "snapshot '{}' is not valid: {}", path, e.what());
   }
 }

@@ -59,14 +59,16 @@ struct RestoreOptions {
 class SnapshotFile {
  public:
   // kNotFound / kPermissionDenied if it cannot be opened (with the calling thread's file identity),
-  // kInvalidArgument naming what is wrong if it is not a complete, consistent trainstream snapshot.
+  // kInvalidArgument naming what is wrong if it is not a complete, consistent trainstream snapshot,
+  // kFailedPrecondition if it was truncated while it was read.
   explicit SnapshotFile(const std::string& path, RestoreOptions options = {});
 
   [[nodiscard]] const SnapshotMeta& meta() const { return meta_; }
   [[nodiscard]] const std::string& path() const { return file_.path(); }
   // Writes everything the file holds into a new job's state (its layout is meta().spec's). Throws
-  // kInvalidArgument if the file changed since it was opened (ended early) or holds non-finite values
-  // (unless allowed), kAborted if cancelled; the state is then partly written: discard it.
+  // kFailedPrecondition if the file was truncated since it was opened, kInvalidArgument if it holds
+  // non-finite values (unless allowed), kAborted if cancelled; the state is then partly written:
+  // discard it (Job does: its new state segment is removed).
   void RestoreInto(const CommittedState& state) const;
 
  private:

@@ -65,9 +65,9 @@ void UntrustedFile::ReadAt(uint64_t offset, std::span<std::byte> out, const Chun
       if (n < 0 && errno == EINTR) continue;
       TS_CHECK(n >= 0, Code::kInvalidArgument, "cannot read snapshot '{}' at byte {}: {}", path_, offset + done + got,
                strerror(errno));
-      TS_CHECK(n > 0, Code::kInvalidArgument,
-               "snapshot '{}' ended early: at byte {}, {} bytes short of the {} it had when it was opened (was it "
-               "truncated meanwhile?)",
+      TS_CHECK(n > 0, Code::kFailedPrecondition,
+               "snapshot '{}' was truncated while trainstreamd read it: it ended at byte {}, {} bytes short of the {} "
+               "it had when it was opened; nothing was restored",
                path_, offset + done + got, out.size() - done - got, size_);
       got += static_cast<size_t>(n);
     }

@@ -6,7 +6,8 @@
 //   opened, so nothing can be swapped in between);
 // - read with pread into the caller's memory, never mapped: a mapped file truncated by its owner while
 //   the daemon copies from it kills the daemon with SIGBUS (issue 46); a read that comes back short is
-//   an error naming the file and the offset, and the caller keeps what it checked, not the file;
+//   an error naming the file and the offset (kFailedPrecondition: the file changed, nothing in the
+//   request was wrong), and the caller keeps what it checked, not the file;
 // - read in chunks, with a hook after each (to check the bytes while they are in cache, and to stop:
 //   a cancelled call or a daemon shutting down waits for one chunk at most, not for the whole file).
 #pragma once
@@ -37,8 +38,8 @@ class UntrustedFile {
 
   // Called after each chunk with the bytes just read into `out` and their offset in `out`; may throw.
   using ChunkHook = std::function<void(std::span<const std::byte> chunk, uint64_t offset)>;
-  // Fills `out` with the file's bytes from `offset` on. kInvalidArgument if the file ends before
-  // (truncated since it was opened) or cannot be read.
+  // Fills `out` with the file's bytes from `offset` on. kFailedPrecondition if the file ends before
+  // (truncated since it was opened), kInvalidArgument if it cannot be read.
   void ReadAt(uint64_t offset, std::span<std::byte> out, const ChunkHook& each_chunk = {}) const;
 
  private:

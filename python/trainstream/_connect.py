@@ -21,6 +21,8 @@ from trainstream import _C
 from trainstream._C import TrainstreamError
 
 SERVICE_SOCKET = "/run/trainstream/trainstreamd.sock"
+# Where a wheel puts trainstreamd and trainstreamctl (python/CMakeLists.txt); absent in a source tree.
+PACKAGED_BINARIES = Path(__file__).resolve().parent / "_bin"
 DEFAULT_WAIT_TIMEOUT_S = 300.0
 _private_daemon: "PrivateDaemon | None" = None
 
@@ -52,12 +54,17 @@ def _socket_path(address: str) -> str:
 
 
 def daemon_binary() -> str:
-    """The trainstreamd executable: $TRAINSTREAMD, else the one on PATH (pip installs it there)."""
+    """The trainstreamd executable: $TRAINSTREAMD, else the one a wheel installed inside this package
+    (PACKAGED_BINARIES: found even when the environment's bin/ is not on PATH, and of this package's
+    version), else the one on PATH."""
     explicit = os.environ.get("TRAINSTREAMD")
     if explicit:
         if not os.access(explicit, os.X_OK):
             raise TrainstreamError(f"TRAINSTREAMD={explicit} is not an executable file")
         return explicit
+    packaged = PACKAGED_BINARIES / "trainstreamd"
+    if os.access(packaged, os.X_OK):
+        return str(packaged)
     found = shutil.which("trainstreamd")
     if found is None:
         raise TrainstreamError("trainstreamd not found: install trainstream with pip, or set TRAINSTREAMD")

@@ -129,7 +129,21 @@ def snapshot_seeds() -> None:
     write("fuzz_snapshot_file", "nan", snapshot_file(master=float("nan")))
 
 
+def metrics_seeds() -> None:
+    # integers from the end: whether a token is asked (last byte), then the number of cuts (0: one piece)
+    token = "fuzz-token-0123456789"
+    requests = {
+        "scrape": f"GET /metrics HTTP/1.1\r\nHost: node0:9150\r\nAuthorization: Bearer {token}\r\n"
+                  "Accept: text/plain\r\nX-Prometheus-Scrape-Timeout-Seconds: 10\r\n\r\n",
+        "head": "HEAD /metrics?x=1 HTTP/1.0\n\n",
+        "post": "POST /metrics HTTP/1.1\r\nContent-Length: 4\r\n\r\nbody",
+    }
+    for name, request in requests.items():
+        write("fuzz_metrics_http", name, request.encode() + bytes([0, 1]))
+
+
 if __name__ == "__main__":
+    metrics_seeds()
     ring_seeds()
     layout_seeds()
     peer_seeds()

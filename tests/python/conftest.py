@@ -1,7 +1,8 @@
 """Fixtures that run real trainstreamd processes on private sockets.
 
-The daemon binary comes from $TRAINSTREAMD (scripts/test.sh points it at the build tree) or PATH;
-trainstreamctl from $TRAINSTREAMCTL, else the build tree beside that daemon, else beside it, else PATH.
+The daemon binary is connect()'s: $TRAINSTREAMD (scripts/test.sh points it at the build tree), else the
+installed wheel's (scripts/test_wheel.sh), else PATH; trainstreamctl from $TRAINSTREAMCTL, else the build
+tree beside that daemon, else beside it, else PATH.
 """
 
 from __future__ import annotations
@@ -141,9 +142,9 @@ def daemon():
 OTHER_UID = 65534  # "nobody": tests that run as root run clients as this uid
 
 
-@pytest.fixture
-def shared_daemon():
-    """A daemon every uid may reach: socket 0666 in `shared_dir`, a directory every uid may write."""
+def start_shared_daemon(*extra: str, prefix: tuple[str, ...] = ()) -> Daemon:
+    """A daemon every uid may reach: socket 0666 in `shared_dir`, a directory every uid may write
+    (sticky, as /tmp); `extra` flags and `prefix` as for Daemon. Stop it and remove `shared_dir` after."""
     if os.geteuid() != 0:
         pytest.skip("needs root to run clients as another uid")
     shared_dir = tempfile.mkdtemp(prefix="ts-shared-")
@@ -151,11 +152,17 @@ def shared_daemon():
     config = os.path.join(shared_dir, "open.toml")
     with open(config, "w") as f:
         f.write("socket_mode = 0o666\n")
-    d = Daemon("--config", config, socket=os.path.join(shared_dir, "d.sock"))
+    d = Daemon("--config", config, *extra, prefix=prefix, socket=os.path.join(shared_dir, "d.sock"))
     d.shared_dir = shared_dir
+    return d
+
+
+@pytest.fixture
+def shared_daemon():
+    d = start_shared_daemon()
     yield d
     d.stop()
-    shutil.rmtree(shared_dir, ignore_errors=True)
+    shutil.rmtree(d.shared_dir, ignore_errors=True)
 
 
 @pytest.fixture

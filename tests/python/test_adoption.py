@@ -1,6 +1,6 @@
 """A daemon that dies leaves its jobs' state in /dev/shm; the next daemon on the same socket re-adopts
-a job when a rank attaches with its name and layout, and drops it after the TTL otherwise. Daemons
-on other sockets never touch it."""
+a job when a rank attaches with its name and layout, and drops it after the TTL otherwise (at once if
+its owner truncated it meanwhile). Daemons on other sockets never touch it."""
 
 from __future__ import annotations
 
@@ -90,6 +90,27 @@ def test_an_orphan_with_another_layout_is_refused_until_dropped(tmp_path):
         assert not segments_of(key)
         model, _ = wrap(other, second, "changed")  # a new job of that name
         trainstream.unwrap(model)
+    finally:
+        second.stop()
+
+
+def test_an_orphan_its_owner_truncated_is_refused_and_removed(tmp_path):
+    """Its owner may cut its state while no daemon holds it: the next daemon claims it without a fault, the
+    attach is refused naming the truncation, and the job's segments go at once (not at the TTL)."""
+    socket, key = crashed_daemon_with_job(tmp_path, "cut")
+    [state] = [f for f in segments_of(key) if f.endswith(".state")]
+    os.truncate(f"/dev/shm/{state}", 4096)  # its header stays: it is still this socket's orphan
+    second = Daemon(socket=socket)
+    try:
+        refusal = (rf"job 'cut' cannot resume: its state segment {state} holds 4096 bytes of the \d+ its layout "
+                   rf"needs \(its owner, uid {os.getuid()}, truncated it\).* Its segments were removed")
+        with pytest.raises(TrainstreamError, match=refusal):
+            wrap(make_model(), second, "cut")
+        assert not segments_of(key)
+        model, opt = wrap(make_model(), second, "cut")  # a new job of that name
+        train(model, opt, range(2))
+        trainstream.unwrap(model)
+        assert second.process.poll() is None
     finally:
         second.stop()
 

@@ -20,12 +20,13 @@ from conftest import Daemon, wait_until
 
 import trainstream
 from trainstream import TrainstreamError, _connect
-from trainstream._connect import daemon_binary
+from trainstream._connect import daemon_binary, wait_until_serving
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE_CONFIG = os.path.join(REPO, "deploy", "trainstreamd.toml")
 FLAGS = ["--help", "--version", "--config", "--socket", "--threads", "--worker-nice", "--reserved-cores", "--log-level",
-         "--job-ttl", "--max-jobs", "--max-host-bytes", "--parent-pid"]
+         "--job-ttl", "--max-jobs", "--max-host-bytes", "--max-jobs-per-uid", "--max-host-bytes-per-uid",
+         "--parent-pid"]
 
 
 def run_daemon(*args: str, timeout: float = 10) -> subprocess.CompletedProcess:
@@ -287,27 +288,23 @@ def test_after_sigterm_the_next_synchronize_and_forward_raise():
         d.stop()
 
 
-def _linked_with_libsystemd() -> bool:
-    try:
-        out = subprocess.run(["ldd", daemon_binary()], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return "libsystemd" in out
-
-
-def test_systemd_notify_ready_and_stopping(tmp):
+@pytest.mark.parametrize("where", ["path", "abstract"])
+def test_systemd_notify_ready_and_stopping(tmp, where):
     # What Type=notify in deploy/systemd/trainstreamd.service relies on: READY=1 once the socket
-    # listens, STOPPING=1 on SIGTERM, sent to $NOTIFY_SOCKET.
-    if not _linked_with_libsystemd():
-        pytest.skip("trainstreamd was built without libsystemd: it sends no notifications")
+    # listens, STOPPING=1 on SIGTERM, sent to $NOTIFY_SOCKET (a path, or "@name": an abstract socket).
+    # Every build does it (the wheel's too): daemon/systemd_notify.cpp speaks the protocol itself.
     import socket as sockets
-    notify_path = os.path.join(tmp, "notify")
     notify = sockets.socket(sockets.AF_UNIX, sockets.SOCK_DGRAM)
-    notify.bind(notify_path)
+    if where == "path":
+        notify_address = os.path.join(tmp, "notify")
+        notify.bind(notify_address)
+    else:
+        notify_address = f"@trainstream-test-notify-{os.getpid()}"
+        notify.bind("\0" + notify_address[1:])
     notify.settimeout(10)
     socket = os.path.join(tmp, "d.sock")
     process = subprocess.Popen([daemon_binary(), "--socket", socket, "--threads", "1"],
-                               env=dict(os.environ, NOTIFY_SOCKET=notify_path), stdout=subprocess.DEVNULL,
+                               env=dict(os.environ, NOTIFY_SOCKET=notify_address), stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
     try:
         assert notify.recv(4096).decode().split("\n")[0] == "READY=1"
@@ -320,6 +317,26 @@ def test_systemd_notify_ready_and_stopping(tmp):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_unreachable_notify_socket_is_logged_and_harmless(tmp):
+    # A NOTIFY_SOCKET that names nothing (or is no socket address at all) costs a warning, not the daemon.
+    for value in (os.path.join(tmp, "nobody-listens"), "relative/path"):
+        socket = os.path.join(tmp, "d.sock")
+        process = subprocess.Popen([daemon_binary(), "--socket", socket, "--threads", "1"],
+                                   env=dict(os.environ, NOTIFY_SOCKET=value), stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
+        try:
+            wait_until_serving(process, socket, 20, lambda: "")
+            trainstream.connect(socket).ping()
+            process.send_signal(signal.SIGTERM)
+            output, _ = process.communicate(timeout=10)
+            assert process.returncode == 0
+            assert f"NOTIFY_SOCKET={value}" in output and "READY=1 not sent" in output, output
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
 
 
 def test_second_daemon_on_the_same_socket_is_refused(tmp):

@@ -3,6 +3,7 @@ JSON checked, and the refusals other uids get (as root, the command runs as an u
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import threading
@@ -123,6 +124,27 @@ def test_a_job_with_attached_ranks_is_dropped_only_with_force(daemon):
     ctl(daemon.socket, "drop", "held", "--force")
     with pytest.raises(trainstream.TrainstreamError):
         train(model, opt, 2)
+
+
+def test_the_global_options_may_follow_the_subcommand(daemon):
+    """Issue 46: `trainstreamctl jobs --json` was refused ("The following argument was not expected:
+    --json"); --socket and --json are accepted before or after the subcommand and its own options."""
+    model, opt = wrapped(daemon, "anywhere")
+    train(model, opt, 1)
+    trainstream.unwrap(model)
+
+    def run(*args: str):
+        result = subprocess.run([ctl_binary(), *args], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, (args, result.stderr)
+        return json.loads(result.stdout)
+
+    socket = daemon.socket
+    assert [j["name"] for j in run("jobs", "--json", "--socket", socket)] == ["anywhere"]
+    assert run("--socket", socket, "status", "--json")["pid"] == daemon.process.pid
+    assert run("--json", "top", "--socket", socket, "--interval", "0.1", "--iterations", "1")["jobs"]
+    assert run("drop", "anywhere", "--json", "--socket", socket) == {"dropped": "anywhere"}
+    unknown = subprocess.run([ctl_binary(), "jobs", "--bogus", "--socket", socket], capture_output=True, text=True)
+    assert unknown.returncode == 2 and "--bogus" in unknown.stderr  # still a bad command line
 
 
 def test_no_daemon_and_bad_command_lines_fail_clearly(tmp_path):

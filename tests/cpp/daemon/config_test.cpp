@@ -107,6 +107,26 @@ TEST(ParseConfig, SessionLimitsHaveDefaultsAndRefuseZero) {
   ExpectRejected({"--max-unattached-sessions-per-uid", "0"}, "max_unattached_sessions_per_uid is 0");
 }
 
+TEST(ParseConfig, PerUidQuotasDefaultToHalfTheJobsAndNoByteLimit) {
+  const Config config = ParseOk({});
+  EXPECT_FALSE(config.max_jobs_per_uid.has_value());
+  EXPECT_EQ(MaxJobsPerUid(config), 32u);
+  EXPECT_EQ(config.max_host_bytes_per_uid, 0u);
+  EXPECT_EQ(MaxJobsPerUid(ParseOk({"--max-jobs", "3"})), 2u);  // rounded up: one job for the others
+  EXPECT_EQ(MaxJobsPerUid(ParseOk({"--max-jobs", "1"})), 1u);
+  EXPECT_EQ(MaxJobsPerUid(ParseOk({"--max-jobs", "3", "--max-jobs-per-uid", "3"})), 3u);
+  EXPECT_EQ(ParseOk({"--max-host-bytes-per-uid", "4096"}).max_host_bytes_per_uid, 4096u);
+  TempToml file("max_jobs = 10\nmax_jobs_per_uid = 4\nmax_host_bytes_per_uid = 1073741824\n");
+  const Config from_file = ParseOk({"--config", file.path()});
+  EXPECT_EQ(MaxJobsPerUid(from_file), 4u);
+  EXPECT_EQ(from_file.max_host_bytes_per_uid, 1073741824u);
+  EXPECT_EQ(MaxJobsPerUid(ParseOk({"--config", file.path(), "--max-jobs-per-uid", "7"})), 7u);
+  ExpectRejected({"--max-jobs-per-uid", "0"}, "max_jobs_per_uid is 0; expected at least 1");
+  ExpectFileRejected("max_jobs_per_uid = 0\n", "max_jobs_per_uid is 0");
+  ExpectFileRejected("max_jobs_per_uid = -1\n", "max_jobs_per_uid");
+  ExpectFileRejected("max_host_bytes_per_uid = \"lots\"\n", "max_host_bytes_per_uid");
+}
+
 TEST(ParseConfig, FlagsCombine) {
   const Config config = ParseOk({"--threads", "2", "--max-jobs", "9", "--log-level", "warn"});
   EXPECT_EQ(config.threads, 2u);
@@ -206,11 +226,15 @@ TEST(ParseConfig, PeerFlagsAndKeys) {
   EXPECT_EQ(flags.peer_advertise, "node3.cluster:7150");
   EXPECT_EQ(flags.peer_connections, 4u);
   EXPECT_EQ(ParseOk({"--peer-connections", "1"}).peer_connections, 1u);
-  TempToml file("peer_listen = \"[::]:7151\"\npeer_advertise = \"10.0.0.3:7151\"\npeer_connections = 16\n");
+  EXPECT_EQ(flags.peer_max_unknown_job_bytes, uint64_t{256} << 20);
+  TempToml file(
+      "peer_listen = \"[::]:7151\"\npeer_advertise = \"10.0.0.3:7151\"\npeer_connections = 16\n"
+      "peer_max_unknown_job_bytes = 1048576\n");
   const Config from_file = ParseOk({"--config", file.path()});
   EXPECT_EQ(from_file.peer_listen, "[::]:7151");
   EXPECT_EQ(from_file.peer_advertise, "10.0.0.3:7151");
   EXPECT_EQ(from_file.peer_connections, 16u);
+  EXPECT_EQ(from_file.peer_max_unknown_job_bytes, 1048576u);
 }
 
 TEST(ParseConfig, WorkerNiceComesFromTheFileAndStaysInRange) {
@@ -263,8 +287,25 @@ TEST(ParseConfig, OperationsFlagsAndKeys) {
   EXPECT_TRUE(ParseOk({}).trace_dir.empty());
 }
 
+TEST(ParseConfig, MetricsLabelsAndTokenFlagsAndKeys) {
+  EXPECT_EQ(ParseOk({}).metrics_labels, "uid");  // no job names by default
+  const Config flags = ParseOk({"--metrics-listen", "unix:/run/trainstream/metrics.sock", "--metrics-labels", "job",
+                                "--metrics-token-file", "/etc/trainstream/metrics-token"});
+  EXPECT_EQ(flags.metrics_listen, "unix:/run/trainstream/metrics.sock");
+  EXPECT_EQ(flags.metrics_labels, "job");
+  EXPECT_EQ(flags.metrics_token_file, "/etc/trainstream/metrics-token");
+  TempToml file("metrics_listen = \":9150\"\nmetrics_labels = \"none\"\nmetrics_token_file = \"/t\"\n");
+  const Config from_file = ParseOk({"--config", file.path()});
+  EXPECT_EQ(from_file.metrics_labels, "none");
+  EXPECT_EQ(from_file.metrics_token_file, "/t");
+}
+
 TEST(ParseConfig, BadOperationsSettingsAreRejected) {
   ExpectRejected({"--metrics-listen", "9150"}, "metrics_listen '9150' must be HOST:PORT");
+  ExpectRejected({"--metrics-listen", "unix:metrics.sock"}, "must be unix: with an absolute path");
+  ExpectRejected({"--metrics-listen", ":0", "--metrics-labels", "names"},
+                 "metrics_labels is 'names'; expected none, uid or job");
+  ExpectRejected({"--metrics-token-file", "/t"}, "metrics_token_file needs metrics_listen");
   ExpectRejected({"--snapshot-every", "10"}, "snapshot_every needs snapshot_dir");
   ExpectRejected({"--snapshot-dir", "relative/dir"}, "snapshot_dir 'relative/dir' must be an absolute path");
   ExpectFileRejected("snapshot_every = -1\n", "snapshot_every");

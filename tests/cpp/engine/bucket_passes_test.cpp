@@ -6,6 +6,7 @@
 #include "daemon/engine/bucket_passes.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstring>
@@ -50,7 +51,8 @@ class BucketPassesTest : public ::testing::Test {
     for (uint32_t rank = 0; rank < spec_.world_size; ++rank) {
       shm::Segment segment = shm::Segment::Create(rank_names_.emplace_back().str(), layout_.rank_bytes);
       shm::InitRankSegment(segment.data(), layout_, rank);
-      sources_.push_back(std::make_shared<RankChannel>(rank, std::move(segment), layout_, nullptr));
+      sources_.push_back(
+          std::make_shared<RankChannel>(rank, ClientSegment(std::move(segment), geteuid()), layout_, nullptr));
     }
   }
 

@@ -5,11 +5,14 @@
 //    keep their step and skip the replayed gradients; either way no gradient is applied twice;
 //  - a daemon killed during an update (its state segment copied while the update is held on the pool)
 //    leaves a job that resumes exactly with two halves, and with one half is refused naming the torn
-//    buckets; an adopted job's upload region is rewritten from the committed master weights;
+//    buckets; one whose owner truncated its state meanwhile is refused and removed; an adopted job's
+//    upload region is rewritten from the committed master weights;
 //  - no bucket updates step s before every bucket committed s-1 (what makes one step of rollback enough);
 //  - a rank leaving while buckets wait for the clipping norm does not leave them waiting.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <spdlog/spdlog.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -166,6 +169,24 @@ TEST_F(AdoptionTest, TwoHalvesKilledDuringAnUpdateResumeExactlyAtTheCommittedSte
   RunStep(client, 2);
   reference.Step(2, TestHParams());
   reference.ExpectMatches(client);
+}
+
+// Its owner truncated the state while no daemon held it: mapping it and reading its buckets would fault,
+// and it can never resume, so the adoption is refused naming why and the job's segments are removed.
+TEST_F(AdoptionTest, AnOrphanItsOwnerTruncatedIsRefusedAndRemoved) {
+  const shm::LayoutSpec spec = TwoParamSpec(1, 2);
+  CopyDuringAnUpdate(spec);
+  const OrphanedJob orphan = Orphan(spec);
+  const int fd = shm_open(orphan.state_segment.c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, 4096), 0);
+  close(fd);
+  TS_EXPECT_ERROR(Job("dying", kUid, spec, 7, pool_, {}, &orphan), Code::kFailedPrecondition,
+                  fmt::format("job 'dying' cannot resume: its state segment {} holds 4096 bytes of the {} its layout "
+                              "needs (its owner, uid {}, truncated it), so its optimizer state is gone. Its segments "
+                              "were removed",
+                              orphan.state_segment, shm::ComputeLayout(spec).state_bytes, kUid));
+  EXPECT_FALSE(shm::Segment::Exists(orphan.state_segment));
 }
 
 // A bf16 parameter has an upload copy of its weights: adoption rewrites it from the committed master

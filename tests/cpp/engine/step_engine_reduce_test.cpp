@@ -5,6 +5,7 @@
 // mid-step resets the all-reduce.
 #include <gtest/gtest.h>
 #include <spdlog/spdlog.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
@@ -196,7 +197,7 @@ class TwoNodeJob {
     shm::InitRankSegment(segment.data(), layout_, rank);
     Rank& r = ranks_.emplace_back();
     r.sink = std::make_shared<RecordingSink>();
-    r.channel = std::make_shared<RankChannel>(rank, std::move(segment), layout_, r.sink);
+    r.channel = std::make_shared<RankChannel>(rank, ClientSegment(std::move(segment), geteuid()), layout_, r.sink);
     r.requests = shm::RingProducer(r.channel->view.request_ring, &state_.header->doorbell);
     r.completions = shm::RingConsumer(r.channel->view.completion_ring);
     engine_->AddRank(r.channel);

@@ -1,9 +1,10 @@
 // Tests of the step trace (daemon/engine/step_trace.h): what it keeps once full, what it writes, and
-// that a path it cannot write is logged, not thrown.
+// that a file it cannot write, or a directory that is no place for it, is logged, not thrown.
 #include "daemon/engine/step_trace.h"
 
 #include <gtest/gtest.h>
 #include <spdlog/spdlog.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -14,43 +15,56 @@
 namespace trainstream::daemon {
 namespace {
 
-std::string TempPath() {
-  return (std::filesystem::temp_directory_path() / ("ts-step-trace-" + std::to_string(getpid()) + ".json")).string();
-}
+// A directory of this process's own, removed at the end.
+class StepTraceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::temp_directory_path() / ("ts-step-trace-" + std::to_string(getpid()));
+    std::filesystem::create_directories(dir_);
+    std::filesystem::permissions(dir_, std::filesystem::perms::owner_all);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  [[nodiscard]] TraceFile File() const { return {dir_.string(), "trace.json", getuid()}; }
+  [[nodiscard]] nlohmann::json Written() const {
+    std::ifstream file(dir_ / "trace.json");
+    return nlohmann::json::parse(file);
+  }
+  std::filesystem::path dir_;
+};
 
-TEST(StepTrace, KeepsTheFirstSpansUpToItsCapacityAndCountsTheRest) {
-  const std::string path = TempPath();
+TEST_F(StepTraceTest, KeepsTheFirstSpansUpToItsCapacityAndCountsTheRest) {
   {
-    StepTrace trace(path, 2);
+    StepTrace trace(File(), 2);
     trace.Record({SpanKind::kPull, 3, 1, 0, 10, 20});
     trace.Record({SpanKind::kUpdateBlock, 3, 1, 77, 20, 30});
     trace.Record({SpanKind::kPush, 3, 1, 4096, 30, 40});
   }  // written here
-  std::ifstream file(path);
-  const nlohmann::json written = nlohmann::json::parse(file);
-  std::filesystem::remove(path);
+  const nlohmann::json written = Written();
   EXPECT_EQ(written["pid"], getpid());
   EXPECT_EQ(written["dropped"], 1);
   EXPECT_EQ(written["spans"], nlohmann::json({{0, 3, 1, 0, 10, 20}, {1, 3, 1, 77, 20, 30}}));
 }
 
-TEST(StepTrace, AnEmptyTraceIsValidJson) {
-  const std::string path = TempPath();
-  ASSERT_TRUE(StepTrace(path, 4).Write());
-  std::ifstream file(path);
-  const nlohmann::json written = nlohmann::json::parse(file);
-  std::filesystem::remove(path);
-  EXPECT_TRUE(written["spans"].empty());
+TEST_F(StepTraceTest, AnEmptyTraceIsValidJson) {
+  ASSERT_TRUE(StepTrace(File(), 4).Write());
+  EXPECT_TRUE(Written()["spans"].empty());
 }
 
-TEST(StepTrace, APathItCannotWriteIsLoggedNotThrown) {
+TEST_F(StepTraceTest, AFileItCannotWriteIsLoggedNotThrown) {
   spdlog::set_level(spdlog::level::off);
-  StepTrace trace("/nonexistent-dir/trace.json", 1);
+  StepTrace trace(File(), 1);
+  std::filesystem::remove(dir_);  // the directory it holds open is gone
   EXPECT_FALSE(trace.Write());
 }
 
-TEST(StepTrace, NoDirectoryMeansNoTrace) {
-  EXPECT_EQ(TraceInDir("", "key"), nullptr);
+TEST_F(StepTraceTest, ADirectoryThatIsNoPlaceForItMeansNoTrace) {
+  spdlog::set_level(spdlog::level::off);
+  EXPECT_EQ(TraceInDir("", "key", getuid()), nullptr);
+  EXPECT_EQ(TraceInDir("/nonexistent-dir", "key", getuid()), nullptr);
+  std::filesystem::permissions(dir_, std::filesystem::perms::all);  // 0777: anyone may plant its name
+  EXPECT_EQ(TraceInDir(dir_.string(), "key", getuid()), nullptr);
+  std::filesystem::permissions(dir_, std::filesystem::perms::owner_all);
+  EXPECT_NE(TraceInDir(dir_.string(), "key", getuid()), nullptr);
 }
 
 }  // namespace

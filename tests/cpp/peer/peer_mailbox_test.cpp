@@ -1,12 +1,17 @@
 // Tests of the peer plane's mailbox (daemon/peer/peer_mailbox.h): fragments wait for their bucket's sink,
-// go straight to a registered one, and expire once they have waited too long.
+// go straight to a registered one, and expire once they have waited too long; what a peer may leave
+// there is bounded: a key delivered twice, a fragment of a bucket already reduced, and fragments of
+// unknown jobs past the byte bound are refused, naming what was wrong.
 #include "daemon/peer/peer_mailbox.h"
 
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <string>
 #include <thread>
 #include <vector>
+
+#include "shm/error.h"
 
 namespace trainstream::daemon {
 namespace {
@@ -15,20 +20,38 @@ using namespace std::chrono_literals;
 
 class CountingSink final : public PeerSink {
  public:
-  void Arrived(const FragmentKey&, PeerPayload) override { ++arrived; }
+  void Arrived(Delivered) override { ++arrived; }
   int arrived = 0;
 };
 
-FragmentKey Fragment(uint64_t step, uint32_t fragment) {
-  return FragmentKey{.job = "job", .step = step, .bucket = 0, .phase = 0, .round = 0, .fragment = fragment};
+Delivered Fragment(uint64_t step, uint32_t fragment, size_t bytes = 0, const std::string& job = "job",
+                   uint32_t bucket = 0) {
+  PeerPayload data;
+  if (bytes > 0) data.emplace_back(std::string(bytes, 'x'));
+  return Delivered{.key = {.job = job, .step = step, .bucket = bucket, .phase = 0, .round = 0, .fragment = fragment},
+                   .data = std::move(data),
+                   .sender = "ipv4:10.0.0.2:41234",
+                   .from_node = 0};
+}
+
+// The code of the Error that `put` throws, and its message in `message`.
+template <typename Put>
+std::optional<Code> Refusal(Put put, std::string* message = nullptr) {
+  try {
+    put();
+  } catch (const Error& e) {
+    if (message != nullptr) *message = e.what();
+    return e.code();
+  }
+  return std::nullopt;
 }
 
 TEST(PeerMailbox, PiecesWaitForTheirSinkOrGoStraightToIt) {
   PeerMailbox mailbox;
-  mailbox.Put(Fragment(1, 0), {});
+  mailbox.Put(Fragment(1, 0));
   CountingSink sink;
   EXPECT_EQ(mailbox.Register("job", 1, 0, &sink).size(), 1U);  // waited
-  mailbox.Put(Fragment(1, 1), {});
+  mailbox.Put(Fragment(1, 1));
   EXPECT_EQ(sink.arrived, 1);  // delivered while registered
   mailbox.Unregister("job", 1, 0);
   EXPECT_TRUE(mailbox.Register("job", 1, 0, &sink).empty());
@@ -37,10 +60,10 @@ TEST(PeerMailbox, PiecesWaitForTheirSinkOrGoStraightToIt) {
 
 TEST(PeerMailbox, OnlyPiecesOlderThanTheAgeExpire) {
   PeerMailbox mailbox;
-  mailbox.Put(Fragment(1, 0), {});
-  mailbox.Put(Fragment(2, 0), {});
+  mailbox.Put(Fragment(1, 0));
+  mailbox.Put(Fragment(2, 0));
   std::this_thread::sleep_for(400ms);
-  mailbox.Put(Fragment(3, 0), {});
+  mailbox.Put(Fragment(3, 0));
   EXPECT_EQ(mailbox.Expire(200ms), 2U);  // margins wide enough for a loaded machine
   EXPECT_EQ(mailbox.Expire(1h), 0U);
   CountingSink sink;
@@ -48,6 +71,68 @@ TEST(PeerMailbox, OnlyPiecesOlderThanTheAgeExpire) {
     EXPECT_EQ(mailbox.Register("job", step, 0, &sink).size(), step == 3 ? 1U : 0U) << "step " << step;
     mailbox.Unregister("job", step, 0);
   }
+  EXPECT_EQ(mailbox.unknown_bytes(), 0U);
+}
+
+TEST(PeerMailbox, AFragmentDeliveredTwiceIsRefusedAndTheFirstStays) {
+  PeerMailbox mailbox;
+  mailbox.Put(Fragment(1, 0, 8));
+  std::string message;
+  EXPECT_EQ(Refusal([&] { mailbox.Put(Fragment(1, 0, 16)); }, &message), Code::kAlreadyExists);
+  EXPECT_NE(message.find("fragment 0 of round 0 of phase 0 of bucket 0 of step 1 of job 'job' arrived twice "
+                         "(first from ipv4:10.0.0.2:41234)"),
+            std::string::npos)
+      << message;
+  CountingSink sink;
+  const auto waiting = mailbox.Register("job", 1, 0, &sink);
+  ASSERT_EQ(waiting.size(), 1U);
+  EXPECT_EQ(PayloadBytes(waiting[0].data), 8U);  // the first one
+  mailbox.Unregister("job", 1, 0);
+}
+
+TEST(PeerMailbox, AFragmentOfABucketAlreadyReducedIsRefused) {
+  PeerMailbox mailbox;
+  mailbox.Open("job");
+  CountingSink sink;
+  mailbox.Register("job", 1, 0, &sink);
+  mailbox.Unregister("job", 1, 0);
+  EXPECT_EQ(Refusal([&] { mailbox.Put(Fragment(1, 0)); }), Code::kFailedPrecondition);
+  EXPECT_EQ(Refusal([&] { mailbox.Put(Fragment(1, 0, 0, "job", 1)); }), std::nullopt);  // the next bucket waits
+  EXPECT_EQ(mailbox.Register("job", 1, 1, &sink).size(), 1U);
+  mailbox.Unregister("job", 1, 1);
+  mailbox.Close("job");
+}
+
+TEST(PeerMailbox, FragmentsOfUnknownJobsHoldAtMostTheBound) {
+  const size_t each = 1024 + kMaxFragmentHeaderBytes;  // a fragment counts with its header's bound
+  PeerMailbox mailbox(3 * each);
+  mailbox.Open("known");
+  for (uint32_t f = 0; f < 3; ++f) mailbox.Put(Fragment(1, f, 1024, "stranger"));
+  EXPECT_EQ(mailbox.unknown_bytes(), 3 * each);
+  std::string message;
+  EXPECT_EQ(Refusal([&] { mailbox.Put(Fragment(1, 3, 0, "stranger")); }, &message), Code::kResourceExhausted);
+  EXPECT_NE(message.find("peer_max_unknown_job_bytes"), std::string::npos) << message;
+  for (uint32_t f = 0; f < 8; ++f) mailbox.Put(Fragment(1, f, 1024, "known"));  // an open job's are not bounded
+  mailbox.Open("stranger");  // its ranks attached: its fragments no longer count
+  EXPECT_EQ(mailbox.unknown_bytes(), 0U);
+  mailbox.Close("stranger");
+  EXPECT_EQ(mailbox.unknown_bytes(), 3 * each);
+  mailbox.Drop("stranger");
+  EXPECT_EQ(mailbox.unknown_bytes(), 0U);
+  mailbox.Put(Fragment(1, 3, 1024, "another"));
+  EXPECT_EQ(mailbox.unknown_bytes(), each);
+  mailbox.Close("known");
+}
+
+TEST(PeerMailbox, WhatTheSinkRefusesReachesTheSenderAndTheSinkStaysUsable) {
+  class RefusingSink final : public PeerSink {
+   public:
+    void Arrived(Delivered) override { throw Error(Code::kInvalidArgument, "wrong size"); }
+  } sink;
+  PeerMailbox mailbox;
+  mailbox.Register("job", 1, 0, &sink);
+  EXPECT_EQ(Refusal([&] { mailbox.Put(Fragment(1, 0)); }), Code::kInvalidArgument);
+  mailbox.Unregister("job", 1, 0);  // returns: no thread counted inside the sink any more
 }
 
 }  // namespace

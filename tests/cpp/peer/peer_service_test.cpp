@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "daemon/peer/peer_sender.h"
-#include "daemon/peer/peer_service.h"
+#include "daemon/peer/peer_server.h"
 #include "daemon/peer/peer_wire.h"
 
 namespace trainstream::daemon {
@@ -25,11 +25,10 @@ constexpr char kSecret[] = "a-peer-secret-0123456789";
 
 class PeerServiceTest : public ::testing::Test {
  protected:
-  PeerServiceTest() : service_(mailbox_, kSecret) {
-    server_ = StartPeerServer("127.0.0.1:0", service_, port_);
-    EXPECT_TRUE(server_ != nullptr && port_ != 0);
+  PeerServiceTest() : server_(std::make_unique<PeerServer>("127.0.0.1:0", mailbox_, kSecret)) {
+    port_ = server_->port();
+    EXPECT_NE(port_, 0);
   }
-  ~PeerServiceTest() override { server_->Shutdown(); }
 
   [[nodiscard]] std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
 
@@ -54,15 +53,14 @@ class PeerServiceTest : public ::testing::Test {
   }
 
   // The fragments the mailbox holds for bucket 0 of step 1 of "job".
-  std::vector<std::pair<FragmentKey, PeerPayload>> Waiting() {
+  std::vector<Delivered> Waiting() {
     auto waiting = mailbox_.Register("job", 1, 0, nullptr);
     mailbox_.Unregister("job", 1, 0);
     return waiting;
   }
 
   PeerMailbox mailbox_;
-  PeerService service_;
-  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<PeerServer> server_;
   int port_ = 0;
 };
 
@@ -80,7 +78,7 @@ TEST_F(PeerServiceTest, TheLargestPieceArrivesWhole) {
   ASSERT_EQ(sender.Finish(), std::nullopt);
   const auto waiting = Waiting();
   ASSERT_EQ(waiting.size(), 1U);
-  EXPECT_EQ(PayloadBytes(waiting[0].second), kMaxFragmentBytes);
+  EXPECT_EQ(PayloadBytes(waiting[0].data), kMaxFragmentBytes);
 }
 
 TEST_F(PeerServiceTest, AWrongSecretStoresNothing) {

@@ -260,7 +260,8 @@ TEST_F(SnapshotFileTest, AFileTruncatedAfterItsCheckFailsTheCopy) {
   const SnapshotFile file(path);
   ASSERT_EQ(truncate(path.c_str(), 4096), 0);
   const State state(file.meta().spec);
-  TS_EXPECT_ERROR(file.RestoreInto(state.committed()), Code::kInvalidArgument, "ended early");
+  TS_EXPECT_ERROR(file.RestoreInto(state.committed()), Code::kFailedPrecondition,
+                  fmt::format("snapshot '{}' was truncated while trainstreamd read it", path));
 }
 
 TEST_F(SnapshotFileTest, ACancelledRestoreStops) {

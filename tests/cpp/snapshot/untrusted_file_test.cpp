@@ -66,8 +66,10 @@ TEST_F(UntrustedFileTest, AFileTruncatedAfterItWasOpenedEndsEarly) {
   const UntrustedFile file(path);
   ASSERT_EQ(truncate(path.c_str(), 1000), 0);
   std::vector<std::byte> out(2048);
-  TS_EXPECT_ERROR(file.ReadAt(0, out), Code::kInvalidArgument,
-                  fmt::format("snapshot '{}' ended early: at byte 1000, 1048 bytes short of the 4096", path));
+  TS_EXPECT_ERROR(file.ReadAt(0, out), Code::kFailedPrecondition,
+                  fmt::format("snapshot '{}' was truncated while trainstreamd read it: it ended at byte 1000, 1048 "
+                              "bytes short of the 4096",
+                              path));
 }
 
 // Truncated between two chunks of one read (the hook runs after each): the second chunk is refused,
@@ -84,7 +86,7 @@ TEST_F(UntrustedFileTest, AFileTruncatedInTheMiddleOfAReadEndsEarly) {
                                 chunks.push_back(offset);
                                 ASSERT_EQ(truncate(path.c_str(), UntrustedFile::kChunkBytes + 100), 0);
                               }),
-                  Code::kInvalidArgument, fmt::format("ended early: at byte {}", UntrustedFile::kChunkBytes + 100));
+                  Code::kFailedPrecondition, fmt::format("it ended at byte {}", UntrustedFile::kChunkBytes + 100));
   EXPECT_EQ(chunks, std::vector<uint64_t>{0});
   EXPECT_EQ(std::to_integer<int>(out[UntrustedFile::kChunkBytes - 1]), (UntrustedFile::kChunkBytes - 1) % 251);
 }
