@@ -7,13 +7,14 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
 import threading
 
 import pytest
 import torch
-from conftest import OTHER_UID, Daemon, ctl, ctl_binary, ctl_json, wait_until
+from conftest import OTHER_UID, Daemon, ctl, ctl_binary, ctl_json, start_shared_daemon, wait_until
 
 import trainstream
 
@@ -190,9 +191,18 @@ def test_a_daemon_killed_while_writing_a_snapshot_leaves_the_previous_one_intact
         # The temporary file, or a writer that finished between two looks (a loaded machine: a CI run
         # once saw no temporary file in 20 s of looking every millisecond); then the snapshot must have
         # succeeded, renamed before any kill could land, as below, and the next round tries again.
+        # Whether the file was seen is kept from the look itself: a second glob may come after the
+        # rename, while the writer has not exited yet (returncode None), as a CI run once did.
         temporary = str(tmp_path / ".big.safetensors.tmp-*")
-        assert wait_until(lambda: glob.glob(temporary) or writer.poll() is not None, 20, interval=0.001)
-        assert glob.glob(temporary) or writer.returncode == 0, "the snapshot failed before its file was seen"
+        seen = False
+
+        def temporary_seen_or_writer_done() -> bool:
+            nonlocal seen
+            seen = seen or bool(glob.glob(temporary))
+            return seen or writer.poll() is not None
+
+        assert wait_until(temporary_seen_or_writer_done, 20, interval=0.001)
+        assert seen or writer.returncode == 0, "the snapshot failed before its file was seen"
         d.stop(signal.SIGKILL)
         writer.wait(30)
         leftovers = glob.glob(temporary)
@@ -248,6 +258,48 @@ def test_a_job_that_never_held_weights_cannot_be_snapshotted(daemon, tmp_path):
     assert no_dir.returncode == 1
 
 
+def as_job_of(snapshot: str, path: str, uid: int, job: str) -> str:
+    """A copy of `snapshot` at `path` that names `uid` and `job` as its owner (what that uid's snapshot
+    holds); returns `path`."""
+    with safetensors.safe_open(snapshot, framework="numpy") as f:
+        metadata = {**f.metadata(), "uid": str(uid), "job": job}
+    save_file(load_file(snapshot), path, metadata=metadata)
+    return path
+
+
+def test_the_daemons_supplementary_groups_give_another_uid_nothing():
+    """Issue 46, 9: a root daemon with supplementary groups (a container's root: 0 and 4242 here) used
+    them for the files a client named, though it acted as the client's uid and gid: uid 65534 restored
+    a 0640 root:root file it cannot read, and snapshotted into a 0770 root:4242 directory."""
+    d = start_shared_daemon(prefix=("setpriv", "--groups=0,4242", "--"))
+    try:
+        shared = d.shared_dir
+        trained_then_idle(d, "mine", 2)
+        rootfile = os.path.join(shared, "root.safetensors")
+        ctl(d.socket, "snapshot", "mine", rootfile)
+        theirs = as_job_of(rootfile, os.path.join(shared, "theirs.safetensors"), OTHER_UID, "theirs")
+        ctl(d.socket, "restore", theirs)  # root: uid 65534's job "theirs"
+        group_readable = as_job_of(rootfile, os.path.join(shared, "group.safetensors"), OTHER_UID, "read")
+        os.chmod(group_readable, 0o640)  # root:root: not for 65534
+        refused = ctl(d.socket, "restore", group_readable, user=OTHER_UID, check=False)
+        assert refused.returncode == 1 and "Permission denied" in refused.stderr, refused.stderr
+        group_dir = os.path.join(shared, "group-dir")
+        os.mkdir(group_dir)
+        os.chown(group_dir, 0, 4242)
+        os.chmod(group_dir, 0o770)
+        refused = ctl(d.socket, "snapshot", "theirs", os.path.join(group_dir, "x.safetensors"), user=OTHER_UID,
+                      check=False)
+        assert refused.returncode == 1 and "Permission denied" in refused.stderr, refused.stderr
+        assert not os.listdir(group_dir)
+        assert sorted(j["name"] for j in ctl_json(d.socket, "jobs")) == ["mine", "theirs"]
+        # What 65534 may touch it still may, and root's own files are root's as before.
+        ctl(d.socket, "snapshot", "theirs", os.path.join(shared, "own.safetensors"), user=OTHER_UID)
+        ctl(d.socket, "snapshot", "mine", os.path.join(group_dir, "root.safetensors"))
+    finally:
+        d.stop()
+        shutil.rmtree(d.shared_dir, ignore_errors=True)
+
+
 def test_snapshots_belong_to_their_owner_and_root(shared_daemon):
     """uid 65534's job (restored by root from a snapshot naming that uid): 65534 may snapshot it, to a
     file created as 65534; another uid may neither snapshot nor drop it (job names are per uid: it has
@@ -257,11 +309,7 @@ def test_snapshots_belong_to_their_owner_and_root(shared_daemon):
     rootfile = os.path.join(shared, "root.safetensors")
     ctl(shared_daemon.socket, "snapshot", "mine", rootfile)
     assert os.stat(rootfile).st_uid == 0 and os.stat(rootfile).st_mode & 0o777 == 0o600
-    tensors = load_file(rootfile)
-    with safetensors.safe_open(rootfile, framework="numpy") as f:
-        metadata = {**f.metadata(), "uid": str(OTHER_UID), "job": "theirs"}
-    theirs = os.path.join(shared, "theirs.safetensors")
-    save_file(tensors, theirs, metadata=metadata)
+    theirs = as_job_of(rootfile, os.path.join(shared, "theirs.safetensors"), OTHER_UID, "theirs")
     refused = ctl(shared_daemon.socket, "restore", rootfile, "--job", "x", user=OTHER_UID, check=False)
     assert refused.returncode == 1 and "Permission denied" in refused.stderr  # read as 65534: a 0600 root file
 
