@@ -630,6 +630,7 @@ CUT
       stage gpt-large
       T=${TRAINSTREAM_TRANSPORT:-cuda-ipc}
       python3 benchmarks/train_gpt/train_gpt.py --config 1.86b --vram-cap-gib 24 --steps 6 \
+        --modes "${GPT_MODES:-gpu-only,stock,trainstream,auto}" \
         --adamw-json benchmarks/results/adamw_h200-16core.json --json "$OUT/gpt_1.86b_cap24_$T.json" 2>&1 | tail -8
       python3 benchmarks/train_gpt/train_gpt.py --config 1.86b --steps 6 --modes stock \
         --json "$OUT/gpt_1.86b_uncapped_stock.json" 2>&1 | tail -2
@@ -667,11 +668,16 @@ CUT
           2>&1 | tail -3
       done
       ;;
+    drop-in)
+      stage drop-in  # the nanoGPT loop: the one line against the explicit options and stock (its tests: test-cuda, -m cuda)
+      timeout 420 python3 benchmarks/drop_in/nanogpt_loop.py --steps ${NANOGPT_STEPS:-30} --json "$OUT/nanogpt_loop.json" \
+        2>&1 | tail -12
+      ;;
     test-cuda)
       stage test-cuda  # with torch's default CUDA allocator and with expandable segments
       for allocator in ${CUDA_ALLOCATORS:-default expandable}; do
         conf=""; [[ $allocator == expandable ]] && conf="expandable_segments:True"
-        PYTORCH_CUDA_ALLOC_CONF=$conf timeout 300 python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-tests/python/test_cuda.py} \
+        PYTORCH_CUDA_ALLOC_CONF=$conf timeout ${CUDA_TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-tests/python/test_cuda.py} \
           >"$OUT/pytest_cuda_${conf:+expandable}.log" 2>&1
         tail -3 "$OUT/pytest_cuda_${conf:+expandable}.log" | sed "s/^/[${conf:-default}] /"
       done

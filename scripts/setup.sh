@@ -33,6 +33,7 @@ TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 python_packages=("pybind11>=2.12" "scikit-build-core>=0.10" pytest ninja numpy "ruff>=0.5"
   "transformers>=5" accelerate  # tests/python/test_hf_trainer.py
   peft==0.21.2  # LoRA through the Trainer: tests/python/test_hf_lora.py
+  trl==1.16.0 datasets==5.2.0 lightning==2.6.6  # the trainers users run, unmodified: tests/python/test_frameworks.py
   mkdocs==1.6.1 mkdocs-material==9.8.1 "mkdocstrings[python]==1.0.8" mkdocstrings-python==2.0.11  # scripts/docs.sh
   matplotlib==3.11.2  # benchmarks/plot.py
   tqdm==4.70.1  # the examples' progress bars

@@ -71,6 +71,7 @@ uint64_t HashSpec(const LayoutSpec& spec) {
   h.Add(spec.node_rank);
   h.Add(spec.state_halves);
   h.Add(spec.speculative_clipping);
+  h.Add(spec.step_terms);
   return h.value();
 }
 
@@ -108,7 +109,7 @@ void ValidateStateOptions(const LayoutSpec& spec, bool request) {
            Code::kInvalidArgument, "speculative_clipping {} must be off (0), on (1){}", speculation,
            request ? " or automatic (2)" : "");
   if (spec.speculative_clipping != Speculation::kOn) return;
-  TS_CHECK(spec.max_grad_norm > 0, Code::kInvalidArgument,
+  TS_CHECK(spec.max_grad_norm > 0 || spec.step_terms, Code::kInvalidArgument,
            "speculative_clipping is on, but max_grad_norm is 0: there is no clipping to speculate about");
   TS_CHECK(spec.state_halves != 1, Code::kInvalidArgument,
            "speculative_clipping needs two state halves (the update it redoes starts again from the committed "
@@ -127,8 +128,12 @@ void Validate(const LayoutSpec& spec, bool request) {
            "moment dtype {} unsupported (float32 or bfloat16)", NameOf(spec.moment_dtype));
   TS_CHECK(spec.optimizer == OptimizerKind::kAdamW || spec.optimizer == OptimizerKind::kAdam, Code::kInvalidArgument,
            "unknown optimizer kind {}", static_cast<int>(spec.optimizer));
-  TS_CHECK(spec.accumulation_steps >= 1 && spec.accumulation_steps <= 65536, Code::kInvalidArgument,
-           "accumulation_steps {} out of range [1, 65536]", spec.accumulation_steps);
+  TS_CHECK((spec.accumulation_steps >= 1 || spec.step_terms) && spec.accumulation_steps <= 65536,
+           Code::kInvalidArgument, "accumulation_steps {} out of range [1, 65536]{}", spec.accumulation_steps,
+           spec.step_terms ? " (or 0: counted)" : "");
+  TS_CHECK(spec.accumulation_steps != 0 || spec.peers.size() <= 1, Code::kInvalidArgument,
+           "a job spanning {} nodes needs its accumulation_steps (the all-reduce starts with the last micro-batch)",
+           spec.peers.size());
   TS_CHECK(spec.world_size >= 1 && spec.world_size <= 256, Code::kInvalidArgument,
            "world_size {} out of range [1, 256]", spec.world_size);
   TS_CHECK(std::isfinite(spec.max_grad_norm) && spec.max_grad_norm >= 0, Code::kInvalidArgument,

@@ -45,7 +45,7 @@
 
 namespace trainstream::shm {
 
-constexpr uint32_t kSegmentVersion = 8;
+constexpr uint32_t kSegmentVersion = 9;
 constexpr size_t kMaxJobName = 256;
 constexpr uint32_t kRingCapacity = 1024;
 constexpr size_t kAlign = 64;
@@ -74,9 +74,14 @@ struct LayoutSpec {
   uint64_t bucket_bytes = 32ull << 20;
   DType moment_dtype = DType::kFloat32;
   OptimizerKind optimizer = OptimizerKind::kAdamW;
+  // Backward passes summed per step; 0 (only with step_terms): counted, as the ranks' step terms say.
   uint32_t accumulation_steps = 1;
-  uint32_t world_size = 1;         // ranks on this node
-  double max_grad_norm = 0.0;      // 0: no clipping
+  uint32_t world_size = 1;     // ranks on this node
+  double max_grad_norm = 0.0;  // 0: no clipping (with step_terms: the steps that clip say so themselves)
+  // The ranks send each step's terms (kStepTerms: how many micro-batches, clipping, the loss scale) and
+  // a step's updates commit once every rank's optimizer.step() said how (daemon/engine/step_gate.h).
+  // Without: every step has accumulation_steps micro-batches and clips to max_grad_norm.
+  bool step_terms = false;
   std::vector<std::string> peers;  // the job's daemons in node order ("host:port"); empty: one node
   uint32_t node_rank = 0;          // this node's index in peers
   // 1 or 2 (see the header comment); 0 only in an attach request: the daemon decides.
@@ -84,8 +89,9 @@ struct LayoutSpec {
   Speculation speculative_clipping = Speculation::kOff;
 
   [[nodiscard]] uint32_t nodes() const { return peers.empty() ? 1 : static_cast<uint32_t>(peers.size()); }
-  // Gradients are summed into the fp32 accumulator: across micro-batches, and before a multi-node
-  // all-reduce.
+  // Gradients are summed into the state segment's fp32 accumulator: across micro-batches, and before a
+  // multi-node all-reduce. A job that counts its micro-batches (accumulation_steps 0) gets one from
+  // the daemon when its first step has several (StepEngine).
   [[nodiscard]] bool uses_accumulator() const { return accumulation_steps > 1 || nodes() > 1; }
 };
 

@@ -7,5 +7,5 @@
 
 namespace trainstream {
 inline constexpr std::string_view kVersion = "0.1.0";
-inline constexpr uint32_t kProtocolVersion = 4;
+inline constexpr uint32_t kProtocolVersion = 5;
 }  // namespace trainstream

@@ -103,6 +103,15 @@ def cpu_seconds(pid: int | str = "self") -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def daemon_cpu_seconds(pid: int | None) -> float | None:
+    """The daemon's CPU time so far; None without one, or once it exited (auto's switch stops its private
+    daemon: `--modes auto` failed reading /proc/<pid>/stat, H100 2026-12-07)."""
+    try:
+        return cpu_seconds(pid) if pid else None
+    except FileNotFoundError:
+        return None
+
+
 FIRST_STAGED = "backward to its first staged gradients"
 TO_THE_PROJECTION = "forward to the output projection"  # with --gpu-phases, "forward" is then the projection and loss
 
@@ -304,8 +313,7 @@ def timed_steps(args, step_fn, memory: Memory, losses: list | None = None, waits
         tokens, targets = next(data)
         torch.cuda.synchronize()
         if i == args.warmup:
-            daemon = cpu_seconds(memory.daemon_pid) if memory.daemon_pid else 0.0
-            cpu_before = (time.perf_counter(), cpu_seconds(), daemon)
+            cpu_before = (time.perf_counter(), cpu_seconds(), daemon_cpu_seconds(memory.daemon_pid))
             if profiler:  # a timeline of the timed steps (which it slows) for chrome://tracing or Perfetto
                 profiler.start()
             if hooks:
@@ -336,8 +344,9 @@ def timed_steps(args, step_fn, memory: Memory, losses: list | None = None, waits
         with open(os.path.splitext(args.profile)[0] + "_ops.txt", "w") as f:  # totals over the timed steps
             f.write(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=50))
     cores = {"trainer": (cpu_seconds() - cpu_before[1]) / wall}
-    if memory.daemon_pid:
-        cores["daemon"] = (cpu_seconds(memory.daemon_pid) - cpu_before[2]) / wall
+    daemon_after = daemon_cpu_seconds(memory.daemon_pid)
+    if cpu_before[2] is not None and daemon_after is not None:
+        cores["daemon"] = (daemon_after - cpu_before[2]) / wall
     return times, waited, cores
 
 
@@ -472,6 +481,9 @@ def run(args, mode: str) -> dict:
                                           client=None if mode == "auto" else client,
                                           moment_dtype=args.moment_dtype, bucket_mb=args.bucket_mb,
                                           max_grad_norm=args.max_grad_norm, offload="auto" if mode == "auto" else True,
+                                          # one backward pass a step, said: the results before counting stay
+                                          # comparable (benchmarks/drop_in measures the one line)
+                                          accumulation_steps=1,
                                           state_halves=args.state_halves if args.state_halves == "auto"
                                           else int(args.state_halves), **paging)
             result["wrap_seconds"] = time.perf_counter() - start

@@ -44,6 +44,7 @@ v1::LayoutSpec ToProto(const shm::LayoutSpec& spec) {
   proto.set_accumulation_steps(spec.accumulation_steps);
   proto.set_world_size(spec.world_size);
   proto.set_max_grad_norm(spec.max_grad_norm);
+  proto.set_step_terms(spec.step_terms);
   for (const std::string& peer : spec.peers) proto.add_peers(peer);
   proto.set_node_rank(spec.node_rank);
   proto.set_state_halves(spec.state_halves);
@@ -246,6 +247,15 @@ void RankSession::Impl::Drain() {
         outstanding[message.bucket] = 0;
         break;
       case shm::MessageKind::kSlotFree: outstanding[message.bucket] = 0; break;
+      case shm::MessageKind::kStepNorm:
+        step_norms[message.step] = {message.value, (message.flags & shm::kNonFinite) != 0};
+        while (step_norms.size() > 4) step_norms.erase(step_norms.begin());
+        break;
+      case shm::MessageKind::kDiscarded:
+        std::fill(outstanding.begin(), outstanding.end(), 0);
+        discarded = std::max(discarded, std::make_pair(message.step, message.micro));
+        step_norms.erase(message.step);  // the dropped gradients': the step's next norm is another
+        break;
       case shm::MessageKind::kStagingFree:
         TS_CHECK(message.slot < staging_busy.size(), Code::kInternal, "STAGING_FREE for unknown slot {}", message.slot);
         staging_busy[message.slot] = 0;
@@ -404,7 +414,7 @@ size_t RankSession::rank_bytes() const {
   return impl_->layout.rank_bytes;
 }
 
-void RankSession::SendGradReady(uint32_t bucket, uint64_t step, uint32_t micro, bool final_micro, uint32_t slot,
+void RankSession::SendGradReady(uint32_t bucket, uint64_t step, uint32_t micro, Last last, uint32_t slot,
                                 uint32_t piece) {
   TS_CHECK(bucket < impl_->layout.buckets.size(), Code::kInvalidArgument, "bucket {} out of range", bucket);
   {
@@ -416,7 +426,9 @@ void RankSession::SendGradReady(uint32_t bucket, uint64_t step, uint32_t micro, 
     }
   }
   impl_->Push(shm::Message{.kind = shm::MessageKind::kGradReady,
-                           .flags = static_cast<uint16_t>(final_micro ? shm::kFinalMicro : 0),
+                           .flags = static_cast<uint16_t>(last == Last::kYes       ? shm::kFinalMicro
+                                                          : last == Last::kUnknown ? shm::kUncertainMicro
+                                                                                   : 0),
                            .bucket = bucket,
                            .step = step,
                            .micro = micro,
@@ -492,6 +504,48 @@ void RankSession::SendLoadState(uint64_t step) {
     impl_->ForgetParamsReady();
   }
   impl_->Push(shm::Message{.kind = shm::MessageKind::kLoadState, .step = step});
+}
+
+void RankSession::SendNormTerms(uint64_t step, uint32_t micro_batches, float norm_factor, double max_norm) {
+  impl_->Push(shm::Message{.kind = shm::MessageKind::kStepTerms,
+                           .flags = static_cast<uint16_t>(shm::kTermsNorm | (max_norm > 0 ? shm::kTermsClip : 0)),
+                           .step = step,
+                           .micro = micro_batches,
+                           .norm_factor = norm_factor,
+                           .value = max_norm});
+}
+
+void RankSession::SendCommitTerms(uint64_t step, uint32_t micro_batches, float factor) {
+  impl_->Push(shm::Message{.kind = shm::MessageKind::kStepTerms,
+                           .flags = shm::kTermsCommit,
+                           .step = step,
+                           .micro = micro_batches,
+                           .factor = factor});
+}
+
+void RankSession::SendMoreMicro(uint64_t step, uint32_t micro) {
+  impl_->Push(shm::Message{.kind = shm::MessageKind::kMoreMicro, .step = step, .micro = micro});
+}
+
+void RankSession::Discard(uint64_t step, uint32_t count) {
+  impl_->Push(shm::Message{.kind = shm::MessageKind::kDiscard, .step = step, .micro = count});
+  impl_->WaitUntil([&] { return impl_->discarded >= std::make_pair(step, count); },
+                   [&] { return fmt::format("trainstreamd to drop step {}'s gradients", step); });
+}
+
+RankSession::Norm RankSession::WaitStepNorm(uint64_t step) {
+  impl_->WaitUntil([&] { return impl_->step_norms.contains(step); },
+                   [&] { return fmt::format("the gradient norm of step {}", step); });
+  std::lock_guard lock(impl_->mutex);
+  return impl_->step_norms.at(step);
+}
+
+std::optional<RankSession::Norm> RankSession::StepNorm(uint64_t step) {
+  std::lock_guard lock(impl_->mutex);
+  impl_->Drain();
+  const auto found = impl_->step_norms.find(step);
+  if (found == impl_->step_norms.end()) return std::nullopt;
+  return found->second;
 }
 
 void RankSession::SendRaw(const shm::Message& message) {

@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -66,12 +67,14 @@ struct RankSession::Impl {
   std::mutex mutex;  // guards the rings and the per-bucket bookkeeping
   shm::RingProducer requests;
   shm::RingConsumer completions;
-  std::vector<int64_t> params_ready;      // per bucket: last published step, -1 before the first
-  std::vector<uint8_t> outstanding;       // per bucket: grads sent, not yet released
-  std::vector<uint8_t> staging_busy;      // cuda-ipc, per staging slot: sent, not yet copied out
-  std::shared_ptr<uint32_t> ready_words;  // per bucket: params_ready + 1 for the GPU; null: not mirrored
-  bool words_released = false;            // every word at kWordsReleased for good
-  std::vector<int64_t> awaited_on_gpu;    // per bucket: the step a GPU stream waits for; -1: none
+  std::vector<int64_t> params_ready;                 // per bucket: last published step, -1 before the first
+  std::vector<uint8_t> outstanding;                  // per bucket: grads sent, not yet released
+  std::vector<uint8_t> staging_busy;                 // cuda-ipc, per staging slot: sent, not yet copied out
+  std::map<uint64_t, RankSession::Norm> step_norms;  // kStepNorm, by step (the last few)
+  std::pair<uint64_t, uint32_t> discarded{0, 0};     // the last kDiscarded: (step, how many times)
+  std::shared_ptr<uint32_t> ready_words;             // per bucket: params_ready + 1 for the GPU; null: not mirrored
+  bool words_released = false;                       // every word at kWordsReleased for good
+  std::vector<int64_t> awaited_on_gpu;               // per bucket: the step a GPU stream waits for; -1: none
   std::vector<std::chrono::steady_clock::time_point> awaited_since;  // when that wait began
   std::thread watcher;
 

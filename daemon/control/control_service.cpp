@@ -171,6 +171,7 @@ shm::LayoutSpec LayoutFromProto(const v1::LayoutSpec& proto) {
   spec.accumulation_steps = proto.accumulation_steps();
   spec.world_size = proto.world_size();
   spec.max_grad_norm = proto.max_grad_norm();
+  spec.step_terms = proto.step_terms();
   spec.peers = {proto.peers().begin(), proto.peers().end()};
   spec.node_rank = proto.node_rank();
   spec.state_halves = proto.state_halves();

@@ -85,6 +85,13 @@ class Job {
   void Close(const std::string& reason, bool force);
   // Closes the job if no rank has been attached for `ttl`; returns whether it did.
   bool CloseIfIdle(std::chrono::steady_clock::duration ttl, const std::string& reason);
+  // The registry forgets the job (dropped, expired, lost); it lives on until its last user lets go. A
+  // multi-node job's all-reduce forgets the peers' fragments waiting for it and takes no more, so that
+  // a new job of its name starts clean (PeerAllReduce::Dropped). Called under the registry's lock, so
+  // no new job of the name opens before.
+  void Dropped() {
+    if (peers_) peers_->Dropped();
+  }
 
   [[nodiscard]] const std::string& name() const { return name_; }
   [[nodiscard]] const std::string& key() const { return key_; }

@@ -46,6 +46,7 @@ std::string DescribeMismatch(const shm::LayoutSpec& have, const shm::LayoutSpec&
   compare("world_size", have.world_size, want.world_size);
   compare("accumulation_steps", have.accumulation_steps, want.accumulation_steps);
   compare("max_grad_norm", have.max_grad_norm, want.max_grad_norm);
+  compare("step_terms", have.step_terms, want.step_terms);
   compare("bucket_bytes", have.bucket_bytes, want.bucket_bytes);
   compare("moments", NameOf(have.moment_dtype), NameOf(want.moment_dtype));
   compare("num_groups", have.num_groups, want.num_groups);
@@ -106,7 +107,8 @@ shm::LayoutSpec JobRegistry::Decide(const std::string& name, uint32_t uid, shm::
     }
   }
   if (request.speculative_clipping == shm::Speculation::kAuto) {
-    const bool speculate = request.state_halves == 2 && request.max_grad_norm > 0;
+    // A job with step terms may clip any step (its ranks' clip_grad_norm_ calls say which).
+    const bool speculate = request.state_halves == 2 && (request.max_grad_norm > 0 || request.step_terms);
     request.speculative_clipping = speculate ? shm::Speculation::kOn : shm::Speculation::kOff;
   }
   return request;
@@ -286,15 +288,11 @@ void JobRegistry::Drop(const std::string& name, uint32_t uid, bool force) {
     auto it = jobs_.find(id);
     TS_CHECK(it != jobs_.end(), Code::kNotFound, "uid {} has no job named '{}'", uid, name);
     it->second->Close("it was dropped", force);
+    it->second->Dropped();
     job = std::move(it->second);
     jobs_.erase(it);
   }
   job->FailAll(fmt::format("job '{}' was dropped", name));
-  DropWaitingFragments(*job);
-}
-
-void JobRegistry::DropWaitingFragments(const Job& job) {
-  if (peer_config_.mailbox != nullptr && job.spec().nodes() > 1) peer_config_.mailbox->Drop(job.name());
 }
 
 std::vector<std::shared_ptr<Job>> JobRegistry::Jobs() {
@@ -314,6 +312,7 @@ size_t JobRegistry::ExpireIdle() {
       if (it->second->CloseIfIdle(ttl, "it was idle for the TTL")) {
         spdlog::info("job '{}' idle for over {} s: dropping it (uid {})", it->first.second, config_.job_ttl_seconds,
                      it->first.first);
+        it->second->Dropped();
         expired.push_back(std::move(it->second));
         it = jobs_.erase(it);
       } else {
@@ -329,7 +328,6 @@ size_t JobRegistry::ExpireIdle() {
       orphans_.clear();
     }
   }
-  for (const auto& job : expired) DropWaitingFragments(*job);
   return expired.size();  // destroyed here, outside the lock
 }
 
@@ -340,6 +338,7 @@ size_t JobRegistry::DropLost() {
     for (auto it = jobs_.begin(); it != jobs_.end();) {
       if (auto why = it->second->Lost()) {
         it->second->Close(*why, /*force=*/true);
+        it->second->Dropped();
         lost.emplace_back(std::move(it->second), std::move(*why));
         it = jobs_.erase(it);
       } else {
@@ -350,7 +349,6 @@ size_t JobRegistry::DropLost() {
   for (const auto& [job, why] : lost) {
     spdlog::warn("job '{}' (uid {}) dropped, its segments removed: {}", job->name(), job->uid(), why);
     ProcessCounters::Instance().CountError(ErrorKind::kTruncatedSegment);
-    DropWaitingFragments(*job);
   }
   return lost.size();  // destroyed here, outside the lock
 }

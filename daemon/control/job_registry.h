@@ -67,7 +67,6 @@ class JobRegistry {
 
  private:
   using JobId = std::pair<uint32_t, std::string>;  // owner uid, name
-  void DropWaitingFragments(const Job& job);       // peers' fragments for a multi-node job, in the mailbox
   // A new job of `uid`: its state halves and speculation, decided where `request` leaves them open.
   // Requires mutex_.
   [[nodiscard]] shm::LayoutSpec Decide(const std::string& name, uint32_t uid, shm::LayoutSpec request) const;

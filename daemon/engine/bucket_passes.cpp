@@ -48,20 +48,21 @@ optimizer::Upload BucketPasses::Upload(const Block& block) const {
   return {state_.upload + bucket.upload_offset + ByteInBucket(block), bucket.dtype};
 }
 
-void BucketPasses::Accumulate(const Block& block, const Sources& sources, bool overwrite) const {
+void BucketPasses::Accumulate(const Block& block, const Sources& sources, float* accum, bool overwrite) const {
   const shm::BucketLayout& bucket = BucketOf(block);
   const SlotList slots = Slots(bucket, block.param, ByteInBucket(block), state_, sources);
   if (slots.count == 0 && !overwrite) return;
   const optimizer::GradSources grads{.slots = slots.span(), .dtype = bucket.dtype, .accum = nullptr, .scale = 1.0f};
-  optimizer::Accumulate(grads, state_.accum + Element(block), overwrite, block.count);
+  optimizer::Accumulate(grads, accum + Element(block), overwrite, block.count);
 }
 
-double BucketPasses::SumOfSquares(const Block& block, const Sources& sources, float scale, bool* nonfinite) const {
+double BucketPasses::SumOfSquares(const Block& block, const Sources& sources, const float* accum, float scale,
+                                  bool* nonfinite) const {
   const shm::BucketLayout& bucket = BucketOf(block);
   const SlotList slots = Slots(bucket, block.param, ByteInBucket(block), state_, sources);
   const optimizer::GradSources grads{.slots = slots.span(),
                                      .dtype = bucket.dtype,
-                                     .accum = state_.accum != nullptr ? state_.accum + Element(block) : nullptr,
+                                     .accum = accum != nullptr ? accum + Element(block) : nullptr,
                                      .scale = scale};
   return optimizer::SumOfSquares(grads, block.count, nonfinite);
 }
@@ -70,12 +71,13 @@ std::byte* BucketPasses::Moment(void* region, const Block& block) const {
   return static_cast<std::byte*>(region) + Element(block) * SizeOf(moment_dtype_);
 }
 
-bool BucketPasses::Update(const Block& block, const Sources& sources, float scale, const optimizer::AdamWStep& step,
-                          uint64_t sr_seed, const shm::StateHalf& from, const shm::StateHalf& to) const {
-  return UpdateWithNorm(block, sources, scale, step, sr_seed, from, to, nullptr, nullptr);
+bool BucketPasses::Update(const Block& block, const Sources& sources, const float* accum, float scale,
+                          const optimizer::AdamWStep& step, uint64_t sr_seed, const shm::StateHalf& from,
+                          const shm::StateHalf& to) const {
+  return UpdateWithNorm(block, sources, accum, scale, step, sr_seed, from, to, nullptr, nullptr);
 }
 
-bool BucketPasses::UpdateWithNorm(const Block& block, const Sources& sources, float scale,
+bool BucketPasses::UpdateWithNorm(const Block& block, const Sources& sources, const float* accum, float scale,
                                   const optimizer::AdamWStep& step, uint64_t sr_seed, const shm::StateHalf& from,
                                   const shm::StateHalf& to, double* sum_of_squares, bool* nonfinite) const {
   const shm::BucketLayout& bucket = BucketOf(block);
@@ -83,7 +85,7 @@ bool BucketPasses::UpdateWithNorm(const Block& block, const Sources& sources, fl
   const uint64_t element = Element(block);
   const optimizer::GradSources grads{.slots = slots.span(),
                                      .dtype = bucket.dtype,
-                                     .accum = state_.accum != nullptr ? state_.accum + element : nullptr,
+                                     .accum = accum != nullptr ? accum + element : nullptr,
                                      .scale = scale};
   const optimizer::MomentBuffers moments{.exp_avg = Moment(to.exp_avg, block),
                                          .exp_avg_sq = Moment(to.exp_avg_sq, block),

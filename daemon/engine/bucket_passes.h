@@ -31,28 +31,32 @@ struct Block {
 // hold the channels, so a rank that detaches keeps its mapping until they have finished.
 using Sources = std::vector<std::shared_ptr<RankChannel>>;
 
-// The passes over one job's memory: its state segment (master weights, moments, accumulator,
-// upload staging) and, given per call, its ranks' gradient slots.
+// The passes over one job's memory: its state segment (master weights, moments, upload staging) and,
+// given per call, its ranks' gradient slots and the accumulator.
 class BucketPasses {
  public:
   BucketPasses(const shm::JobLayout& layout, const shm::StateView& state, DType moment_dtype)
       : layout_(layout), state_(state), moment_dtype_(moment_dtype) {}
 
+  // `accum` is the job's fp32 accumulator (its element 0): the earlier micro-batches of the step, summed;
+  // nullptr where the block's bucket has none in this step.
   // accum = (overwrite ? 0 : accum) + the sum of the sources' slots. Without a slot to add and
   // without `overwrite` the accumulator is left as it is.
-  void Accumulate(const Block& block, const Sources& sources, bool overwrite) const;
+  void Accumulate(const Block& block, const Sources& sources, float* accum, bool overwrite) const;
   // sum(g^2) of g = scale * (accum + the sources' slots); sets *nonfinite if any g is inf or NaN.
-  double SumOfSquares(const Block& block, const Sources& sources, float scale, bool* nonfinite) const;
+  double SumOfSquares(const Block& block, const Sources& sources, const float* accum, float scale,
+                      bool* nonfinite) const;
   // AdamW (or Adam) from the master weights and moments in `from` to those in `to` (in place when they
   // are the same half), from g = scale * (accum + the sources' slots), and the new weights of 16-bit
   // buckets into the upload region. Returns whether the new master weights hold inf or NaN.
-  bool Update(const Block& block, const Sources& sources, float scale, const optimizer::AdamWStep& step,
-              uint64_t sr_seed, const shm::StateHalf& from, const shm::StateHalf& to) const;
+  bool Update(const Block& block, const Sources& sources, const float* accum, float scale,
+              const optimizer::AdamWStep& step, uint64_t sr_seed, const shm::StateHalf& from,
+              const shm::StateHalf& to) const;
   // Update, and SumOfSquares of the same g (scale included) into *sum_of_squares, from the update's own
   // reads (speculative clipping: optimizer::AdamWUpdateWithNorm says why).
-  bool UpdateWithNorm(const Block& block, const Sources& sources, float scale, const optimizer::AdamWStep& step,
-                      uint64_t sr_seed, const shm::StateHalf& from, const shm::StateHalf& to, double* sum_of_squares,
-                      bool* nonfinite) const;
+  bool UpdateWithNorm(const Block& block, const Sources& sources, const float* accum, float scale,
+                      const optimizer::AdamWStep& step, uint64_t sr_seed, const shm::StateHalf& from,
+                      const shm::StateHalf& to, double* sum_of_squares, bool* nonfinite) const;
   // The master weights and moments from `from` into `to`, unchanged: a parameter without a gradient in
   // a step keeps its state in the half that step commits.
   void Carry(const Block& block, const shm::StateHalf& from, const shm::StateHalf& to) const;

@@ -56,6 +56,7 @@ StepEngine::StepEngine(std::string job_name, const shm::LayoutSpec& spec, const 
       ranks_(spec.world_size),
       buckets_(layout.buckets.size()),
       had_grad_(spec.params.size(), 0),
+      accumulator_(state.accum),
       adopted_(adopted) {
   for (size_t b = 0; b < buckets_.size(); ++b) {
     buckets_[b].step = state_.bucket_state[b].Load().step + 1;
@@ -162,6 +163,7 @@ EngineStats StepEngine::Stats() {
                     .nonfinite_steps = nonfinite_steps_.load(),
                     .speculative_steps = speculative_steps_.load(),
                     .redone_steps = redone_steps_.load(),
+                    .accumulator_bytes = accumulator_bytes_.load(),
                     .attached_ranks = {}};
   std::lock_guard lock(mutex_);
   for (const auto& channel : ranks_) {
@@ -301,7 +303,12 @@ void StepEngine::ResetCollecting(const std::string& reason) {
     if (progress.phase == Phase::kCollecting) {
       if (progress.delivered_count == 0 && progress.micro == 0) continue;
       RestartBucket(b);
-    } else if (progress.phase == Phase::kAwaitingClip) {
+    } else if (progress.phase == Phase::kAwaitingDecision && progress.plan != nullptr && !Revocable(b)) {
+      // Updated in place before its step's decision: it commits as it ran, and the replayed step skips
+      // it (SkipReplayedStep), as a one-half job's buckets that committed before a rank left always did.
+      CommitBucket(b, progress.step, progress.plan->to);
+      continue;
+    } else if (progress.phase == Phase::kAwaitingDecision) {
       Abandon(b);
     } else if (progress.streaming && GradientBytesIn(b) < layout_.buckets[b].bytes()) {
       // Its update started with its first gradients (or waits to start), and the rest will not come:
@@ -323,7 +330,9 @@ void StepEngine::ResetCollecting(const std::string& reason) {
     }
     discarded = true;
   }
-  clip_gates_.clear();  // no step with a gate left can complete: decided gates are gone already
+  gates_.clear();  // no step with a gate left can complete: decided gates are gone already
+  more_step_ = 0;
+  discarding_.reset();
   for (uint32_t b = 0; b < buckets_.size() && !discarded; ++b) {
     discarded = state_.bucket_state[b].Load().step != completed_;
   }
@@ -346,6 +355,8 @@ void StepEngine::RestartBucket(uint32_t b) {
   std::fill(progress.delivered.begin(), progress.delivered.end(), 0);
   progress.streaming = false;
   progress.grad_bytes = 0;
+  progress.flags = 0;
+  progress.accumulated = progress.held = progress.from_accum = progress.take_back = false;
   for (uint32_t p : layout_.buckets[b].params) had_grad_[p] = 0;
   for (const auto& channel : ranks_) {
     if (channel) channel->staged[b] = channel->pulled[b] = 0;
@@ -372,6 +383,7 @@ bool StepEngine::Discarded(uint32_t b) {
   progress.discard = false;
   Abandon(b);
   RunResumes();
+  MaybeFinishDiscard();
   return true;
 }
 
@@ -431,6 +443,9 @@ void StepEngine::Handle(RankChannel& channel, const shm::Message& message) {
     case shm::MessageKind::kGradReady: return OnGradReady(channel, message);
     case shm::MessageKind::kLoadState: return OnLoadState(channel, message);
     case shm::MessageKind::kWeightsWanted: return OnWeightsWanted(ranks_[channel.rank], message);
+    case shm::MessageKind::kStepTerms: return OnStepTerms(channel, message);
+    case shm::MessageKind::kMoreMicro: return OnMoreMicro(channel, message);
+    case shm::MessageKind::kDiscard: return OnDiscard(channel, message);
     default:
       Throw(Code::kInvalidArgument, "unknown ring message kind {} from rank {}", static_cast<int>(message.kind),
             channel.rank);
@@ -454,9 +469,18 @@ void StepEngine::OnGradReady(RankChannel& channel, const shm::Message& message) 
   TS_CHECK(rest || !progress.delivered[channel.rank], Code::kInvalidArgument,
            "rank {} delivered bucket {} of step {} micro-batch {} twice", channel.rank, b, message.step, message.micro);
   const bool final_micro = (message.flags & shm::kFinalMicro) != 0;
-  TS_CHECK(final_micro == (message.micro + 1 == spec_.accumulation_steps), Code::kInvalidArgument,
-           "GRAD_READY micro-batch {} marked {}final, but accumulation_steps is {}", message.micro,
-           final_micro ? "" : "not ", spec_.accumulation_steps);
+  const bool uncertain = (message.flags & shm::kUncertainMicro) != 0;
+  if (spec_.accumulation_steps != 0) {
+    TS_CHECK(final_micro == (message.micro + 1 == spec_.accumulation_steps) && !uncertain, Code::kInvalidArgument,
+             "GRAD_READY micro-batch {} marked {}, but accumulation_steps is {}", message.micro,
+             uncertain     ? "uncertain"
+             : final_micro ? "final"
+                           : "not final",
+             spec_.accumulation_steps);
+  }
+  TS_CHECK(!(final_micro && uncertain), Code::kInvalidArgument,
+           "GRAD_READY micro-batch {} marked both final and uncertain", message.micro);
+  if (!rest) progress.flags = message.flags;
   if (channel.transfer == nullptr) return Deliver(channel, b);
   TS_CHECK(message.slot < channel.transfer->staging_slots(), Code::kInvalidArgument,
            "GRAD_READY for bucket {} names staging slot {}, but rank {} registered {}", b, message.slot, channel.rank,
@@ -528,12 +552,38 @@ void StepEngine::Deliver(RankChannel& channel, uint32_t b) {
 
 void StepEngine::OnBucketDelivered(uint32_t b) {
   BucketProgress& progress = buckets_[b];
-  const bool final_micro = progress.micro + 1 == spec_.accumulation_steps;
-  if (final_micro) HParamsFor(progress.step);  // refuse bad hyperparameters before any work starts
+  const Last last = LastMicro(b);
+  if (last == Last::kUnknown) return Hold(b);
+  if (last == Last::kYes) HParamsFor(progress.step);  // refuse bad hyperparameters before any work starts
   progress.phase = Phase::kBusy;
-  if (!final_micro) return StartAccumulate(b);
+  if (last == Last::kNo) return StartAccumulate(b);
   if (spec_.nodes() > 1) return StartReduce(b);
   AfterGradients(b);
+}
+
+// A fixed count says it; else what the step's ranks said (its terms' count, another backward pass),
+// else what the micro-batch's ranks expect.
+StepEngine::Last StepEngine::LastMicro(uint32_t b) {
+  const BucketProgress& progress = buckets_[b];
+  if (spec_.accumulation_steps != 0) return progress.micro + 1 == spec_.accumulation_steps ? Last::kYes : Last::kNo;
+  if (more_step_ == progress.step && progress.micro < more_micros_) return Last::kNo;
+  const auto gate = gates_.find(progress.step);
+  if (gate != gates_.end() && gate->second.terms().micro_batches != 0) {
+    return progress.micro + 1 == gate->second.terms().micro_batches ? Last::kYes : Last::kNo;
+  }
+  if ((progress.flags & shm::kUncertainMicro) != 0) return Last::kUnknown;
+  return (progress.flags & shm::kFinalMicro) != 0 ? Last::kYes : Last::kNo;
+}
+
+// Its ranks cannot tell whether this micro-batch is the step's last: its gradients stay in the slots
+// until the step's terms (then they are) or another backward pass (then they are accumulated) say.
+void StepEngine::Hold(uint32_t b) {
+  BucketProgress& progress = buckets_[b];
+  progress.phase = Phase::kAwaitingDecision;
+  progress.pass = Pass::kNone;
+  progress.held = true;
+  const auto gate = gates_.find(progress.step);
+  if (gate != gates_.end() && gate->second.NormsNeeded()) StartNorm(b);
 }
 
 // The hyperparameters in force for `step`: those rank 0 wrote (the lowest attached rank if 0 is gone).
@@ -636,6 +686,7 @@ void StepEngine::TouchState() {
 }
 
 void StepEngine::StartAccumulate(uint32_t b) {
+  buckets_[b].phase = Phase::kBusy;
   buckets_[b].pass = Pass::kAccumulate;
   AccumulateSlots(b, [this, b] {
     if (Discarded(b)) return;
@@ -646,7 +697,23 @@ void StepEngine::StartAccumulate(uint32_t b) {
     progress.phase = Phase::kCollecting;
     progress.pass = Pass::kNone;
     PostToAll(shm::Message{.kind = shm::MessageKind::kSlotFree, .bucket = b, .step = progress.step, .micro = micro});
+    if (HoldAccumulated(b)) MaybeDecide(progress.step);
   });
+}
+
+// The step's terms say it summed as many micro-batches as bucket b has accumulated: its last gradients
+// are all in the accumulator, and it waits for the decision as a held bucket does.
+bool StepEngine::HoldAccumulated(uint32_t b) {
+  BucketProgress& progress = buckets_[b];
+  const auto gate = gates_.find(progress.step);
+  if (gate == gates_.end() || gate->second.terms().micro_batches == 0) return false;
+  if (progress.phase != Phase::kCollecting || !progress.accumulated || progress.delivered_count != 0 ||
+      progress.micro != gate->second.terms().micro_batches) {
+    return false;
+  }
+  progress.from_accum = true;
+  Hold(b);
+  return true;
 }
 
 // Multi-node: this node's sum goes into the accumulator, then around the ring of daemons.
@@ -655,7 +722,7 @@ void StepEngine::StartReduce(uint32_t b) {
   AccumulateSlots(b, [this, b] {
     const shm::BucketLayout& bucket = layout_.buckets[b];
     ++inflight_;  // the all-reduce works on the accumulator
-    peers_->Submit(buckets_[b].step, b, state_.accum + bucket.elem_offset, bucket.numel,
+    peers_->Submit(buckets_[b].step, b, accumulator_ + bucket.elem_offset, bucket.numel,
                    [this, b](std::optional<Error> error) {
                      Continue([this, b, error = std::move(error)] {
                        if (!error) return AfterGradients(b);
@@ -669,48 +736,92 @@ void StepEngine::StartReduce(uint32_t b) {
   });
 }
 
+// Bucket b's last gradients of the step are in (its update reads them, and the accumulator). Its step
+// decided: the update as decided. Else the update runs now with the multiplier the
+// steps before had, unless a norm is needed and it could not be taken back or the step waits for the
+// norm (a run of clipped steps): then the norm comes first.
 void StepEngine::AfterGradients(uint32_t b) {
-  if (spec_.max_grad_norm == 0) return StartUpdate(b, 1.0f, Pass::kUpdate);
-  if (GateOf(buckets_[b].step).speculative()) return StartUpdate(b, 1.0f, Pass::kSpeculate);
-  StartNorm(b);
+  StepGate& gate = GateOf(buckets_[b].step);
+  if (gate.Decided()) {
+    return StartUpdate(b, gate.Decision().multiplier, Pass::kUpdate);
+  }
+  if (gate.NormsNeeded() && !(gate.speculative() && Revocable(b))) return StartNorm(b);
+  StartUpdate(b, gate.assumed(), Pass::kSpeculate);
 }
 
-// The step's first bucket with all its gradients decides for every bucket of the step: it speculates
-// unless the last kClippedRunToWait steps all clipped. A clipped step's redo starts only after the whole
-// speculative pass (a bucket's norm is known when its update ends), so in a run of clipped steps each
-// step pays a second update pass on top of what waiting for the norm costs; an isolated clipped step
-// still speculates, as most steps after it do not clip (the 124M GPT on structured data, one H200: 10
-// of 220 steps redone, 54.9 ms a step against 59.7 ms waiting for the norm).
-ClipGate& StepEngine::GateOf(uint64_t step) {
+bool StepEngine::Revocable(uint32_t b) const {
+  return spec_.state_halves == 2 && !layout_.buckets[b].grads_in_upload;
+}
+
+// The step's first bucket to need its gate decides what the step's updates assume: the multiplier and
+// whether a norm was needed of the step before, or the job's own terms. A step whose updates need the
+// norm speculates unless the last kClippedRunToWait steps all clipped. A clipped step's redo starts only
+// after the whole speculative pass (a bucket's norm is known when its update ends), so in a run of
+// clipped steps each step pays a second update pass on top of what waiting for the norm costs; an
+// isolated clipped step still speculates, as most steps after it do not clip (the 124M GPT on structured
+// data, one H200: 10 of 220 steps redone, 54.9 ms a step against 59.7 ms waiting for the norm).
+StepGate& StepEngine::GateOf(uint64_t step) {
+  auto found = gates_.find(step);
+  if (found != gates_.end()) return found->second;
   const bool speculate = layout_.speculative_clipping && clipped_run_ < kClippedRunToWait;
-  return clip_gates_.try_emplace(step, buckets_.size(), speculate).first->second;
-}
-
-void StepEngine::CountClipped(double coefficient) {
-  clipped_run_ = coefficient != 1.0 ? clipped_run_ + 1 : 0;
+  const bool expects_norms = spec_.max_grad_norm > 0 || last_needed_norms_;
+  StepGate& gate =
+      gates_.try_emplace(step, buckets_.size(), spec_.world_size, speculate, last_factor_, expects_norms).first->second;
+  if (!spec_.step_terms) gate.SetTerms(StepGate::FromOptions(spec_.accumulation_steps, spec_.max_grad_norm));
+  return gate;
 }
 
 void StepEngine::AccumulateSlots(uint32_t b, std::function<void()> then) {
-  const bool overwrite = buckets_[b].micro == 0;
+  float* accum = AccumulatorOf(b);
+  const bool overwrite = !buckets_[b].accumulated;
+  if (accum == nullptr) {
+    EnsureAccumulator();
+    accum = accumulator_;
+  }
+  buckets_[b].accumulated = true;
   Schedule(
       b, 0, [](uint32_t) { return true; },
-      [passes = &passes_, overwrite, sources = SnapshotSources()](size_t, const Block& block) {
-        passes->Accumulate(block, sources, overwrite);
+      [passes = &passes_, accum, overwrite, sources = SnapshotSources()](size_t, const Block& block) {
+        passes->Accumulate(block, sources, accum, overwrite);
       },
       std::move(then));
 }
 
+float* StepEngine::AccumulatorOf(uint32_t b) {
+  return buckets_[b].accumulated ? accumulator_ : nullptr;
+}
+
+// A job that counts its micro-batches maps its accumulator when the first step sums several; a job
+// without the room fails that step (every rank hears why) and keeps its state.
+void StepEngine::EnsureAccumulator() {
+  if (accumulator_ != nullptr) return;
+  own_accumulator_ = std::make_unique<AccumulatorMemory>(layout_.total_elems);
+  accumulator_ = own_accumulator_->data();
+  accumulator_bytes_ = own_accumulator_->bytes();
+  spdlog::info("job '{}': {} bytes of gradient accumulator mapped (a step sums several backward passes)", job_name_,
+               own_accumulator_->bytes());
+}
+
+Sources StepEngine::FinalSlots(uint32_t b) {
+  return buckets_[b].from_accum ? Sources() : GradientSlots();
+}
+
+// The squares of the bucket's last gradients (all of the step's, the accumulator's included), before any
+// update: the decision then says what the update applies (or whether it runs).
 void StepEngine::StartNorm(uint32_t b) {
-  buckets_[b].pass = Pass::kNorm;
+  BucketProgress& progress = buckets_[b];
+  progress.phase = Phase::kBusy;
+  progress.pass = Pass::kNorm;
   const float scale = 1.0f / static_cast<float>(spec_.world_size * spec_.nodes());
   auto include = [this](uint32_t p) { return had_grad_[p] != 0; };
   auto partial = std::make_shared<std::vector<double>>(BlocksOf(b, include)->size(), 0.0);
   auto nonfinite = std::make_shared<std::atomic<bool>>(false);
   Schedule(
       b, 0, include,
-      [passes = &passes_, scale, partial, nonfinite, sources = GradientSlots()](size_t i, const Block& block) {
+      [passes = &passes_, scale, partial, nonfinite, accum = AccumulatorOf(b), sources = FinalSlots(b)](
+          size_t i, const Block& block) {
         bool bad = false;
-        (*partial)[i] = passes->SumOfSquares(block, sources, scale, &bad);
+        (*partial)[i] = passes->SumOfSquares(block, sources, accum, scale, &bad);
         if (bad) nonfinite->store(true);
       },
       [this, b, partial, nonfinite] { OnNormed(b, Total(*partial), nonfinite->load()); });
@@ -719,63 +830,142 @@ void StepEngine::StartNorm(uint32_t b) {
 void StepEngine::OnNormed(uint32_t b, double sum_of_squares, bool nonfinite) {
   if (Discarded(b)) return;
   BucketProgress& progress = buckets_[b];
-  progress.phase = Phase::kAwaitingClip;
+  if (progress.take_back) return Revoke(b);
+  progress.phase = Phase::kAwaitingDecision;
   progress.pass = Pass::kNone;
-  const uint64_t step = progress.step;
-  ClipGate& gate = GateOf(step);
-  if (!gate.Add(b, sum_of_squares, nonfinite)) return;
-  // Every bucket's norm is in: torch's clip_grad_norm_ coefficient, then updates in forward order
-  // (the highest bucket holds the first parameters, which the next forward needs first).
-  const double coefficient = gate.Coefficient(spec_.max_grad_norm);
-  if (gate.nonfinite()) ReportNonFinite(step, "gradients contain inf or NaN");
-  clip_gates_.erase(step);
-  CountClipped(coefficient);
-  for (uint32_t bucket = static_cast<uint32_t>(buckets_.size()); bucket-- > 0;) {
-    StartUpdate(bucket, static_cast<float>(coefficient), Pass::kUpdate);
-  }
+  GateOf(progress.step).AddNorm(b, sum_of_squares, nonfinite, 1.0f);
+  MaybeDecide(progress.step);
 }
 
-// Speculative clipping: bucket b's update with coefficient 1 is written (not committed) and its norm
-// is known. Once every bucket's is, ClipDecided commits the step or redoes it.
+// Bucket b's update before its step's decision is written (not committed), with its norm where it summed
+// the squares. Once the step is decided, MaybeDecide commits, redoes or takes it back.
 void StepEngine::OnSpeculated(uint32_t b, double sum_of_squares, bool nonfinite) {
   if (Discarded(b)) return;
   BucketProgress& progress = buckets_[b];
-  progress.phase = Phase::kAwaitingClip;
+  if (progress.take_back) return Revoke(b);
+  progress.phase = Phase::kAwaitingDecision;
+  progress.pass = Pass::kNone;
   const uint64_t step = progress.step;
-  if (GateOf(step).Add(b, sum_of_squares, nonfinite)) return ClipDecided(step);
-  for (const auto& channel : ranks_) {
+  StepGate& gate = GateOf(step);
+  if (progress.plan->with_norm) gate.AddNorm(b, sum_of_squares, nonfinite, progress.plan->multiplier);
+  if (!gate.HasNorm(b) && gate.NormsNeeded()) return StartNorm(b);  // its gradients are still there
+  MaybeDecide(step);
+  if (buckets_[b].step != step || buckets_[b].phase != Phase::kAwaitingDecision)
+    return;                             // decided: committed or redone
+  for (const auto& channel : ranks_) {  // its weights reach the GPUs while the step waits for its decision
     if (channel && channel->transfer != nullptr) MaybePush(channel, b);
   }
 }
 
-// The norm of a speculated step is known. A coefficient of exactly 1 is what the updates were written
-// with: every bucket commits what it wrote (in forward order). Otherwise (clipping, or an inf norm)
-// each bucket with gradients is updated again from its committed half with the coefficient, exactly
-// the update that waited for the norm, and then commits; a bucket without gradients only carried its
-// state, which commits as it is. A NaN norm gives a coefficient of 1, as it does without speculation.
-void StepEngine::ClipDecided(uint64_t step) {
-  const ClipGate& gate = clip_gates_.at(step);
-  const double coefficient = gate.Coefficient(spec_.max_grad_norm);
-  if (gate.nonfinite()) ReportNonFinite(step, "gradients contain inf or NaN");
-  clip_gates_.erase(step);
-  CountClipped(coefficient);
-  ++speculative_steps_;
-  const bool redo = coefficient != 1.0;
-  if (redo) ++redone_steps_;
-  for (uint32_t b = static_cast<uint32_t>(buckets_.size()); b-- > 0;) {
-    const std::shared_ptr<const UpdatePlan> plan = buckets_[b].plan;
-    const bool any_gradient = std::any_of(plan->updated.begin(), plan->updated.end(), [](uint8_t u) { return u; });
-    if (redo && any_gradient) {
-      StartUpdate(b, static_cast<float>(coefficient), Pass::kRedo);
-    } else {
-      CommitBucket(b, step, plan->to);
-    }
+void StepEngine::StartMissingNorms(uint64_t step) {
+  StepGate& gate = GateOf(step);
+  for (uint32_t b = 0; b < buckets_.size(); ++b) {
+    const BucketProgress& progress = buckets_[b];
+    if (progress.step == step && progress.phase == Phase::kAwaitingDecision && !gate.HasNorm(b)) StartNorm(b);
   }
+}
+
+// The ranks that asked get the step's norm once every bucket's is in; a decided step's buckets go on.
+void StepEngine::MaybeDecide(uint64_t step) {
+  const auto found = gates_.find(step);
+  if (found == gates_.end()) return;
+  StepGate& gate = found->second;
+  if (spec_.step_terms && gate.NormsComplete() && (gate.terms().norm_wanted || gate.terms().max_norm > 0) &&
+      gate.MarkNormSent()) {
+    PostToAll(shm::Message{.kind = shm::MessageKind::kStepNorm,
+                           .flags = static_cast<uint16_t>(gate.Decision().nonfinite ? shm::kNonFinite : 0),
+                           .step = step,
+                           .value = gate.Norm()});
+  }
+  if (!gate.Decided()) return;
+  const StepDecision decision = gate.Decision();
+  if (gate.MarkApplied()) Count(step, gate, decision);
+  for (uint32_t b = static_cast<uint32_t>(buckets_.size()); b-- > 0;) {
+    if (buckets_[b].step == step) Settle(b, decision);
+  }
+}
+
+// A step decided: its warnings and counters, and what the next step's updates assume.
+void StepEngine::Count(uint64_t step, const StepGate& gate, const StepDecision& decision) {
+  if (decision.nonfinite) ReportNonFinite(step, "gradients contain inf or NaN");
+  if (gate.terms().max_norm > 0) clipped_run_ = decision.clip_coefficient != 1.0 ? clipped_run_ + 1 : 0;
+  last_factor_ = gate.terms().factor;
+  last_needed_norms_ = gate.NormsNeeded();
+  bool written = false, changed = false;
+  for (const BucketProgress& progress : buckets_) {
+    if (progress.step != step || progress.plan == nullptr || progress.phase != Phase::kAwaitingDecision) continue;
+    written = true;
+    changed |= progress.plan->multiplier != decision.multiplier;
+  }
+  if (written && gate.NormsNeeded()) {
+    ++speculative_steps_;
+    if (changed) ++redone_steps_;
+  }
+}
+
+// Forward order (the caller's loop): the highest bucket holds the first parameters, which the next
+// forward needs first. A bucket whose pass still runs settles when it ends (its end sees the step decided),
+// one whose last gradients are still coming when they are in (AfterGradients).
+void StepEngine::Settle(uint32_t b, const StepDecision& decision) {
+  BucketProgress& progress = buckets_[b];
+  const uint64_t step = progress.step;
+  if (progress.phase != Phase::kAwaitingDecision) return;
+  progress.held = false;
+  const std::shared_ptr<const UpdatePlan> plan = progress.plan;
+  if (plan == nullptr) return StartUpdate(b, decision.multiplier, Pass::kUpdate);  // held, or its norm taken first
+  if (plan->multiplier == decision.multiplier) return CommitBucket(b, step, plan->to);
+  if (!Revocable(b)) {
+    return Diverge(fmt::format(
+        "step {}: bucket {} was updated in place with gradient multiplier {} before the step's terms said {} (the "
+        "job has one state half, or keeps paged gradients in their upload copy, so an update cannot be taken "
+        "back); drop the job and pass the clipping (max_grad_norm=) to trainstream.wrap, or let the job keep two "
+        "state halves",
+        step, b, plan->multiplier, decision.multiplier));
+  }
+  const bool any_gradient = std::any_of(plan->updated.begin(), plan->updated.end(), [](uint8_t u) { return u; });
+  if (!any_gradient) return CommitBucket(b, step, plan->to);  // it only carried its state across
+  StartUpdate(b, decision.multiplier, Pass::kRedo);
+}
+
+void StepEngine::TakeBack(uint32_t b) {
+  BucketProgress& progress = buckets_[b];
+  ForgetSpeculated(b);
+  progress.updating = false;
+  progress.upload_dirty |= !layout_.buckets[b].uploads_from_master();
+  progress.plan.reset();
+  progress.update.reset();
+}
+
+// Another backward pass follows the micro-batch bucket b holds: taken back where an update ran on it
+// (that fails the job where it ran in place), its gradients accumulated, and the bucket collects the next.
+void StepEngine::Revoke(uint32_t b) {
+  BucketProgress& progress = buckets_[b];
+  progress.take_back = false;
+  progress.held = false;
+  if (progress.plan != nullptr) {
+    if (!Revocable(b)) {
+      return Diverge(fmt::format(
+          "step {}: another backward pass came after micro-batch {}, whose update of bucket {} already ran in place "
+          "(the job has one state half, or keeps paged gradients in their upload copy, so an update cannot be "
+          "taken back); drop the job and pass accumulation_steps={} (or more) to trainstream.wrap",
+          progress.step, progress.micro, b, progress.micro + 2));
+    }
+    TakeBack(b);
+  }
+  progress.streaming = false;
+  progress.grad_bytes = 0;
+  StartAccumulate(b);
+}
+
+void StepEngine::Diverge(const std::string& why) {
+  if (!diverged_) diverged_ = why;
+  spdlog::error("job '{}': {}", job_name_, why);
+  FailSessions(why);
 }
 
 // The update of bucket b's step: scalars per parameter (step counts written into the half it writes),
 // from the committed half into the other (the same with one half).
-std::shared_ptr<const StepEngine::UpdatePlan> StepEngine::PlanUpdate(uint32_t b) {
+std::shared_ptr<StepEngine::UpdatePlan> StepEngine::PlanUpdate(uint32_t b) {
   auto plan = std::make_shared<UpdatePlan>();
   plan->step = buckets_[b].step;
   plan->from = state_.bucket_state[b].Load().half;
@@ -799,19 +989,21 @@ std::shared_ptr<const StepEngine::UpdatePlan> StepEngine::PlanUpdate(uint32_t b)
 
 // Reads bucket b's committed half and writes the other (the same half, in place, with one half): the
 // parameters with a gradient get their update, the others their state carried over unchanged (with one
-// half there is nothing to carry). kSpeculate also sums the squares of each block's gradients, inside
-// the update from the gradients it reads (a norm pass before each block's update made the update
-// 1.29-1.54x slower in fp32 on the dev box, the fused sum 1.00-1.16x: benchmarks/adamw "norm first"/
-// "norm fused"; the speculated steps of the 1.86B were 1.26-1.30x the unclipped ones on the GPU machine).
+// half there is nothing to carry), from g = multiplier x the averaged gradients. kSpeculate also sums
+// the squares of each block's gradients where the step's decision may need them, inside the update from
+// the gradients it reads (a norm pass before each block's update made the update 1.29-1.54x slower in
+// fp32 on the dev box, the fused sum 1.00-1.16x: benchmarks/adamw "norm first"/"norm fused"; the
+// speculated steps of the 1.86B were 1.26-1.30x the unclipped ones on the GPU machine), and always where
+// the gradients it reads are overwritten by the update itself (gradients in the upload copy).
 // The update waits while a GPU still reads the bucket's weights of the last step, and until every bucket
 // has committed the step before (the skew bound, see the header).
-void StepEngine::StartUpdate(uint32_t b, float clip_coefficient, Pass pass) {
+void StepEngine::StartUpdate(uint32_t b, float multiplier, Pass pass) {
   BucketProgress& progress = buckets_[b];
   if (state_.bucket_state[b].Load().step >= progress.step) return SkipReplayedStep(b);
   progress.phase = Phase::kBusy;
   progress.pass = pass;
   if (progress.pushes > 0 || progress.step > completed_ + 1) {
-    progress.pending = {clip_coefficient, pass};
+    progress.pending = {multiplier, pass};
     return;
   }
   progress.pending.reset();
@@ -819,31 +1011,33 @@ void StepEngine::StartUpdate(uint32_t b, float clip_coefficient, Pass pass) {
   progress.updating = true;
   progress.update_started = std::chrono::steady_clock::now();
   if (pass != Pass::kRedo) progress.plan = PlanUpdate(b);
-  const std::shared_ptr<const UpdatePlan> plan = progress.plan;
+  const std::shared_ptr<UpdatePlan> plan = progress.plan;
+  plan->multiplier = multiplier;
+  plan->with_norm =
+      pass == Pass::kSpeculate && (GateOf(plan->step).NormsNeeded() || layout_.buckets[b].grads_in_upload);
   if (spec_.state_halves == 1) {  // torn until the commit: a daemon that adopts the job must know
     state_.bucket_state[b].Store({.step = state_.bucket_state[b].Load().step, .half = 0, .updating = true});
   }
   const bool carry = plan->from != plan->to;  // in place, a parameter without a gradient is left alone
   auto include = [this, carry](uint32_t p) { return carry || had_grad_[p] != 0; };
   const bool speculative = pass == Pass::kSpeculate;
-  const float norm_scale = 1.0f / static_cast<float>(spec_.world_size * spec_.nodes());
-  const float scale = clip_coefficient * norm_scale;
+  const float scale = multiplier / static_cast<float>(spec_.world_size * spec_.nodes());
   const uint64_t sr_seed = seed_ ^ (plan->step * 0xD1B54A32D192ED03ull);
   const std::shared_ptr<std::vector<Block>> blocks = BlocksOf(b, include);
-  auto partial = std::make_shared<std::vector<double>>(speculative ? blocks->size() : 0, 0.0);
+  auto partial = std::make_shared<std::vector<double>>(plan->with_norm ? blocks->size() : 0, 0.0);
   auto nonfinite = std::make_shared<std::atomic<bool>>(false);
   auto norm_nonfinite = std::make_shared<std::atomic<bool>>(false);
-  auto work = [passes = &passes_, scale, norm_scale, sr_seed, plan, partial, nonfinite, norm_nonfinite,
-               from = &state_.halves[plan->from], to = &state_.halves[plan->to],
-               sources = GradientSlots()](size_t i, const Block& block) {
+  auto work = [passes = &passes_, scale, sr_seed, plan, partial, nonfinite, norm_nonfinite,
+               from = &state_.halves[plan->from], to = &state_.halves[plan->to], accum = AccumulatorOf(b),
+               sources = FinalSlots(b)](size_t i, const Block& block) {
     if (plan->updated[block.param] == 0) return passes->Carry(block, *from, *to);
     bool bad_weights = false;
     if (partial->empty()) {
-      bad_weights = passes->Update(block, sources, scale, plan->scalars[block.param], sr_seed, *from, *to);
-    } else {  // speculating: the coefficient is 1, so the update's g is the norm's
+      bad_weights = passes->Update(block, sources, accum, scale, plan->scalars[block.param], sr_seed, *from, *to);
+    } else {  // the norm of the update's own g (scale included)
       bool bad_gradients = false;
-      bad_weights = passes->UpdateWithNorm(block, sources, norm_scale, plan->scalars[block.param], sr_seed, *from, *to,
-                                           &(*partial)[i], &bad_gradients);
+      bad_weights = passes->UpdateWithNorm(block, sources, accum, scale, plan->scalars[block.param], sr_seed, *from,
+                                           *to, &(*partial)[i], &bad_gradients);
       if (bad_gradients) norm_nonfinite->store(true);
     }
     if (bad_weights) nonfinite->store(true);
@@ -944,8 +1138,9 @@ void StepEngine::OnPieceWritten(uint32_t b, uint32_t k) {
 bool StepEngine::StreamsGradients(uint32_t b) {
   const BucketProgress& progress = buckets_[b];
   if (spec_.world_size != 1 || spec_.nodes() != 1 || spec_.state_halves != 2) return false;
-  if (progress.micro + 1 != spec_.accumulation_steps) return false;
-  return spec_.max_grad_norm == 0 || GateOf(progress.step).speculative();
+  if (LastMicro(b) != Last::kYes) return false;
+  const StepGate& gate = GateOf(progress.step);
+  return gate.Decided() || !gate.NormsNeeded() || gate.speculative();
 }
 
 uint64_t StepEngine::GradientBytesIn(uint32_t b) const {
@@ -1054,6 +1249,123 @@ void StepEngine::AdvanceCompleted() {
   if (completed <= completed_) return;
   completed_ = completed;
   state_.header->completed_step.store(completed);
+  gates_.erase(gates_.begin(), gates_.upper_bound(completed));
+}
+
+// The step the ranks are in: the one after the job's completed step (the buckets of a later step wait
+// for it to complete before they update).
+void CheckCurrentStep(const shm::Message& message, uint64_t completed, uint32_t rank, const char* what) {
+  TS_CHECK(message.step == completed + 1, Code::kInvalidArgument,
+           "{} from rank {} for step {}, but the job is in step {}", what, rank, message.step, completed + 1);
+}
+
+void StepEngine::OnStepTerms(RankChannel& channel, const shm::Message& message) {
+  TS_CHECK(spec_.step_terms, Code::kInvalidArgument,
+           "step terms from rank {}, but the job was attached without them (LayoutSpec::step_terms)", channel.rank);
+  CheckCurrentStep(message, completed_, channel.rank, "step terms");
+  const uint64_t step = message.step;
+  TS_CHECK(spec_.accumulation_steps == 0 || message.micro == spec_.accumulation_steps, Code::kInvalidArgument,
+           "step {} summed {} backward passes, but the job's accumulation_steps is {}", step, message.micro,
+           spec_.accumulation_steps);
+  TS_CHECK(more_step_ != step || message.micro > more_micros_, Code::kInvalidArgument,
+           "step {} summed {} backward passes, but rank(s) said another came after the {}th", step, message.micro,
+           more_micros_);
+  for (uint32_t b = 0; b < buckets_.size(); ++b) {
+    const BucketProgress& progress = buckets_[b];
+    const bool collected =
+        progress.delivered_count > 0 || (progress.phase != Phase::kCollecting && !progress.from_accum);
+    const uint32_t seen = progress.micro + (collected ? 1 : 0);  // micro-batches it has of the step
+    TS_CHECK(progress.step != step || seen <= message.micro, Code::kInvalidArgument,
+             "step {} summed {} backward passes, but bucket {} has {} already", step, message.micro, b, seen);
+  }
+  StepGate& gate = GateOf(step);
+  gate.AddTerms(channel.rank, message);
+  for (uint32_t b = 0; b < buckets_.size(); ++b) {
+    if (buckets_[b].step == step) (void)HoldAccumulated(b);
+  }
+  if (gate.NormsNeeded()) StartMissingNorms(step);
+  MaybeDecide(step);
+}
+
+// Micro-batch message.micro of the step was not its last: what was held or updated on it is taken back
+// and accumulated (where it cannot be, no rank may go on), and the step's gate starts again.
+void StepEngine::OnMoreMicro(RankChannel& channel, const shm::Message& message) {
+  TS_CHECK(spec_.step_terms && spec_.accumulation_steps == 0, Code::kInvalidArgument,
+           "MORE_MICRO from rank {}, but the job's accumulation_steps is {}", channel.rank, spec_.accumulation_steps);
+  CheckCurrentStep(message, completed_, channel.rank, "MORE_MICRO");
+  const uint64_t step = message.step;
+  const auto gate = gates_.find(step);
+  TS_CHECK(gate == gates_.end() || gate->second.terms().micro_batches == 0, Code::kInvalidArgument,
+           "rank {} began backward pass {} of step {} after its terms said {} (backward after clip_grad_norm_, a "
+           "GradScaler's unscale_ or optimizer.step())",
+           channel.rank, message.micro + 2, step, gate->second.terms().micro_batches);
+  if (more_step_ != step) more_micros_ = 0;
+  more_step_ = step;
+  if (message.micro + 1 <= more_micros_) return;  // another rank said so already
+  more_micros_ = message.micro + 1;
+  if (gate != gates_.end()) gates_.erase(gate);  // its norms were of the micro-batch taken back
+  for (uint32_t b = 0; b < buckets_.size(); ++b) {
+    BucketProgress& progress = buckets_[b];
+    if (progress.step != step || progress.micro != message.micro) continue;
+    if (progress.phase == Phase::kAwaitingDecision) {
+      Revoke(b);
+    } else if (progress.phase == Phase::kBusy && progress.pass != Pass::kAccumulate) {
+      progress.take_back = true;  // when its pass ends
+    }
+  }
+}
+
+// zero_grad() before optimizer.step() (a GradScaler's skipped step, too): every bucket collects the step
+// again from its first micro-batch; passes still running finish first (Discarded), then the ranks hear
+// kDiscarded. Every rank of a data-parallel job discards alike: the first rank's kDiscard of the step's
+// nth discard drops it, the others' find it dropped.
+void StepEngine::OnDiscard(RankChannel& channel, const shm::Message& message) {
+  TS_CHECK(spec_.step_terms && spec_.nodes() == 1, Code::kInvalidArgument,
+           "DISCARD from rank {}: a job spanning nodes cannot drop a step's gradients (they were all-reduced)",
+           channel.rank);
+  CheckCurrentStep(message, completed_, channel.rank, "DISCARD");
+  const uint32_t before = discarded_step_ == message.step ? discards_ : 0;
+  if (message.micro <= before) {  // another rank's discard of it came first
+    if (!discarding_)
+      PostTo(channel, shm::Message{.kind = shm::MessageKind::kDiscarded, .step = message.step, .micro = discards_});
+    return;
+  }
+  TS_CHECK(message.micro == before + 1, Code::kInvalidArgument,
+           "DISCARD number {} of step {} from rank {}, but {} came before", message.micro, message.step, channel.rank,
+           before);
+  discarded_step_ = message.step;
+  discards_ = message.micro;
+  gates_.erase(message.step);
+  more_step_ = 0;
+  for (uint32_t b = 0; b < buckets_.size(); ++b) {
+    BucketProgress& progress = buckets_[b];
+    if (progress.phase == Phase::kBusy && progress.pending) {
+      progress.pending.reset();  // held back, not started
+      Abandon(b);
+    } else if (progress.phase == Phase::kBusy) {
+      progress.discard = true;  // Discarded() restarts it when its pass ends
+    } else if (progress.phase == Phase::kAwaitingDecision && progress.plan != nullptr && !Revocable(b)) {
+      Diverge(
+          fmt::format("step {}: zero_grad() after bucket {} was updated in place (the job has one state half, or "
+                      "keeps paged gradients in their upload copy); drop the job and call zero_grad() only "
+                      "after optimizer.step()",
+                      message.step, b));
+      return;
+    } else {
+      Abandon(b);
+    }
+  }
+  discarding_ = message.step;
+  MaybeFinishDiscard();
+}
+
+void StepEngine::MaybeFinishDiscard() {
+  if (!discarding_) return;
+  for (const BucketProgress& progress : buckets_) {
+    if (progress.phase != Phase::kCollecting) return;
+  }
+  PostToAll(shm::Message{.kind = shm::MessageKind::kDiscarded, .step = *discarding_, .micro = discards_});
+  discarding_.reset();
 }
 
 void StepEngine::OnLoadState(RankChannel& channel, const shm::Message& message) {
@@ -1197,7 +1509,7 @@ void StepEngine::MaybePush(const std::shared_ptr<RankChannel>& channel, uint32_t
 
 bool StepEngine::Speculated(uint32_t b) const {
   const BucketProgress& progress = buckets_[b];
-  return progress.phase == Phase::kAwaitingClip && progress.plan != nullptr && !progress.discard;
+  return progress.phase == Phase::kAwaitingDecision && progress.plan != nullptr && !progress.discard;
 }
 
 bool StepEngine::Writing(uint32_t b) const {

@@ -4,15 +4,24 @@
 // validates each message, and tracks per bucket which ranks have delivered which micro-batch. When all
 // `world_size` ranks have delivered a bucket it schedules the bucket's element passes
 // (daemon/engine/bucket_passes.h) on the worker pool:
-//   micro-batch < k-1   -> accumulate into the fp32 accumulator, then SLOT_FREE to every rank;
-//   last micro-batch    -> fused AdamW update from the bucket's committed state half into the other,
-//                          then the commit (one store of its BucketState) and PARAMS_READY to every rank;
-//                          with clipping: the squared norm first, and the updates wait for every bucket's
-//                          norm and then run in forward order; with speculative clipping (two halves) the
-//                          update runs at once with the norm in the same pass, and once every bucket's norm
-//                          is in, the step is committed as it is (coefficient 1) or redone from the
-//                          committed half with the coefficient (ClipGate); after a run of clipped
-//                          steps the next steps wait for the norm until one does not clip (GateOf).
+//   not the last micro-batch -> accumulate into the fp32 accumulator, then SLOT_FREE to every rank;
+//   the last micro-batch     -> fused AdamW update from the bucket's committed state half into the other,
+//                               then the commit (one store of its BucketState) and PARAMS_READY to every
+//                               rank, once the step's decision (StepGate) says how it ends.
+// The decision comes from the step's terms: the job's options (a fixed micro-batch count, max_grad_norm),
+// or, with LayoutSpec::step_terms, what every rank's optimizer.step() said (kStepTerms: how many
+// micro-batches, clipping, the loss scale a GradScaler's unscale_ took off), and the global gradient norm
+// where the terms need it. Updates do not wait for it where they need not: they run with the multiplier
+// the steps before had (speculating, where the job has two halves: the committed half stays as it was),
+// and once the decision is in each bucket commits what it wrote or is redone from the committed half
+// with the decided multiplier. Where a norm is needed and the update cannot be taken back (one
+// state half), the norm comes first and the updates wait for the decision, then run in forward order;
+// after a run of clipped steps the next steps wait for the norm until one does not clip (GateOf).
+// A job that counts its micro-batches (accumulation_steps 0) learns a step's count from its terms, or
+// earlier from kMoreMicro (another backward pass follows). Each rank's GRAD_READY says what it expects
+// (kFinalMicro, or kUncertainMicro: held until known); an update started on a micro-batch that turns
+// out not to be the last is taken back (two halves) and its gradients accumulated. kDiscard (zero_grad()
+// mid-step) drops a step's gradients, one rank only.
 // Worker completions come back to the engine thread through a queue plus the same doorbell, so all
 // protocol state below is touched by the engine thread only; `mutex_` guards the rank table against
 // attach/detach from gRPC threads.
@@ -51,10 +60,11 @@
 #include <thread>
 #include <vector>
 
+#include "daemon/engine/accumulator_memory.h"
 #include "daemon/engine/all_reduce.h"
 #include "daemon/engine/bucket_passes.h"
-#include "daemon/engine/clip_gate.h"
 #include "daemon/engine/rank_channel.h"
+#include "daemon/engine/step_gate.h"
 #include "daemon/engine/step_trace.h"
 #include "daemon/engine/worker_pool.h"
 #include "shm/job_layout.h"
@@ -78,8 +88,9 @@ using CommitObserver = std::function<void(const Commit&)>;
 struct EngineStats {
   uint64_t updates = 0;            // bucket updates committed
   uint64_t nonfinite_steps = 0;    // steps whose gradient norm was inf/NaN
-  uint64_t speculative_steps = 0;  // steps whose updates started before the norm was known
-  uint64_t redone_steps = 0;       // of those, the ones clipping (or an inf/NaN gradient) made redo
+  uint64_t speculative_steps = 0;  // steps whose updates started before their decision needed the norm
+  uint64_t redone_steps = 0;       // of those, the ones the decision made redo or take back
+  uint64_t accumulator_bytes = 0;  // the job's daemon-private gradient accumulator, once it has one
   std::vector<uint32_t> attached_ranks;
 };
 
@@ -133,22 +144,33 @@ class StepEngine {
   void AnnounceCommitted();
 
  private:
-  enum class Phase { kCollecting, kBusy, kAwaitingClip };
+  // kAwaitingDecision: the bucket's last gradients of the step are in (held, normed, or updated before
+  // the decision) and it waits for its step's decision.
+  enum class Phase { kCollecting, kBusy, kAwaitingDecision };
   // What a busy bucket's pass is. A rank that leaves mid-step discards the passes of a step that can no
   // longer complete (ResetCollecting): accumulation, norm and speculation; the rest have all their
-  // gradients and commit.
+  // gradients and commit. kSpeculate: an update before the step's decision.
   enum class Pass { kNone, kAccumulate, kReduce, kNorm, kSpeculate, kUpdate, kRedo, kUpload };
+  // Whether the micro-batch a bucket collects is its step's last.
+  enum class Last { kNo, kYes, kUnknown };
   // An update and its per-parameter scalars, kept from a speculation to its redo.
   struct UpdatePlan {
     uint64_t step = 0;
     uint32_t from = 0, to = 0;                  // state halves
     std::vector<optimizer::AdamWStep> scalars;  // by parameter
     std::vector<uint8_t> updated;               // by parameter: had a gradient (else carried)
+    float multiplier = 1.0f;                    // of the averaged gradients, in the update written last
+    bool with_norm = false;                     // that update summed the squares of what it read
   };
   struct RunningUpdate;
   struct BucketProgress {
     uint64_t step = 1;  // the step being collected
     uint32_t micro = 0;
+    uint16_t flags = 0;        // the GRAD_READY flags of the micro-batch collected (what its ranks expect)
+    bool accumulated = false;  // the accumulator holds the step's micro-batches before `micro`
+    bool held = false;         // its last gradients are in, not yet known to be the last (kAwaitingDecision)
+    bool from_accum = false;   // the step's last micro-batch had no gradients left: the update reads the accumulator
+    bool take_back = false;    // not the last micro-batch after all: when its pass ends, accumulate instead
     std::vector<uint8_t> delivered;  // per rank, for (step, micro)
     uint32_t delivered_count = 0;
     Phase phase = Phase::kCollecting;
@@ -158,7 +180,7 @@ class StepEngine {
     bool upload_dirty = false;  // the upload region may hold weights of an uncommitted step
     uint32_t pushes = 0;        // pushes to GPUs in flight: master and upload are read
     std::optional<std::pair<float, Pass>> pending;  // an update waiting for pushes or the skew bound
-    std::shared_ptr<const UpdatePlan> plan;         // the speculated update, for its redo
+    std::shared_ptr<UpdatePlan> plan;               // the update written before the decision, for its redo
     std::chrono::steady_clock::time_point update_started;
     std::shared_ptr<RunningUpdate> update;  // the update started last (its pieces outlive its work)
     // Delivered with its first piece of gradients (StreamsGradients): the rest are still coming, and
@@ -239,10 +261,25 @@ class StepEngine {
   void PostTo(RankChannel& channel, const shm::Message& message);
   void FailRank(RankChannel& channel, const std::string& message);
   void OnBucketDelivered(uint32_t bucket);
+  void OnStepTerms(RankChannel& channel, const shm::Message& message);
+  void OnMoreMicro(RankChannel& channel, const shm::Message& message);
+  void OnDiscard(RankChannel& channel, const shm::Message& message);
+  [[nodiscard]] Last LastMicro(uint32_t bucket);
+  void Hold(uint32_t bucket);
+  [[nodiscard]] bool HoldAccumulated(uint32_t bucket);
   void StartAccumulate(uint32_t bucket);
   void StartReduce(uint32_t bucket);
   void AccumulateSlots(uint32_t bucket, std::function<void()> then);
+  // The accumulator of the bucket's step (nullptr: no micro-batch before the last), mapping the job's
+  // own where it has none yet and `need` says it will.
+  [[nodiscard]] float* AccumulatorOf(uint32_t bucket);
+  void EnsureAccumulator();
+  // The ranks whose slots the bucket's last pass reads: none where its gradients are all in the accumulator.
+  [[nodiscard]] Sources FinalSlots(uint32_t bucket);
   void AfterGradients(uint32_t bucket);
+  // An update that runs without a decision can be taken back: the committed half stays as it was, and the
+  // gradients it read are still there (two halves, gradients not in the upload copy).
+  [[nodiscard]] bool Revocable(uint32_t bucket) const;
   void Post(std::function<void()> work);
   void Continue(std::function<void()> continuation);
   void FailSessions(const std::string& message);  // requires mutex_
@@ -253,17 +290,30 @@ class StepEngine {
   void Abandon(uint32_t bucket);
   Sources GradientSlots();
   void StartNorm(uint32_t bucket);
-  // `pass`: kUpdate (the step's only update), kSpeculate (with the norm, before it is known) or kRedo.
-  void StartUpdate(uint32_t bucket, float clip_coefficient, Pass pass);
+  // `pass`: kUpdate (the step's decision is in), kSpeculate (before it) or kRedo. `multiplier`: of the
+  // averaged gradients.
+  void StartUpdate(uint32_t bucket, float multiplier, Pass pass);
   void StartPendingUpdates();
-  [[nodiscard]] std::shared_ptr<const UpdatePlan> PlanUpdate(uint32_t bucket);
+  [[nodiscard]] std::shared_ptr<UpdatePlan> PlanUpdate(uint32_t bucket);
   void OnNormed(uint32_t bucket, double sum_of_squares, bool nonfinite);
   void OnSpeculated(uint32_t bucket, double sum_of_squares, bool nonfinite);
-  // The clip gate of `step`, made (and whether the step speculates decided) by its first bucket.
-  ClipGate& GateOf(uint64_t step);
-  // A step's norm is decided: it clipped (coefficient below 1, an inf norm) or not.
-  void CountClipped(double coefficient);
-  void ClipDecided(uint64_t step);
+  // The gate of `step`, made (and what its updates assume decided) by the first that needs it.
+  StepGate& GateOf(uint64_t step);
+  // Norm passes for the buckets of `step` whose last gradients are in and not yet counted.
+  void StartMissingNorms(uint64_t step);
+  // Sends the step's norm where asked and, once the step is decided, ends each bucket waiting for it.
+  void MaybeDecide(uint64_t step);
+  void Count(uint64_t step, const StepGate& gate, const StepDecision& decision);
+  // Bucket b, whose last gradients of the decided step are in, goes on as the decision says.
+  void Settle(uint32_t bucket, const StepDecision& decision);
+  // The update written before the decision is void: its weights are forgotten (upload rewritten later).
+  void TakeBack(uint32_t bucket);
+  // Not the last micro-batch after all: what bucket b holds of it is accumulated, and it collects the next.
+  void Revoke(uint32_t bucket);
+  // An update ran in place before a decision that says otherwise (one state half): no rank may go on.
+  void Diverge(const std::string& why);
+  // kDiscarded to the ranks once no pass of the discarded step runs.
+  void MaybeFinishDiscard();
   void OnUpdated(uint32_t bucket, uint64_t step, uint32_t half, bool nonfinite);
   void CommitBucket(uint32_t bucket, uint64_t step, uint32_t half);
   void NotifyCommit(Commit commit);  // fills in the hyperparameters
@@ -319,9 +369,19 @@ class StepEngine {
   // Engine-thread state.
   std::vector<BucketProgress> buckets_;
   std::vector<uint8_t> had_grad_;  // per parameter, for the step its bucket is collecting
-  std::map<uint64_t, ClipGate> clip_gates_;
-  static constexpr uint32_t kClippedRunToWait = 3;      // clipped steps in a row after which steps wait (GateOf)
-  uint32_t clipped_run_ = 0;                            // the steps decided last that clipped, in a row
+  std::map<uint64_t, StepGate> gates_;
+  static constexpr uint32_t kClippedRunToWait = 3;  // clipped steps in a row after which steps wait (GateOf)
+  uint32_t clipped_run_ = 0;                        // the steps decided last that clipped, in a row
+  // What the steps before said, which the next step's updates assume until its own terms are in.
+  float last_factor_ = 1.0f;
+  bool last_needed_norms_ = false;
+  uint64_t more_step_ = 0;  // kMoreMicro said: this step's micro-batches below more_micros_ are not its last
+  uint32_t more_micros_ = 0;
+  std::optional<uint64_t> discarding_;  // kDiscard of this step: kDiscarded once its passes ended
+  uint64_t discarded_step_ = 0;         // the step the last kDiscard dropped, and how many times
+  uint32_t discards_ = 0;
+  std::unique_ptr<AccumulatorMemory> own_accumulator_;  // jobs that count their micro-batches
+  float* accumulator_ = nullptr;                        // the segment's or own_accumulator_'s
   std::vector<std::function<void(uint64_t)>> resumes_;  // Resume calls waiting for the job to settle
   bool adopted_;                                        // until the first Resume
   uint64_t completed_ = 0;                              // CompletedStep(), as the header has it
@@ -336,6 +396,7 @@ class StepEngine {
   std::atomic<uint64_t> nonfinite_steps_{0};
   std::atomic<uint64_t> speculative_steps_{0};
   std::atomic<uint64_t> redone_steps_{0};
+  std::atomic<uint64_t> accumulator_bytes_{0};
   uint64_t last_nonfinite_step_ = 0;  // engine thread
   std::atomic<int64_t> inflight_{0};
   std::mutex inflight_mutex_;

@@ -63,7 +63,11 @@ struct Split {
 
 PeerAllReduce::PeerAllReduce(std::string job, std::vector<std::string> peers, uint32_t node_rank, uint32_t buckets,
                              const PeerConfig& config)
-    : job_(std::move(job)), peers_(std::move(peers)), node_rank_(node_rank), buckets_(buckets), config_(config) {
+    : job_{.name = std::move(job)},
+      peers_(std::move(peers)),
+      node_rank_(node_rank),
+      buckets_(buckets),
+      config_(config) {
   TS_CHECK(peers_.size() >= 2 && node_rank_ < peers_.size(), Code::kInvalidArgument,
            "a ring needs at least 2 nodes and this node among them ({} peers, node rank {})", peers_.size(),
            node_rank_);
@@ -71,7 +75,7 @@ PeerAllReduce::PeerAllReduce(std::string job, std::vector<std::string> peers, ui
   right_ = std::make_unique<PeerSender>(peers_[right], config_.connections,
                                         fmt::format("peer {} (node {})", peers_[right], right), config_.secret,
                                         config_.timeout, kInFlightPerConnection * config_.connections);
-  config_.mailbox->Open(job_);
+  job_ = config_.mailbox->Open(job_.name);
   thread_ = std::thread([this] { Run(); });
 }
 
@@ -117,6 +121,10 @@ void PeerAllReduce::Stop(const std::string& reason) {
   thread_.join();
   config_.mailbox->Close(job_);
   FailQueued(reason);
+}
+
+void PeerAllReduce::Dropped() {
+  config_.mailbox->Drop(job_);
 }
 
 void PeerAllReduce::Run() {
@@ -293,7 +301,7 @@ void PeerAllReduce::Post(uint64_t step, uint32_t bucket, uint32_t ring_step, uin
                          size_t n) {
   const uint32_t rounds = static_cast<uint32_t>(peers_.size()) - 1;
   v1::PeerChunk header;
-  header.set_job(job_);
+  header.set_job(job_.name);
   header.set_step(step);
   header.set_bucket(bucket);
   header.set_phase(ring_step < rounds ? kReduceScatter : kAllGather);

@@ -59,6 +59,9 @@ class PeerAllReduce final : public AllReduce {
   // also one waiting for its last sends, gives up within kPoll (daemon/peer/peer_allreduce.cpp) and
   // cancels its calls; Stop waits for that.
   void Stop(const std::string& reason);
+  // The job was dropped, and may wind down after a new job of its name started: peers' fragments waiting
+  // for it are forgotten, and this all-reduce takes no more (PeerMailbox::Drop).
+  void Dropped();
 
  private:
   struct Bucket;
@@ -76,7 +79,7 @@ class PeerAllReduce final : public AllReduce {
   bool Stopping();
   uint32_t Left() const { return static_cast<uint32_t>((node_rank_ + peers_.size() - 1) % peers_.size()); }
 
-  const std::string job_;
+  MailboxJob job_;  // its instance in the mailbox, opened once the constructor can no longer fail
   const std::vector<std::string> peers_;
   const uint32_t node_rank_, buckets_;
   const PeerConfig config_;

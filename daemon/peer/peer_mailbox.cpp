@@ -19,35 +19,71 @@ std::string Describe(const FragmentKey& key) {
                      key.phase, key.bucket, key.step, key.job);
 }
 
-void PeerMailbox::Open(const std::string& job) {
+MailboxJob PeerMailbox::Open(const std::string& name) {
   std::lock_guard lock(mutex_);
-  OpenJob& open = open_[job];
-  if (open.opened++ > 0) return;
-  for (auto it = fragments_.lower_bound(FragmentKey{job}); it != fragments_.end() && it->first.job == job; ++it) {
-    unknown_bytes_ -= Cost(it->second.data);
+  if (!IsOpen(name)) {  // what waits for it no longer counts against the bound
+    for (auto it = fragments_.lower_bound(FragmentKey{name}); it != fragments_.end() && it->first.job == name; ++it) {
+      unknown_bytes_ -= Cost(it->second.data);
+    }
+  }
+  MailboxJob job{name, ++instances_};
+  open_[name].emplace(job.instance, std::nullopt);
+  return job;
+}
+
+void PeerMailbox::Close(const MailboxJob& job) {
+  std::lock_guard lock(mutex_);
+  Retire(job);
+}
+
+void PeerMailbox::Drop(const MailboxJob& job) {
+  std::lock_guard lock(mutex_);
+  Retire(job);
+  if (IsOpen(job.name)) return;  // what waits is the open instance's
+  auto it = fragments_.lower_bound(FragmentKey{job.name});
+  while (it != fragments_.end() && it->first.job == job.name) Forget(it++);
+}
+
+void PeerMailbox::Retire(const MailboxJob& job) {
+  const auto open = open_.find(job.name);
+  if (open == open_.end() || open->second.erase(job.instance) == 0 || !open->second.empty()) return;
+  open_.erase(open);
+  for (auto it = fragments_.lower_bound(FragmentKey{job.name}); it != fragments_.end() && it->first.job == job.name;
+       ++it) {
+    unknown_bytes_ += Cost(it->second.data);
   }
 }
 
-void PeerMailbox::Close(const std::string& job) {
-  std::lock_guard lock(mutex_);
-  const auto open = open_.find(job);
-  if (open == open_.end() || --open->second.opened > 0) return;
-  open_.erase(open);
-  for (auto it = fragments_.lower_bound(FragmentKey{job}); it != fragments_.end() && it->first.job == job; ++it) {
-    unknown_bytes_ += Cost(it->second.data);
+PeerMailbox::Reduced* PeerMailbox::ReducedOf(const MailboxJob& job) {
+  const auto open = open_.find(job.name);
+  if (open == open_.end()) return nullptr;
+  const auto instance = open->second.find(job.instance);
+  return instance != open->second.end() ? &instance->second : nullptr;
+}
+
+PeerMailbox::Registration* PeerMailbox::SinkOf(const std::string& name, uint64_t step, uint32_t bucket) {
+  const auto open = open_.find(name);
+  if (open == open_.end()) return nullptr;
+  for (const auto& [instance, reduced] : open->second) {
+    const auto registered = sinks_.find(SinkKey{name, instance, step, bucket});
+    if (registered != sinks_.end()) return &registered->second;
   }
+  return nullptr;
 }
 
 void PeerMailbox::Put(Delivered fragment) {
   std::unique_lock lock(mutex_);
   const FragmentKey& key = fragment.key;
-  const auto registered = sinks_.find(BucketKey{key.job, key.step, key.bucket});
-  if (registered != sinks_.end()) return Deliver(lock, registered->second, std::move(fragment));
+  if (Registration* registered = SinkOf(key.job, key.step, key.bucket)) {
+    return Deliver(lock, *registered, std::move(fragment));
+  }
   const auto open = open_.find(key.job);
-  if (open != open_.end() && open->second.reduced) {
-    TS_CHECK(std::make_pair(key.step, key.bucket) > *open->second.reduced, Code::kFailedPrecondition,
-             "{} arrived after this node reduced that bucket (bucket {} of step {} is the last one it did)",
-             Describe(key), open->second.reduced->second, open->second.reduced->first);
+  if (open != open_.end()) {
+    for (const auto& [instance, reduced] : open->second) {
+      TS_CHECK(!reduced || std::make_pair(key.step, key.bucket) > *reduced, Code::kFailedPrecondition,
+               "{} arrived after this node reduced that bucket (bucket {} of step {} is the last one it did)",
+               Describe(key), reduced->second, reduced->first);
+    }
   }
   const auto waiting = fragments_.find(key);
   TS_CHECK(waiting == fragments_.end(), Code::kAlreadyExists, "{} arrived twice (first from {})", Describe(key),
@@ -88,17 +124,15 @@ void PeerMailbox::Forget(std::map<FragmentKey, Waiting>::iterator it) {
   fragments_.erase(it);
 }
 
-std::vector<Delivered> PeerMailbox::Register(const std::string& job, uint64_t step, uint32_t bucket, PeerSink* sink) {
+std::vector<Delivered> PeerMailbox::Register(const MailboxJob& job, uint64_t step, uint32_t bucket, PeerSink* sink) {
   std::vector<Delivered> waiting;
   std::lock_guard lock(mutex_);
-  sinks_.insert_or_assign(BucketKey{job, step, bucket}, Registration{sink});
-  const auto open = open_.find(job);
-  if (open != open_.end() && open->second.reduced && std::make_pair(step, bucket) <= *open->second.reduced) {
-    open->second.reduced.reset();  // the job goes back (a step done again)
-  }
-  auto it = fragments_.lower_bound(FragmentKey{job, step, bucket, 0, 0, 0});
-  while (it != fragments_.end() && it->first.job == job && it->first.step == step && it->first.bucket == bucket) {
-    if (!IsOpen(job)) unknown_bytes_ -= Cost(it->second.data);
+  sinks_.insert_or_assign(SinkKey{job.name, job.instance, step, bucket}, Registration{sink});
+  Reduced* reduced = ReducedOf(job);
+  if (reduced == nullptr) return waiting;                                       // dropped: none is its
+  if (*reduced && std::make_pair(step, bucket) <= **reduced) reduced->reset();  // the job goes back (a step again)
+  auto it = fragments_.lower_bound(FragmentKey{job.name, step, bucket, 0, 0, 0});
+  while (it != fragments_.end() && it->first.job == job.name && it->first.step == step && it->first.bucket == bucket) {
     waiting.push_back(
         Delivered{it->first, std::move(it->second.data), std::move(it->second.sender), it->second.from_node});
     it = fragments_.erase(it);
@@ -106,27 +140,18 @@ std::vector<Delivered> PeerMailbox::Register(const std::string& job, uint64_t st
   return waiting;
 }
 
-void PeerMailbox::Unregister(const std::string& job, uint64_t step, uint32_t bucket) {
+void PeerMailbox::Unregister(const MailboxJob& job, uint64_t step, uint32_t bucket) {
   std::unique_lock lock(mutex_);
-  const auto registered = sinks_.find(BucketKey{job, step, bucket});
+  const auto registered = sinks_.find(SinkKey{job.name, job.instance, step, bucket});
   if (registered == sinks_.end()) return;
   delivered_.wait(lock, [&] { return registered->second.delivering == 0; });
   sinks_.erase(registered);
-  const auto open = open_.find(job);
-  if (open != open_.end()) open->second.reduced = std::make_pair(step, bucket);
+  if (Reduced* reduced = ReducedOf(job)) *reduced = std::make_pair(step, bucket);
 }
 
-bool PeerMailbox::Registered(const std::string& job, uint64_t step, uint32_t bucket) {
+bool PeerMailbox::Registered(const std::string& name, uint64_t step, uint32_t bucket) {
   std::lock_guard lock(mutex_);
-  return sinks_.contains(BucketKey{job, step, bucket});
-}
-
-void PeerMailbox::Drop(const std::string& job) {
-  std::lock_guard lock(mutex_);
-  auto it = fragments_.lower_bound(FragmentKey{job});
-  while (it != fragments_.end() && it->first.job == job) Forget(it++);
-  const auto open = open_.find(job);
-  if (open != open_.end()) open->second.reduced.reset();
+  return SinkOf(name, step, bucket) != nullptr;
 }
 
 size_t PeerMailbox::Expire(std::chrono::steady_clock::duration age) {

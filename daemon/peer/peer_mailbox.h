@@ -9,11 +9,22 @@
 // A fragment that waited longer than a reduction can wait for its peer (the peer timeout) belongs to
 // no reduction any more: a job that never came, a step that failed. The daemon expires those.
 //
+// Every opening of a job here is an instance of it, and a job dropped and created again under its name
+// opens a new one while the dropped one's all-reduce may still be winding down (its Job outlives the
+// registry's drop until its last user lets go; the registry drops it before a new job of the name can
+// open). A dropped instance is no longer open: it is handed no fragments, neither arriving nor waiting
+// ones, and what it registers or reduces later refuses nothing, so a new job of the name starts clean.
+// Fragments name their job only (the registry lets one multi-node job hold a name), so they are for
+// every open instance of it; normally that is one, but a job being built may open one beside it for a
+// moment before the registry refuses it (a restore racing a create). Registrations and the bound of
+// reduced buckets below are kept per instance. (A fragment that a peer's dropped instance sent late
+// cannot be told from its new one's: the wire names no instance.)
+//
 // What a peer may leave here is bounded. A key delivered twice is refused (the first one stays), and
-// so is a fragment of a bucket that its open job has already reduced here. Fragments of jobs that are
-// not open here (a job whose ranks have not attached yet, or one that never comes: a peer's mistake)
-// hold at most `max_unknown_bytes`, each counted with its header's bound; past it they are refused.
-// A refusal is an Error, which the Peer service returns to the sender.
+// so is a fragment of a bucket that an open instance of its job has already reduced here. Fragments of
+// jobs that are not open here (a job whose ranks have not attached yet, one that was dropped, or one
+// that never comes: a peer's mistake) hold at most `max_unknown_bytes`, each counted with its header's
+// bound; past it they are refused. A refusal is an Error, which the Peer service returns to the sender.
 #pragma once
 
 #include <chrono>
@@ -59,34 +70,46 @@ class PeerSink {
   virtual void Arrived(Delivered fragment) = 0;
 };
 
+// One Open of a job here, which its all-reduce registers with (see the header comment).
+struct MailboxJob {
+  std::string name;
+  uint64_t instance = 0;
+};
+
 class PeerMailbox {
  public:
   // The default bound of fragments of jobs not open here (Config::peer_max_unknown_job_bytes).
   static constexpr size_t kDefaultMaxUnknownBytes = size_t{256} << 20;
   explicit PeerMailbox(size_t max_unknown_bytes = kDefaultMaxUnknownBytes) : max_unknown_bytes_(max_unknown_bytes) {}
 
-  // `job` spans nodes and has its all-reduce here (counted: every Open has its Close).
-  void Open(const std::string& job);
-  void Close(const std::string& job);
-  // Hands the fragment to the sink registered for its (job, step, bucket), or keeps it. Throws Error:
-  // kAlreadyExists for a key already waiting, kFailedPrecondition for a bucket already reduced,
-  // kResourceExhausted past the bound of unknown jobs' fragments, and whatever the sink throws.
+  // Job `name` spans nodes and has its all-reduce here: a new instance of it, open until it is dropped
+  // or closed. Every Open has its Close.
+  [[nodiscard]] MailboxJob Open(const std::string& name);
+  void Close(const MailboxJob& job);
+  // The job was dropped (its all-reduce may still wind down): the instance is no longer open, its bound
+  // of reduced buckets goes, and what waits for its name is forgotten unless another instance of the
+  // name is open (then it is that one's).
+  void Drop(const MailboxJob& job);
+  // Hands the fragment to the sink that an open instance of its job registered for its (step, bucket),
+  // or keeps it. Throws Error: kAlreadyExists for a key already waiting, kFailedPrecondition for a
+  // bucket that an open instance already reduced, kResourceExhausted past the bound of unknown jobs'
+  // fragments, and whatever the sink throws.
   void Put(Delivered fragment);
   // Sends later fragments of (job, step, bucket) to `sink` until Unregister; returns those already
-  // here, which the caller hands to the sink itself.
-  std::vector<Delivered> Register(const std::string& job, uint64_t step, uint32_t bucket, PeerSink* sink);
-  // Stops handing fragments to the sink of (job, step, bucket) and waits until no thread is inside it.
-  void Unregister(const std::string& job, uint64_t step, uint32_t bucket);
-  [[nodiscard]] bool Registered(const std::string& job, uint64_t step, uint32_t bucket);
-  // Forgets what is waiting for `job` (dropped jobs).
-  void Drop(const std::string& job);
+  // here, which the caller hands to the sink itself. An instance no longer open gets none.
+  std::vector<Delivered> Register(const MailboxJob& job, uint64_t step, uint32_t bucket, PeerSink* sink);
+  // Stops handing fragments to the sink of (job, step, bucket) and waits until no thread is inside it;
+  // the instance, if still open, has then reduced that bucket.
+  void Unregister(const MailboxJob& job, uint64_t step, uint32_t bucket);
+  // Whether an open instance of job `name` registered a sink for (step, bucket).
+  [[nodiscard]] bool Registered(const std::string& name, uint64_t step, uint32_t bucket);
   // Forgets the fragments that have waited longer than `age`; returns how many.
   size_t Expire(std::chrono::steady_clock::duration age);
   // Bytes held for jobs that are not open here, as the bound counts them.
   [[nodiscard]] size_t unknown_bytes();
 
  private:
-  using BucketKey = std::tuple<std::string, uint64_t, uint32_t>;
+  using SinkKey = std::tuple<std::string, uint64_t, uint64_t, uint32_t>;  // name, instance, step, bucket
   struct Registration {
     PeerSink* sink;
     int delivering = 0;  // threads inside sink->Arrived
@@ -97,21 +120,25 @@ class PeerMailbox {
     uint32_t from_node;
     std::chrono::steady_clock::time_point arrived;
   };
-  struct OpenJob {
-    int opened = 0;
-    std::optional<std::pair<uint64_t, uint32_t>> reduced;  // the last (step, bucket) unregistered
-  };
+  using Reduced = std::optional<std::pair<uint64_t, uint32_t>>;  // the last (step, bucket) unregistered
+  using Instances = std::map<uint64_t, Reduced>;                 // the open ones of a name
+  bool IsOpen(const std::string& name) const { return open_.contains(name); }
+  // Closes the instance if open; the name's waiting fragments count against the bound once none is.
+  void Retire(const MailboxJob& job);
+  Reduced* ReducedOf(const MailboxJob& job);  // nullptr if the instance is not open
+  // The registration of an open instance of `name` for (step, bucket); nullptr if none.
+  Registration* SinkOf(const std::string& name, uint64_t step, uint32_t bucket);
   void Deliver(std::unique_lock<std::mutex>& lock, Registration& registration, Delivered fragment);
   void Keep(Delivered fragment);
-  bool IsOpen(const std::string& job) const { return open_.contains(job); }
   void Forget(std::map<FragmentKey, Waiting>::iterator it);  // erases and uncounts
 
   const size_t max_unknown_bytes_;
   std::mutex mutex_;
   std::condition_variable delivered_;
   std::map<FragmentKey, Waiting> fragments_;
-  std::map<BucketKey, Registration> sinks_;
-  std::map<std::string, OpenJob> open_;
+  std::map<SinkKey, Registration> sinks_;
+  std::map<std::string, Instances> open_;  // by name; a name with none open has no entry
+  uint64_t instances_ = 0;                 // the number of the last instance opened
   size_t unknown_bytes_ = 0;
 };
 

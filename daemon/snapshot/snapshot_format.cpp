@@ -70,6 +70,7 @@ std::string LayoutToJson(const shm::LayoutSpec& spec) {
                         {"accumulation_steps", spec.accumulation_steps},
                         {"world_size", spec.world_size},
                         {"max_grad_norm", spec.max_grad_norm},
+                        {"step_terms", spec.step_terms},
                         {"peers", spec.peers},
                         {"node_rank", spec.node_rank},
                         {"state_halves", spec.state_halves},
@@ -91,6 +92,7 @@ shm::LayoutSpec LayoutFromJson(const std::string& text) {
   spec.accumulation_steps = json.at("accumulation_steps").get<uint32_t>();
   spec.world_size = json.at("world_size").get<uint32_t>();
   spec.max_grad_norm = json.at("max_grad_norm").get<double>();
+  spec.step_terms = json.value("step_terms", false);  // snapshots before protocol 5 have none
   spec.peers = json.at("peers").get<std::vector<std::string>>();
   spec.node_rank = json.at("node_rank").get<uint32_t>();
   // A snapshot written before the state halves restores as a job of one half, without speculation.

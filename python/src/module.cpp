@@ -160,7 +160,7 @@ trainstream::shm::LayoutSpec MakeSpec(const py::list& params, const py::list& fr
                                       uint64_t bucket_bytes, int moment_dtype, int optimizer,
                                       uint32_t accumulation_steps, uint32_t world_size, double max_grad_norm,
                                       std::vector<std::string> peers, uint32_t node_rank, uint32_t state_halves,
-                                      int speculative_clipping) {
+                                      int speculative_clipping, bool step_terms) {
   TS_CHECK(speculative_clipping >= 0 && speculative_clipping <= 2, trainstream::Code::kInvalidArgument,
            "speculative_clipping code {} (0 off, 1 on, 2 the daemon decides)", speculative_clipping);
   trainstream::shm::LayoutSpec spec;
@@ -177,6 +177,7 @@ trainstream::shm::LayoutSpec MakeSpec(const py::list& params, const py::list& fr
   spec.node_rank = node_rank;
   spec.state_halves = state_halves;
   spec.speculative_clipping = static_cast<trainstream::shm::Speculation>(speculative_clipping);
+  spec.step_terms = step_terms;
   return spec;
 }
 
@@ -281,10 +282,10 @@ PYBIND11_MODULE(_C, m) {
              uint64_t bucket_bytes, int moment_dtype, int optimizer, uint32_t accumulation_steps, uint32_t world_size,
              double max_grad_norm, uint64_t seed, std::vector<std::string> peers, uint32_t node_rank,
              const std::string& transport, const std::string& device, const py::list& frozen, uint32_t state_halves,
-             int speculative_clipping, std::optional<double> wait_timeout_s) {
-            auto spec =
-                MakeSpec(params, frozen, num_groups, bucket_bytes, moment_dtype, optimizer, accumulation_steps,
-                         world_size, max_grad_norm, std::move(peers), node_rank, state_halves, speculative_clipping);
+             int speculative_clipping, std::optional<double> wait_timeout_s, bool step_terms) {
+            auto spec = MakeSpec(params, frozen, num_groups, bucket_bytes, moment_dtype, optimizer, accumulation_steps,
+                                 world_size, max_grad_norm, std::move(peers), node_rank, state_halves,
+                                 speculative_clipping, step_terms);
             std::optional<std::chrono::milliseconds> wait_timeout;
             if (wait_timeout_s) wait_timeout = Milliseconds(*wait_timeout_s);
             py::gil_scoped_release release;
@@ -296,7 +297,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("max_grad_norm"), py::arg("seed"), py::arg("peers") = std::vector<std::string>(),
           py::arg("node_rank") = 0, py::arg("transport") = "host", py::arg("device") = "cpu",
           py::arg("frozen") = py::list(), py::arg("state_halves") = 0, py::arg("speculative_clipping") = 2,
-          py::arg("wait_timeout_s") = py::none());
+          py::arg("wait_timeout_s") = py::none(), py::arg("step_terms") = false);
 
   // Device memory for the cuda-ipc transport; torch.as_tensor(buffer, device=...) views it through
   // __cuda_array_interface__, and the tensor keeps the buffer alive.
@@ -395,8 +396,34 @@ PYBIND11_MODULE(_C, m) {
           py::arg("step"), py::arg("group"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
           py::arg("weight_decay"))
       .def_property_readonly("grad_bytes", [](const RankSession& s) { return s.layout().grad_bytes; })
-      .def("send_grad_ready", &RankSession::SendGradReady, py::arg("bucket"), py::arg("step"), py::arg("micro"),
-           py::arg("final"), py::arg("slot") = 0, py::arg("piece") = 0, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "send_grad_ready",
+          [](RankSession& s, uint32_t bucket, uint64_t step, uint32_t micro, int last, uint32_t slot, uint32_t piece) {
+            TS_CHECK(last >= 0 && last <= 2, trainstream::Code::kInvalidArgument,
+                     "last {} (0: not the step's last micro-batch, 1: its last, 2: not known)", last);
+            s.SendGradReady(bucket, step, micro, static_cast<RankSession::Last>(last), slot, piece);
+          },
+          py::arg("bucket"), py::arg("step"), py::arg("micro"), py::arg("last"), py::arg("slot") = 0,
+          py::arg("piece") = 0, py::call_guard<py::gil_scoped_release>())
+      .def("send_norm_terms", &RankSession::SendNormTerms, py::arg("step"), py::arg("micro_batches"),
+           py::arg("norm_factor"), py::arg("max_norm"), py::call_guard<py::gil_scoped_release>())
+      .def("send_commit_terms", &RankSession::SendCommitTerms, py::arg("step"), py::arg("micro_batches"),
+           py::arg("factor"), py::call_guard<py::gil_scoped_release>())
+      .def("send_more_micro", &RankSession::SendMoreMicro, py::arg("step"), py::arg("micro"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("discard", &RankSession::Discard, py::arg("step"), py::arg("count"),
+           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "wait_step_norm",
+          [](RankSession& s, uint64_t step) {
+            RankSession::Norm norm;
+            {
+              py::gil_scoped_release release;
+              norm = s.WaitStepNorm(step);
+            }
+            return py::make_tuple(norm.value, norm.nonfinite);
+          },
+          py::arg("step"))
       .def(
           "register_cuda_ipc",
           [](RankSession& s, const py::bytes& device_uuid, const py::bytes& params_handle, uint64_t params_bytes,

@@ -8,9 +8,9 @@ ApplyGuard — `module.to()`, `.cuda()`, `.half()`, ... after wrap: a conversion
     attached again in the new layout, its fp32 master weights and moments unchanged), or is refused.
 
 Both take the Rank (_rank.py) and use only its `model`, `params`, `needs_read_guard()`,
-`take_published()`, `refresh_read()`, `synchronize()` and `relayout`. Invariants: a torch function of
-the model's forward never reads a stale wrapped parameter, nor a paged one whose block is not in its
-slot; a conversion that cannot be done is refused before anything changes.
+`take_published()`, `take_all()`, `compiled_forward`, `refresh_read()`, `synchronize()` and `relayout`.
+Invariants: a torch function of the model's forward never reads a stale wrapped parameter, nor a paged
+one whose block is not in its slot; a conversion that cannot be done is refused before anything changes.
 """
 
 from __future__ import annotations
@@ -57,6 +57,10 @@ class StaleReadGuard(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _forward_starts(self) -> None:
+        if torch.compiler.is_compiling():  # traced: a compiled forward (_compile.py)
+            if not self.rank.compiled_forward:  # Dynamo guards on it: no prologue ran (a compiled caller)
+                _take_all_outside_graph(self.rank)
+            return
         self.depth += 1
         if self.depth == 1:
             self.rank.take_published()
@@ -65,6 +69,8 @@ class StaleReadGuard(TorchFunctionMode):
                 self.entered = True
 
     def _forward_ends(self) -> None:
+        if torch.compiler.is_compiling():
+            return
         self.depth -= 1
         if self.depth == 0 and self.entered:
             self.entered = False
@@ -92,6 +98,13 @@ class StaleReadGuard(TorchFunctionMode):
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
+
+
+@torch.compiler.disable
+def _take_all_outside_graph(rank) -> None:
+    """Compiled code that calls the wrapped model without its prologue: the weights come in here, in one
+    graph break at the forward's start."""
+    rank.take_all()
 
 
 class ApplyGuard:

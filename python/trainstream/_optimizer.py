@@ -6,11 +6,14 @@ unchanged), and its state_dict() / load_state_dict() use torch.optim.AdamW's for
 saved from either loads into the other. torch's optimizer hooks (register_step_pre_hook and
 post, register_state_dict_pre_hook and post, register_load_state_dict_pre_hook and post, and the global
 step hooks) run as on a torch optimizer, in both modes. The object stays the same across the switch:
-schedulers and hooks made before it keep working.
+schedulers and hooks made before it keep working. zero_grad() between backward() and step() drops the
+step's gradients in the daemon, as torch drops p.grad; a GradScaler's unscale_ and inf check run in the
+daemon (_amp.py), and `last_grad_norm` is the norm of the last step clip_grad_norm_ clipped.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from typing import Callable
 
@@ -29,9 +32,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.param_groups = inner.param_groups
         self.state = {}
         self._inner_type = type(inner)
+        # An LR scheduler made before wrap() checks that this optimizer stepped: torch marks the one it patched.
+        self._scheduled = weakref.ref(inner)
         self._rank = rank                            # the daemon's job while offloaded, else None
         self._resume_step = rank.resume_step if rank is not None else 0
         self._stock: StockOptimizer | None = None    # the torch optimizer once the state left the daemon
+        # The torch.distributed group whose ranks train this job together (TrainStream 0.2's attribute), or
+        # None: one process, or ranks placed without a group (torchrun's variables, explicit rank=).
+        self._dp = None
         self.after_step: list[Callable[[], None]] = []  # what wrap's automatic modes measure after a step
         self._optimizer_step_pre_hooks = OrderedDict()
         self._optimizer_step_post_hooks = OrderedDict()
@@ -64,6 +72,17 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         offload=False."""
         return self._resume_step
 
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """In the daemon, a GradScaler unscales and checks this optimizer's gradients as torch.optim.AdamW's
+        (_amp.py) and skips step() where they hold inf or NaN; a stock optimizer says for itself."""
+        return self._stock is not None and getattr(self._stock.optimizer, "_step_supports_amp_scaling", False)
+
+    @property
+    def last_grad_norm(self) -> torch.Tensor | None:
+        """The total gradient norm clip_grad_norm_ returned for the last step it clipped (None before)."""
+        return self._rank.last_grad_norm if self._rank is not None else None
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -71,9 +90,20 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self._stock is not None:
-            self._stock.step()
+            # A GradScaler hands a fused stock optimizer the scale and the found-inf flag as attributes.
+            scaling = {key: getattr(self, key) for key in ("grad_scale", "found_inf") if hasattr(self, key)}
+            for key, value in scaling.items():
+                setattr(self._stock.optimizer, key, value)
+            try:
+                self._stock.step()
+            finally:
+                for key in scaling:
+                    delattr(self._stock.optimizer, key)
         else:
             self._rank.step()
+        scheduled = self._scheduled()
+        if scheduled is not None and scheduled is not self:
+            scheduled._opt_called = True  # what torch's LR scheduler looks for (no "step() before" warning)
         for measure in list(self.after_step):
             measure()
         return loss
@@ -87,8 +117,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if self._stock is not None:
             self._stock.zero_grad(set_to_none)
             return
-        # Gradients leave through the hooks; whatever is left (a parameter outside the model's
-        # backward, say) is cleared like torch does.
+        # Gradients leave through the hooks: those of the step so far are dropped in the daemon, and
+        # whatever is left here (a parameter outside the model's backward, say) is cleared like torch does.
+        self._rank.zero_grad()
         for group in self.param_groups:
             for p in group["params"]:
                 p.grad = None

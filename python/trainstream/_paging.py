@@ -117,7 +117,9 @@ class BlockPager:
         if slots < 2:
             raise TrainstreamError(f"the paging pool holds {slots} block of {self.slot_bytes / 2**20:.1f} MiB: it "
                                    "needs room for two (the block computing and the next one loading); raise "
-                                   "page_pool_mb")
+                                   + ("page_pool_mb" if pool_bytes is not None else "page_prefetch to 1 or more"))
+        slots = min(slots, max(2, len(blocks)))  # a slot more than the blocks would never be used
+        self._check_fits(slots, device, "page_prefetch" if pool_bytes is None else "page_pool_mb")
         self.pool = torch.empty(slots * self.slot_bytes, dtype=torch.uint8, device=device)
         self.slot_of: dict[int, int] = {}        # block -> slot it occupies
         self.in_slot: list[int | None] = [None] * slots
@@ -136,6 +138,17 @@ class BlockPager:
         for b in blocks:
             for t in b.tensors:
                 t.param.data = self._placeholder(t)
+
+    def _check_fits(self, slots: int, device: torch.device, option: str) -> None:
+        """Refuses a pool bigger than the device's free memory, naming the option that sized it, before
+        allocating (a CUDA out-of-memory error would not say which option to change)."""
+        if device.type != "cuda":
+            return
+        free, _ = torch.cuda.mem_get_info(device)
+        if slots * self.slot_bytes > free:
+            raise TrainstreamError(f"the paging pool of {slots} blocks of {self.slot_bytes / 2**20:.1f} MiB needs "
+                                   f"{slots * self.slot_bytes / 2**30:.2f} GiB on {device}, which has "
+                                   f"{free / 2**30:.2f} GiB free: lower {option}")
 
     # ----- what blocks hold -----
 

@@ -4,11 +4,18 @@ _guards.py keeps the model's reads and conversions in line.
 
 Per backward pass (a micro-batch): each parameter's gradient is copied into this rank's slot of its
 bucket as soon as autograd has accumulated it, and `p.grad` is freed; a bucket whose parameters are
-all in is sent (GRAD_READY) at once, the rest at the end of the backward pass. After the last
-micro-batch, optimizer.step() only records which step's weights each bucket must show; the forward
-pre-hook of a module waits for its buckets' new weights and copies them in, and a parameter the
-forward reads elsewhere (a parent using a child's weight directly) is refreshed when a torch
-function first gets it (StaleReadGuard).
+all in is sent (GRAD_READY) at once, the rest at the end of the backward pass. optimizer.step() sends
+the step's terms (how many backward passes it summed, the loss scale a GradScaler left) and records
+which step's weights each bucket must show; the forward pre-hook of a module waits for its buckets' new
+weights and copies them in, and a parameter the forward reads elsewhere (a parent using a child's weight
+directly) is refreshed when a torch function first gets it (StaleReadGuard).
+
+Accumulation is counted, as p.grad sums backward passes in torch (`accumulation_steps="auto"`): each
+GRAD_READY says whether this rank expects the micro-batch to be the step's last (from the most backward
+passes a step has had), or cannot tell (the first step: the daemon holds it); a backward pass that comes
+after all tells the daemon first (MORE_MICRO), and zero_grad() before optimizer.step() drops the step's
+gradients (DISCARD). clip_grad_norm_ on the wrapped parameters (_clipping.py) and a GradScaler
+(_amp.py) add to the step's terms: the norm they ask for and the multipliers they apply.
 
 With weight paging (`paging`, a _blocks.PagingPlan), the paged blocks' weights stay in the job's host
 memory and a BlockPager (_paging.py) brings them to the GPU block by block: for their buckets the Rank
@@ -26,6 +33,7 @@ import os
 import threading
 import time
 import warnings
+import weakref
 from typing import Iterable
 
 import torch
@@ -40,19 +48,31 @@ from trainstream._transport import Transport, describe_device, transport_for, tr
 
 MIN_BUCKET_MB = 4096 / (1 << 20)  # the daemon's smallest bucket (shm/job_layout.cpp)
 MAX_BUCKET_MB = 1 << 20  # 1 TiB: larger than any model's parameters, which would all share one bucket
+MAX_ACCUMULATION_STEPS = 65536  # the daemon's bound (shm/job_layout.cpp)
+NOT_LAST, LAST, UNKNOWN = 0, 1, 2  # what a GRAD_READY says of its micro-batch (send_grad_ready's `last`)
+
+_live: "weakref.WeakSet[Rank]" = weakref.WeakSet()  # attached ranks, for the takeovers (_clipping, _amp)
+
+
+def rank_of(param: torch.Tensor) -> "Rank | None":
+    """The attached Rank whose job trains `param`, if one does."""
+    for rank in list(_live):
+        if id(param) in rank._index:
+            return rank
+    return None
 
 
 class Rank:
     def __init__(self, client, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, job: str, rank: int,
-                 world_size: int, max_grad_norm: float | None, accumulation_steps: int, bucket_mb: float,
+                 world_size: int, max_grad_norm: float | None, accumulation_steps, bucket_mb: float,
                  moment_dtype: str, seed: int, peers: list[str] | None = None, node_rank: int = 0,
                  paging=None, device: torch.device | None = None, page_prefetch: int = 2,
                  page_pool_mb: float | None = None, wait_timeout: float | None = None, state_halves="auto",
                  speculative_clipping="auto"):
-        if accumulation_steps < 1:
-            raise TrainstreamError(f"accumulation_steps must be >= 1, not {accumulation_steps}")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise TrainstreamError(f"max_grad_norm must be > 0 or None, not {max_grad_norm}")
+        accumulation_steps = check_accumulation_steps(accumulation_steps)
+        if len(peers or []) > 1 and accumulation_steps is None:
+            accumulation_steps = 1  # a job spanning nodes all-reduces from its last micro-batch on: said up front
+        max_grad_norm = check_max_grad_norm(max_grad_norm)
         if moment_dtype not in _layout.MOMENT_DTYPES:
             raise TrainstreamError(f"moment_dtype must be one of {sorted(_layout.MOMENT_DTYPES)}, not {moment_dtype!r}")
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -62,7 +82,7 @@ class Rank:
         if not isinstance(bucket_mb, (int, float)) or not MIN_BUCKET_MB <= bucket_mb <= MAX_BUCKET_MB:  # nan too
             raise TrainstreamError(f"bucket_mb must be a number of MiB in [{MIN_BUCKET_MB}, {MAX_BUCKET_MB}] (4 KiB to "
                                    f"1 TiB), not {bucket_mb!r}")
-        halves, speculation = _state_options(state_halves, speculative_clipping, max_grad_norm)
+        halves, speculation = _state_options(state_halves, speculative_clipping)
         self.client = client
         self.model = model
         self.kind = _layout.optimizer_kind(optimizer)
@@ -73,7 +93,9 @@ class Rank:
         device = device or (resident[0].device if resident else self.params[0].device)
         self.device = device
         self.groups = optimizer.param_groups
-        self.accumulation_steps = accumulation_steps
+        self.accumulation_steps = accumulation_steps  # None: counted
+        self.max_grad_norm = max_grad_norm
+        self.nodes = max(1, len(peers or []))
         self.job = job
         frozen = paging.frozen if paging else []
         # float32 weights the job keeps in autocast's dtype (page_dtype): they show as such on the GPU
@@ -87,9 +109,9 @@ class Rank:
             job, rank, _layout.layout_entries(model, optimizer, self.params, dtypes,
                                            paging.partition if paging else None),
             len(optimizer.param_groups), int(bucket_mb * (1 << 20)), _layout.MOMENT_DTYPES[moment_dtype], self.kind,
-            accumulation_steps, world_size, float(max_grad_norm or 0.0), seed, list(peers or []), node_rank,
+            accumulation_steps or 0, world_size, float(max_grad_norm or 0.0), seed, list(peers or []), node_rank,
             transport_name(device), describe_device(device), frozen=_layout.frozen_entries(frozen),
-            wait_timeout_s=wait_timeout, state_halves=halves, speculative_clipping=speculation)
+            wait_timeout_s=wait_timeout, state_halves=halves, speculative_clipping=speculation, step_terms=True)
         self.resume_step = self.session.resume_step  # the optimizer steps the job had completed
         moments = torch.float32 if moment_dtype == "float32" else torch.bfloat16
         self.regions = Regions(self.session, self.params, dtypes, moments, [p for _, p in frozen])
@@ -105,6 +127,16 @@ class Rank:
         self._micro = 0                 # micro-batches finished in this step
         self._step_pending = False      # all micro-batches in; optimizer.step() is due
         self._stepped = False           # optimizer.step() ran since the last backward
+        self._most_micros = 0           # the most backward passes a step had: what the next ones expect
+        self._grad_factor = 1.0         # what a GradScaler's unscale_ multiplied the step's gradients by
+        self._discards = 0              # zero_grad() calls that dropped this step's gradients
+        # Norms asked for (step, discards before), and the tensors that will read them: the client keeps only
+        # the last few steps' norms, so each step() settles those of the steps before (_settle_norms).
+        self._norm_readers: dict[tuple[int, int], list[weakref.ref]] = {}
+        self._norms: dict[tuple[int, int], tuple[float, bool]] = {}
+        self._norm: tuple[int, float] | None = None  # the step whose norm was asked for, and its max norm
+        self.last_grad_norm: torch.Tensor | None = None  # the last clipped step's total norm
+        self.compiled_forward = 0  # compiled forwards running with every weight taken in (_compile.py)
         self._in_backward = False
         self._opened: set[int] = set()  # buckets whose slot this micro-batch writes
         self._arrived = [0] * len(self.buckets)
@@ -122,6 +154,7 @@ class Rank:
         self.synchronize()
         started = self._timed("first weights", started)
         self._install_hooks()
+        _live.add(self)
 
     def _timed(self, phase: str, started: float) -> float:
         now = time.perf_counter()
@@ -269,11 +302,24 @@ class Rank:
         if published:
             self.refresh(published)
 
+    def take_all(self) -> None:
+        """Before a compiled forward (_compile.py): every weight in place, waited for where it must be
+        (on the GPU where the transport can), the daemon's health checked."""
+        self.session.check_healthy()
+        if self.pager is not None:
+            raise TrainstreamError("torch.compile of a model whose weights page (param_offload): the pager loads "
+                                   "blocks from the forward's hooks, which Dynamo cannot trace; compile the blocks' "
+                                   "own modules instead, or train without compile")
+        if self.stale:
+            self.refresh(sorted(self.stale), on_gpu=True)
+
     def _before_module(self, buckets: tuple[int, ...], guard: StaleReadGuard) -> None:
         """A module's forward pre-hook: its buckets' weights in place, outside the guard's mode, which
         the forward leaves for good once nothing is stale. Outside that mode, where none of them is stale
         (every module of a forward whose start took every weight in), only the daemon's health is
-        checked."""
+        checked. Traced by Dynamo (a compiled forward), nothing: the forward's start took every weight in."""
+        if torch.compiler.is_compiling():
+            return
         if not guard.entered and self.stale.isdisjoint(buckets):
             self.session.check_healthy()
             return
@@ -367,12 +413,18 @@ class Rank:
             raise TrainstreamError(
                 "backward() ran again before optimizer.step(): with accumulation_steps="
                 f"{self.accumulation_steps}, call optimizer.step() after every {self.accumulation_steps} "
-                "backward pass(es)")
+                "backward pass(es), or wrap with accumulation_steps='auto' (the default), which counts them")
+        if self._micro and self._norm is not None:
+            raise TrainstreamError(
+                "backward() after clip_grad_norm_ (or a GradScaler's unscale_) and before optimizer.step(): "
+                "trainstream clips the sum of every backward pass of a step; clip (and unscale) after the last one")
         self._in_backward = True
         self._stepped = False
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         if self._micro == 0:
             self._write_hparams()
+        elif self.accumulation_steps is None:
+            self.session.send_more_micro(self.current_step, self._micro - 1)  # that one was not the last
 
     def _write_hparams(self) -> None:
         """The param groups' current values (LR schedulers change them between steps)."""
@@ -413,12 +465,26 @@ class Rank:
 
     def _send(self, b: int) -> None:
         step, micro = self._bucket_step[b], self._micro
-        final = micro + 1 == self.accumulation_steps
+        last = self._expects_last(micro)
         self.transport.bucket_done(
-            b, lambda slot=0, piece=0: self.session.send_grad_ready(b, step, micro, final, slot, piece))
+            b, lambda slot=0, piece=0: self.session.send_grad_ready(b, step, micro, last, slot, piece))
         self._sent[b] = True
-        if final:
+        if last == LAST:  # the daemon may update it now (not one it holds: it waits for the step's terms)
             self._final_sent.add(b)
+
+    def _expects_last(self, micro: int) -> int:
+        """Whether micro-batch `micro` is the step's last: as accumulation_steps says, else as the steps
+        before had it (the most backward passes one had), else not known (the first step, or more than ever)."""
+        if self.accumulation_steps is not None:
+            return LAST if micro + 1 == self.accumulation_steps else NOT_LAST
+        if micro + 1 > self._most_micros:
+            return UNKNOWN
+        return LAST if micro + 1 == self._most_micros else NOT_LAST
+
+    @property
+    def current_step(self) -> int:
+        """The step the buckets collect (the one optimizer.step() completes next)."""
+        return self._bucket_step[0] if self._bucket_step else 1
 
     def _end_backward(self) -> None:
         with self._lock:
@@ -434,10 +500,13 @@ class Rank:
             self._sent = [False] * len(self.buckets)
             if self._micro == self.accumulation_steps:
                 self._step_pending = True
+            if self._micro == MAX_ACCUMULATION_STEPS and self.accumulation_steps is None:
+                self._step_pending = True  # the daemon's bound: refused at the next backward
 
     # ----- optimizer.step() -----
 
     def step(self) -> None:
+        """The step's terms to the daemon, and its weights from now on."""
         self.session.check_healthy()
         with self._lock:
             if self._in_backward:
@@ -449,10 +518,19 @@ class Rank:
                         "gradients twice, but they left for the daemon during backward and are gone; call "
                         "backward() before every optimizer.step()")
                 return  # no gradients yet: torch's step() does nothing either
-            if not self._step_pending:
+            if self.accumulation_steps is not None and not self._step_pending:
                 raise TrainstreamError(
                     f"optimizer.step() after {self._micro} of accumulation_steps={self.accumulation_steps} "
-                    "micro-batches")
+                    "micro-batches (wrap with accumulation_steps='auto', the default, to count them)")
+            step = self.current_step
+            if self.max_grad_norm is not None and self._norm is None:
+                self.session.send_norm_terms(step, self._micro, self._grad_factor, self.max_grad_norm)
+            self.session.send_commit_terms(step, self._micro, self._grad_factor)
+            self._settle_norms(wait=False)
+            self._most_micros = max(self._most_micros, self._micro)
+            self._grad_factor = 1.0
+            self._discards = 0
+            self._norm = None
             for b in range(len(self.buckets)):
                 self._ready_step[b] = self._bucket_step[b]
                 self._bucket_step[b] += 1
@@ -464,6 +542,81 @@ class Rank:
             self.transport.step_done(max(self._ready_step, default=0))
         self._report_warnings()
 
+    def zero_grad(self) -> None:
+        """zero_grad() between backward() and optimizer.step(): the step's gradients so far are dropped, as
+        torch drops p.grad (then the next backward pass starts the step again)."""
+        with self._lock:
+            if self._in_backward:
+                raise TrainstreamError("zero_grad() called during backward()")
+            if self._micro == 0:
+                return
+            if self.nodes > 1:
+                raise TrainstreamError(
+                    "zero_grad() between backward() and optimizer.step() drops the step's gradients, which a job "
+                    "spanning nodes cannot (they were all-reduced): call zero_grad() before backward() or after "
+                    "optimizer.step()")
+            step = self.current_step
+            self._settle_norms(wait=True)  # the dropped gradients' norms stay what they were for their readers
+            self._discards += 1
+            self.session.discard(step, self._discards)
+            self._micro = 0
+            self._step_pending = False
+            self._final_sent.clear()
+            self._grad_factor = 1.0
+            self._norm = None
+
+    def request_norm(self, max_norm: float) -> tuple[int, int]:
+        """clip_grad_norm_ (or a GradScaler's inf check, max_norm 0) of this step's gradients: the daemon
+        clips them to `max_norm` and sends their norm; returns what to wait on (wait_norm)."""
+        with self._lock:
+            if self._in_backward or self._micro == 0:
+                raise TrainstreamError(
+                    "the gradient norm is asked for before any backward() of this step (or during one): trainstream "
+                    "takes the norm of the step's gradients after its last backward pass")
+            step = self.current_step
+            if self._norm is not None and max_norm > 0 and self._norm[1] > 0 and max_norm != self._norm[1]:
+                raise TrainstreamError(f"clip_grad_norm_ called twice in one step (max_norm {self._norm[1]} and "
+                                       f"{max_norm}): trainstream clips each step once")
+            if self.max_grad_norm is not None and max_norm > 0 and max_norm != self.max_grad_norm:
+                raise TrainstreamError(f"clip_grad_norm_ with max_norm={max_norm}, but wrap(max_grad_norm="
+                                       f"{self.max_grad_norm}) clips every step already: drop one of the two")
+            if max_norm == 0 and self.max_grad_norm is not None:
+                max_norm = self.max_grad_norm
+            if self._norm is None or max_norm > 0:
+                self.session.send_norm_terms(step, self._micro, self._grad_factor, max_norm)
+                self._norm = (step, max(max_norm, self._norm[1] if self._norm else 0.0))
+            return step, self._discards
+
+    def wait_norm(self, asked: tuple[int, int]) -> tuple[float, bool]:
+        """The norm request_norm asked for (times the GradScaler's factor), and whether some gradients are
+        inf or NaN: waits for the daemon."""
+        settled = self._norms.get(asked)
+        return settled if settled is not None else self.session.wait_step_norm(asked[0])
+
+    def read_norm_later(self, asked: tuple[int, int], reader: torch.Tensor) -> None:
+        """`reader` (a PendingScalar) will read the norm `asked` for, maybe steps later."""
+        self._norm_readers.setdefault(asked, []).append(weakref.ref(reader))
+
+    def _settle_norms(self, wait: bool) -> None:
+        """The norms asked for before the step now ending (`wait`: and this one's too, whose gradients
+        zero_grad drops) go to the tensors that will read them, before the client forgets them."""
+        current = (self.current_step, self._discards)
+        for asked in [a for a in self._norm_readers if a != current or wait]:
+            readers = self._norm_readers.pop(asked)
+            alive = [r for r in (ref() for ref in readers) if r is not None]
+            if alive:
+                self._norms[asked] = self.session.wait_step_norm(asked[0])
+                for reader in alive:
+                    reader.value()
+                del self._norms[asked]
+
+    def unscale(self, inv_scale: float) -> None:
+        """A GradScaler's unscale_: the step's gradients are multiplied by `inv_scale` from now on."""
+        with self._lock:
+            if self._norm is not None and inv_scale != 1.0:
+                raise TrainstreamError("a GradScaler's unscale_ after clip_grad_norm_ in the same step: unscale first")
+            self._grad_factor *= inv_scale
+
     def _report_warnings(self) -> None:
         for message in self.session.take_warnings():
             warnings.warn(f"trainstreamd: {message}", RuntimeWarning, stacklevel=3)
@@ -471,6 +624,7 @@ class Rank:
     def close(self, drop: bool = False, device: torch.device | None = None) -> None:
         """Detaches. Paged parameters get their current weights from the job's host copy: on the CPU,
         or on `device`."""
+        _live.discard(self)
         self.remove_hooks()
         if self.pager is not None:
             self._paging_hooks.remove()
@@ -519,7 +673,7 @@ class _WeightGate(_paging.WeightGate):
         return hash((rank._loads, *(rank._ready_step[b] for b in buckets)))
 
 
-def _state_options(state_halves, speculative_clipping, max_grad_norm) -> tuple[int, int]:
+def _state_options(state_halves, speculative_clipping) -> tuple[int, int]:
     """wrap()'s state_halves ("auto", 1, 2) and speculative_clipping ("auto", True, False) as the attach
     codes: halves 0 (the daemon decides), 1, 2; speculation 0 off, 1 on, 2 the daemon decides."""
     halves = {"auto": 0, 1: 1, 2: 2}.get(state_halves) if not isinstance(state_halves, bool) else None
@@ -529,12 +683,30 @@ def _state_options(state_halves, speculative_clipping, max_grad_norm) -> tuple[i
         if isinstance(speculative_clipping, (bool, str)) else None
     if speculation is None:
         raise TrainstreamError(f"speculative_clipping must be 'auto', True or False, not {speculative_clipping!r}")
-    if speculation == 1 and max_grad_norm is None:
-        raise TrainstreamError("speculative_clipping=True needs max_grad_norm: there is no clipping to speculate about")
     if speculation == 1 and halves == 1:
         raise TrainstreamError("speculative_clipping=True needs state_halves=2 (or 'auto'): a redo starts again "
                                "from the committed half")
     return halves, speculation
+
+
+def check_accumulation_steps(value) -> int | None:
+    """wrap()'s accumulation_steps: "auto" (None: counted) or a count in [1, 65536]."""
+    if isinstance(value, str) and value == "auto":
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_ACCUMULATION_STEPS:
+        raise TrainstreamError(f"accumulation_steps must be 'auto' (the backward passes between two optimizer.step() "
+                               f"are counted) or an integer in [1, {MAX_ACCUMULATION_STEPS}], not {value!r}")
+    return value
+
+
+def check_max_grad_norm(value) -> float | None:
+    """wrap()'s max_grad_norm: None or a number > 0 (inf: the norm is taken, nothing clipped)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:  # nan too
+        raise TrainstreamError(f"max_grad_norm must be None (no clipping, or the clip_grad_norm_ calls of the loop) "
+                               f"or a number > 0, not {value!r}")
+    return float(value)
 
 
 def default_job_name() -> str:

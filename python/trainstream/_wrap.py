@@ -16,15 +16,17 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
+import math
 import random
 import time
+import types
 import weakref
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from trainstream import _blocks, _distributed, _layout, _peers
+from trainstream import _blocks, _clipping, _compile, _distributed, _layout, _peers
 from trainstream._activation_offload import ActivationOffload
 from trainstream._activation_offload import check as check_activation_offload
 from trainstream._C import TrainstreamError
@@ -32,7 +34,7 @@ from trainstream._connect import Client, check_wait_timeout, connect
 from trainstream._guards import Conversion
 from trainstream._offload_auto import AutoOffload
 from trainstream._optimizer import OffloadedOptimizer
-from trainstream._rank import Rank, default_job_name
+from trainstream._rank import Rank, check_accumulation_steps, check_max_grad_norm, default_job_name
 from trainstream._stock import StockOptimizer
 
 log = logging.getLogger("trainstream")
@@ -57,7 +59,7 @@ _wrapped: "weakref.WeakKeyDictionary[torch.nn.Module, Wrapped]" = weakref.WeakKe
 def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Client | None = None,
          job: str | None = None, rank: int | None = None, world_size: int | None = None,
          max_grad_norm: float | None = None,
-         accumulation_steps: int = 1, bucket_mb: float = 32, moment_dtype: str = "float32",
+         accumulation_steps="auto", bucket_mb: float = 32, moment_dtype: str = "float32",
          seed: int | None = None, peers: list[str] | None = None,
          node_rank: int | None = None, device: str | torch.device | None = None, param_offload=False,
          blocks=None, page_prefetch: int = 2,
@@ -74,9 +76,13 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
     id), else, with `distributed="auto"` (the default) or True, from an initialized torch.distributed
     process group of more than one rank: the ranks agree on the node-local ranks, the nodes and the job
     name over it (see _distributed.py); `distributed=False` ignores both. The daemon averages the ranks'
-    gradients: do not also wrap the model in DistributedDataParallel. `max_grad_norm` clips like
-    torch.nn.utils.clip_grad_norm_ (do not clip p.grad yourself: gradients leave during backward). With
-    `accumulation_steps=k`, call optimizer.step() after every k backward passes. `peers` lists the
+    gradients: do not also wrap the model in DistributedDataParallel. The training loop stays as it is:
+    gradients leave during backward, and the backward passes between two optimizer.step() calls are
+    summed (`accumulation_steps="auto"`; a number k says every step has k, which a step's update can then
+    start during its last backward pass from the first step on), torch.nn.utils.clip_grad_norm_ on the
+    model's parameters clips the step in the daemon and returns its norm, zero_grad() before step() drops
+    the step's gradients, and a torch.amp.GradScaler steps it as it steps torch's fused optimizers.
+    `max_grad_norm` clips every step like clip_grad_norm_ (then the loop need not). `peers` lists the
     peer-plane addresses ("host:port") of the job's daemons on every node, in node order, and `node_rank`
     is this node's index (defaults: $TRAINSTREAM_PEERS, comma-separated, and $TRAINSTREAM_NODE_RANK,
     torchrun's GROUP_RANK, or RANK // LOCAL_WORLD_SIZE); the daemons then all-reduce the node-summed
@@ -128,17 +134,26 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
     """
     if model in _wrapped:
         raise TrainstreamError("this model is already wrapped; call trainstream.unwrap(model) first")
+    holder, optimizer = optimizer, _inside_holders(optimizer)  # accelerate's AcceleratedOptimizer, say
+    _clipping.install_accelerate()  # loaded since trainstream was
+    check_accumulation_steps(accumulation_steps)
+    max_grad_norm = check_max_grad_norm(max_grad_norm)
     _check_choice("offload", offload, OFFLOAD_CHOICES, "'auto', True or False")
     check_activation_offload(activation_offload)
+    _check_number("wait_timeout", wait_timeout, "None (TRAINSTREAM_WAIT_TIMEOUT, else 300 s) or seconds > 0")
     if wait_timeout is not None:
         wait_timeout = check_wait_timeout(wait_timeout, "wait_timeout")
+    _check_paging_sizes(page_prefetch, page_pool_mb)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64):
+        raise TrainstreamError(f"seed must be None (random) or an integer in [0, 2**64), not {seed!r}")
     if job is not None and (not isinstance(job, str) or not job):
         raise TrainstreamError(f"job must be a non-empty string, or None for a name unique to this process; "
                                f"not {job!r}")
     _check_parameters_are_the_models(model, optimizer)
     if offload is False:
-        return _wrap_in_torch(model, optimizer, max_grad_norm, accumulation_steps, param_offload, blocks, device,
-                              activation_offload, page_dtype)
+        model, wrapped = _wrap_in_torch(model, optimizer, max_grad_norm, param_offload, blocks, device,
+                                        activation_offload, page_dtype)
+        return model, _rehome(holder, optimizer, wrapped)
     started = time.perf_counter()
     own_client = client is None
     given_node_rank = node_rank
@@ -180,9 +195,13 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
     r = attach(paging=paging, device=device)
     r.timings = {"place and connect": placed_s, **r.timings}
     wrapped = OffloadedOptimizer(optimizer, r)
+    if world_size * max(1, len(peers)) > 1 and _distributed.spans_group(2):
+        wrapped._dp = torch.distributed.group.WORLD
     w = Wrapped(model, wrapped, attach, auto_named, world_size * max(1, len(peers)), max_grad_norm,
                 own_client=own_client)
     _wrapped[model] = w
+    model.zero_grad = types.MethodType(_zero_grad, model)  # the Hugging Face Trainer's way to zero them
+    _compile.adopt(model)
     r.relayout = functools.partial(_relayout, w)
     if state is not None:
         wrapped.load_state_dict(state)  # an optimizer that already stepped keeps its moments
@@ -190,7 +209,68 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
         auto = AutoOffload(wrapped, functools.partial(_switch, w), w.ranks)
         wrapped.after_step.append(auto.after_step)
     _watch_activations(w, activation_offload, r.device)
-    return model, wrapped
+    return model, _rehome(holder, optimizer, wrapped)
+
+
+def _inside_holders(optimizer):
+    """The torch optimizer inside framework wrappers that hold it as `.optimizer` (accelerate's
+    AcceleratedOptimizer, a LightningOptimizer's `_optimizer`): what trainstream wraps."""
+    for _ in range(8):
+        if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            break
+        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):
+            break
+        optimizer = inner
+    return optimizer
+
+
+def _rehome(holder, inner: torch.optim.Optimizer, wrapped: OffloadedOptimizer):
+    """The framework wrapper `holder` (or `wrapped` itself, given a torch optimizer), now holding
+    `wrapped` where it held `inner`; accelerate's, which patches its optimizer's step() for a GradScaler,
+    patches the new one's."""
+    if holder is inner:
+        return wrapped
+    outer = holder
+    while True:
+        attribute = "optimizer" if getattr(outer, "optimizer", None) is not None else "_optimizer"
+        below = getattr(outer, attribute)
+        if below is inner:
+            setattr(outer, attribute, wrapped)
+            break
+        outer = below
+    if hasattr(outer, "_optimizer_original_step_method"):
+        from accelerate.optimizer import patch_optimizer_step
+        outer._optimizer_original_step_method = wrapped.step
+        outer._optimizer_patched_step_method = patch_optimizer_step(outer, wrapped.step)
+    return holder
+
+
+def _zero_grad(model: torch.nn.Module, set_to_none: bool = True) -> None:
+    """model.zero_grad() of a wrapped model: as optimizer.zero_grad(), the step's gradients so far are
+    dropped in the daemon too. A copy of the model (copy.deepcopy) is not wrapped and zeroes its own."""
+    w = _wrapped.get(model)
+    if w is not None and w.optimizer._rank is not None:
+        w.optimizer._rank.zero_grad()
+    torch.nn.Module.zero_grad(model, set_to_none)
+
+
+def _check_number(option: str, value, allowed: str) -> None:
+    """`value` is None or a real number (not a bool or a string that float() would take)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise TrainstreamError(f"{option}={value!r}: use {allowed}")
+
+
+def _check_paging_sizes(page_prefetch, page_pool_mb) -> None:
+    """The paging pool's size: blocks loaded ahead, or MiB; checked whether or not anything pages, so a
+    mistake shows where it was made. Against the GPU's memory: _paging.BlockPager."""
+    if isinstance(page_prefetch, bool) or not isinstance(page_prefetch, int) or not 0 <= page_prefetch <= 1024:
+        raise TrainstreamError(f"page_prefetch must be an integer in [0, 1024] (the blocks loaded while one "
+                               f"computes), not {page_prefetch!r}")
+    _check_number("page_pool_mb", page_pool_mb, "None (page_prefetch + 1 blocks) or MiB > 0")
+    if page_pool_mb is not None and not 0 < page_pool_mb < math.inf:  # nan too
+        raise TrainstreamError(f"page_pool_mb must be None (page_prefetch + 1 blocks) or a finite number of MiB > 0, "
+                               f"not {page_pool_mb!r}")
 
 
 def _check_choice(option: str, value, choices: tuple, allowed: str) -> None:
@@ -198,8 +278,8 @@ def _check_choice(option: str, value, choices: tuple, allowed: str) -> None:
         raise TrainstreamError(f"{option}={value!r}: use {allowed}")
 
 
-def _wrap_in_torch(model, optimizer, max_grad_norm, accumulation_steps, param_offload, blocks, device,
-                   activation_offload, page_dtype) -> tuple[torch.nn.Module, OffloadedOptimizer]:
+def _wrap_in_torch(model, optimizer, max_grad_norm, param_offload, blocks, device, activation_offload,
+                   page_dtype) -> tuple[torch.nn.Module, OffloadedOptimizer]:
     """offload=False: the optimizer runs in torch from the start (fused where torch has the kernels), with
     wrap's contract: clipping by max_grad_norm, p.grad emptied after each step."""
     if isinstance(param_offload, str) and param_offload == "auto":
@@ -208,10 +288,6 @@ def _wrap_in_torch(model, optimizer, max_grad_norm, accumulation_steps, param_of
         raise TrainstreamError(f"param_offload={param_offload!r} needs offload=True or 'auto': the paged weights live "
                                "in the daemon's job")
     _blocks.refuse_options_without_paging(blocks, page_dtype)
-    if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
-        raise TrainstreamError(f"accumulation_steps must be >= 1, not {accumulation_steps}")
-    if max_grad_norm is not None and not max_grad_norm > 0:
-        raise TrainstreamError(f"max_grad_norm must be > 0 or None, not {max_grad_norm}")
     _layout.optimizer_kind(optimizer)
     if device is not None:
         _place(model, torch.device(device), set())
@@ -423,6 +499,7 @@ def unwrap(model: torch.nn.Module, device: str | torch.device | None = None) -> 
         w.optimizer._stock.max_grad_norm = None
         w.optimizer._stock.clear_grads = False
     del _wrapped[model]
+    model.__dict__.pop("zero_grad", None)
     return model
 
 

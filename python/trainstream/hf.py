@@ -1,17 +1,21 @@
-"""Hugging Face Trainer integration: a `transformers.Trainer` whose AdamW runs in trainstreamd.
+"""Hugging Face Trainer integration: any `transformers.Trainer` whose AdamW runs in trainstreamd.
 
-    from trainstream.integrations.huggingface import TrainStreamTrainer  # = trainstream.hf.TrainstreamTrainer
-    trainer = TrainStreamTrainer(model=model, args=TrainingArguments(...), train_dataset=...,
+    from trainstream.hf import TrainstreamTrainer, trainstream_trainer
+    trainer = TrainstreamTrainer(model=model, args=TrainingArguments(...), train_dataset=...,
                                  trainstream={"moment_dtype": "bfloat16"})
     trainer.train()
 
+    SFTTrainer = trainstream_trainer(trl.SFTTrainer)  # any Trainer subclass: TRL's, Seq2SeqTrainer, yours
+    class MyTrainer(TrainstreamMixin, trl.DPOTrainer): ...  # the same, by hand
+
 The Trainer builds its optimizer as usual (`optim="adamw_torch"` or `"adamw_torch_fused"`, its
-parameter groups, its LR scheduler); this class hands it to `trainstream.wrap` with the Trainer's
-`max_grad_norm` and `gradient_accumulation_steps`, and the options of `trainstream={...}` (or, the older
-name, `trainstream_options={...}`). Gradients leave the parameters during backward, so the optimizer
-clips, and the Trainer neither clips nor logs a gradient norm. Optimizer checkpoints are in
-torch.optim.AdamW's format, so they resume with or without trainstream. One process per GPU, as with
-torchrun: ranks and the job name come from its environment (see `trainstream.wrap`).
+parameter groups, its LR scheduler); the mixin hands it to `trainstream.wrap` with the options of
+`trainstream={...}` (or, the older name, `trainstream_options={...}`), and the Trainer's `max_grad_norm`
+(which its own clip_grad_norm_ calls then clip in the daemon, logging the real `grad_norm`). Its
+gradient accumulation is counted, the last step of an epoch's shorter remainder included. Optimizer
+checkpoints are in torch.optim.AdamW's format, so they resume with or without trainstream. One process
+per GPU, as with torchrun: ranks and the job name come from its environment (see `trainstream.wrap`).
+`TrainStreamTrainer` (trainstream.integrations.huggingface) is TrainStream 0.2's name for TrainstreamTrainer.
 
 A model given on the CPU while the Trainer trains on a GPU is not moved there whole: its decoder
 layers (the model's block stack: model.model.layers, and peft's wrapped equivalent) are paged from
@@ -25,8 +29,9 @@ pages them in float32).
 Causal language models (see _causal_lm_loss.py for which) compute their training loss with
 trainstream.chunked_cross_entropy from the last hidden state and the output projection, so the full
 logits never exist (`chunked_loss=False` keeps the model's own loss; `loss_chunk_size` tokens per chunk).
-Evaluation, and models that are not recognised, use the model's own loss (logged once). Tested with
-transformers 5.x.
+Evaluation, models that are not recognised, and Trainer subclasses with a compute_loss of their own (TRL's
+read the logits for their metrics) use the model's own loss (logged once). Tested with transformers 5.x
+and TRL 1.x.
 """
 
 from __future__ import annotations
@@ -44,13 +49,16 @@ from trainstream._wrap import wrap
 log = logging.getLogger("trainstream")
 
 
-class TrainstreamTrainer(transformers.Trainer):
+class TrainstreamMixin:
+    """Put before a transformers.Trainer class in the bases: its optimizer runs in trainstreamd."""
+
     def __init__(self, *args, trainstream: dict[str, Any] | None = None,
                  trainstream_options: dict[str, Any] | None = None, chunked_loss: bool = True,
                  loss_chunk_size: int = 4096, **kwargs):
         """`trainstream` (or `trainstream_options`): further arguments of `trainstream.wrap` (offload,
         moment_dtype, client, job, ...); `max_grad_norm` and `accumulation_steps` come from the
-        TrainingArguments. `chunked_loss`: compute a causal LM's loss without its logits."""
+        TrainingArguments. `chunked_loss`: compute a causal LM's loss without its logits (where the Trainer
+        class keeps transformers.Trainer's compute_loss)."""
         if trainstream is not None and trainstream_options is not None:
             raise TrainstreamError("pass the wrap options as trainstream={...} or trainstream_options={...}, not both")
         self.trainstream_options = dict(trainstream or trainstream_options or {})
@@ -58,7 +66,7 @@ class TrainstreamTrainer(transformers.Trainer):
         if taken:
             raise TrainstreamError(f"{sorted(taken)} come from TrainingArguments (max_grad_norm, "
                                    "gradient_accumulation_steps), not the trainstream options")
-        self.chunked_loss = chunked_loss
+        self.chunked_loss = chunked_loss and _computes_loss_as_transformers(type(self))
         self.loss_chunk_size = loss_chunk_size
         self._chunked: dict[int, ChunkedCausalLMLoss | None] = {}  # id(model) -> its loss, None: the model's own
         self._pages = self._pages_a_cpu_model(kwargs.get("model", args[0] if args else None),
@@ -95,7 +103,7 @@ class TrainstreamTrainer(transformers.Trainer):
             _, self.optimizer = wrap(
                 self.model if model is None else model, optimizer,
                 max_grad_norm=self.args.max_grad_norm if self.args.max_grad_norm > 0 else None,
-                accumulation_steps=self.args.gradient_accumulation_steps, **self.trainstream_options)
+                **self.trainstream_options)
         return self.optimizer
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -117,9 +125,27 @@ class TrainstreamTrainer(transformers.Trainer):
             self._chunked[key] = None if reason else ChunkedCausalLMLoss(model, self.loss_chunk_size)
         return self._chunked[key]
 
-    def _clip_grad_norm(self, model):
-        return None  # the optimizer clips: gradients are not in p.grad when the Trainer would
 
-    def _get_grad_norm(self, model, grad_norm=None):
-        return None  # the Trainer would compute it from p.grad, which trainstream has emptied
+def _computes_loss_as_transformers(trainer_class: type) -> bool:
+    """Whether the class after the mixin keeps transformers.Trainer's compute_loss (the chunked loss
+    replaces the model's logits, which a compute_loss of its own may read)."""
+    mro = trainer_class.__mro__
+    after = mro[mro.index(TrainstreamMixin) + 1:]
+    owner = next((cls for cls in after if "compute_loss" in cls.__dict__), None)
+    return owner is transformers.Trainer
+
+
+class TrainstreamTrainer(TrainstreamMixin, transformers.Trainer):
+    """A transformers.Trainer whose AdamW runs in trainstreamd."""
+
+
+def trainstream_trainer(trainer_class: type) -> type:
+    """`trainer_class` (a transformers.Trainer subclass: TRL's SFTTrainer, DPOTrainer, GRPOTrainer,
+    Seq2SeqTrainer, ...) with its optimizer in trainstreamd; it takes the `trainstream={...}` options too."""
+    if not (isinstance(trainer_class, type) and issubclass(trainer_class, transformers.Trainer)):
+        raise TrainstreamError(f"trainstream_trainer takes a transformers.Trainer subclass, not {trainer_class!r}")
+    if issubclass(trainer_class, TrainstreamMixin):
+        return trainer_class
+    return type(f"Trainstream{trainer_class.__name__}", (TrainstreamMixin, trainer_class),
+                {"__module__": trainer_class.__module__, "__doc__": trainer_class.__doc__})
 

@@ -29,8 +29,9 @@ namespace {
 
 constexpr size_t kRecordBytes = 1 + sizeof(ts::shm::Message);
 
-// Two fp32 buckets and a bf16 one; the first byte of the input picks world size, accumulation and
-// clipping, so every protocol path is reachable.
+// Two fp32 buckets and a bf16 one; the first byte of the input picks world size, accumulation,
+// clipping, moments, the trainer's step terms (with them, accumulation counted from the messages) and
+// two state halves (updates that run before the step is decided), so every protocol path is reachable.
 ts::shm::LayoutSpec SpecFor(uint8_t options) {
   ts::shm::LayoutSpec spec;
   spec.params = {ts::shm::ParamSpec{.name = "w", .shape = {40, 25}, .dtype = ts::DType::kFloat32},
@@ -38,9 +39,11 @@ ts::shm::LayoutSpec SpecFor(uint8_t options) {
                  ts::shm::ParamSpec{.name = "e", .shape = {64}, .dtype = ts::DType::kBFloat16}};
   spec.bucket_bytes = 4096;
   spec.world_size = 1 + (options & 1);
-  spec.accumulation_steps = 1 + ((options >> 1) & 1);
-  spec.max_grad_norm = (options & 4) != 0 ? 1.0 : 0.0;
+  spec.step_terms = (options & 16) != 0;
+  spec.accumulation_steps = spec.step_terms && (options & 2) != 0 ? 0 : 1 + ((options >> 1) & 1);
+  spec.max_grad_norm = (options & 4) != 0 && !spec.step_terms ? 1.0 : 0.0;
   spec.moment_dtype = (options & 8) != 0 ? ts::DType::kBFloat16 : ts::DType::kFloat32;
+  spec.state_halves = 1 + ((options >> 5) & 1);
   return spec;
 }
 

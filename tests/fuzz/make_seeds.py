@@ -42,6 +42,10 @@ def message(kind: int, flags: int = 0, bucket: int = 0, step: int = 0, micro: in
     return struct.pack("<HHIQII", kind, flags, bucket, step, micro, 0) + bytes(36)
 
 
+def step_terms(flags: int, step: int, micro: int, max_norm: float = 0.0, factor: float = 1.0) -> bytes:
+    return struct.pack("<HHIQIIIfdf", 4, flags, 0, step, micro, 0, 0, 1.0, max_norm, factor) + bytes(20)
+
+
 def write(harness: str, name: str, data: bytes) -> None:
     folder = os.path.join(HERE, "corpus", harness)
     os.makedirs(folder, exist_ok=True)
@@ -59,6 +63,13 @@ def ring_seeds() -> None:
     accumulate = [bytes([0]) + message(load)] + [bytes([0]) + message(grad, final if m else 0, b, 1, m)
                                                  for m in (0, 1) for b in range(3)]
     write("fuzz_ring_messages", "accumulation", bytes([2]) + b"".join(accumulate))
+    # step terms, counted accumulation, two halves: two micro-batches (the first held, then "more"),
+    # clip_grad_norm_ and optimizer.step() in one kStepTerms; then a step dropped by zero_grad()
+    more, discard, uncertain, clip_commit = 5, 6, 4, 16 | 32
+    counted = [message(load)] + [message(grad, uncertain, b, 1, 0) for b in range(3)] + [message(more, 0, 0, 1, 0)]
+    counted += [message(grad, final, b, 1, 1) for b in range(3)] + [step_terms(clip_commit, 1, 2, 1.0)]
+    counted += [message(grad, final, b, 2) for b in range(3)] + [message(discard, 0, 0, 2, 1)]
+    write("fuzz_ring_messages", "step-terms", bytes([2 | 16 | 32]) + b"".join(bytes([0]) + m for m in counted))
 
 
 def layout_seeds() -> None:

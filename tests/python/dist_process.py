@@ -36,6 +36,7 @@ def worker(rank: int, world: int, store: str, addresses: list[str | None], steps
     opt.synchronize()
     job = next(j for j in r.client.stats()["jobs"] if j["name"] == r.job)
     torch.save({"params": [p.detach().clone() for p in model.parameters()], "job": r.job,
-                "world_size": job["world_size"], "socket": r.client.socket_path}, os.path.join(out, f"rank{rank}.pt"))
+                "world_size": job["world_size"], "socket": r.client.socket_path, "dp": opt._dp is not None},
+               os.path.join(out, f"rank{rank}.pt"))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()

@@ -93,6 +93,15 @@ def test_gpu_memory_holds_no_gradients_or_optimizer_state(client):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(8)]).cuda()  # 134 MB of fp32 weights
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    # What any forward and backward of this model allocate on first use, before the window measured below:
+    # cuBLAS workspaces for the forward's thread and for autograd's (32 MiB each on an H100: the driver saw
+    # 69-302 MB beyond the weights there without this, 2026-12-07), the caching allocator's blocks for the
+    # activations. The gradients go as they come, as trainstream's hooks make them go.
+    drop = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None)) for p in model.parameters()]
+    for _ in range(2):
+        model(torch.randn(16, 2048, device="cuda")).sum().backward()
+    for handle in drop:
+        handle.remove()
     model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters()), client=client)
     torch.cuda.synchronize()
     free_before, _ = torch.cuda.mem_get_info()

@@ -44,6 +44,7 @@ def assert_data_parallel(results, ranks_per_node=2, **options):
         assert all(torch.equal(a, b) for a, b in zip(first["params"], other["params"])), "replicas differ"
         assert other["job"] == first["job"]
     assert all(r["world_size"] == ranks_per_node for r in results) and first["job"].startswith("dist-")
+    assert all(r["dp"] for r in results)  # the optimizer names its data-parallel group, as TrainStream 0.2's did
     expected = reference(**options)
     assert max((a - b).abs().max().item() for a, b in zip(first["params"], expected)) <= 1e-4
 

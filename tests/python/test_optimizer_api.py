@@ -187,3 +187,10 @@ def test_converting_paged_weights_is_refused(client):
     with pytest.raises(TrainstreamError, match="cannot convert a model whose weights page"):
         model.half()
     trainstream.unwrap(model)
+
+
+def test_one_process_has_no_data_parallel_group(client):
+    """TrainStream 0.2's `_dp`: the data-parallel group, None for one process (test_distributed: a group)."""
+    model = mlp()
+    model, opt = trainstream.wrap(model, adamw(model.parameters()), client=client)
+    assert opt._dp is None

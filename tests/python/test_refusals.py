@@ -118,3 +118,35 @@ def test_world_size_zero_and_an_empty_job_name_are_refused(client):
         trainstream.wrap(model, torch.optim.AdamW(model.parameters()), client=client, world_size=0, job="zero")
     with pytest.raises(TrainstreamError, match="job must be a non-empty string"):
         trainstream.wrap(model, torch.optim.AdamW(model.parameters()), client=client, job="")
+
+
+@pytest.mark.parametrize("option, value, named", [
+    ("page_prefetch", 1.5, "page_prefetch must be an integer"), ("page_prefetch", float("nan"), "page_prefetch"),
+    ("page_prefetch", "2", "page_prefetch"), ("page_prefetch", None, "page_prefetch"),
+    ("page_prefetch", 10**9, "page_prefetch"), ("page_prefetch", True, "page_prefetch"),
+    ("page_pool_mb", float("nan"), "page_pool_mb"), ("page_pool_mb", float("inf"), "page_pool_mb"),
+    ("page_pool_mb", "x", "page_pool_mb"), ("page_pool_mb", 0, "page_pool_mb"),
+    ("wait_timeout", "10", "wait_timeout"), ("wait_timeout", float("nan"), "wait_timeout"),
+    ("seed", -1, "seed"), ("seed", 2**64, "seed"), ("seed", "x", "seed"),
+    ("param_offload", [], "param_offload"),
+])
+def test_odd_option_values_are_refused_naming_the_option(client, option, value, named):
+    """Issue 46's odd values: refused at wrap(), with or without paging, naming the option; nothing is sized
+    from them first."""
+    model = two_layers()
+    with pytest.raises(TrainstreamError, match=named):
+        trainstream.wrap(model, torch.optim.AdamW(model.parameters()), client=client, **{option: value})
+
+
+def test_page_prefetch_zero_without_a_pool_names_page_prefetch(client):
+    model = two_layers()
+    with pytest.raises(TrainstreamError, match="raise page_prefetch"):
+        trainstream.wrap(model, torch.optim.AdamW(model.parameters()), client=client, device="cpu",
+                         param_offload=True, blocks=[model[0], model[2]], page_prefetch=0)
+
+
+def test_a_pool_bigger_than_the_paged_blocks_holds_them_all(client):
+    model = two_layers()
+    model, _ = trainstream.wrap(model, torch.optim.AdamW(model.parameters()), client=client, device="cpu",
+                                param_offload=True, blocks=[model[0], model[2]], page_prefetch=1024)
+    assert len(trainstream._wrap._rank_of(model).pager.in_slot) == 2

@@ -227,10 +227,30 @@ class RankSession {
   [[nodiscard]] size_t state_bytes() const;
   [[nodiscard]] size_t rank_bytes() const;
 
+  // Whether a micro-batch is its step's last, as the rank sees it when it sends the gradients.
+  enum class Last : uint8_t { kNo = 0, kYes = 1, kUnknown = 2 };
   // Tells the daemon that this rank's gradients of `bucket` for (step, micro) are in its grad region
   // (cuda-ipc: piece `piece` of them in staging slot `slot`, after its grad-ready event).
-  void SendGradReady(uint32_t bucket, uint64_t step, uint32_t micro, bool final_micro, uint32_t slot = 0,
-                     uint32_t piece = 0);
+  void SendGradReady(uint32_t bucket, uint64_t step, uint32_t micro, Last last, uint32_t slot = 0, uint32_t piece = 0);
+  // Step terms (jobs with LayoutSpec::step_terms, daemon/engine/step_gate.h). The step summed
+  // `micro_batches` backward passes; the norm of its gradients (times `norm_factor`) is wanted
+  // (WaitStepNorm), and with `max_norm` > 0 they are clipped to it.
+  void SendNormTerms(uint64_t step, uint32_t micro_batches, float norm_factor, double max_norm);
+  // optimizer.step(): the update applies `factor` (what a GradScaler's unscale_ took off).
+  void SendCommitTerms(uint64_t step, uint32_t micro_batches, float factor);
+  // Another backward pass of `step` follows micro-batch `micro` (sent before its first gradient).
+  void SendMoreMicro(uint64_t step, uint32_t micro);
+  // zero_grad() before optimizer.step(), the `count`th time in `step`: drops the step's gradients and
+  // blocks until every grad region is free.
+  void Discard(uint64_t step, uint32_t count);
+  // The norm of `step`'s gradients as SendNormTerms asked, and whether some are inf or NaN: blocks until
+  // the daemon sent it; nullopt from StepNorm while it has not.
+  struct Norm {
+    double value = 0;
+    bool nonfinite = false;
+  };
+  Norm WaitStepNorm(uint64_t step);
+  [[nodiscard]] std::optional<Norm> StepNorm(uint64_t step);
   // cuda-ipc: hands the daemon this rank's GPU buffers and events. Returns why the daemon refused
   // (the rank then copies its data itself), or an empty string.
   std::string RegisterCudaIpc(const shm::CudaIpcExport& exported);

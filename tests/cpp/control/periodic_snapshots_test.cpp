@@ -42,7 +42,7 @@ int TrainOneStep(const std::string& socket, float weight) {
   auto* grads = reinterpret_cast<float*>(shm::GradsOf(bucket, state, view)) + w.offset_in_bucket;
   std::fill(grads, grads + w.numel, 0.5f);
   view.presence[0] = 1;
-  session->SendGradReady(w.bucket, 1, 0, /*final_micro=*/true);
+  session->SendGradReady(w.bucket, 1, 0, RankSession::Last::kYes);
   session->WaitParamsReady(w.bucket, 1);
   return session->completed_step() == 1 ? 0 : 1;
 }

@@ -117,12 +117,12 @@ TEST_F(BucketPassesTest, AccumulateSumsTheSlotsOfBothRanks) {
   SetGradient(0, kW);
   SetGradient(1, kW);
   FillAccum(kW, kUntouched);
-  passes_.Accumulate(kBlockOfW, sources_, /*overwrite=*/true);  // micro-batch 0
+  passes_.Accumulate(kBlockOfW, sources_, state_.accum, /*overwrite=*/true);  // micro-batch 0
   for (uint64_t i = 0; i < Numel(kW); ++i) {
     const float sum = Gradient(0, kW, i) + Gradient(1, kW, i);
     EXPECT_EQ(Accum(kW)[i], Inside(kBlockOfW, i) ? sum : kUntouched) << "element " << i;
   }
-  passes_.Accumulate(kBlockOfW, sources_, /*overwrite=*/false);  // micro-batch 1 adds to it
+  passes_.Accumulate(kBlockOfW, sources_, state_.accum, /*overwrite=*/false);  // micro-batch 1 adds to it
   for (uint64_t i = kBlockOfW.begin; i < kBlockOfW.begin + kBlockOfW.count; ++i) {
     EXPECT_FLOAT_EQ(Accum(kW)[i], 2 * (Gradient(0, kW, i) + Gradient(1, kW, i))) << "element " << i;
   }
@@ -132,14 +132,14 @@ TEST_F(BucketPassesTest, ARankWithoutTheGradientIsSkipped) {
   SetGradient(0, kW);
   SetGradient(1, kW);
   sources_[1]->view.presence[kW] = 0;  // rank 1 had no gradient for W in this micro-batch
-  passes_.Accumulate(kBlockOfW, sources_, /*overwrite=*/true);
+  passes_.Accumulate(kBlockOfW, sources_, state_.accum, /*overwrite=*/true);
   for (uint64_t i = kBlockOfW.begin; i < kBlockOfW.begin + kBlockOfW.count; ++i) {
     EXPECT_EQ(Accum(kW)[i], Gradient(0, kW, i)) << "element " << i;
   }
   sources_[0]->view.presence[kW] = 0;  // no rank: a later micro-batch leaves the sum as it is...
-  passes_.Accumulate(kBlockOfW, sources_, /*overwrite=*/false);
+  passes_.Accumulate(kBlockOfW, sources_, state_.accum, /*overwrite=*/false);
   EXPECT_EQ(Accum(kW)[kBlockOfW.begin], Gradient(0, kW, kBlockOfW.begin));
-  passes_.Accumulate(kBlockOfW, sources_, /*overwrite=*/true);  // ...and the first one starts it at 0
+  passes_.Accumulate(kBlockOfW, sources_, state_.accum, /*overwrite=*/true);  // ...and the first one starts it at 0
   EXPECT_EQ(Accum(kW)[kBlockOfW.begin], 0.0f);
 }
 
@@ -154,10 +154,10 @@ TEST_F(BucketPassesTest, SumOfSquaresIsTheSumOverTheBlockOfTheScaledGradientsSqu
     expected += g * g;
   }
   bool nonfinite = false;
-  EXPECT_NEAR(passes_.SumOfSquares(kBlockOfW, sources_, kScale, &nonfinite), expected, 1e-6 * expected);
+  EXPECT_NEAR(passes_.SumOfSquares(kBlockOfW, sources_, state_.accum, kScale, &nonfinite), expected, 1e-6 * expected);
   EXPECT_FALSE(nonfinite);
   reinterpret_cast<float*>(Grad(1, kW))[kBlockOfW.begin + 5] = std::numeric_limits<float>::infinity();
-  passes_.SumOfSquares(kBlockOfW, sources_, kScale, &nonfinite);
+  passes_.SumOfSquares(kBlockOfW, sources_, state_.accum, kScale, &nonfinite);
   EXPECT_TRUE(nonfinite);
 }
 
@@ -193,7 +193,7 @@ TEST_F(BucketPassesTest, UpdateIsTheOptimizerKernelOnTheBlocksElements) {
                          {.data = upload.data(), .dtype = DTypeOf(kE)}, count);
 
   const float before = Master(kE)[begin - 1];
-  EXPECT_FALSE(passes_.Update(kBlockOfE, sources_, kScale, step, kSeed, Half(0), Half(0)));  // in place
+  EXPECT_FALSE(passes_.Update(kBlockOfE, sources_, state_.accum, kScale, step, kSeed, Half(0), Half(0)));  // in place
   EXPECT_EQ(std::vector<float>(Master(kE) + begin, Master(kE) + begin + count), master);
   EXPECT_EQ(Bytes(Moment(Half(0).exp_avg, kE) + begin * moment_size, count, moment_size), exp_avg);
   EXPECT_EQ(Bytes(Moment(Half(0).exp_avg_sq, kE) + begin * moment_size, count, moment_size), exp_avg_sq);
@@ -205,8 +205,8 @@ TEST_F(BucketPassesTest, UpdateReportsNonFiniteWeights) {
   SetGradient(0, kW);
   reinterpret_cast<float*>(Grad(0, kW))[kBlockOfW.begin] = std::numeric_limits<float>::quiet_NaN();
   const optimizer::AdamWStep step = optimizer::AdamWStep::For(0.01, 0.9, 0.999, 1e-8, 0.0, /*decoupled=*/true, 1);
-  EXPECT_TRUE(passes_.Update(kBlockOfW, sources_, 1.0f, step, /*sr_seed=*/0, Half(0), Half(0)));
-  EXPECT_TRUE(passes_.Update(kBlockOfW, sources_, 1.0f, step, /*sr_seed=*/0, Half(0), Half(1)));
+  EXPECT_TRUE(passes_.Update(kBlockOfW, sources_, state_.accum, 1.0f, step, /*sr_seed=*/0, Half(0), Half(0)));
+  EXPECT_TRUE(passes_.Update(kBlockOfW, sources_, state_.accum, 1.0f, step, /*sr_seed=*/0, Half(0), Half(1)));
 }
 
 // Out of place: the update of half 0 into half 1 gives half 1 what the update in place gives half 0, and
@@ -227,14 +227,14 @@ TEST_F(BucketPassesTest, UpdateIntoTheOtherHalfEqualsTheUpdateInPlaceAndKeepsThe
   const optimizer::AdamWStep step = optimizer::AdamWStep::For(0.01, 0.9, 0.999, 1e-8, 0.1, /*decoupled=*/true, 3);
   const std::byte* upload = Upload(kE) + kBlockOfE.begin * SizeOf(DTypeOf(kE));
   const size_t upload_bytes = kBlockOfE.count * SizeOf(DTypeOf(kE));
-  EXPECT_FALSE(passes_.Update(kBlockOfE, sources_, 0.5f, step, 77, Half(0), Half(1)));
+  EXPECT_FALSE(passes_.Update(kBlockOfE, sources_, state_.accum, 0.5f, step, 77, Half(0), Half(1)));
   const std::vector<std::byte> upload_out_of_place = Bytes(upload, upload_bytes, 1);
   EXPECT_EQ(Bytes(Master(kE), Numel(kE), sizeof(float)), before);
   EXPECT_EQ(Bytes(Moment(Half(0).exp_avg, kE), Numel(kE), moment_size), exp_avg_before);
   EXPECT_EQ(Master(kE, 1)[kBlockOfE.begin - 1], kUntouched);  // only the block was written
   const std::vector<float> out_of_place(Master(kE, 1) + kBlockOfE.begin,
                                         Master(kE, 1) + kBlockOfE.begin + kBlockOfE.count);
-  EXPECT_FALSE(passes_.Update(kBlockOfE, sources_, 0.5f, step, 77, Half(0), Half(0)));
+  EXPECT_FALSE(passes_.Update(kBlockOfE, sources_, state_.accum, 0.5f, step, 77, Half(0), Half(0)));
   EXPECT_EQ(std::vector<float>(Master(kE) + kBlockOfE.begin, Master(kE) + kBlockOfE.begin + kBlockOfE.count),
             out_of_place);
   EXPECT_EQ(Bytes(upload, upload_bytes, 1), upload_out_of_place);

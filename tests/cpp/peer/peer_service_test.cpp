@@ -54,8 +54,10 @@ class PeerServiceTest : public ::testing::Test {
 
   // The fragments the mailbox holds for bucket 0 of step 1 of "job".
   std::vector<Delivered> Waiting() {
-    auto waiting = mailbox_.Register("job", 1, 0, nullptr);
-    mailbox_.Unregister("job", 1, 0);
+    const MailboxJob job = mailbox_.Open("job");
+    auto waiting = mailbox_.Register(job, 1, 0, nullptr);
+    mailbox_.Unregister(job, 1, 0);
+    mailbox_.Close(job);
     return waiting;
   }
 

@@ -1,0 +1,126 @@
+"""A GPT-2-small training loop written the nanoGPT way (torch.compile, bf16 autocast, micro-batches summed by
+backward, clip_grad_norm_(1.0) in the loop, fused AdamW), three ways, each in a process of its own:
+
+  stock     torch.optim.AdamW(fused=True) on the GPU
+  explicit  trainstream.wrap(model, optimizer, accumulation_steps=K, max_grad_norm=1.0)
+  oneline   trainstream.wrap(model, optimizer): the micro-batches counted, the loop's clipping taken over
+  oneline-eager  the same, not compiled (a compiled wrapped model must be at least as fast as an eager one)
+
+It prints each mode's median step time over the steps after the warm-up (compilation), its losses, and the
+ratios: oneline against explicit (the cost of the one line: the first step waits for its terms, each later
+step commits at optimizer.step()), and both against stock. Data: a fixed Markov chain's tokens
+(benchmarks/train_gpt/markov_text.py), so the loss falls and the norm moves.
+
+    python3 benchmarks/drop_in/nanogpt_loop.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "train_gpt"))
+
+MODES = ("stock", "explicit", "oneline", "oneline-eager")
+
+
+def run_mode(args) -> dict:
+    import torch
+    from markov_text import MarkovText
+
+    import gpt
+
+    torch.manual_seed(0)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    model = gpt.build(args.config, args.device, torch.float32)
+    cuda = args.device == "cuda"
+    synchronize = torch.cuda.synchronize if cuda else (lambda: None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1,
+                                  fused=args.mode == "stock")
+    if args.mode != "stock":
+        import trainstream
+        extra = {"accumulation_steps": args.micro, "max_grad_norm": 1.0} if args.mode == "explicit" else {}
+        model, optimizer = trainstream.wrap(model, optimizer, **extra)
+    forward = torch.compile(model) if args.compile and args.mode != "oneline-eager" else model
+    text = MarkovText(model.wte.weight.shape[0])
+    batches = [text.batch(i, args.batch, args.seq).to(args.device) for i in range(args.micro * 4)]
+    times, losses, norms = [], [], []
+    for step in range(args.steps):
+        synchronize()
+        started = time.perf_counter()
+        for micro in range(args.micro):
+            tokens = batches[(step * args.micro + micro) % len(batches)]
+            with torch.autocast(args.device, dtype=torch.bfloat16):
+                loss = forward(tokens[:, :-1], tokens[:, 1:]) / args.micro
+            loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        synchronize()
+        times.append(time.perf_counter() - started)
+        losses.append(loss.item() * args.micro)
+        norms.append(norm.item())
+    timed = times[args.warmup:]
+    return {"mode": args.mode, "step_ms": 1000 * statistics.median(timed),
+            "step_ms_p10_p90": [1000 * sorted(timed)[len(timed) // 10], 1000 * sorted(timed)[-len(timed) // 10 - 1]],
+            "losses": losses, "norms": norms, "clipped_steps": sum(n > 1.0 for n in norms),
+            "tokens_per_step": args.micro * args.batch * args.seq,
+            "device": torch.cuda.get_device_name() if cuda else "cpu"}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="124m")
+    parser.add_argument("--device", default="cuda", help="cuda, or cpu to try the script on a small --config")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--micro", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--no-compile", dest="compile", action="store_false")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--mode", help=argparse.SUPPRESS)  # one mode, in this process
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    if args.mode:
+        print(json.dumps(run_mode(args)))
+        return 0
+    results = {}
+    for mode in args.modes.split(","):
+        command = [sys.executable, __file__, "--mode", mode, "--config", args.config, "--device", args.device,
+                   "--batch", str(args.batch),
+                   "--seq", str(args.seq), "--micro", str(args.micro), "--steps", str(args.steps),
+                   "--warmup", str(args.warmup)] + ([] if args.compile else ["--no-compile"])
+        done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        results[mode] = json.loads(lines[-1]) if done.returncode == 0 and lines else {
+            "mode": mode, "error": (done.stderr or done.stdout)[-2000:]}
+        r = results[mode]
+        print(mode, r.get("error") or f"{r['step_ms']:.1f} ms/step, clipped {r['clipped_steps']} of {args.steps}, "
+              f"losses {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}", flush=True)
+    ok = {m: r for m, r in results.items() if "step_ms" in r}
+    ratios = {}
+    if "oneline" in ok and "explicit" in ok:
+        ratios["oneline/explicit"] = ok["oneline"]["step_ms"] / ok["explicit"]["step_ms"]
+        ratios["max loss difference oneline-explicit"] = max(
+            abs(a - b) for a, b in zip(ok["oneline"]["losses"], ok["explicit"]["losses"]))
+    if "oneline" in ok and "oneline-eager" in ok:
+        ratios["oneline/oneline-eager"] = ok["oneline"]["step_ms"] / ok["oneline-eager"]["step_ms"]
+    for mode in ("explicit", "oneline"):
+        if mode in ok and "stock" in ok:
+            ratios[f"{mode}/stock"] = ok[mode]["step_ms"] / ok["stock"]["step_ms"]
+    print(json.dumps(ratios, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": results, "ratios": ratios}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
