@@ -11,7 +11,8 @@ DURATION=${1:?usage: scripts/fuzz.sh DURATION [harness...]}
 shift
 BUILD=${BUILD:-build-fuzz}
 harnesses=("$@")
-((${#harnesses[@]})) || harnesses=(fuzz_ring_messages fuzz_layout fuzz_control fuzz_peer_wire fuzz_metrics_http)
+((${#harnesses[@]})) || harnesses=(fuzz_ring_messages fuzz_layout fuzz_control fuzz_peer_wire fuzz_snapshot_file
+  fuzz_metrics_http)
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_FLAGS_RELEASE="-O1 -gline-tables-only" \
   -DCMAKE_CXX_COMPILER=clang++ \
   -DTRAINSTREAM_FUZZ=ON -DTRAINSTREAM_BUILD_TESTS=OFF -DTRAINSTREAM_BUILD_PYTHON=OFF \

@@ -152,10 +152,11 @@ SnapshotReport Client::Snapshot(const std::string& job, const std::string& path,
   return SnapshotReport{reply.path(), reply.step(), reply.bytes()};
 }
 
-RestoreReport Client::Restore(const std::string& path, const std::string& job) {
+RestoreReport Client::Restore(const std::string& path, const std::string& job, bool allow_nonfinite) {
   v1::RestoreRequest request;
   request.set_path(path);
   request.set_job(job);
+  request.set_allow_nonfinite(allow_nonfinite);
   v1::RestoreReply reply;
   Call(std::chrono::minutes(10),  // a large state takes a while
        waits_, fmt::format("restore from '{}'", path), [&](grpc::ClientContext* context, CallDone done) {

@@ -106,6 +106,9 @@ int Run(int argc, char** argv) {
   CLI::App* restore = app.add_subcommand("restore", "recreate a job from a snapshot file");
   restore->add_option("PATH", path, "snapshot file, as the daemon sees it")->required();
   restore->add_option("--job", job, "name of the new job (default: the name in the snapshot)");
+  bool allow_nonfinite = false;
+  restore->add_flag("--allow-nonfinite", allow_nonfinite,
+                    "also restore master weights or moments that hold inf or NaN (a job that had diverged)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -130,7 +133,7 @@ int Run(int argc, char** argv) {
     Print(json, {{"job", job}, {"path", written.path}, {"step", written.step}, {"bytes", written.bytes}},
           fmt::format("job '{}': step {} written to {} ({})\n", job, written.step, written.path, Bytes(written.bytes)));
   } else if (app.got_subcommand(restore)) {
-    const RestoreReport restored = client->Restore(Absolute(path), job);
+    const RestoreReport restored = client->Restore(Absolute(path), job, allow_nonfinite);
     Print(json, {{"job", restored.job}, {"step", restored.step}, {"path", Absolute(path)}},
           fmt::format("job '{}' restored at step {} from {}; attach with its name to resume\n", restored.job,
                       restored.step, Absolute(path)));

@@ -1,5 +1,6 @@
 #include "daemon/control/control_service.h"
 
+#include <malloc.h>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
@@ -365,12 +366,24 @@ grpc::Status ControlService::Restore(grpc::ServerContext* context, const v1::Res
                                      v1::RestoreReply* reply) {
   return Guarded("Restore", [&] {
     const uint32_t uid = Caller(*context);
+    const RestoresInProgress::Entry restoring(restores_, uid);
+    // glibc keeps what a restore's header took in the arena of the gRPC thread it ran on: given back when
+    // the restore ends, however it ends (after four restores of 16 MiB headers the daemon's resident
+    // memory stayed at 116 MB, 57 MB with this; 18 MB before them).
+    const struct TrimWhenDone {
+      TrimWhenDone() = default;
+      TrimWhenDone(const TrimWhenDone&) = delete;
+      TrimWhenDone& operator=(const TrimWhenDone&) = delete;
+      ~TrimWhenDone() { malloc_trim(0); }
+    } trim;
     TS_CHECK(!request->path().empty() && request->path().front() == '/', Code::kInvalidArgument,
              "snapshot path '{}' must be an absolute path", request->path());
     std::unique_ptr<SnapshotFile> file;
     {
-      const FileIdentity as_caller(uid);  // read only what the caller may read
-      file = std::make_unique<SnapshotFile>(request->path());
+      const FileIdentity as_caller(uid);  // open only what the caller may read
+      file = std::make_unique<SnapshotFile>(request->path(),
+                                            RestoreOptions{.allow_nonfinite = request->allow_nonfinite(),
+                                                           .cancelled = [context] { return context->IsCancelled(); }});
     }
     const SnapshotMeta& meta = file->meta();
     TS_CHECK(uid == 0 || uid == meta.uid, Code::kPermissionDenied,

@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "daemon/control/job_registry.h"
+#include "daemon/control/restores_in_progress.h"
 #include "daemon/control/unattached_sessions.h"
 #include "trainstream/v1/control.grpc.pb.h"
 
@@ -56,6 +57,7 @@ class ControlService final : public v1::Control::Service {
   const std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
   const CallerUid caller_uid_;
   UnattachedSessions unattached_;
+  RestoresInProgress restores_;
 };
 
 // Converts the wire layout into the shared one, validating enum values.

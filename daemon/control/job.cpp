@@ -81,7 +81,7 @@ Job::Job(std::string name, uint32_t uid, const shm::LayoutSpec& spec, uint64_t s
     const auto creating = std::chrono::steady_clock::now();
     state_ = ClientSegment::Create(shm::SegmentName(uid_, key_, "state"), layout_.state_bytes, uid_,
                                    LeftToFirstTouch(pool.nodes()));
-    state_.RemoveOnDestroy();  // now: a restore that fails below must not leave it behind
+    state_.RemoveOnDestroy();  // now, also when this constructor throws: a failed restore leaves nothing
     backed_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - creating).count();
     shm::InitStateSegment(state_.data(), layout_);
     auto* header = static_cast<shm::StateHeader*>(state_.data());

@@ -32,7 +32,7 @@ static_assert(std::atomic<uint64_t>::is_always_lock_free && std::atomic<std::byt
               "the handler reads the slots: lock-free atomics only");
 
 // Every mapping of a client's memory the daemon holds: a job's state and one segment per attached rank
-// (max_jobs 64 by default, at most 256 ranks each), a snapshot being restored. Pages of the table that
+// (max_jobs 64 by default, at most 256 ranks each). Pages of the table that
 // were never used are never touched: the handler scans only up to the highest slot taken so far.
 constexpr size_t kSlots = size_t{1} << 16;
 Slot g_slots[kSlots];

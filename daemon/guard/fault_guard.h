@@ -1,10 +1,11 @@
 // Faults from memory a client can take away from under the daemon.
 //
-// A client may truncate the shared memory segments it owns (and the snapshot files it names) at any
-// time: the daemon's next access to a page past the new end is a SIGBUS, which by default kills the
-// daemon and every user's job with it. gRPC cannot pass descriptors (sealed memfds), and a restarted
-// daemon re-adopts jobs from their named files, so the segments stay files their owner may resize and
-// the daemon's accesses are made fault-safe instead.
+// A client may truncate the shared memory segments it owns at any time: the daemon's next access to a
+// page past the new end is a SIGBUS, which by default kills the daemon and every user's job with it.
+// gRPC cannot pass descriptors (sealed memfds), and a restarted daemon re-adopts jobs from their named
+// files, so the segments stay files their owner may resize and the daemon's accesses are made
+// fault-safe instead. (The snapshot files a client names are read, never mapped:
+// daemon/snapshot/untrusted_file.h.)
 //
 // InstallFaultGuard() installs a process-wide SIGBUS handler once; a GuardedRange registers the
 // address range of one mapping of such memory. A SIGBUS at an address inside a registered range, of

@@ -40,14 +40,14 @@ void JobSnapshots::Stop() {
   if (periodic.joinable()) periodic.join();
 }
 
-std::string JobSnapshots::PathIn(const std::string& dir, const std::string& job) {
+std::string JobSnapshots::PathIn(const std::string& dir, const std::string& job, uint32_t uid) {
   std::string name;
   for (size_t i = 0; i < job.size(); ++i) {
     const auto c = static_cast<unsigned char>(job[i]);
     const bool plain = std::isalnum(c) != 0 || c == '_' || c == '-' || (c == '.' && i > 0);
     name += plain ? std::string(1, static_cast<char>(c)) : fmt::format("%{:02X}", c);
   }
-  return (std::filesystem::path(dir) / (name + ".safetensors")).string();
+  return (std::filesystem::path(dir) / fmt::format("{}.uid{}.safetensors", name, uid)).string();
 }
 
 void JobSnapshots::OnCommit(const Commit& commit) {
@@ -107,30 +107,41 @@ SnapshotWritten JobSnapshots::Take(const std::string& path, uint32_t caller_uid,
   TS_CHECK(!path.empty() || !schedule_.dir.empty(), Code::kInvalidArgument,
            "no snapshot path given, and trainstreamd has no --snapshot-dir to put it in");
   std::shared_ptr<SnapshotCapture> capture;
-  bool idle = false;
+  bool idle = false, between_steps = false;
   {
     std::lock_guard lock(mutex_);
     TS_CHECK(!stopped_, Code::kAborted, "job '{}' was removed", identity_.job);
     TS_CHECK(!active_, Code::kUnavailable, "a snapshot of job '{}' is being taken already; try again later",
              identity_.job);
     idle = hooks_.attached_ranks() == 0;
-    uint64_t latest = 0;  // no bucket is past it: every one commits latest + 1 next
-    for (uint32_t b = 0; b < layout_.buckets.size(); ++b) latest = std::max(latest, committed_.BucketStep(b));
-    capture = std::make_shared<SnapshotCapture>(committed_, layout_, identity_.spec.num_groups,
-                                                idle ? std::nullopt : std::optional<uint64_t>(latest + 1));
+    uint64_t latest = 0, earliest = UINT64_MAX;  // no bucket is past latest: every one commits latest + 1 next
+    for (uint32_t b = 0; b < layout_.buckets.size(); ++b) {
+      latest = std::max(latest, committed_.BucketStep(b));
+      earliest = std::min(earliest, committed_.BucketStep(b));
+    }
+    // Every bucket holds the same step: taken at once as the engine announces them, unless one turns out
+    // to be under way (the capture then moves on to the next step). A trainer that is attached but
+    // between steps (evaluating, checkpointing, waiting for data) may not step again for a long while.
+    between_steps = !idle && earliest == latest;
+    const std::optional<uint64_t> target =
+        idle ? std::nullopt : std::optional<uint64_t>(between_steps ? latest : latest + 1);
+    capture = std::make_shared<SnapshotCapture>(committed_, layout_, identity_.spec.num_groups, target, between_steps);
     active_ = capture;
   }
-  if (idle) {
-    spdlog::info("job '{}': snapshot of its current state requested (no rank is attached)", identity_.job);
+  if (idle || between_steps) {
+    spdlog::info("job '{}': snapshot of its current state requested ({})", identity_.job,
+                 idle ? "no rank is attached"
+                      : fmt::format("every bucket holds step {}; the next one if a bucket is being updated",
+                                    *capture->target()));
     hooks_.announce();
   } else {
     spdlog::info("job '{}': snapshot at its next step boundary (step {}) requested", identity_.job, *capture->target());
   }
   try {
     const FileIdentity as_caller(caller_uid);
-    SnapshotWritten written =
-        WriteSnapshot(identity_, committed_, *capture, path.empty() ? PathIn(schedule_.dir, identity_.job) : path,
-                      std::nullopt, TakeAsIsWhenIdle(*capture, deadline));
+    SnapshotWritten written = WriteSnapshot(identity_, committed_, *capture,
+                                            path.empty() ? PathIn(schedule_.dir, identity_.job, identity_.uid) : path,
+                                            std::nullopt, TakeAsIsWhenIdle(*capture, deadline));
     Finish(capture, written);
     spdlog::info("job '{}': snapshot of step {} written to {} ({} bytes)", identity_.job, written.step, written.path,
                  written.bytes);
@@ -146,7 +157,7 @@ void JobSnapshots::WritePeriodic(const std::shared_ptr<SnapshotCapture>& capture
   std::optional<SnapshotWritten> written;
   try {
     const std::optional<uint32_t> owner = geteuid() == 0 ? std::optional(identity_.uid) : std::nullopt;
-    written = WriteSnapshot(identity_, committed_, *capture, PathIn(schedule_.dir, identity_.job), owner,
+    written = WriteSnapshot(identity_, committed_, *capture, PathIn(schedule_.dir, identity_.job, identity_.uid), owner,
                             TakeAsIsWhenIdle(*capture, std::nullopt));
     spdlog::info("job '{}': periodic snapshot of step {} written to {}", identity_.job, written->step, written->path);
   } catch (const std::exception& e) {

@@ -4,11 +4,13 @@
 // or, for periodic snapshots, on a thread of its own.
 //
 // A requested snapshot of a job that ranks train is taken at its next step boundary (every bucket as
-// it commits that step); of a job no rank is attached to, at once. A periodic one is taken at each
+// it commits that step); of a job no rank is attached to, or whose buckets all hold the same step (its
+// ranks are between steps), at once. A periodic one is taken at each
 // step that is a multiple of `every`, unless another snapshot is still copying buckets then, or two
-// periodic ones are still being written (that step is skipped); its file, <dir>/<job>.safetensors (the name escaped),
-// is replaced each time, in step order, and belongs to the job's uid. Copies wait in memory for their writer: two
-// snapshots' worth of the job's master weights and moments at most, while the disk is slower than training.
+// periodic ones are still being written (that step is skipped); its file, <dir>/<job>.uid<uid>.safetensors (the
+// name escaped; job names are per uid, so two uids' jobs of one name must not share a file), is replaced each time,
+// in step order, and belongs to the job's uid. Copies wait in memory for their writer: two snapshots' worth of the
+// job's master weights and moments at most, while the disk is slower than training.
 #pragma once
 
 #include <chrono>
@@ -58,9 +60,9 @@ class JobSnapshots {
   SnapshotWritten Take(const std::string& path, uint32_t caller_uid, std::chrono::steady_clock::time_point deadline);
   [[nodiscard]] std::optional<SnapshotWritten> last();
 
-  // <dir>/<job>.safetensors, with every byte of the name outside [A-Za-z0-9_-] (and a leading '.')
-  // written as %XX.
-  static std::string PathIn(const std::string& dir, const std::string& job);
+  // <dir>/<job>.uid<uid>.safetensors, with every byte of the name outside [A-Za-z0-9_-] (and a leading
+  // '.') written as %XX.
+  static std::string PathIn(const std::string& dir, const std::string& job, uint32_t uid);
 
  private:
   // The periodic snapshot starts at the first commit of a step it is due at (requires mutex_).

@@ -7,16 +7,29 @@
 // Invariants of what EncodeHeader writes and DecodeHeader accepts: the tensors' byte ranges tile the
 // data area exactly (no gap, no overlap, nothing after the last), each range holds exactly its shape's
 // elements of its dtype, and the header is padded with spaces so that the data starts 8-byte aligned.
+// DecodeHeader reads a header a client controls: its JSON is at most kMaxHeaderBytes, read event by
+// event into the structure above (no JSON document, nothing nested deeper than that structure), and
+// its errors never print a value whole.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
 namespace trainstream::daemon {
+
+// The longest header JSON a daemon reads (and writes: a snapshot it could not restore is refused).
+// Its size grows with the number of parameters, about 440 bytes each (three tensor entries and the
+// layout's entry); a 10.1B GPT (297 parameters) has a 0.13 MiB header, an MoE of 128 experts per layer
+// over 48 layers (18.5k parameters) 8.2 MiB (tests/cpp/snapshot/snapshot_file_test.cpp computes both).
+// The limit also bounds what one restore can make the daemon allocate while it reads the header (the
+// safetensors package's own limit, 100 MiB, let a 44 MiB header cost the daemon 632 MB).
+inline constexpr uint64_t kMaxHeaderBytes = uint64_t{16} << 20;
 
 struct TensorEntry {
   static TensorEntry Of(std::string name, std::string dtype, std::vector<int64_t> shape) {
@@ -47,8 +60,14 @@ size_t SafetensorsDTypeSize(const std::string& dtype);
 // first header.data_start bytes: the length word and the JSON, padded to at least `json_bytes`.
 std::string EncodeHeader(SafetensorsHeader& header, uint64_t json_bytes = 0);
 
-// Checks the first bytes of a file of `file_size` bytes and returns its header; kInvalidArgument
-// saying what is wrong otherwise (too short, truncated, not JSON, a bad entry, gaps or overlaps).
+// The length of the header JSON that a file's first 8 bytes give; kInvalidArgument if the file (of
+// `file_size` bytes) cannot hold it or it is over kMaxHeaderBytes, before anything is read.
+uint64_t HeaderLength(std::span<const std::byte, 8> length_word, uint64_t file_size);
+// Decodes a file's header JSON (the HeaderLength bytes after the length word) and checks it against
+// the file's size; kInvalidArgument saying what is wrong otherwise (not JSON, nested too deep, a bad
+// entry, gaps or overlaps, more or fewer bytes of tensors than the file holds).
+SafetensorsHeader DecodeHeader(std::string_view json, uint64_t file_size);
+// Both, for a whole file in memory.
 SafetensorsHeader DecodeHeader(const std::byte* file, uint64_t file_size);
 
 }  // namespace trainstream::daemon

@@ -8,12 +8,20 @@
 namespace trainstream::daemon {
 
 SnapshotCapture::SnapshotCapture(const CommittedState& state, const shm::JobLayout& layout, uint32_t num_groups,
-                                 std::optional<uint64_t> target)
-    : state_(state), layout_(layout), num_groups_(num_groups), target_(target), taken_(layout.buckets.size(), 0) {}
+                                 std::optional<uint64_t> target, bool or_next)
+    : state_(state),
+      layout_(layout),
+      num_groups_(num_groups),
+      target_(target),
+      or_next_(or_next && target.has_value()),
+      taken_(layout.buckets.size(), 0) {}
 
 void SnapshotCapture::OnCommit(const Commit& commit) {
   std::lock_guard lock(mutex_);
-  if (aborted_ || taken_[commit.bucket]) return;
+  if (aborted_) return;
+  // Any bucket's: one taken at the target may commit the next step before one that was being updated.
+  if (or_next_ && !commit.loaded && commit.step == *target_ + 1) MoveOn();
+  if (taken_[commit.bucket]) return;
   if (commit.loaded) {  // the client rewrote the state: what was taken belongs to another history
     aborted_ = "a state load (load_state_dict) replaced the job's state during the snapshot";
     ready_.notify_all();
@@ -53,9 +61,19 @@ CapturedBucket SnapshotCapture::Copy(uint32_t bucket, uint64_t step) const {
   return copy;
 }
 
+void SnapshotCapture::MoveOn() {
+  target_ = *target_ + 1;
+  or_next_ = false;
+  std::fill(taken_.begin(), taken_.end(), 0);
+  copies_.clear();
+  handed_ = 0;
+  hparams_.clear();
+}
+
 void SnapshotCapture::TakeAsIs() {
   std::lock_guard lock(mutex_);
   target_.reset();
+  or_next_ = false;
 }
 
 void SnapshotCapture::Abort(const std::string& reason) {

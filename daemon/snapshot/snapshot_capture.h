@@ -4,8 +4,11 @@
 // The engine thread reports each bucket's commits (OnCommit); a bucket is copied right then, before
 // its next update can start, so training stops for no longer than that copy. With a target step every
 // bucket is taken when it commits that step (a step boundary); without one (TakeAsIs), each is taken
-// as it is at its next commit or announcement (a job nothing trains). The writer thread takes the
-// copies in any order (Next) and writes them where the file's header puts them.
+// as it is at its next commit or announcement (a job nothing trains). A target that is the step every
+// bucket holds already (a job between two steps, its buckets announced) may move on: if a bucket not
+// taken yet commits the next step (it was being updated), every bucket is taken again at that step.
+// The writer thread takes the copies in any order (Next) and writes them where the file's header puts
+// them; a copy it wrote before the target moved on is written over by the bucket's new one.
 #pragma once
 
 #include <chrono>
@@ -33,8 +36,9 @@ struct CapturedBucket {
 
 class SnapshotCapture {
  public:
+  // `or_next`: the target may move on to the step after it, once.
   SnapshotCapture(const CommittedState& state, const shm::JobLayout& layout, uint32_t num_groups,
-                  std::optional<uint64_t> target);
+                  std::optional<uint64_t> target, bool or_next = false);
 
   // Engine thread: copies the bucket if this snapshot still waits for it at this step.
   void OnCommit(const Commit& commit);
@@ -53,6 +57,7 @@ class SnapshotCapture {
 
  private:
   CapturedBucket Copy(uint32_t bucket, uint64_t step) const;
+  void MoveOn();  // to the step after the target: everything is taken again (requires mutex_)
 
   const CommittedState state_;
   const shm::JobLayout& layout_;
@@ -61,6 +66,7 @@ class SnapshotCapture {
   std::mutex mutex_;
   std::condition_variable ready_;
   std::optional<uint64_t> target_;
+  bool or_next_;
   std::vector<uint8_t> taken_;  // per bucket: copied
   size_t handed_ = 0;           // copies given to the writer
   std::deque<CapturedBucket> copies_;

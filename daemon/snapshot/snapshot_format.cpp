@@ -1,15 +1,18 @@
 #include "daemon/snapshot/snapshot_format.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 #include <nlohmann/json.hpp>
 
-#include <cerrno>
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <charconv>
 #include <cstring>
+#include <limits>
 #include <map>
+#include <optional>
+#include <utility>
 
+#include "daemon/snapshot/bounded_json.h"
 #include "shm/error.h"
 #include "shm/version.h"
 
@@ -76,7 +79,7 @@ std::string LayoutToJson(const shm::LayoutSpec& spec) {
 }
 
 shm::LayoutSpec LayoutFromJson(const std::string& text) {
-  const nlohmann::json json = nlohmann::json::parse(text);
+  const nlohmann::json json = ParseBoundedJson(text, "layout metadata");
   shm::LayoutSpec spec;
   spec.params = ParamsFromJson(json.at("params"));
   spec.frozen = ParamsFromJson(json.at("frozen"));
@@ -107,7 +110,7 @@ std::string HParamsToJson(const std::vector<shm::HParams>& hparams) {
 
 std::vector<shm::HParams> HParamsFromJson(const std::string& text) {
   std::vector<shm::HParams> hparams;
-  for (const nlohmann::json& h : nlohmann::json::parse(text)) {
+  for (const nlohmann::json& h : ParseBoundedJson(text, "hparams metadata")) {
     const auto v = h.get<std::vector<double>>();
     TS_CHECK(v.size() == 5, Code::kInvalidArgument, "hparams entries need 5 numbers");
     hparams.push_back(shm::HParams{.lr = v[0], .beta1 = v[1], .beta2 = v[2], .eps = v[3], .weight_decay = v[4]});
@@ -121,23 +124,66 @@ const std::string& Required(const std::map<std::string, std::string>& metadata, 
   return found->second;
 }
 
+// Steps stay below 2^62 (shm::BucketCommit keeps them in 62 bits), and a bucket may hold the step after
+// the snapshot's.
+constexpr uint64_t kStepLimit = uint64_t{1} << 62;
+constexpr uint64_t kMaxSnapshotStep = kStepLimit - 2;
+// (uid_t)-1 is no user: chown() and setfsuid() take it for "leave as it is".
+constexpr uint64_t kMaxUid = std::numeric_limits<uint32_t>::max() - 1;
+
+// A metadata number: decimal digits only (no sign, no space), at most `max`.
+uint64_t NumberIn(const std::map<std::string, std::string>& metadata, const char* key, uint64_t max) {
+  const std::string& text = Required(metadata, key);
+  uint64_t value = 0;
+  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  TS_CHECK(!text.empty() && error == std::errc() && end == text.data() + text.size() && value <= max,
+           Code::kInvalidArgument, "its {} metadata '{}' is not a number from 0 to {}", key, Excerpt(text), max);
+  return value;
+}
+
 SnapshotMeta MetaFromMetadata(const std::map<std::string, std::string>& metadata) {
   auto format = metadata.find("format");
   TS_CHECK(format != metadata.end() && format->second == kSnapshotFormat, Code::kInvalidArgument,
            "it is not a trainstream snapshot (metadata 'format' is {}, expected '{}')",
-           format == metadata.end() ? "missing" : "'" + format->second + "'", kSnapshotFormat);
+           format == metadata.end() ? "missing" : "'" + Excerpt(format->second) + "'", kSnapshotFormat);
+  SnapshotMeta meta{.job = Required(metadata, "job"),
+                    .uid = static_cast<uint32_t>(NumberIn(metadata, "uid", kMaxUid)),
+                    .seed = NumberIn(metadata, "seed", std::numeric_limits<uint64_t>::max()),
+                    .step = NumberIn(metadata, "step", kMaxSnapshotStep),
+                    .hparams = {},
+                    .spec = {}};
   try {
-    return SnapshotMeta{.job = Required(metadata, "job"),
-                        .uid = static_cast<uint32_t>(std::stoul(Required(metadata, "uid"))),
-                        .seed = std::stoull(Required(metadata, "seed")),
-                        .step = std::stoull(Required(metadata, "step")),
-                        .hparams = HParamsFromJson(Required(metadata, "hparams")),
-                        .spec = LayoutFromJson(Required(metadata, "layout"))};
-  } catch (const nlohmann::json::exception& e) {
+    meta.hparams = HParamsFromJson(Required(metadata, "hparams"));
+    meta.spec = LayoutFromJson(Required(metadata, "layout"));
+  } catch (const nlohmann::json::exception& e) {  // a value of the wrong type: its messages print no value
     Throw(Code::kInvalidArgument, "its layout or hparams metadata is malformed: {}", e.what());
-  } catch (const std::logic_error& e) {  // std::stoul and friends
-    Throw(Code::kInvalidArgument, "its uid, seed or step metadata is not a number");
   }
+  TS_CHECK(meta.hparams.empty() || meta.hparams.size() == meta.spec.num_groups, Code::kInvalidArgument,
+           "its hparams metadata has {} groups, its layout {} (expected as many, or none)", meta.hparams.size(),
+           meta.spec.num_groups);
+  return meta;
+}
+
+// The first inf or NaN among `bytes` of a tensor of `dtype` (F32 or BF16), as (element, value).
+std::optional<std::pair<uint64_t, double>> FirstNonFinite(std::span<const std::byte> bytes, const std::string& dtype) {
+  if (dtype == "F32") {
+    const size_t n = bytes.size() / sizeof(uint32_t);
+    for (size_t i = 0; i < n; ++i) {
+      uint32_t bits = 0;
+      std::memcpy(&bits, bytes.data() + i * sizeof(bits), sizeof(bits));
+      if ((bits & 0x7f800000u) == 0x7f800000u) return std::pair{i, static_cast<double>(std::bit_cast<float>(bits))};
+    }
+  } else if (dtype == "BF16") {
+    const size_t n = bytes.size() / sizeof(uint16_t);
+    for (size_t i = 0; i < n; ++i) {
+      uint16_t bits = 0;
+      std::memcpy(&bits, bytes.data() + i * sizeof(bits), sizeof(bits));
+      if ((bits & 0x7f80u) == 0x7f80u) {
+        return std::pair{i, static_cast<double>(std::bit_cast<float>(static_cast<uint32_t>(bits) << 16))};
+      }
+    }
+  }
+  return std::nullopt;
 }
 
 }  // namespace
@@ -174,66 +220,36 @@ SafetensorsHeader SnapshotHeader(const SnapshotMeta& meta) {
   return header;
 }
 
-SnapshotFile::SnapshotFile(const std::string& path) : path_(path) {
-  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
-  if (fd < 0) {
-    const int error = errno;
-    Throw(error == ENOENT                     ? Code::kNotFound
-          : error == EACCES || error == EPERM ? Code::kPermissionDenied
-                                              : Code::kInvalidArgument,
-          "cannot open snapshot '{}': {}", path, strerror(error));
-  }
-  struct stat status {};
-  if (fstat(fd, &status) != 0 || !S_ISREG(status.st_mode)) {
-    close(fd);
-    Throw(Code::kInvalidArgument, "snapshot '{}' is not a regular file", path);
-  }
-  size_ = static_cast<uint64_t>(status.st_size);
-  void* mapped = size_ == 0 ? nullptr : mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
-  close(fd);
-  TS_CHECK(mapped != MAP_FAILED, Code::kInternal, "cannot map snapshot '{}': {}", path, strerror(errno));
-  data_ = static_cast<const std::byte*>(mapped);
+SnapshotFile::SnapshotFile(const std::string& path, RestoreOptions options)
+    : file_(path), options_(std::move(options)) {
   try {
-    guard_ = GuardedRange(data_, size_);
-    header_ = DecodeHeader(data_, size_);
+    TS_CHECK(file_.size() >= 8, Code::kInvalidArgument, "the file has {} bytes, fewer than a safetensors header needs",
+             file_.size());
+    std::array<std::byte, 8> length_word{};
+    file_.ReadAt(0, length_word);
+    std::string json(HeaderLength(length_word, file_.size()), '\0');
+    file_.ReadAt(8, std::as_writable_bytes(std::span(json)));
+    header_ = DecodeHeader(json, file_.size());
+    json = std::string();  // before the layout's own parse: one header in memory at a time
     meta_ = MetaFromMetadata(header_.metadata);
     layout_ = shm::ComputeLayout(meta_.spec);
     CheckTensors();
-    CheckNotTruncated();
+    ReadSteps();
   } catch (const Error& e) {
-    const bool truncated = guard_.lost();  // what was wrong may be the zeros in its place
-    Unmap();
-    if (truncated) Throw(Code::kFailedPrecondition, "{}", TruncatedMessage());
+    if (e.code() == Code::kFailedPrecondition) throw;  // truncated while read: the file was valid, as far as read
     Throw(e.code(), "snapshot '{}' is not valid: {}", path, e.what());
   }
 }
 
-SnapshotFile::~SnapshotFile() {
-  Unmap();
-}
-
-void SnapshotFile::Unmap() {
-  guard_ = GuardedRange();  // before the munmap: the range may be mapped again by anyone
-  if (data_ != nullptr) munmap(const_cast<std::byte*>(data_), size_);
-  data_ = nullptr;
-}
-
-void SnapshotFile::CheckNotTruncated() const {
-  TS_CHECK(!guard_.lost(), Code::kFailedPrecondition, "{}", TruncatedMessage());
-}
-
-std::string SnapshotFile::TruncatedMessage() const {
-  return fmt::format("snapshot '{}' was truncated while trainstreamd read it (it had {} bytes); nothing was restored",
-                     path_, size_);
-}
-
 // Every tensor the layout needs, with its dtype and shape, and nothing else.
 void SnapshotFile::CheckTensors() const {
+  // Counted first: a forged layout of many parameters costs no expected header of as many tensors.
+  const size_t needed = 3 * meta_.spec.params.size() + meta_.spec.frozen.size() + 2;
+  TS_CHECK(header_.tensors.size() == needed, Code::kInvalidArgument, "it holds {} tensors, its layout needs {}",
+           header_.tensors.size(), needed);
   const SafetensorsHeader expected = SnapshotHeader(meta_);
   std::map<std::string, const TensorEntry*> found;
   for (const TensorEntry& tensor : header_.tensors) found[tensor.name] = &tensor;
-  TS_CHECK(found.size() == expected.tensors.size(), Code::kInvalidArgument, "it holds {} tensors, its layout needs {}",
-           found.size(), expected.tensors.size());
   for (const TensorEntry& want : expected.tensors) {
     auto have = found.find(want.name);
     TS_CHECK(have != found.end(), Code::kInvalidArgument, "tensor '{}' is missing", want.name);
@@ -243,42 +259,76 @@ void SnapshotFile::CheckTensors() const {
   }
 }
 
-std::span<const std::byte> SnapshotFile::Tensor(const std::string& name) const {
+void SnapshotFile::ReadSteps() {
+  steps_.resize(meta_.spec.params.size());
+  bucket_steps_.resize(layout_.buckets.size());
+  file_.ReadAt(header_.data_start + Tensor("step").begin, std::as_writable_bytes(std::span(steps_)));
+  file_.ReadAt(header_.data_start + Tensor("bucket_step").begin, std::as_writable_bytes(std::span(bucket_steps_)));
+  for (uint32_t i = 0; i < steps_.size(); ++i) {
+    TS_CHECK(steps_[i] >= 0 && static_cast<uint64_t>(steps_[i]) < kStepLimit, Code::kInvalidArgument,
+             "parameter {} ({}) has AdamW step {} (expected 0 to 2^62 - 1)", i, Excerpt(meta_.spec.params[i].name),
+             steps_[i]);
+  }
+  const auto step = static_cast<int64_t>(meta_.step);
+  for (uint32_t b = 0; b < bucket_steps_.size(); ++b) {
+    TS_CHECK(bucket_steps_[b] == step || bucket_steps_[b] == step + 1, Code::kInvalidArgument,
+             "bucket {} holds step {}, but the snapshot's step is {} (a bucket holds that step or the next)", b,
+             bucket_steps_[b], step);
+  }
+  TS_CHECK(std::find(bucket_steps_.begin(), bucket_steps_.end(), step) != bucket_steps_.end(), Code::kInvalidArgument,
+           "no bucket holds the snapshot's step {} (its step is the lowest of its buckets')", step);
+}
+
+const TensorEntry& SnapshotFile::Tensor(const std::string& name) const {
   for (const TensorEntry& tensor : header_.tensors) {
-    if (tensor.name == name) return {data_ + header_.data_start + tensor.begin, tensor.bytes()};
+    if (tensor.name == name) return tensor;
   }
   Throw(Code::kInternal, "snapshot tensor '{}' vanished", name);  // CheckTensors saw every one
 }
 
 void SnapshotFile::RestoreInto(const CommittedState& state) const {
-  const auto steps = Tensor("step");
-  const auto bucket_steps = Tensor("bucket_step");
+  struct Copy {
+    const TensorEntry* tensor;
+    std::span<std::byte> into;
+    bool checked;  // for inf and NaN
+  };
+  std::vector<Copy> copies;
+  const bool check = !options_.allow_nonfinite;
   for (uint32_t i = 0; i < meta_.spec.params.size(); ++i) {
     const ParamStateRef param = state.Param(i);
-    std::memcpy(param.master.data(), Tensor(TensorName("master", i)).data(), param.master.size_bytes());
-    std::memcpy(param.exp_avg.data(), Tensor(TensorName("exp_avg", i)).data(), param.exp_avg.size());
-    std::memcpy(param.exp_avg_sq.data(), Tensor(TensorName("exp_avg_sq", i)).data(), param.exp_avg_sq.size());
-    int64_t step = 0;
-    std::memcpy(&step, steps.data() + i * sizeof(step), sizeof(step));
-    TS_CHECK(step >= 0, Code::kInvalidArgument, "snapshot '{}': parameter {} has step {}", path_, i, step);
-    param.step = static_cast<uint64_t>(step);
+    copies.push_back({&Tensor(TensorName("master", i)), std::as_writable_bytes(param.master), check});
+    copies.push_back({&Tensor(TensorName("exp_avg", i)), param.exp_avg, check});
+    copies.push_back({&Tensor(TensorName("exp_avg_sq", i)), param.exp_avg_sq, check});
   }
   for (uint32_t j = 0; j < meta_.spec.frozen.size(); ++j) {
-    const auto frozen = state.Frozen(j);
-    std::memcpy(frozen.data(), Tensor(TensorName("frozen", j)).data(), frozen.size());
+    copies.push_back({&Tensor(TensorName("frozen", j)), state.Frozen(j), false});
   }
-  uint64_t lowest = UINT64_MAX;
+  // In the file's order: one pass forward through it.
+  std::sort(copies.begin(), copies.end(),
+            [](const Copy& a, const Copy& b) { return a.tensor->begin < b.tensor->begin; });
+  for (const Copy& copy : copies) {
+    file_.ReadAt(header_.data_start + copy.tensor->begin, copy.into,
+                 [&](std::span<const std::byte> chunk, uint64_t offset) {
+                   TS_CHECK(!options_.cancelled || !options_.cancelled(), Code::kAborted,
+                            "the restore from '{}' was cancelled (the caller went away, or trainstreamd is shutting "
+                            "down)",
+                            path());
+                   if (!copy.checked) return;
+                   const auto found = FirstNonFinite(chunk, copy.tensor->dtype);
+                   TS_CHECK(!found, Code::kInvalidArgument,
+                            "snapshot '{}': tensor '{}' holds a non-finite value ({}) at element {}: the job had "
+                            "diverged when it was taken. Restore from an earlier snapshot, or pass --allow-nonfinite "
+                            "(RestoreRequest.allow_nonfinite) to restore it as it is",
+                            path(), copy.tensor->name, found->second,
+                            offset / SafetensorsDTypeSize(copy.tensor->dtype) + found->first);
+                 });
+  }
+  for (uint32_t i = 0; i < meta_.spec.params.size(); ++i) state.Param(i).step = static_cast<uint64_t>(steps_[i]);
   for (uint32_t b = 0; b < layout_.buckets.size(); ++b) {
-    int64_t step = 0;
-    std::memcpy(&step, bucket_steps.data() + b * sizeof(step), sizeof(step));
-    TS_CHECK(step >= 0 && step < (int64_t{1} << 62), Code::kInvalidArgument, "snapshot '{}': bucket {} has step {}",
-             path_, b, step);
-    state.SetBucketStep(b, static_cast<uint64_t>(step));
+    state.SetBucketStep(b, static_cast<uint64_t>(bucket_steps_[b]));
     state.MakeUploadCopy(b);
-    lowest = std::min(lowest, static_cast<uint64_t>(step));
   }
-  CheckNotTruncated();  // the zeros in its place were copied: the job must not start from them
-  state.Publish(lowest);
+  state.Publish(meta_.step);
 }
 
 }  // namespace trainstream::daemon

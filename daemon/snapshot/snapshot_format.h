@@ -11,13 +11,14 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
 
-#include "daemon/guard/fault_guard.h"
 #include "daemon/snapshot/committed_state.h"
 #include "daemon/snapshot/safetensors.h"
+#include "daemon/snapshot/untrusted_file.h"
 #include "shm/job_layout.h"
 
 namespace trainstream::daemon {
@@ -38,38 +39,49 @@ std::string TensorName(const char* kind, uint32_t index);  // "master.3"
 // The file's header: every tensor of the job's layout, and `meta` as metadata.
 SafetensorsHeader SnapshotHeader(const SnapshotMeta& meta);
 
-// A snapshot file opened to restore a job: mapped read-only, checked through and through. The file is
-// its owner's, who may truncate it while the daemon reads it: the mapping is guarded
-// (daemon/guard/fault_guard.h), and a file that lost pages so is refused.
+// What a restore accepts beyond a consistent snapshot, and how it stops early.
+struct RestoreOptions {
+  // Master weights and moments that are inf or NaN (a job that had diverged) restore too; by default
+  // they are refused, naming the tensor and the element.
+  bool allow_nonfinite = false;
+  // Asked between chunks of the copy; true stops it (kAborted): the caller went away, or the daemon
+  // is shutting down.
+  std::function<bool()> cancelled;
+};
+
+// A snapshot file opened to restore a job, from a file its client controls
+// (daemon/snapshot/untrusted_file.h): its header, metadata and step counts are read and checked when
+// it is opened, its tensors when RestoreInto copies them, and what is checked is what is kept in memory
+// or copied, never read again from the file. Consistent: the metadata's numbers are decimal and in
+// range (a uid is below 2^32 - 1), every bucket holds the snapshot's step or the next one (the engine
+// lets no bucket run further ahead) and one holds it, the AdamW step counts are below 2^62, the
+// hyperparameters are given for every group or none.
 class SnapshotFile {
  public:
   // kNotFound / kPermissionDenied if it cannot be opened (with the calling thread's file identity),
-  // kInvalidArgument naming what is wrong if it is not a complete trainstream snapshot.
-  explicit SnapshotFile(const std::string& path);
-  ~SnapshotFile();
-  SnapshotFile(const SnapshotFile&) = delete;
-  SnapshotFile& operator=(const SnapshotFile&) = delete;
+  // kInvalidArgument naming what is wrong if it is not a complete, consistent trainstream snapshot,
+  // kFailedPrecondition if it was truncated while it was read.
+  explicit SnapshotFile(const std::string& path, RestoreOptions options = {});
 
   [[nodiscard]] const SnapshotMeta& meta() const { return meta_; }
-  [[nodiscard]] const std::string& path() const { return path_; }
-  // Writes everything the file holds into a new job's state (its layout is meta().spec's).
-  // kFailedPrecondition if the file was truncated meanwhile (the state then holds zeros in its place).
+  [[nodiscard]] const std::string& path() const { return file_.path(); }
+  // Writes everything the file holds into a new job's state (its layout is meta().spec's). Throws
+  // kFailedPrecondition if the file was truncated since it was opened, kInvalidArgument if it holds
+  // non-finite values (unless allowed), kAborted if cancelled; the state is then partly written:
+  // discard it (Job does: its new state segment is removed).
   void RestoreInto(const CommittedState& state) const;
 
  private:
-  [[nodiscard]] std::span<const std::byte> Tensor(const std::string& name) const;
+  [[nodiscard]] const TensorEntry& Tensor(const std::string& name) const;
   void CheckTensors() const;
-  void CheckNotTruncated() const;
-  [[nodiscard]] std::string TruncatedMessage() const;
-  void Unmap();
+  void ReadSteps();  // the step counts: checked now, restored from what was checked
 
-  std::string path_;
-  const std::byte* data_ = nullptr;
-  uint64_t size_ = 0;
-  GuardedRange guard_;  // over [data_, data_ + size_)
+  UntrustedFile file_;
+  RestoreOptions options_;
   SafetensorsHeader header_;
   SnapshotMeta meta_;
   shm::JobLayout layout_;
+  std::vector<int64_t> steps_, bucket_steps_;
 };
 
 }  // namespace trainstream::daemon

@@ -34,6 +34,9 @@ SnapshotWritten WriteSnapshot(SnapshotMeta meta, const CommittedState& state, Sn
   const uint64_t json_bytes = ReservedJsonBytes(meta);
   SafetensorsHeader layout_header = SnapshotHeader(meta);
   const uint64_t data_start = EncodeHeader(layout_header, json_bytes).size();
+  TS_CHECK(data_start - 8 <= kMaxHeaderBytes, Code::kFailedPrecondition,
+           "job '{}' has {} parameters: its snapshot's header would be {} bytes, over the {} that a restore reads",
+           meta.job, meta.spec.params.size() + meta.spec.frozen.size(), data_start - 8, kMaxHeaderBytes);
   std::map<std::string, uint64_t> at;  // tensor -> file offset
   for (const TensorEntry& tensor : layout_header.tensors) at[tensor.name] = data_start + tensor.begin;
   const shm::JobLayout layout = shm::ComputeLayout(meta.spec);

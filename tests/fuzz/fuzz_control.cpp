@@ -1,9 +1,12 @@
 // libFuzzer harness: the Control service's handlers (daemon/control/control_service.h) with requests
 // parsed from the fuzzer's bytes, through a real in-process gRPC server on a socket pair (a handler
 // cannot be driven without its server), against a real registry whose jobs live in /dev/shm. Each
-// input is a series of calls: Handshake, Stats, DropJob, and Session streams whose first and second
-// messages come from the bytes, each as the caller uid the bytes choose (root, or one of two users).
-// After each input every job is dropped. Statuses are whatever they are; the daemon must not crash.
+// input is a series of calls: Handshake, Stats, DropJob, Session streams whose first and second
+// messages come from the bytes, Snapshot and Restore, each as the caller uid the bytes choose (root, or
+// one of two users). Snapshot and Restore name files in the harness's own directory only (also its
+// --snapshot-dir): a file whose content comes from the bytes, the last snapshot written, a FIFO, a
+// directory, a missing file. After each input every job is dropped. Statuses are whatever they are;
+// the daemon must not crash or hang.
 #include <fuzzer/FuzzedDataProvider.h>
 #include <google/protobuf/stubs/logging.h>
 #include <grpcpp/create_channel_posix.h>
@@ -11,8 +14,12 @@
 #include <grpcpp/server_posix.h>
 #include <spdlog/spdlog.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <atomic>
+#include <filesystem>
+#include <fstream>
 #include <memory>
 
 #include "daemon/config.h"
@@ -27,9 +34,23 @@ namespace {
 
 constexpr uint32_t kUids[] = {0, 65534, 65533};
 
+// The harness's directory: files to restore and snapshots to write, every uid may write it.
+std::string Dir() {
+  static const std::string dir = [] {
+    std::string path = "/tmp/trainstream-fuzz-control-" + std::to_string(getpid());
+    std::filesystem::create_directories(path);
+    chmod(path.c_str(), 01777);
+    mkfifo((path + "/fifo").c_str(), 0666);
+    std::filesystem::create_directories(path + "/directory");
+    return path;
+  }();
+  return dir;
+}
+
 struct Daemon {
   Daemon() : pool(1, /*pin_threads=*/false), registry(config, pool) {
     config.socket = "/nonexistent/trainstream-fuzz.sock";  // names the jobs' owner; never listened on
+    config.snapshot_dir = Dir();
     config.max_jobs = 4;
     config.max_host_bytes = 64 << 20;  // a fuzzed layout cannot fill /dev/shm
     service = std::make_unique<ts::daemon::ControlService>(
@@ -80,6 +101,36 @@ void RunSession(Daemon& daemon, FuzzedDataProvider& data) {
   stream->Finish();
 }
 
+// A path in the harness's directory, chosen by the bytes; the content of "restore.safetensors" too.
+std::string PathFrom(FuzzedDataProvider& data, bool write_content) {
+  static const char* const kNames[] = {"restore.safetensors", "snapshot.safetensors", "fifo", "directory",
+                                       "missing/x.safetensors"};
+  const char* name = kNames[data.ConsumeIntegralInRange<size_t>(0, 4)];
+  std::string path = Dir() + "/" + name;
+  if (write_content && name == kNames[0]) {
+    const std::string content = data.ConsumeRandomLengthString(4096);
+    std::ofstream(path, std::ios::binary | std::ios::trunc) << content;
+    chmod(path.c_str(), 0644);
+  }
+  return path;
+}
+
+void RunSnapshot(Daemon& daemon, FuzzedDataProvider& data) {
+  auto request = Parse<ts::v1::SnapshotRequest>(data);
+  request.set_path(data.ConsumeBool() ? "" : PathFrom(data, false));  // "": the --snapshot-dir
+  auto context = Context();
+  ts::v1::SnapshotReply reply;
+  daemon.stub->Snapshot(context.get(), request, &reply);
+}
+
+void RunRestore(Daemon& daemon, FuzzedDataProvider& data) {
+  auto request = Parse<ts::v1::RestoreRequest>(data);
+  request.set_path(PathFrom(data, true));
+  auto context = Context();
+  ts::v1::RestoreReply reply;
+  daemon.stub->Restore(context.get(), request, &reply);
+}
+
 void DropEverything(Daemon& daemon) {
   daemon.caller = 0;
   auto context = Context();
@@ -110,7 +161,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* bytes, size_t size) {
   for (int calls = 0; calls < 8 && data.remaining_bytes() > 0; ++calls) {
     daemon->caller = kUids[data.ConsumeIntegralInRange<size_t>(0, 2)];
     auto context = Context();
-    switch (data.ConsumeIntegralInRange<int>(0, 3)) {
+    switch (data.ConsumeIntegralInRange<int>(0, 5)) {
       case 0: {
         ts::v1::HandshakeReply reply;
         daemon->stub->Handshake(context.get(), Parse<ts::v1::HandshakeRequest>(data), &reply);
@@ -126,7 +177,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* bytes, size_t size) {
         daemon->stub->DropJob(context.get(), Parse<ts::v1::DropJobRequest>(data), &reply);
         break;
       }
-      default: RunSession(*daemon, data);
+      case 3: RunSession(*daemon, data); break;
+      case 4: RunSnapshot(*daemon, data); break;
+      default: RunRestore(*daemon, data);
     }
   }
   DropEverything(*daemon);

@@ -3,6 +3,7 @@ each harness's format starts from; the rest of each corpus is what fuzzing found
 (scripts/fuzz.sh). Protobuf messages are encoded by hand (no protobuf package needed).
     python3 tests/fuzz/make_seeds.py"""
 
+import json
 import os
 import struct
 
@@ -89,6 +90,54 @@ def control_seeds() -> None:
     # index, the call, for a Session the number of messages
     write("fuzz_control", "attach", attach + b"\\x" + bytes([1, 3, 0]))
     write("fuzz_control", "handshake", field(1, 4) + b"\\x" + bytes([0, 0]))
+    # Restore (call 5) of "restore.safetensors" (name 0) holding a snapshot, as root; then a snapshot
+    # (call 4) of the restored job into the snapshot dir (the bool: 1).
+    restore, snapshot = field(2, "restored"), field(1, "restored")
+    write("fuzz_control", "restore-then-snapshot", restore + b"\\x" + escaped(snapshot_file()) + b"\\x" + snapshot
+          + b"\\x" + bytes([1, 4, 0, 0, 5, 0]))
+
+
+def escaped(data: bytes) -> bytes:
+    """As FuzzedDataProvider.ConsumeRandomLengthString reads it back: a backslash doubled."""
+    return data.replace(b"\\", b"\\\\")
+
+
+def snapshot_file(dtypes: tuple[str, ...] = ("float32",), bucket_steps: tuple[int, ...] = (3,), master: float = 0.5,
+                  moments: str = "float32") -> bytes:
+    """A trainstream snapshot (daemon/snapshot/snapshot_format.h) of parameters of 4 elements, one of
+    each of `dtypes` (a bucket per dtype), every parameter at AdamW step 3."""
+    numels = [4] * len(dtypes)
+    params = [{"name": f"p{i}", "shape": [n], "dtype": dtype, "group": 0, "partition": 0}
+              for i, (n, dtype) in enumerate(zip(numels, dtypes))]
+    layout = {"params": params, "frozen": [], "num_groups": 1, "bucket_bytes": 4096, "moment_dtype": moments,
+              "optimizer": "adamw", "accumulation_steps": 1, "world_size": 1, "max_grad_norm": 0.0, "peers": [],
+              "node_rank": 0, "state_halves": 1, "speculative_clipping": False}
+    metadata = {"format": "trainstream.snapshot.v1", "job": "seed", "uid": "0", "seed": "7",
+                "step": str(min(bucket_steps)), "layout": json.dumps(layout), "hparams": "[]",
+                "daemon_version": "0.1.0"}
+    moment_dtype, moment_size = ("F32", 4) if moments == "float32" else ("BF16", 2)
+    tensors, data, offset = {}, b"", 0
+    entries = []
+    for i, n in enumerate(numels):
+        entries += [(f"master.{i}", "F32", n, struct.pack(f"<{n}f", *[master] * n)),
+                    (f"exp_avg.{i}", moment_dtype, n, bytes(n * moment_size)),
+                    (f"exp_avg_sq.{i}", moment_dtype, n, bytes(n * moment_size))]
+    entries += [("step", "I64", len(numels), struct.pack(f"<{len(numels)}q", *[3] * len(numels))),
+                ("bucket_step", "I64", len(bucket_steps), struct.pack(f"<{len(bucket_steps)}q", *bucket_steps))]
+    for name, dtype, count, content in entries:
+        tensors[name] = {"dtype": dtype, "shape": [count], "data_offsets": [offset, offset + len(content)]}
+        data += content
+        offset += len(content)
+    text = json.dumps({"__metadata__": metadata, **tensors}, separators=(",", ":"))
+    text += " " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text.encode() + data
+
+
+def snapshot_seeds() -> None:
+    write("fuzz_snapshot_file", "one-parameter", snapshot_file())
+    write("fuzz_snapshot_file", "two-buckets-a-step-apart", snapshot_file(("float32", "bfloat16"), (3, 4)))
+    write("fuzz_snapshot_file", "bf16-moments", snapshot_file(moments="bfloat16"))
+    write("fuzz_snapshot_file", "nan", snapshot_file(master=float("nan")))
 
 
 def metrics_seeds() -> None:
@@ -110,3 +159,4 @@ if __name__ == "__main__":
     layout_seeds()
     peer_seeds()
     control_seeds()
+    snapshot_seeds()

@@ -182,12 +182,14 @@ class Client {
   // Drops this uid's job `job`; root may name another owner.
   void DropJob(const std::string& job, bool force, std::optional<uint32_t> owner_uid = std::nullopt);
   // Writes this uid's job `job`'s state to `path` as the daemon sees it (empty: its --snapshot-dir), at
-  // the job's next step boundary if ranks train it; waits at most `timeout`. Root may name another owner.
+  // the job's next step boundary if ranks train it (at once if they are between steps); waits at most
+  // `timeout`. Root may name another owner.
   SnapshotReport Snapshot(const std::string& job, const std::string& path,
                           std::chrono::milliseconds timeout = std::chrono::minutes(10),
                           std::optional<uint32_t> owner_uid = std::nullopt);
   // Recreates a job of this uid from a snapshot file (named `job`, or as in the snapshot if empty).
-  RestoreReport Restore(const std::string& path, const std::string& job = "");
+  // `allow_nonfinite`: also if its master weights or moments hold inf or NaN (refused otherwise).
+  RestoreReport Restore(const std::string& path, const std::string& job = "", bool allow_nonfinite = false);
   // Creates the job if needed and attaches `rank`; the rank stays attached until the session closes.
   // `wait_timeout` replaces the client's for the session's waits (the attach itself included).
   std::unique_ptr<RankSession> Attach(const std::string& job, uint32_t rank, const shm::LayoutSpec& spec, uint64_t seed,
