@@ -19,6 +19,7 @@ step commits at optimizer.step()), and both against stock. Data: a fixed Markov 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -53,26 +54,40 @@ def run_mode(args) -> dict:
     forward = torch.compile(model) if args.compile and args.mode != "oneline-eager" else model
     text = MarkovText(model.wte.weight.shape[0])
     batches = [text.batch(i, args.batch, args.seq).to(args.device) for i in range(args.micro * 4)]
-    times, losses, norms = [], [], []
+    times, losses, norms, phases = [], [], [], []
+    waits = None
+    if args.mode != "stock":
+        from train_gpt import daemon_waits
+        waits = functools.partial(daemon_waits, model)
     for step in range(args.steps):
         synchronize()
         started = time.perf_counter()
+        before = waits() if waits else {}
         for micro in range(args.micro):
             tokens = batches[(step * args.micro + micro) % len(batches)]
             with torch.autocast(args.device, dtype=torch.bfloat16):
                 loss = forward(tokens[:, :-1], tokens[:, 1:]) / args.micro
             loss.backward()
+        backward = time.perf_counter()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        stepped = time.perf_counter()
         synchronize()
         times.append(time.perf_counter() - started)
+        after = waits() if waits else {}
+        # where the CPU was: launching forward and backward, in clip/step/zero_grad, waiting for the GPU;
+        # and the trainer's waits for the daemon (train_gpt's names), all in ms
+        phases.append({"launch": 1000 * (backward - started), "clip+step": 1000 * (stepped - backward),
+                       "gpu": 1000 * (started + times[-1] - stepped),
+                       **{name: 1000 * (after[name] - before[name]) for name in after}})
         losses.append(loss.item() * args.micro)
         norms.append(norm.item())
     timed = times[args.warmup:]
+    phase_ms = {name: statistics.median(p[name] for p in phases[args.warmup:]) for name in phases[-1]}
     return {"mode": args.mode, "step_ms": 1000 * statistics.median(timed),
             "step_ms_p10_p90": [1000 * sorted(timed)[len(timed) // 10], 1000 * sorted(timed)[-len(timed) // 10 - 1]],
-            "losses": losses, "norms": norms, "clipped_steps": sum(n > 1.0 for n in norms),
+            "losses": losses, "norms": norms, "phase_ms": phase_ms, "clipped_steps": sum(n > 1.0 for n in norms),
             "tokens_per_step": args.micro * args.batch * args.seq,
             "device": torch.cuda.get_device_name() if cuda else "cpu"}
 
@@ -106,7 +121,8 @@ def main() -> int:
             "mode": mode, "error": (done.stderr or done.stdout)[-2000:]}
         r = results[mode]
         print(mode, r.get("error") or f"{r['step_ms']:.1f} ms/step, clipped {r['clipped_steps']} of {args.steps}, "
-              f"losses {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}", flush=True)
+              f"losses {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}; median ms "
+              + ", ".join(f"{k} {v:.1f}" for k, v in r["phase_ms"].items()), flush=True)
     ok = {m: r for m, r in results.items() if "step_ms" in r}
     ratios = {}
     if "oneline" in ok and "explicit" in ok:
