@@ -120,8 +120,9 @@ def test_a_nanogpt_loop_on_the_gpu(dtype, compiled):
     start = TinyGPT().cuda()
     stock, fused, explicit, oneline = (run(start, dtype, compiled, mode)
                                        for mode in ("stock", "fused", "explicit", "oneline"))
-    if dtype == torch.float16:  # the first steps overflowed and were skipped in each
-        assert oneline[1][:3] == explicit[1][:3] == stock[1][:3] and min(oneline[1]) < INIT_SCALE
+    if dtype == torch.float16:  # the same first scales; eager, the first steps overflowed and were skipped
+        # (compiled, Inductor keeps the logits' gradients in fp32: no overflow at 2^26 on the H100)
+        assert oneline[1][:3] == explicit[1][:3] == stock[1][:3] and (compiled or min(oneline[1]) < INIT_SCALE)
     # torch's two AdamWs apart: their arithmetic, and a compiled graph's run-to-run noise (Inductor's CPU
     # reductions: two compiled runs of the same fp32 loop 2.7e-5 apart on the dev box)
     floor = distance(fused[2], stock[2])
