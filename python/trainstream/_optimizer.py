@@ -119,7 +119,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             return
         # Gradients leave through the hooks: those of the step so far are dropped in the daemon, and
         # whatever is left here (a parameter outside the model's backward, say) is cleared like torch does.
-        self._rank.zero_grad()
+        self._rank.zero_grad(set_to_none)
         for group in self.param_groups:
             for p in group["params"]:
                 p.grad = None

@@ -142,6 +142,8 @@ class Rank:
         self._arrived = [0] * len(self.buckets)
         self._sent = [False] * len(self.buckets)
         self._final_sent: set[int] = set()  # buckets whose gradients of the step's last micro-batch went out
+        self._zeroed = False  # zero_grad(set_to_none=True) since the last step: a step without backward does nothing
+        self._hparams_written: list[tuple] = []  # the param groups' values at the step's first backward
         self._loads = 0                     # state loads published (they change the weights at the same step)
         self._handles = []
         self.relayout = None  # wrap's: re-attaches the job around a conversion of the model (ApplyGuard)
@@ -426,13 +428,38 @@ class Rank:
         elif self.accumulation_steps is None:
             self.session.send_more_micro(self.current_step, self._micro - 1)  # that one was not the last
 
+    def _hparams_now(self) -> list[tuple]:
+        return [(float(g["lr"]), *map(float, g["betas"]), float(g["eps"]), float(g["weight_decay"]))
+                for g in self.groups]
+
     def _write_hparams(self) -> None:
         """The param groups' current values (LR schedulers change them between steps)."""
+        self._hparams_written = self._hparams_now()
         for step in set(self._bucket_step):
-            for g, group in enumerate(self.groups):
-                beta1, beta2 = group["betas"]
-                self.session.set_hparams(step, g, float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
-                                         float(group["weight_decay"]))
+            for g, values in enumerate(self._hparams_written):
+                self.session.set_hparams(step, g, *values)
+
+    def _check_hparams_unchanged(self) -> None:
+        """optimizer.step(): the update may have started with the values of the step's first backward (the
+        daemon reads them then), so a change since cannot apply to this step as torch would apply it."""
+        names = ("lr", "beta1", "beta2", "eps", "weight_decay")
+        for g, (now, written) in enumerate(zip(self._hparams_now(), self._hparams_written)):
+            for name, a, b in zip(names, written, now):
+                if a != b:
+                    raise TrainstreamError(
+                        f"optimizer.step(): param group {g}'s {name} changed from {a} to {b} after this step's first "
+                        "backward(), which the step's update already uses: change hyperparameters after "
+                        "optimizer.step() (a scheduler's step()) or before the step's first backward()")
+
+    def _check_no_hand_made_gradients(self) -> None:
+        """Gradients reach the daemon from backward()'s hooks only; one put into p.grad by hand (from
+        torch.autograd.grad, say) would be ignored."""
+        for i, p in enumerate(self.params):
+            if p.grad is not None:
+                raise TrainstreamError(
+                    f"optimizer.step(): parameter {i} has a gradient in p.grad that no backward() of a wrapped model "
+                    "produced (set by hand, from torch.autograd.grad?): trainstream takes gradients from "
+                    "loss.backward() only, as they are produced; compute them with backward()")
 
     def _open(self, b: int) -> None:
         """Before the first gradient of bucket b in this micro-batch: its slot must be free."""
@@ -511,13 +538,15 @@ class Rank:
         with self._lock:
             if self._in_backward:
                 raise TrainstreamError("optimizer.step() called during backward()")
+            self._check_no_hand_made_gradients()
             if self._micro == 0:
-                if self._stepped:
+                if self._stepped and not self._zeroed:
                     raise TrainstreamError(
                         "optimizer.step() ran again with no backward() since the last one: torch would apply the same "
-                        "gradients twice, but they left for the daemon during backward and are gone; call "
-                        "backward() before every optimizer.step()")
-                return  # no gradients yet: torch's step() does nothing either
+                        "gradients twice (or, after zero_grad(set_to_none=False), zeros), but they left for the "
+                        "daemon during backward and are gone; call backward() before every optimizer.step()")
+                return  # no gradients (yet, or zero_grad() dropped them): torch's step() does nothing either
+            self._check_hparams_unchanged()
             if self.accumulation_steps is not None and not self._step_pending:
                 raise TrainstreamError(
                     f"optimizer.step() after {self._micro} of accumulation_steps={self.accumulation_steps} "
@@ -539,15 +568,17 @@ class Rank:
             self._step_pending = False
             self._final_sent.clear()
             self._stepped = True
+            self._zeroed = False
             self.transport.step_done(max(self._ready_step, default=0))
         self._report_warnings()
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         """zero_grad() between backward() and optimizer.step(): the step's gradients so far are dropped, as
         torch drops p.grad (then the next backward pass starts the step again)."""
         with self._lock:
             if self._in_backward:
                 raise TrainstreamError("zero_grad() called during backward()")
+            self._zeroed = set_to_none
             if self._micro == 0:
                 return
             if self.nodes > 1:

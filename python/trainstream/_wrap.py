@@ -251,7 +251,7 @@ def _zero_grad(model: torch.nn.Module, set_to_none: bool = True) -> None:
     dropped in the daemon too. A copy of the model (copy.deepcopy) is not wrapped and zeroes its own."""
     w = _wrapped.get(model)
     if w is not None and w.optimizer._rank is not None:
-        w.optimizer._rank.zero_grad()
+        w.optimizer._rank.zero_grad(set_to_none)
     torch.nn.Module.zero_grad(model, set_to_none)
 
 

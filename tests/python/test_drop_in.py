@@ -274,3 +274,40 @@ def test_one_state_half_refuses_a_backward_pass_beyond_the_most_a_step_had(clien
     nanogpt_loop(model, optimizer, micro_batches=lambda step: 2, clip=None, steps=2)
     with pytest.raises(trainstream.TrainstreamError, match="accumulation_steps=3"):
         nanogpt_loop(model, optimizer, micro_batches=lambda step: 3, clip=None, steps=1)
+
+
+def test_a_learning_rate_changed_between_backward_and_step_is_refused(client):
+    """The daemon reads the hyperparameters at the step's first backward (its update may start before
+    optimizer.step()): a later change cannot apply to the step as torch would apply it."""
+    model = make_model()
+    model, optimizer = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), client=client)
+    model(torch.randn(4, 16)).sum().backward()
+    optimizer.param_groups[0]["lr"] = 5e-4
+    with pytest.raises(trainstream.TrainstreamError, match="lr changed from 0.001 to 0.0005 after this step's first"):
+        optimizer.step()
+
+
+def test_gradients_put_into_p_grad_by_hand_are_refused(client):
+    model = make_model()
+    model, optimizer = trainstream.wrap(model, torch.optim.AdamW(model.parameters()), client=client)
+    loss = model(torch.randn(4, 16)).sum()
+    for p, g in zip(model.parameters(), torch.autograd.grad(loss, list(model.parameters()))):
+        p.grad = g
+    with pytest.raises(trainstream.TrainstreamError, match="no backward\\(\\) of a wrapped model produced"):
+        optimizer.step()
+
+
+def test_a_step_after_zero_grad_without_backward_does_nothing_as_in_torch(client):
+    torch.manual_seed(0)
+    model = make_model()
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, foreach=False)
+    model, optimizer = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), client=client)
+    for m, o in ((model, optimizer), (reference, ref_opt)):
+        for step in range(4):
+            o.zero_grad()
+            if step != 2:  # a batch skipped: step() with no gradients
+                m(torch.ones(4, 16) * step).sum().backward()
+            o.step()
+    trainstream.synchronize(model)
+    assert max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters())) <= 1e-6
