@@ -140,7 +140,8 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
     max_grad_norm = check_max_grad_norm(max_grad_norm)
     _check_choice("offload", offload, OFFLOAD_CHOICES, "'auto', True or False")
     check_activation_offload(activation_offload)
-    _check_number("wait_timeout", wait_timeout, "None (TRAINSTREAM_WAIT_TIMEOUT, else 300 s) or seconds > 0")
+    _check_number("wait_timeout", wait_timeout,
+                  "a number of seconds > 0, or None (TRAINSTREAM_WAIT_TIMEOUT, else 300 s)")
     if wait_timeout is not None:
         wait_timeout = check_wait_timeout(wait_timeout, "wait_timeout")
     _check_paging_sizes(page_prefetch, page_pool_mb)
@@ -258,7 +259,7 @@ def _zero_grad(model: torch.nn.Module, set_to_none: bool = True) -> None:
 def _check_number(option: str, value, allowed: str) -> None:
     """`value` is None or a real number (not a bool or a string that float() would take)."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-        raise TrainstreamError(f"{option}={value!r}: use {allowed}")
+        raise TrainstreamError(f"{option} must be {allowed}, not {value!r}")
 
 
 def _check_paging_sizes(page_prefetch, page_pool_mb) -> None:
@@ -267,7 +268,7 @@ def _check_paging_sizes(page_prefetch, page_pool_mb) -> None:
     if isinstance(page_prefetch, bool) or not isinstance(page_prefetch, int) or not 0 <= page_prefetch <= 1024:
         raise TrainstreamError(f"page_prefetch must be an integer in [0, 1024] (the blocks loaded while one "
                                f"computes), not {page_prefetch!r}")
-    _check_number("page_pool_mb", page_pool_mb, "None (page_prefetch + 1 blocks) or MiB > 0")
+    _check_number("page_pool_mb", page_pool_mb, "None (page_prefetch + 1 blocks) or a finite number of MiB > 0")
     if page_pool_mb is not None and not 0 < page_pool_mb < math.inf:  # nan too
         raise TrainstreamError(f"page_pool_mb must be None (page_prefetch + 1 blocks) or a finite number of MiB > 0, "
                                f"not {page_pool_mb!r}")
@@ -275,7 +276,7 @@ def _check_paging_sizes(page_prefetch, page_pool_mb) -> None:
 
 def _check_choice(option: str, value, choices: tuple, allowed: str) -> None:
     if not any(value is c if isinstance(c, bool) else (isinstance(value, str) and value == c) for c in choices):
-        raise TrainstreamError(f"{option}={value!r}: use {allowed}")
+        raise TrainstreamError(f"{option} must be {allowed}, not {value!r}")
 
 
 def _wrap_in_torch(model, optimizer, max_grad_norm, param_offload, blocks, device, activation_offload,
