@@ -254,8 +254,8 @@ def test_activation_offload_runs_the_forward_inside_activation_paging(client, mo
 # ----- bad option values -----
 
 @pytest.mark.parametrize("option, value, message", [
-    ("offload", "sometimes", r"offload='sometimes': use 'auto', True or False"),
-    ("offload", 1, r"offload=1: use 'auto', True or False"),
+    ("offload", "sometimes", r"offload must be 'auto', True or False, not 'sometimes'"),
+    ("offload", 1, r"offload must be 'auto', True or False, not 1"),
     ("activation_offload", "always", r"activation_offload='always': use 'auto', True, False or a fraction in \(0, 1\]"),
     ("activation_offload", 1.5, r"activation_offload=1.5: use 'auto', True, False or a fraction"),
     ("distributed", "yes", r"distributed='yes': use 'auto' .*, True \(require one\) or False"),
