@@ -4,7 +4,8 @@
   a glob allowed: each match in name order), its headings moved one level down so that an included
   file's title sits under the page's; `<!-- include: PATH#Heading -->` takes only the body of that
   `## Heading` section (README.md's Results, for one). A glob skips the files that the page included
-  before it, so a page can name some files first and take the rest with a glob.
+  before it, so a page can name some files first and take the rest with a glob. Links into `docs/`
+  (README's plot) are made relative to the site, which is that folder.
 - docs/usage.md must name every keyword parameter of `trainstream.wrap` (read from
   python/trainstream/_wrap.py's source) in a table row starting with the backquoted name.
 A missing file or section, or an undocumented parameter, fails the build with a message naming it.
@@ -63,6 +64,7 @@ def _include(match: re.Match, root: str, page: str, done: set[str]) -> str:
     for path in paths:
         with open(path, encoding="utf-8") as f:
             text = f.read()
+        text = text.replace("](docs/", "](")
         parts.append(_section(text, section, pattern) if section else _shift_headings(text))
     return "\n".join(parts)
 
