@@ -10,7 +10,7 @@
 
 #include "daemon/gpu/pinned_host.h"
 #include "daemon/grpc_status.h"
-#include "daemon/metrics/counters.h"
+#include "daemon/counters/counters.h"
 #include "daemon/optimizer/adamw_kernels.h"
 #include "daemon/snapshot/file_identity.h"
 #include "daemon/snapshot/snapshot_format.h"

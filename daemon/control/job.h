@@ -21,7 +21,7 @@
 #include "daemon/engine/worker_pool.h"
 #include "daemon/gpu/cuda_rank_transfer.h"
 #include "daemon/guard/client_segment.h"
-#include "daemon/metrics/counters.h"
+#include "daemon/counters/counters.h"
 #include "daemon/peer/peer_allreduce.h"
 #include "daemon/snapshot/job_snapshots.h"
 #include "daemon/snapshot/snapshot_format.h"

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "daemon/metrics/counters.h"
+#include "daemon/counters/counters.h"
 #include "shm/error.h"
 #include "shm/segment.h"
 

@@ -9,7 +9,7 @@
 #include <string>
 
 #include "daemon/gpu/copy_queue.h"
-#include "daemon/metrics/counters.h"
+#include "daemon/counters/counters.h"
 #include "shm/cuda_driver.h"
 
 namespace trainstream::daemon {

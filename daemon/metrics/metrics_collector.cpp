@@ -6,7 +6,7 @@
 #include <sstream>
 
 #include "daemon/gpu/pinned_host.h"
-#include "daemon/metrics/counters.h"
+#include "daemon/counters/counters.h"
 #include "daemon/optimizer/adamw_kernels.h"
 #include "shm/error.h"
 #include "shm/version.h"

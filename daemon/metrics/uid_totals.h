@@ -12,7 +12,7 @@
 #include <utility>
 #include <vector>
 
-#include "daemon/metrics/counters.h"
+#include "daemon/counters/counters.h"
 
 namespace trainstream::daemon {
 

@@ -4,7 +4,7 @@
 #include <spdlog/spdlog.h>
 #include <algorithm>
 
-#include "daemon/metrics/counters.h"
+#include "daemon/counters/counters.h"
 #include "daemon/peer/peer_wire.h"
 #include "shm/error.h"
 

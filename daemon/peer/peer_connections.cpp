@@ -10,7 +10,7 @@
 #include <charconv>
 #include <vector>
 
-#include "daemon/metrics/counters.h"
+#include "daemon/counters/counters.h"
 
 namespace trainstream::daemon {
 

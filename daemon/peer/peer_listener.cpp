@@ -15,7 +15,7 @@
 #include <cerrno>
 #include <cstring>
 
-#include "daemon/metrics/counters.h"
+#include "daemon/counters/counters.h"
 #include "daemon/tcp_listen.h"
 #include "shm/error.h"
 

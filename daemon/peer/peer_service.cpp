@@ -4,7 +4,7 @@
 #include <spdlog/spdlog.h>
 
 #include "daemon/grpc_status.h"
-#include "daemon/metrics/counters.h"
+#include "daemon/counters/counters.h"
 #include "shm/error.h"
 #include "shm/job_layout.h"
 

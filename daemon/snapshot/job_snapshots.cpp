@@ -7,7 +7,7 @@
 #include <cctype>
 #include <filesystem>
 
-#include "daemon/metrics/counters.h"
+#include "daemon/counters/counters.h"
 #include "daemon/snapshot/file_identity.h"
 #include "shm/error.h"
 

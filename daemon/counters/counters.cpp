@@ -1,4 +1,4 @@
-#include "daemon/metrics/counters.h"
+#include "daemon/counters/counters.h"
 
 #include <algorithm>
 #include <chrono>
