@@ -3,6 +3,8 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <spdlog/spdlog.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -92,6 +94,19 @@ TcpListeners ListenTcp(const std::string& address, const char* what) {
   if (listeners.fds.empty() && dual_stack) bind_all("0.0.0.0", false);  // a machine without IPv6
   TS_CHECK(!listeners.fds.empty(), Code::kUnavailable, "cannot listen on {} ({}): {}", address, what, failure);
   return listeners;
+}
+
+WakeFd::WakeFd() : fd_(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {
+  if (fd_ < 0) Throw(Code::kUnavailable, "cannot create an eventfd: {}", std::strerror(errno));
+}
+
+WakeFd::~WakeFd() {
+  close(fd_);
+}
+
+void WakeFd::Wake(const char* what) const {
+  const uint64_t one = 1;
+  if (write(fd_, &one, sizeof(one)) < 0) spdlog::warn("cannot wake the {}: {}", what, std::strerror(errno));
 }
 
 }  // namespace trainstream::daemon

@@ -2,7 +2,6 @@
 
 #include <poll.h>
 #include <spdlog/spdlog.h>
-#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -64,29 +63,21 @@ MetricsServer::MetricsServer(const std::string& listen, MetricsLabels labels, st
     listeners_ = std::move(tcp.fds);
     port_ = tcp.port;
   }
-  wake_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  if (wake_ < 0) {
-    const int error = errno;
-    for (const int fd : listeners_) close(fd);
-    Throw(Code::kUnavailable, "cannot create an eventfd: {}", std::strerror(error));
-  }
   thread_ = std::thread([this] { Run(); });
 }
 
 MetricsServer::~MetricsServer() {
-  const uint64_t one = 1;
-  if (write(wake_, &one, sizeof(one)) < 0) spdlog::warn("cannot wake the metrics endpoint: {}", std::strerror(errno));
+  wake_.Wake("metrics endpoint");
   thread_.join();
   for (Client& client : clients_) Close(client);
   for (const int fd : listeners_) close(fd);
   if (!unix_path_.empty()) unlink(unix_path_.c_str());
-  close(wake_);
 }
 
 void MetricsServer::Run() {
   for (;;) {
     const auto now = Clock::now();
-    std::vector<pollfd> polled{{wake_, POLLIN, 0}};
+    std::vector<pollfd> polled{{wake_.fd(), POLLIN, 0}};
     const bool accepting = now >= accept_again_;
     if (accepting) {
       for (const int fd : listeners_) polled.push_back({fd, POLLIN, 0});

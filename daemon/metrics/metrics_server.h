@@ -20,6 +20,7 @@
 #include "daemon/engine/worker_pool.h"
 #include "daemon/metrics/metrics_collector.h"
 #include "daemon/metrics/metrics_http.h"
+#include "daemon/tcp_listen.h"
 
 namespace trainstream::daemon {
 
@@ -58,7 +59,7 @@ class MetricsServer {
   std::vector<int> listeners_;
   std::string unix_path_;  // removed at the end
   int port_ = 0;
-  int wake_ = -1;
+  WakeFd wake_;
   std::deque<Client> clients_;  // oldest first; fd -1 once closed
   std::chrono::steady_clock::time_point accept_again_;
   std::thread thread_;

@@ -7,7 +7,6 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <spdlog/spdlog.h>
-#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -63,12 +62,6 @@ PeerListener::PeerListener(const std::string& address, grpc::Server& server, Pee
   TcpListeners listening = ListenTcp(address, "peer_listen");
   listeners_ = std::move(listening.fds);
   port_ = listening.port;
-  wake_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  if (wake_ < 0) {
-    const int error = errno;
-    for (const int fd : listeners_) close(fd);
-    Throw(Code::kUnavailable, "cannot create an eventfd: {}", std::strerror(error));
-  }
   thread_ = std::thread([this] { Run(); });
 }
 
@@ -78,22 +71,20 @@ PeerListener::~PeerListener() {
 
 void PeerListener::Stop() {
   if (!thread_.joinable()) return;
-  const uint64_t one = 1;
-  if (write(wake_, &one, sizeof(one)) < 0) spdlog::warn("cannot wake the peer listener: {}", std::strerror(errno));
+  wake_.Wake("peer listener");
   thread_.join();
   for (const int fd : listeners_) close(fd);
   for (Pending& pending : pending_) {
     if (pending.fd >= 0) close(pending.fd);
   }
   pending_.clear();
-  close(wake_);
 }
 
 void PeerListener::Run() {
   auto next_sweep = Clock::now() + kTick;
   for (;;) {
     const auto now = Clock::now();
-    std::vector<pollfd> polled{{wake_, POLLIN, 0}};
+    std::vector<pollfd> polled{{wake_.fd(), POLLIN, 0}};
     const bool accepting = now >= accept_again_;
     if (accepting) {
       for (const int fd : listeners_) polled.push_back({fd, POLLIN, 0});

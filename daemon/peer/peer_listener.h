@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "daemon/peer/peer_connections.h"
+#include "daemon/tcp_listen.h"
 
 namespace grpc {
 class Server;
@@ -67,7 +68,7 @@ class PeerListener {
   const Limits limits_;
   std::vector<int> listeners_;
   int port_ = 0;
-  int wake_ = -1;                                     // an eventfd that Stop writes
+  WakeFd wake_;                                       // Stop wakes the loop
   std::deque<Pending> pending_;                       // oldest first; fd -1 once closed
   PeerConnections::Clock::time_point accept_again_;   // after accept() failed, not before this
   PeerConnections::Clock::time_point accept_failed_;  // the last warning that accept() failed
