@@ -1,6 +1,7 @@
 // A real trainstreamd for the control-plane tests: on a temporary socket that every uid may connect
-// to, stopped with SIGTERM at scope exit; and a way to run a client as another uid. The tests fork
-// their clients, so gRPC must not have started in the test process itself.
+// to, stopped with SIGTERM at scope exit; a way to run a client as another uid (two unprivileged
+// ones, and a fixture that skips where the test cannot switch to them); and a job spec of one fp32
+// parameter. The tests fork their clients, so gRPC must not have started in the test process itself.
 #pragma once
 
 #include <fcntl.h>
@@ -9,12 +10,15 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <gtest/gtest.h>
+
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <string>
 #include <vector>
 
+#include "shm/job_layout.h"
 #include "tests/cpp/shm/test_support.h"
 
 namespace trainstream::testing {
@@ -87,6 +91,24 @@ inline int RunAs(uint32_t uid, const std::function<int()>& body,
                      return body();
                    }),
                    timeout);
+}
+
+// Unprivileged uids of no account in particular: a job's owner and another user.
+constexpr uint32_t kAlice = 65534, kMallory = 65533;
+
+// Tests that run clients as kAlice and kMallory: they need root, as here and in CI.
+class AsOtherUids : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (geteuid() != 0) GTEST_SKIP() << "needs root to run clients as other uids";
+  }
+};
+
+// One fp32 parameter "w" of `rows` x `cols`.
+inline shm::LayoutSpec OneParamSpec(int64_t rows = 4, int64_t cols = 4) {
+  shm::LayoutSpec spec;
+  spec.params.push_back(shm::ParamSpec{.name = "w", .shape = {rows, cols}, .dtype = DType::kFloat32, .group = 0});
+  return spec;
 }
 
 }  // namespace trainstream::testing

@@ -19,20 +19,7 @@ namespace trainstream {
 namespace {
 using namespace trainstream::testing;  // NOLINT(google-build-using-namespace): the shared test helpers
 
-constexpr uint32_t kAlice = 65534, kMallory = 65533;
-
-shm::LayoutSpec TinySpec() {
-  shm::LayoutSpec spec;
-  spec.params.push_back(shm::ParamSpec{.name = "w", .shape = {4, 4}, .dtype = DType::kFloat32, .group = 0});
-  return spec;
-}
-
-class IdentityTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    if (geteuid() != 0) GTEST_SKIP() << "needs root to run clients as other uids";
-  }
-};
+using IdentityTest = AsOtherUids;
 
 // A pipe for "ready"/"release" handshakes between forked processes; a wait gives up after 30 s (the
 // other side died).
@@ -68,7 +55,7 @@ TEST_F(IdentityTest, JobSegmentsBelongToTheirUserAndNamesArePerUid) {
   const pid_t alice = ForkChild([&] {
     if (setgid(kAlice) != 0 || setuid(kAlice) != 0) return 98;
     auto client = Client::Connect(daemon.socket());
-    auto session = client->Attach("run", 0, TinySpec(), 1);
+    auto session = client->Attach("run", 0, OneParamSpec(), 1);
     struct stat info {};
     const std::string state = "/dev/shm/" + shm::SegmentName(kAlice, client->Stats().jobs.at(0).job_key, "state");
     if (stat(state.c_str(), &info) != 0 || info.st_uid != kAlice || (info.st_mode & 0777) != 0600) return 2;
@@ -83,7 +70,7 @@ TEST_F(IdentityTest, JobSegmentsBelongToTheirUserAndNamesArePerUid) {
                                [&] {
                                  auto client = Client::Connect(daemon.socket());
                                  // Her own job of the same name: Alice's is out of her reach.
-                                 auto session = client->Attach("run", 0, TinySpec(), 1);
+                                 auto session = client->Attach("run", 0, OneParamSpec(), 1);
                                  if (!session->created()) return 1;
                                  if (JobNames(client->Stats()) != std::vector<std::string>{"run@65533"}) return 2;
                                  try {
@@ -105,7 +92,7 @@ TEST_F(IdentityTest, JobSegmentsBelongToTheirUserAndNamesArePerUid) {
   // Root sees every job and may drop anyone's.
   EXPECT_TRUE(ExitedWith(WaitChild(ForkChild([&] {
                            auto client = Client::Connect(daemon.socket());
-                           auto session = client->Attach("run", 0, TinySpec(), 1);
+                           auto session = client->Attach("run", 0, OneParamSpec(), 1);
                            const auto names = JobNames(client->Stats());
                            return names == std::vector<std::string>{"run@0", "run@65534"} ? 0 : 1;
                          })),
@@ -122,7 +109,7 @@ TEST_F(IdentityTest, ReplayingWhatAppearsInDevShmDoesNotMakeAnotherUidRoot) {
   Signal victim_ready, release_victim, attacker_ready, stop_attacker;
   const pid_t victim = ForkChild([&] {
     auto client = Client::Connect(daemon.socket());
-    auto session = client->Attach("victim", 0, TinySpec(), 1);
+    auto session = client->Attach("victim", 0, OneParamSpec(), 1);
     victim_ready.Send();
     if (!release_victim.Wait()) return 2;
     session->CheckHealthy();
@@ -178,7 +165,7 @@ TEST_F(IdentityTest, ReplayingWhatAppearsInDevShmDoesNotMakeAnotherUidRoot) {
                            auto client = Client::Connect(daemon.socket());
                            for (int i = 0; i < 20; ++i) {
                              const std::string job = "churn" + std::to_string(i);
-                             client->Attach(job, 0, TinySpec(), 1)->Close();
+                             client->Attach(job, 0, OneParamSpec(), 1)->Close();
                              client->DropJob(job, true);
                            }
                            return 0;

@@ -12,11 +12,8 @@ namespace trainstream {
 namespace {
 using namespace trainstream::testing;  // NOLINT(google-build-using-namespace): the shared test helpers
 
-constexpr uint32_t kAlice = 65534, kMallory = 65533;
-
 shm::LayoutSpec TinySpec() {
-  shm::LayoutSpec spec;
-  spec.params.push_back(shm::ParamSpec{.name = "w", .shape = {64, 64}, .dtype = DType::kFloat32, .group = 0});
+  shm::LayoutSpec spec = OneParamSpec(64, 64);
   spec.state_halves = 1;  // no decision by free memory: the bytes are known
   return spec;
 }
@@ -43,12 +40,7 @@ bool Contains(const std::string& text, const std::string& part) {
   return false;
 }
 
-class JobQuotasTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    if (geteuid() != 0) GTEST_SKIP() << "needs root to run clients as other uids";
-  }
-};
+using JobQuotasTest = AsOtherUids;
 
 TEST_F(JobQuotasTest, OneUidsIdleJobsLeaveRoomForOthersAndRoot) {
   DaemonProcess daemon("max_jobs = 3\n");  // max_jobs_per_uid: 2 by default

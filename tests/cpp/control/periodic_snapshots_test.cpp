@@ -16,18 +16,10 @@ namespace trainstream {
 namespace {
 using namespace trainstream::testing;  // NOLINT(google-build-using-namespace): the shared test helpers
 
-constexpr uint32_t kAlice = 65534;
-
-shm::LayoutSpec TinySpec() {
-  shm::LayoutSpec spec;
-  spec.params.push_back(shm::ParamSpec{.name = "w", .shape = {4, 4}, .dtype = DType::kFloat32, .group = 0});
-  return spec;
-}
-
 // Attaches to "shared", seeds its weights with `weight` (step 0) and trains step 1, as a trainer would.
 int TrainOneStep(const std::string& socket, float weight) {
   auto client = Client::Connect(socket);
-  auto session = client->Attach("shared", 0, TinySpec(), 1);
+  auto session = client->Attach("shared", 0, OneParamSpec(), 1);
   const shm::StateView state = session->state();
   const shm::RankView view = session->view();
   const shm::JobLayout& layout = session->layout();
@@ -54,8 +46,9 @@ std::string Read(const std::filesystem::path& path) {
   return content.str();
 }
 
-TEST(PeriodicSnapshots, TwoUidsJobsOfOneNameHaveAFileEach) {
-  if (geteuid() != 0) GTEST_SKIP() << "needs root to run a client as another uid";
+using PeriodicSnapshots = AsOtherUids;
+
+TEST_F(PeriodicSnapshots, TwoUidsJobsOfOneNameHaveAFileEach) {
   const std::filesystem::path dir =
       std::filesystem::temp_directory_path() / ("ts-periodic-" + std::to_string(getpid())) / "snapshots";
   std::filesystem::remove_all(dir.parent_path());

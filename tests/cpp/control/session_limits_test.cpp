@@ -73,19 +73,18 @@ TEST(SessionLimits, UnattachedSessionsOfAllUidsAreCapped) {
 }
 
 // One uid at its cap does not keep another from attaching, and a stream that attached no longer counts.
-TEST(SessionLimits, AnotherUidStillAttachesAndAttachedSessionsDoNotCount) {
-  if (geteuid() != 0) GTEST_SKIP() << "needs root to run clients as other uids";
+using SessionLimitsAsOtherUids = AsOtherUids;
+
+TEST_F(SessionLimitsAsOtherUids, AnotherUidStillAttachesAndAttachedSessionsDoNotCount) {
   DaemonProcess daemon("max_unattached_sessions_per_uid = 2\n");
   const pid_t flooder = ForkChild([&] {
-    if (setgid(65533) != 0 || setuid(65533) != 0) return 98;
+    if (setgid(kMallory) != 0 || setuid(kMallory) != 0) return 98;
     return OpenUnattached(daemon.socket(), 6, std::chrono::seconds(4)).held == 2 ? 0 : 1;
   });
-  EXPECT_TRUE(ExitedWith(RunAs(65534,
+  EXPECT_TRUE(ExitedWith(RunAs(kAlice,
                                [&] {
                                  auto client = Client::Connect(daemon.socket());
-                                 shm::LayoutSpec spec;
-                                 spec.params.push_back(
-                                     shm::ParamSpec{.name = "w", .shape = {4}, .dtype = DType::kFloat32});
+                                 const shm::LayoutSpec spec = OneParamSpec(4, 1);
                                  std::vector<std::unique_ptr<RankSession>> sessions;
                                  sessions.reserve(4);
                                  for (int i = 0; i < 4; ++i) {  // twice the cap, one after another

@@ -19,14 +19,6 @@ namespace trainstream {
 namespace {
 using namespace trainstream::testing;  // NOLINT(google-build-using-namespace): the shared test helpers
 
-constexpr uint32_t kAlice = 65534, kMallory = 65533;
-
-shm::LayoutSpec TinySpec() {
-  shm::LayoutSpec spec;
-  spec.params.push_back(shm::ParamSpec{.name = "w", .shape = {4, 4}, .dtype = DType::kFloat32, .group = 0});
-  return spec;
-}
-
 // The key of `uid`'s one job, from its state segment's name in /dev/shm (what any user can list).
 std::string JobKeyOf(uint32_t uid) {
   const std::string prefix = "trainstream." + std::to_string(uid) + ".";
@@ -44,8 +36,9 @@ std::string Read(const std::filesystem::path& path) {
   return (std::stringstream() << file.rdbuf()).str();
 }
 
-TEST(TraceFiles, APlantedLinkNeitherRedirectsNorExposesAnotherUsersTrace) {
-  if (geteuid() != 0) GTEST_SKIP() << "needs root to run clients as other uids";
+using TraceFiles = AsOtherUids;
+
+TEST_F(TraceFiles, APlantedLinkNeitherRedirectsNorExposesAnotherUsersTrace) {
   const std::filesystem::path root = std::filesystem::temp_directory_path() / ("ts-traces-" + std::to_string(getpid()));
   const std::filesystem::path traces = root / "traces", victim = root / "root-only";
   std::filesystem::create_directories(traces);
@@ -57,7 +50,7 @@ TEST(TraceFiles, APlantedLinkNeitherRedirectsNorExposesAnotherUsersTrace) {
     EXPECT_TRUE(ExitedWith(RunAs(kAlice,
                                  [&] {
                                    auto client = Client::Connect(daemon.socket());
-                                   client->Attach("run", 0, TinySpec(), 1)->Close();
+                                   client->Attach("run", 0, OneParamSpec(), 1)->Close();
                                    return 0;
                                  }),
                            0));
