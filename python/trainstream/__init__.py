@@ -9,7 +9,7 @@ returns the model (same object, with hooks) and an optimizer that behaves like t
 
 import torch  # noqa: F401  (loaded before _C: its libraries first, as in every torch program; see _C below)
 
-from trainstream import _amp, _clipping, _compile
+from trainstream import _amp, _clipping, _compile, _wrap
 from trainstream._activations import activation_paging
 from trainstream._C import TrainstreamError, __version__
 from trainstream._connect import Client, connect
@@ -18,7 +18,7 @@ from trainstream._wrap import synchronize, unwrap, wrap
 
 _clipping.install()  # clip_grad_norm_ of wrapped parameters clips in the daemon
 _amp.install()  # a GradScaler's check of a wrapped optimizer's gradients is the daemon's
-_compile.install()  # a compiled forward of a wrapped model takes its weights in before Dynamo runs
+_compile.install(_wrap.current_rank)  # a compiled forward of a wrapped model takes its weights in before Dynamo runs
 
 __all__ = ["Client", "TrainstreamError", "activation_paging", "chunked_cross_entropy", "connect", "synchronize",
            "unwrap", "wrap", "__version__"]

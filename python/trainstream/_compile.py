@@ -20,14 +20,12 @@ import functools
 import torch
 
 _torch_compile = torch.compile
+_current_rank = None  # wrap's: a model's current Rank or None (relayouts and unwrap change it); install() sets it
 
 
 def _prologue(model: torch.nn.Module):
     """The wrapped model's rank while a compiled forward of it runs (its weights all in place), else None."""
-    from trainstream._wrap import _wrapped  # the model's current rank: relayouts and unwrap change it
-
-    w = _wrapped.get(model)
-    rank = w.optimizer._rank if w is not None else None
+    rank = _current_rank(model)
     if rank is None:
         return None
     rank.take_all()
@@ -76,5 +74,8 @@ def compile(model=None, **kwargs):
     return compiled
 
 
-def install() -> None:
+def install(current_rank) -> None:
+    """`current_rank(model)`: the Rank whose hooks the model has now, or None."""
+    global _current_rank
+    _current_rank = current_rank
     torch.compile = compile

@@ -1,4 +1,4 @@
-"""This process's rank of a job: the hooks and the step protocol (DESIGN.md, "One step"). The
+"""This process's rank of a job: the hooks and the step protocol (docs/architecture.md, "Step protocol"). The
 parameters' places in shared memory are _regions.py's, _transport.py moves the bytes, and
 _guards.py keeps the model's reads and conversions in line.
 
@@ -202,8 +202,7 @@ class Rank:
         copies = _paging.block_copies(self.paging, self.regions)
         pins = None
         if self.device.type == "cuda":
-            # cuda-client-copy page-locks the upload region and fp32 master weights itself.
-            frozen_only = self.transport.name == "cuda-client-copy"
+            frozen_only = self.transport.pins_job_regions
             groups = [[(t.data_ptr(), r.nbytes) for r in c.ranges if r.frozen or not frozen_only for t in r.copies()]
                       for c in copies]
             pins = HostPins(self.device.index or 0, groups)

@@ -1,8 +1,9 @@
 """How gradients reach the job's host slots and new weights reach the parameters.
 
 HostTransport  — parameters on the CPU: plain copies between the parameters and the segments.
-CudaIpcTransport — parameters on a CUDA device, copied by the daemon (DESIGN.md "One step"): the
-    parameters become views of one flat buffer allocated outside torch's allocator, completed
+CudaIpcTransport — parameters on a CUDA device, copied by the daemon (docs/architecture.md, "The
+    cuda-ipc transport"): the parameters become views of one flat buffer allocated outside torch's
+    allocator, completed
     buckets' gradients go into a few staging slots, and both are exported once by CUDA IPC handle,
     with interprocess events that order the daemon's copies after this process's kernels. Nothing is
     pinned in this process. The default for CUDA parameters. The forward does not wait for weights
@@ -14,7 +15,7 @@ CudaCopyTransport — the fallback where the daemon cannot open IPC handles (ano
     and the job's upload region are pinned (cudaHostRegister) and the copies run on a side CUDA
     stream, ordered against the compute stream by events, without any CPU wait. A
     bucket's GRAD_READY is sent by a sender thread once an event recorded after its copies has
-    completed. The daemon needs no CUDA context for this transport (DESIGN.md "Fallback").
+    completed. The daemon needs no CUDA context for this transport (docs/architecture.md, "Repository layout").
 
 Both keep the invariant of _rank.py: a slot is written only after the daemon released it, and the
 upload region is read (by a copy that may still be queued) only until the daemon's next update of
@@ -53,6 +54,9 @@ class Transport(Protocol):
     # Whether wait_weights_on_gpu can queue every wait without this thread waiting (cuda-ipc, its words
     # mapped): the forward's start then queues them all (Rank.take_published).
     waits_on_gpu: bool
+    # Whether it page-locks the job's upload region and fp32 master weights itself (cuda-client-copy):
+    # weight paging then page-locks only the frozen weights.
+    pins_job_regions: bool
 
     def open_bucket(self, b: int) -> None:
         """Before bucket b's first gradient of a micro-batch: returns once its last GRAD_READY has gone
@@ -90,6 +94,7 @@ class HostTransport:
     name = "host"
     weights_in_early = True  # a copy on the trainer's thread, now or at the module's pre-hook
     waits_on_gpu = False
+    pins_job_regions = False
 
     def __init__(self, regions: Regions):
         self.regions = regions
@@ -126,6 +131,7 @@ class CudaCopyTransport:
     name = "cuda-client-copy"
     weights_in_early = False
     waits_on_gpu = False
+    pins_job_regions = True
 
     def __init__(self, regions: Regions, session, device: torch.device):
         self.regions = regions
@@ -237,6 +243,7 @@ def _ranges_to_pin(regions: Regions, session) -> list[tuple[int, int]]:
 class CudaIpcTransport:
     name = "cuda-ipc"
     weights_in_early = True  # nothing to do: the daemon wrote them
+    pins_job_regions = False
     _WANT_EVENTS = 2  # weights-wanted events, used in turn
     _SLOT_CAP = 32 << 20  # a bucket larger than a slot (a large embedding) is staged piece by piece
 

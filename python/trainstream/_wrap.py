@@ -462,6 +462,12 @@ def _wrapped_of(model: torch.nn.Module) -> Wrapped:
     return w
 
 
+def current_rank(model: torch.nn.Module) -> Rank | None:
+    """The Rank whose hooks `model` has now: none when it is not wrapped or its optimizer runs in torch."""
+    w = _wrapped.get(model)
+    return w.optimizer._rank if w is not None else None
+
+
 def _rank_of(model: torch.nn.Module) -> Rank:
     r = _wrapped_of(model).optimizer._rank
     if r is None:

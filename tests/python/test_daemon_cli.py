@@ -266,9 +266,10 @@ def test_sigterm_shuts_down_cleanly_and_the_trainer_is_told():
 
 
 def test_after_sigterm_the_next_synchronize_and_forward_raise():
-    # DESIGN.md, reliability: a client raises at its next hook or step once the daemon is gone. Here the
-    # new weights were already in when the daemon stopped, so nothing needs to wait; synchronize() and the
-    # forward pre-hook must still report the lost daemon instead of carrying on until the next backward.
+    # docs/architecture.md, "Failure handling": a client raises at its next hook or step once the daemon is
+    # gone. Here the new weights were already in when the daemon stopped, so nothing needs to wait;
+    # synchronize() and the forward pre-hook must still report the lost daemon instead of carrying on until
+    # the next backward.
     d = Daemon()
     try:
         model = torch.nn.Linear(8, 1)

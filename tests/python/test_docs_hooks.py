@@ -31,8 +31,8 @@ def test_a_wrap_parameter_without_a_row_fails_the_build():
 
 
 def test_includes_take_a_section_or_whole_files_with_headings_one_level_down(tmp_path):
-    (tmp_path / "README.md").write_text("# T\n\n## Results\n\n| a |\n|---|\n\n### kept\n\n![plot](docs/images/p.png)\n\n"
-                                        "## Layout\n\nnot this\n")
+    (tmp_path / "README.md").write_text("# T\n\n## Results\n\n| a |\n|---|\n\n### kept\n\n"
+                                        "![plot](docs/images/p.png)\n\n## Layout\n\nnot this\n")
     (tmp_path / "r").mkdir()
     (tmp_path / "r" / "a.md").write_text("# A\n\n## part\n\n```sh\n# a shell comment, not a heading\n```\n")
     (tmp_path / "r" / "b.md").write_text("# B\n")
