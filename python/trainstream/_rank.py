@@ -29,6 +29,7 @@ of a step went out, before optimizer.step()).
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -40,7 +41,9 @@ import torch
 
 from trainstream import _layout, _paging
 from trainstream._C import TrainstreamError
+from trainstream._edits import WeightEdits
 from trainstream._guards import ApplyGuard, StaleReadGuard
+from trainstream._kept_grads import KeptGradients
 from trainstream._pinning import HostPins
 from trainstream._regions import Regions
 from trainstream._staged_copy import copy_to_host
@@ -143,11 +146,14 @@ class Rank:
         self._sent = [False] * len(self.buckets)
         self._final_sent: set[int] = set()  # buckets whose gradients of the step's last micro-batch went out
         self._zeroed = False  # zero_grad(set_to_none=True) since the last step: a step without backward does nothing
+        self.grads = KeptGradients()  # the p.grad torch would keep: zero gradients to send
+        self._zero_fill: set[int] = set()  # at the step's first backward pass: those it must send
         self._hparams_written: list[tuple] = []  # the param groups' values at the step's first backward
         self._loads = 0                     # state loads published (they change the weights at the same step)
         self._handles = []
         self.relayout = None  # wrap's: re-attaches the job around a conversion of the model (ApplyGuard)
         self.pager: _paging.BlockPager | None = None
+        self.edits = WeightEdits(self.params, [i for i, p in enumerate(self.params) if id(p) not in paged])
         self._seed_weights(rank)
         started = self._timed("seed", started)
         if paging:
@@ -238,10 +244,13 @@ class Rank:
             if prefix + name in state_dict:
                 state_dict[prefix + name] = host[id(p)] if id(p) in frozen else host[id(p)].clone()
 
-    def _page_to_host(self) -> None:
-        """model.load_state_dict(): the paged parameters become their host copies while torch writes
-        into them; push_weights() publishes them and puts the placeholders back."""
+    def _before_load(self) -> None:
+        """model.load_state_dict(), before torch copies into the parameters: the last step's weights are in
+        first (taken in later, they would overwrite what loads), and the paged parameters become their host
+        copies while torch writes into them; push_weights() publishes them and puts the placeholders back."""
         self._require_idle("load weights")
+        if self.pager is None:
+            return
         self.pager.evict_all()
         for p, view in self._paged_host_views():
             p.data = view
@@ -271,14 +280,51 @@ class Rank:
                         self.session.wait_params_ready(b, self._ready_step[b])
                     self.weights_wait_s += time.perf_counter() - started
                     if b not in self.regions.paged_buckets:  # the pager copies paged ones when it loads them
+                        params = self.regions.bucket_params[b]
+                        self._refuse_stale_edits(params)
                         with torch.no_grad():
-                            for i in self.regions.bucket_params[b]:
+                            for i in params:
                                 self.transport.weights_in(i)
+                        self.edits.note(params)
                     self.stale.discard(b)
                 self.transport.weights_done()
             finally:
                 self._refreshing = False
         self._report_warnings()
+
+    def take_edits(self) -> None:
+        """At a forward's start and at optimizer.step(): weights the user changed in place since trainstream
+        wrote them (WeightEdits) become the master weights, as torch trains what the parameters hold (the
+        moments stay); where that cannot be (a step's gradients are out), refuses."""
+        edited = self.edits.edited()
+        if not edited:
+            return
+        self._refuse_stale_edits(edited)
+        if self._micro or self._in_backward or self._step_pending:
+            self.edits.note(edited)  # refused: not kept, and not refused again
+            raise TrainstreamError(
+                f"parameter {self._name(edited[0])} was changed in place between backward() and optimizer.step(): "
+                "the daemon updates the weights it holds with this step's gradients, so torch's update of the "
+                "changed weights cannot be had, and the change is not kept; change weights after "
+                "optimizer.step() or before the step's first backward()")
+        self.push_weights()
+
+    def _refuse_stale_edits(self, indices: list[int]) -> None:
+        """A change made while the parameter still showed the weights before the last step (after
+        optimizer.step(), before a forward or synchronize() took the new ones in) cannot be applied to the
+        new ones."""
+        stale = [i for i in self.edits.edited(indices) if self.regions.bucket_of[i] in self.stale]
+        if stale:
+            self.edits.note(stale)  # refused: the new weights replace it, and it is not refused again
+            raise TrainstreamError(
+                f"parameter {self._name(stale[0])} was changed in place while it still showed the weights before the "
+                "last optimizer.step() (trainstream brings the new ones in at the next read), so the change is not "
+                "kept: call trainstream.synchronize(model) after optimizer.step(), then change the weights")
+
+    def _name(self, i: int) -> str:
+        p = self.params[i]
+        name = next((n for n, q in self.model.named_parameters() if q is p), f"{i}")
+        return f"'{name}'"
 
     def take_published(self) -> None:
         """At a forward's start, takes in what it can without waiting, so that the forward runs without
@@ -287,6 +333,7 @@ class Rank:
         thread goes on), elsewhere the buckets published already. Not with paging (the guard is always
         needed) nor where taking weights in early would delay the forward (the transport's
         `weights_in_early`)."""
+        self.take_edits()
         if not self.stale or self.pager is not None or not self.transport.weights_in_early:
             return
         if self.transport.waits_on_gpu:
@@ -307,6 +354,7 @@ class Rank:
         """Before a compiled forward (_compile.py): every weight in place, waited for where it must be
         (on the GPU where the transport can), the daemon's health checked."""
         self.session.check_healthy()
+        self.take_edits()
         if self.pager is not None:
             raise TrainstreamError("torch.compile of a model whose weights page (param_offload): the pager loads "
                                    "blocks from the forward's hooks, which Dynamo cannot trace; compile the blocks' "
@@ -367,6 +415,7 @@ class Rank:
             with torch.no_grad():
                 for i, p in enumerate(self.params):
                     self.regions.master_view(i).copy_(p.detach())
+            self.edits.note_all()  # published
             if self.pager is not None:
                 self.pager.release_all()
             self._publish()
@@ -399,7 +448,7 @@ class Rank:
         if self.pager is not None:
             self._handles.append(self.model.register_state_dict_post_hook(
                 lambda module, state_dict, prefix, metadata: self._paged_state_dict(state_dict, prefix)))
-            self._handles.append(self.model.register_load_state_dict_pre_hook(lambda *args: self._page_to_host()))
+        self._handles.append(self.model.register_load_state_dict_pre_hook(lambda *args: self._before_load()))
         self._handles.append(self.model.register_load_state_dict_post_hook(lambda module, keys: self.push_weights()))
         self._handles += [ApplyGuard(self, module) for module in self.model.modules()]
         self._handles.append(guard)
@@ -419,6 +468,8 @@ class Rank:
             raise TrainstreamError(
                 "backward() after clip_grad_norm_ (or a GradScaler's unscale_) and before optimizer.step(): "
                 "trainstream clips the sum of every backward pass of a step; clip (and unscale) after the last one")
+        if self._micro == 0:
+            self._zero_fill = self.grads.to_zero_fill()
         self._in_backward = True
         self._stepped = False
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
@@ -474,20 +525,25 @@ class Rank:
         with self._lock:
             if not self._in_backward:
                 self._begin_backward()
-            b = self.regions.bucket_of[i]
-            if b not in self._opened:
-                self._open(b)
-            if self.regions.presence[i]:
-                raise TrainstreamError(f"parameter {i} received two gradients in one backward pass")
             grad = p.grad
             if grad.is_sparse:
                 raise TrainstreamError("sparse gradients are not supported")
-            self.transport.grad_out(i, grad)
-            self.regions.presence[i] = 1
+            self._deliver(i, grad)
             p.grad = None
-            self._arrived[b] += 1
-            if self._arrived[b] == len(self.regions.bucket_params[b]):
-                self._send(b)
+            self.grads.got(i)
+
+    def _deliver(self, i: int, grad: torch.Tensor) -> None:
+        """Parameter i's gradient of this micro-batch into its bucket's slot; a full bucket is sent."""
+        b = self.regions.bucket_of[i]
+        if b not in self._opened:
+            self._open(b)
+        if self.regions.presence[i]:
+            raise TrainstreamError(f"parameter {i} received two gradients in one backward pass")
+        self.transport.grad_out(i, grad)
+        self.regions.presence[i] = 1
+        self._arrived[b] += 1
+        if self._arrived[b] == len(self.regions.bucket_params[b]):
+            self._send(b)
 
     def _send(self, b: int) -> None:
         step, micro = self._bucket_step[b], self._micro
@@ -514,6 +570,10 @@ class Rank:
 
     def _end_backward(self) -> None:
         with self._lock:
+            for i in sorted(self._zero_fill):  # p.grad zeroed, not set to None, and no gradient this time
+                if self.regions.bucket_of[i] not in self._opened or not self.regions.presence[i]:
+                    self._deliver(i, torch.zeros_like(self.regions.grad_views[i], device=self.device))
+            self._zero_fill = set()
             for b in range(len(self.buckets)):
                 if not self._sent[b]:
                     if b not in self._opened:
@@ -538,6 +598,7 @@ class Rank:
             if self._in_backward:
                 raise TrainstreamError("optimizer.step() called during backward()")
             self._check_no_hand_made_gradients()
+            self.take_edits()
             if self._micro == 0:
                 if self._stepped and not self._zeroed:
                     raise TrainstreamError(
@@ -568,6 +629,7 @@ class Rank:
             self._final_sent.clear()
             self._stepped = True
             self._zeroed = False
+            self.grads.stepped()
             self.transport.step_done(max(self._ready_step, default=0))
         self._report_warnings()
 
@@ -579,6 +641,7 @@ class Rank:
                 raise TrainstreamError("zero_grad() called during backward()")
             self._zeroed = set_to_none
             if self._micro == 0:
+                self.grads.zero_grad(set_to_none)
                 return
             if self.nodes > 1:
                 raise TrainstreamError(
@@ -594,6 +657,7 @@ class Rank:
             self._final_sent.clear()
             self._grad_factor = 1.0
             self._norm = None
+            self.grads.zero_grad(set_to_none)
 
     def request_norm(self, max_norm: float) -> tuple[int, int]:
         """clip_grad_norm_ (or a GradScaler's inf check, max_norm 0) of this step's gradients: the daemon
@@ -607,6 +671,11 @@ class Rank:
             if self._norm is not None and max_norm > 0 and self._norm[1] > 0 and max_norm != self._norm[1]:
                 raise TrainstreamError(f"clip_grad_norm_ called twice in one step (max_norm {self._norm[1]} and "
                                        f"{max_norm}): trainstream clips each step once")
+            if self._norm is not None and max_norm == self._norm[1] and 0 < max_norm < math.inf:
+                raise TrainstreamError(
+                    f"clip_grad_norm_ called twice in one step (max_norm {max_norm} both times): torch's second call "
+                    "returns the norm of the gradients the first one clipped, which trainstream does not take; clip "
+                    "once a step (the first call returned the norm)")
             if self.max_grad_norm is not None and max_norm > 0 and max_norm != self.max_grad_norm:
                 raise TrainstreamError(f"clip_grad_norm_ with max_norm={max_norm}, but wrap(max_grad_norm="
                                        f"{self.max_grad_norm}) clips every step already: drop one of the two")

@@ -237,11 +237,19 @@ def test_backward_after_clipping_raises(stepped):
         torch.nn.functional.mse_loss(model(x), y).backward()
 
 
-def test_two_clippings_of_a_step_raise(stepped):
+@pytest.mark.parametrize("second", [2.0, 1.0])
+def test_two_clippings_of_a_step_raise(stepped, second):
+    """With the same max_norm too: torch's second call returns the clipped gradients' norm."""
     model, _ = stepped
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     with pytest.raises(trainstream.TrainstreamError, match="twice in one step"):
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 2.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), second)
+
+
+def test_the_norm_read_twice_without_clipping_is_the_same(stepped):
+    model, _ = stepped
+    first = torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf)
+    assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf)) == float(first)
 
 
 def test_plain_parameters_clip_in_torch(client):
