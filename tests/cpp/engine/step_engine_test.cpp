@@ -689,9 +689,26 @@ class CudaIpcTwoRanksTest : public CudaIpcStagesTest {
 
 TEST_F(CudaIpcTwoRanksTest, ARankRegisteringWhileTheSeedLoadsIsToldAtOnce) {
   RankClient second(*job_, 1);
-  std::latch release(1);
-  const auto hold = [&](size_t) { release.wait(); };
-  for (size_t t = 0; t < pool_.threads(); ++t) pool_.Submit(1, hold, [] {});
+  // Every worker held until released, and the test ends only once each held task has ended: a worker
+  // that reached its task after the release (a loaded machine) waited on a latch already gone (a hang
+  // under ctest -j2, 1 in 400 runs with three busy loops beside it).
+  struct HeldWorkers {
+    std::latch release{1};
+    std::latch ended;
+    bool released = false;
+    explicit HeldWorkers(size_t n) : ended(static_cast<std::ptrdiff_t>(n)) {}
+    void Release() {
+      if (!std::exchange(released, true)) release.count_down();
+    }
+    ~HeldWorkers() {
+      Release();
+      ended.wait();
+    }
+  } held(pool_.threads());
+  for (size_t t = 0; t < pool_.threads(); ++t) {
+    pool_.Submit(
+        1, [&held](size_t) { held.release.wait(); }, [&held] { held.ended.count_down(); });
+  }
   client_->LoadInitialState();  // its upload waits behind the held workers: the load stays running
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
   while (!gpu_->told && std::chrono::steady_clock::now() < deadline) {
@@ -701,7 +718,7 @@ TEST_F(CudaIpcTwoRanksTest, ARankRegisteringWhileTheSeedLoadsIsToldAtOnce) {
   const std::shared_ptr<FakeGpu> late = MakeGpu();
   job_->SetTransfer(1, late, "fake-gpu");
   EXPECT_TRUE(late->told);
-  release.count_down();
+  held.Release();
   WantWeights(0);
   client_->ExpectParamsReady(0);
 }
