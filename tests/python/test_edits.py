@@ -60,7 +60,8 @@ def clamp_in_place(model, step):
 
 
 def synchronize_then_clamp(model, step):
-    trainstream.synchronize()  # every wrapped model's (none for the plain loop)
+    if trainstream._wrap.current_rank(model) is not None:  # not the plain loop's model
+        trainstream.synchronize(model)
     clamp_in_place(model, step)
 
 
