@@ -8,9 +8,9 @@
 #include <mutex>
 #include <set>
 
+#include "daemon/counters/counters.h"
 #include "daemon/gpu/pinned_host.h"
 #include "daemon/grpc_status.h"
-#include "daemon/counters/counters.h"
 #include "daemon/optimizer/adamw_kernels.h"
 #include "daemon/snapshot/file_identity.h"
 #include "daemon/snapshot/snapshot_format.h"

@@ -16,12 +16,12 @@
 #include <string>
 
 #include "daemon/control/orphaned_jobs.h"
+#include "daemon/counters/counters.h"
 #include "daemon/engine/session_sink.h"
 #include "daemon/engine/step_engine.h"
 #include "daemon/engine/worker_pool.h"
 #include "daemon/gpu/cuda_rank_transfer.h"
 #include "daemon/guard/client_segment.h"
-#include "daemon/counters/counters.h"
 #include "daemon/peer/peer_allreduce.h"
 #include "daemon/snapshot/job_snapshots.h"
 #include "daemon/snapshot/snapshot_format.h"

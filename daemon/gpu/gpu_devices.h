@@ -8,8 +8,8 @@
 #include <mutex>
 #include <string>
 
-#include "daemon/gpu/copy_queue.h"
 #include "daemon/counters/counters.h"
+#include "daemon/gpu/copy_queue.h"
 #include "shm/cuda_driver.h"
 
 namespace trainstream::daemon {

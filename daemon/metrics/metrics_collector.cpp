@@ -5,8 +5,8 @@
 #include <limits>
 #include <sstream>
 
-#include "daemon/gpu/pinned_host.h"
 #include "daemon/counters/counters.h"
+#include "daemon/gpu/pinned_host.h"
 #include "daemon/optimizer/adamw_kernels.h"
 #include "shm/error.h"
 #include "shm/version.h"

@@ -3,8 +3,8 @@
 #include <malloc.h>
 #include <spdlog/spdlog.h>
 
-#include "daemon/grpc_status.h"
 #include "daemon/counters/counters.h"
+#include "daemon/grpc_status.h"
 #include "shm/error.h"
 #include "shm/job_layout.h"
 
