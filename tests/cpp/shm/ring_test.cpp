@@ -36,9 +36,14 @@ Message MakeMessage(uint64_t sequence) {
   return message;
 }
 
+// Field by field: Message holds floating-point fields, whose bytes memcmp may not compare (-0.0, NaN).
 bool Matches(const Message& message, uint64_t sequence) {
   const Message expected = MakeMessage(sequence);
-  return std::memcmp(&message, &expected, sizeof(Message)) == 0;
+  return message.kind == expected.kind && message.flags == expected.flags && message.bucket == expected.bucket &&
+         message.step == expected.step && message.micro == expected.micro && message.slot == expected.slot &&
+         message.piece == expected.piece && message.norm_factor == expected.norm_factor &&
+         message.value == expected.value && message.factor == expected.factor &&
+         std::memcmp(message.reserved, expected.reserved, sizeof(message.reserved)) == 0;
 }
 
 // A ring in (64-byte aligned) private memory, for the single-process tests.
