@@ -281,7 +281,7 @@ class Rank:
                     self.weights_wait_s += time.perf_counter() - started
                     if b not in self.regions.paged_buckets:  # the pager copies paged ones when it loads them
                         params = self.regions.bucket_params[b]
-                        self._refuse_stale_edits(params)
+                        self._refuse_stale_edits(self.edits.edited(params))
                         with torch.no_grad():
                             for i in params:
                                 self.transport.weights_in(i)
@@ -309,11 +309,11 @@ class Rank:
                 "optimizer.step() or before the step's first backward()")
         self.push_weights()
 
-    def _refuse_stale_edits(self, indices: list[int]) -> None:
-        """A change made while the parameter still showed the weights before the last step (after
-        optimizer.step(), before a forward or synchronize() took the new ones in) cannot be applied to the
-        new ones."""
-        stale = [i for i in self.edits.edited(indices) if self.regions.bucket_of[i] in self.stale]
+    def _refuse_stale_edits(self, edited: list[int]) -> None:
+        """Of the parameters `edited` (WeightEdits.edited), one changed while it still showed the weights
+        before the last step (after optimizer.step(), before a forward or synchronize() took the new ones
+        in): the change cannot be applied to the new ones."""
+        stale = [i for i in edited if self.regions.bucket_of[i] in self.stale]
         if stale:
             self.edits.note(stale)  # refused: the new weights replace it, and it is not refused again
             raise TrainstreamError(

@@ -268,10 +268,10 @@ def _check_paging_sizes(page_prefetch, page_pool_mb) -> None:
     if isinstance(page_prefetch, bool) or not isinstance(page_prefetch, int) or not 0 <= page_prefetch <= 1024:
         raise TrainstreamError(f"page_prefetch must be an integer in [0, 1024] (the blocks loaded while one "
                                f"computes), not {page_prefetch!r}")
-    _check_number("page_pool_mb", page_pool_mb, "None (page_prefetch + 1 blocks) or a finite number of MiB > 0")
+    allowed = "None (page_prefetch + 1 blocks) or a finite number of MiB > 0"
+    _check_number("page_pool_mb", page_pool_mb, allowed)
     if page_pool_mb is not None and not 0 < page_pool_mb < math.inf:  # nan too
-        raise TrainstreamError(f"page_pool_mb must be None (page_prefetch + 1 blocks) or a finite number of MiB > 0, "
-                               f"not {page_pool_mb!r}")
+        raise TrainstreamError(f"page_pool_mb must be {allowed}, not {page_pool_mb!r}")
 
 
 def _check_choice(option: str, value, choices: tuple, allowed: str) -> None:
