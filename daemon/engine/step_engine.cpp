@@ -481,6 +481,7 @@ void StepEngine::OnGradReady(RankChannel& channel, const shm::Message& message) 
   TS_CHECK(!(final_micro && uncertain), Code::kInvalidArgument,
            "GRAD_READY micro-batch {} marked both final and uncertain", message.micro);
   if (!rest) progress.flags = message.flags;
+  if (trace_) trace_->Mark(SpanKind::kGradReady, b, message.step, message.micro);
   if (channel.transfer == nullptr) return Deliver(channel, b);
   TS_CHECK(message.slot < channel.transfer->staging_slots(), Code::kInvalidArgument,
            "GRAD_READY for bucket {} names staging slot {}, but rank {} registered {}", b, message.slot, channel.rank,
@@ -688,10 +689,12 @@ void StepEngine::TouchState() {
 void StepEngine::StartAccumulate(uint32_t b) {
   buckets_[b].phase = Phase::kBusy;
   buckets_[b].pass = Pass::kAccumulate;
-  AccumulateSlots(b, [this, b] {
+  const int64_t started = trace_ ? StepTrace::Now() : 0;
+  AccumulateSlots(b, [this, b, started] {
     if (Discarded(b)) return;
     BucketProgress& progress = buckets_[b];
     const uint32_t micro = progress.micro++;
+    if (trace_) trace_->Record({SpanKind::kAccumulate, b, progress.step, micro, started, StepTrace::Now()});
     progress.delivered_count = 0;
     std::fill(progress.delivered.begin(), progress.delivered.end(), 0);
     progress.phase = Phase::kCollecting;
@@ -1184,10 +1187,7 @@ void StepEngine::OnUpdated(uint32_t b, uint64_t step, uint32_t half, bool nonfin
 // the next step and its weights go out.
 void StepEngine::CommitBucket(uint32_t b, uint64_t step, uint32_t half) {
   state_.bucket_state[b].Store({.step = step, .half = half});
-  if (trace_) {
-    const int64_t now = StepTrace::Now();
-    trace_->Record({SpanKind::kCommit, b, step, half, now, now});
-  }
+  if (trace_) trace_->Mark(SpanKind::kCommit, b, step, half);
   BucketProgress& progress = buckets_[b];
   progress.updating = false;
   progress.upload_dirty = false;
@@ -1294,6 +1294,7 @@ void StepEngine::OnMoreMicro(RankChannel& channel, const shm::Message& message) 
            "MORE_MICRO from rank {}, but the job's accumulation_steps is {}", channel.rank, spec_.accumulation_steps);
   CheckCurrentStep(message, completed_, channel.rank, "MORE_MICRO");
   const uint64_t step = message.step;
+  if (trace_) trace_->Mark(SpanKind::kMoreMicro, 0, step, message.micro);
   const auto gate = gates_.find(step);
   TS_CHECK(gate == gates_.end() || gate->second.terms().micro_batches == 0, Code::kInvalidArgument,
            "rank {} began backward pass {} of step {} after its terms said {} (backward after clip_grad_norm_, a "
@@ -1469,10 +1470,7 @@ void StepEngine::OnWeightsWanted(const std::shared_ptr<RankChannel>& channel, co
     });
   });
   channel->weights_wanted = static_cast<int64_t>(message.step);
-  if (trace_) {
-    const int64_t now = StepTrace::Now();
-    trace_->Record({SpanKind::kWeightsWanted, 0, message.step, channel->rank, now, now});
-  }
+  if (trace_) trace_->Mark(SpanKind::kWeightsWanted, 0, message.step, channel->rank);
   if ((message.flags & shm::kWeightsOnGpu) != 0) {
     channel->claims_on_gpu = static_cast<int64_t>(message.step);
     // The load it follows may have completed already; if it is still running, its end checks the claim.

@@ -14,7 +14,8 @@ namespace trainstream::daemon {
 namespace {
 
 // By SpanKind.
-constexpr std::array<const char*, 5> kKindNames = {"pull", "update-block", "push", "weights-wanted", "commit"};
+constexpr std::array<const char*, 8> kKindNames = {"pull",   "update-block", "push",       "weights-wanted",
+                                                   "commit", "grad-ready",   "accumulate", "more-micro"};
 
 // About 2,000 spans a step of the 124M GPT (most of them its update's blocks) and 30,000 of the 1.86B:
 // a few hundred steps of the one, dozens of the other, in 40 MiB.
@@ -32,6 +33,11 @@ StepTrace::~StepTrace() {
 void StepTrace::Record(const Span& span) {
   const size_t slot = next_.fetch_add(1, std::memory_order_relaxed);
   if (slot < capacity_) spans_[slot] = span;
+}
+
+void StepTrace::Mark(SpanKind kind, uint32_t bucket, uint64_t step, uint64_t detail) {
+  const int64_t now = Now();
+  Record({kind, bucket, step, detail, now, now});
 }
 
 int64_t StepTrace::Now() {

@@ -894,16 +894,17 @@ TEST_F(CudaIpcPiecesTest, APieceOutOfOrderFailsTheSession) {
       << *failure;
 }
 
-// trainstreamd --trace-dir: a job's step timeline, written when the job ends, holds every piece's pull,
-// every block of every update, each push and commit, in the order the protocol allows: a bucket's
-// update reads only pulled gradients, commits after its last block, and is pushed after its commit.
+// trainstreamd --trace-dir: a job's step timeline, written when the job ends, holds every piece's
+// GRAD_READY and pull, every block of every update, each push and commit, in the order the protocol
+// allows: a piece is pulled after its GRAD_READY, a bucket's update reads only pulled gradients, commits
+// after its last block, and is pushed after its commit.
 class CudaIpcTracedTest : public CudaIpcPiecesTest {
  protected:
   void TearDown() override { std::filesystem::remove_all(dir_); }
   [[nodiscard]] std::string TraceDir() const override { return dir_; }
   // The spans of one kind for (bucket, step), as the trace file has them.
   struct Spans {
-    std::vector<std::pair<int64_t, int64_t>> of[5];
+    std::vector<std::pair<int64_t, int64_t>> of[8];
     [[nodiscard]] int64_t FirstBegin(SpanKind kind) const { return std::ranges::min(of[Index(kind)]).first; }
     [[nodiscard]] int64_t LastEnd(SpanKind kind) const {
       return std::ranges::max(of[Index(kind)], {}, [](const auto& span) { return span.second; }).second;
@@ -926,12 +927,13 @@ TEST_F(CudaIpcTracedTest, TheTraceHoldsEachStepsPullsUpdatesAndPushesInProtocolO
   ASSERT_TRUE(file.is_open());
   const nlohmann::json trace = nlohmann::json::parse(file);
   EXPECT_EQ(trace["dropped"], 0);
-  EXPECT_EQ(trace["kinds"], nlohmann::json({"pull", "update-block", "push", "weights-wanted", "commit"}));
+  EXPECT_EQ(trace["kinds"], nlohmann::json({"pull", "update-block", "push", "weights-wanted", "commit", "grad-ready",
+                                            "accumulate", "more-micro"}));
   std::map<std::pair<uint64_t, uint64_t>, Spans> spans;  // by (bucket, step)
   size_t wanted = 0;
   for (const auto& span : trace["spans"]) {
     const auto kind = span[0].get<uint32_t>();
-    ASSERT_LT(kind, 5u);
+    ASSERT_LT(kind, 8u);
     ASSERT_LE(span[4].get<int64_t>(), span[5].get<int64_t>());
     if (kind == static_cast<uint32_t>(SpanKind::kWeightsWanted)) {
       ++wanted;
@@ -945,7 +947,9 @@ TEST_F(CudaIpcTracedTest, TheTraceHoldsEachStepsPullsUpdatesAndPushesInProtocolO
       SCOPED_TRACE(fmt::format("bucket {} step {}", b, step));
       const Spans& s = spans[{b, step}];
       const uint64_t pieces = (buckets[b].bytes() + gpu_->slot_bytes() - 1) / gpu_->slot_bytes();
+      EXPECT_EQ(s.of[Spans::Index(SpanKind::kGradReady)].size(), pieces);
       EXPECT_EQ(s.of[Spans::Index(SpanKind::kPull)].size(), pieces);
+      EXPECT_GE(s.FirstBegin(SpanKind::kPull), s.FirstBegin(SpanKind::kGradReady));
       ASSERT_FALSE(s.of[Spans::Index(SpanKind::kUpdateBlock)].empty());
       ASSERT_EQ(s.of[Spans::Index(SpanKind::kCommit)].size(), 1u);
       ASSERT_FALSE(s.of[Spans::Index(SpanKind::kPush)].empty());
