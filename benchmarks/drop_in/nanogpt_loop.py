@@ -14,6 +14,10 @@ step commits at optimizer.step()), and both against stock. Data: a fixed Markov 
 (benchmarks/train_gpt/markov_text.py), so the loss falls and the norm moves.
 
     python3 benchmarks/drop_in/nanogpt_loop.py --json out.json
+
+--daemon-trace runs each trainstream mode on a private daemon that keeps its step trace
+(daemon/engine/step_trace.h) and adds, per micro-batch of the median step, when the trainer's backward ran
+and waited for gradient regions, and when the daemon saw its GRAD_READYs, pulled and accumulated it.
 """
 
 from __future__ import annotations
@@ -22,13 +26,17 @@ import argparse
 import functools
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "train_gpt"))
+
+import daemon_trace  # noqa: E402
 
 MODES = ("stock", "explicit", "oneline", "oneline-eager")
 
@@ -46,15 +54,22 @@ def run_mode(args) -> dict:
     synchronize = torch.cuda.synchronize if cuda else (lambda: None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1,
                                   fused=args.mode == "stock")
+    private = trace_dir = None
     if args.mode != "stock":
         import trainstream
         extra = {"explicit": {"accumulation_steps": args.micro, "max_grad_norm": 1.0},
                  "counted": {"max_grad_norm": 1.0}, "clipped": {"accumulation_steps": args.micro}}.get(args.mode, {})
+        if args.daemon_trace:
+            from trainstream._connect import PrivateDaemon
+            trace_dir = tempfile.mkdtemp(prefix="trainstream-trace-")
+            private = PrivateDaemon(trace_dir=trace_dir)
+            extra["client"] = trainstream.connect(f"unix:{private.socket_path}")
         model, optimizer = trainstream.wrap(model, optimizer, **extra)
     forward = torch.compile(model) if args.compile and args.mode != "oneline-eager" else model
     text = MarkovText(model.wte.weight.shape[0])
     batches = [text.batch(i, args.batch, args.seq).to(args.device) for i in range(args.micro * 4)]
     times, losses, norms, phases = [], [], [], []
+    starts_ns, micro_marks = [], []  # per step: its start; per micro-batch (backward from, to, region wait ms)
     waits = None
     if args.mode != "stock":
         from train_gpt import daemon_waits
@@ -62,12 +77,18 @@ def run_mode(args) -> dict:
     for step in range(args.steps):
         synchronize()
         started = time.perf_counter()
+        starts_ns.append(time.monotonic_ns())
         before = waits() if waits else {}
+        marks = []
         for micro in range(args.micro):
             tokens = batches[(step * args.micro + micro) % len(batches)]
             with torch.autocast(args.device, dtype=torch.bfloat16):
                 loss = forward(tokens[:, :-1], tokens[:, 1:]) / args.micro
+            waited, backward_from = waits() if waits else {}, time.monotonic_ns()
             loss.backward()
+            marks.append(((backward_from - starts_ns[-1]) / 1e6, (time.monotonic_ns() - starts_ns[-1]) / 1e6,
+                          1000 * (waits()["gradient regions"] - waited["gradient regions"]) if waits else 0.0))
+        micro_marks.append(marks)
         backward = time.perf_counter()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -85,11 +106,33 @@ def run_mode(args) -> dict:
         norms.append(norm.item())
     timed = times[args.warmup:]
     phase_ms = {name: statistics.median(p[name] for p in phases[args.warmup:]) for name in phases[-1]}
-    return {"mode": args.mode, "step_ms": 1000 * statistics.median(timed),
+    traced = {}
+    if private is not None:
+        trainstream.unwrap(model)
+        private.stop()  # its job writes the trace as the daemon stops
+        traced = {"micro_batches": trace_micro_batches(daemon_trace.load(trace_dir), starts_ns, micro_marks,
+                                                       args.warmup)}
+        shutil.rmtree(trace_dir, ignore_errors=True)
+    return {"mode": args.mode, "step_ms": 1000 * statistics.median(timed), **traced,
             "step_ms_p10_p90": [1000 * sorted(timed)[len(timed) // 10], 1000 * sorted(timed)[-len(timed) // 10 - 1]],
             "losses": losses, "norms": norms, "phase_ms": phase_ms, "clipped_steps": sum(n > 1.0 for n in norms),
             "tokens_per_step": args.micro * args.batch * args.seq,
             "device": torch.cuda.get_device_name() if cuda else "cpu"}
+
+
+def trace_micro_batches(trace: dict, starts_ns: list[int], micro_marks: list[list[tuple]], warmup: int) -> list[dict]:
+    """Per micro-batch, medians over the timed steps of its milestones in ms from the step's start: the
+    trainer's backward (from, to) and its waits for gradient regions in it, and the daemon's
+    (daemon_trace.micro_batches; the trainer's step i is the daemon's step i + 1)."""
+    rows: dict[int, dict[str, list[float]]] = {}
+    for i in range(warmup, len(starts_ns)):
+        for row in daemon_trace.micro_batches(trace["spans"], i + 1, starts_ns[i]):
+            k = row["micro"]
+            backward_from, backward_to, region_wait = micro_marks[i][k] if k < len(micro_marks[i]) else (0, 0, 0)
+            merged = {**row, "backward_from": backward_from, "backward_to": backward_to, "region_wait_ms": region_wait}
+            for name, value in merged.items():
+                rows.setdefault(k, {}).setdefault(name, []).append(value)
+    return [{name: round(statistics.median(values), 2) for name, values in rows[k].items()} for k in sorted(rows)]
 
 
 def main() -> int:
@@ -105,6 +148,8 @@ def main() -> int:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--mode", help=argparse.SUPPRESS)  # one mode, in this process
     parser.add_argument("--json")
+    parser.add_argument("--daemon-trace", action="store_true",
+                        help="trainstream modes on a private daemon keeping its step trace: per micro-batch milestones")
     args = parser.parse_args()
     if args.mode:
         print(json.dumps(run_mode(args)))
@@ -114,7 +159,8 @@ def main() -> int:
         command = [sys.executable, __file__, "--mode", mode, "--config", args.config, "--device", args.device,
                    "--batch", str(args.batch),
                    "--seq", str(args.seq), "--micro", str(args.micro), "--steps", str(args.steps),
-                   "--warmup", str(args.warmup)] + ([] if args.compile else ["--no-compile"])
+                   "--warmup", str(args.warmup)] + ([] if args.compile else ["--no-compile"]) + (
+                   ["--daemon-trace"] if args.daemon_trace else [])
         done = subprocess.run(command, capture_output=True, text=True, timeout=900)
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
         results[mode] = json.loads(lines[-1]) if done.returncode == 0 and lines else {
@@ -123,6 +169,8 @@ def main() -> int:
         print(mode, r.get("error") or f"{r['step_ms']:.1f} ms/step, clipped {r['clipped_steps']} of {args.steps}, "
               f"losses {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}; median ms "
               + ", ".join(f"{k} {v:.1f}" for k, v in r["phase_ms"].items()), flush=True)
+        for row in r.get("micro_batches", []):
+            print("  ", json.dumps(row), flush=True)
     ok = {m: r for m, r in results.items() if "step_ms" in r}
     ratios = {}
     if "oneline" in ok and "explicit" in ok:

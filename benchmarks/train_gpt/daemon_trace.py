@@ -20,7 +20,8 @@ import json
 import os
 import statistics
 
-PULL, UPDATE, PUSH, WANTED, COMMIT = range(5)  # SpanKind, in the trace's "kinds" order
+KINDS = ["pull", "update-block", "push", "weights-wanted", "commit", "grad-ready", "accumulate", "more-micro"]
+PULL, UPDATE, PUSH, WANTED, COMMIT, GRAD_READY, ACCUMULATE, MORE_MICRO = range(len(KINDS))  # SpanKind's order
 
 
 def load(trace_dir: str) -> dict:
@@ -30,7 +31,7 @@ def load(trace_dir: str) -> dict:
         raise RuntimeError(f"expected one trace file in {trace_dir}, found {len(paths)}")
     with open(paths[0]) as f:
         trace = json.load(f)
-    if trace["kinds"] != ["pull", "update-block", "push", "weights-wanted", "commit"]:
+    if trace["kinds"] != KINDS:
         raise RuntimeError(f"unknown span kinds {trace['kinds']}")
     return trace
 
@@ -94,6 +95,40 @@ def buckets(spans: list[list[int]], step: int, t0: int, threads: int) -> list[di
         if kind == UPDATE:
             row["update_thread_ms"] = row.get("update_thread_ms", 0.0) + (end - begin) / threads / 1e6
     return sorted(rows.values(), key=lambda r: r.get("pull_from", 0.0))
+
+
+def micro_batches(spans: list[list[int]], step: int, t0: int) -> list[dict]:
+    """Daemon step `step`'s micro-batches in ms from t0: when their GRAD_READYs reached the engine, their
+    pulls, their accumulate passes (to the SLOT_FREE that lets the next micro-batch's gradients in) and
+    the MORE_MICRO that said another came. A micro-batch's pulls and GRAD_READYs are told apart by
+    order: each bucket's k-th GRAD_READY of the step is micro-batch k's (pieces: one per GRAD_READY)."""
+    mine = sorted((s for s in spans if s[2] == step), key=lambda s: s[4])
+    rows: dict[int, dict] = {}
+
+    def widen(micro: int, name: str, begin: int, end: int) -> None:
+        row = rows.setdefault(micro, {"micro": micro})
+        row[f"{name}_from"] = min(row.get(f"{name}_from", float("inf")), (begin - t0) / 1e6)
+        row[f"{name}_to"] = max(row.get(f"{name}_to", float("-inf")), (end - t0) / 1e6)
+
+    pulls_seen: dict[int, int] = {}
+    ready_micro: dict[int, list[int]] = {}  # bucket -> the micro-batch of each GRAD_READY, in order
+    for kind, b, _, detail, begin, end in mine:
+        if kind == GRAD_READY:
+            ready_micro.setdefault(b, []).append(detail)
+            widen(detail, "grad_ready", begin, end)
+        elif kind == ACCUMULATE:
+            widen(detail, "accumulate", begin, end)
+            rows[detail]["accumulate_ms"] = rows[detail].get("accumulate_ms", 0.0) + (end - begin) / 1e6
+        elif kind == MORE_MICRO:
+            widen(detail, "more_micro", begin, end)
+    for kind, b, _, _, begin, end in mine:
+        if kind == PULL:
+            k = pulls_seen.get(b, 0)
+            pulls_seen[b] = k + 1
+            micros = ready_micro.get(b, [])
+            if k < len(micros):
+                widen(micros[k], "pull", begin, end)
+    return [rows[k] for k in sorted(rows)]
 
 
 def analyse(trace: dict, starts_ns: list[int], step_ns: list[int], warmup: int,
