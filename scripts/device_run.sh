@@ -670,8 +670,9 @@ CUT
       ;;
     drop-in)
       stage drop-in  # the nanoGPT loop: the one line against the explicit options and stock (its tests: test-cuda, -m cuda)
-      timeout 420 python3 benchmarks/drop_in/nanogpt_loop.py --steps ${NANOGPT_STEPS:-30} --json "$OUT/nanogpt_loop.json" \
-        2>&1 | tail -12
+      # NANOGPT_MODES (nanogpt_loop.py --modes), NANOGPT_TRACE=1 (--daemon-trace: per micro-batch milestones)
+      timeout ${NANOGPT_TIMEOUT:-420} python3 benchmarks/drop_in/nanogpt_loop.py --steps ${NANOGPT_STEPS:-30} \
+        ${NANOGPT_MODES:+--modes $NANOGPT_MODES} ${NANOGPT_TRACE:+--daemon-trace} --json "$OUT/nanogpt_loop.json" 2>&1 | tail -40
       ;;
     test-cuda)
       stage test-cuda  # with torch's default CUDA allocator and with expandable segments
