@@ -137,7 +137,9 @@ class Rank:
         # the last few steps' norms, so each step() settles those of the steps before (_settle_norms).
         self._norm_readers: dict[tuple[int, int], list[weakref.ref]] = {}
         self._norms: dict[tuple[int, int], tuple[float, bool]] = {}
-        self._norm: tuple[int, float] | None = None  # the step whose norm was asked for, and its max norm
+        # The step whose norm was asked for, and the max norm the loop's clip_grad_norm_ asked (0: only a
+        # GradScaler's inf check, which wrap(max_grad_norm=...) makes a clipping too)
+        self._norm: tuple[int, float] | None = None
         self.last_grad_norm: torch.Tensor | None = None  # the last clipped step's total norm
         self.compiled_forward = 0  # compiled forwards running with every weight taken in (_compile.py)
         self._in_backward = False
@@ -668,10 +670,11 @@ class Rank:
                     "the gradient norm is asked for before any backward() of this step (or during one): trainstream "
                     "takes the norm of the step's gradients after its last backward pass")
             step = self.current_step
-            if self._norm is not None and max_norm > 0 and self._norm[1] > 0 and max_norm != self._norm[1]:
-                raise TrainstreamError(f"clip_grad_norm_ called twice in one step (max_norm {self._norm[1]} and "
+            asked = self._norm[1] if self._norm is not None else 0.0
+            if max_norm > 0 and asked > 0 and max_norm != asked:
+                raise TrainstreamError(f"clip_grad_norm_ called twice in one step (max_norm {asked} and "
                                        f"{max_norm}): trainstream clips each step once")
-            if self._norm is not None and max_norm == self._norm[1] and 0 < max_norm < math.inf:
+            if max_norm == asked and 0 < max_norm < math.inf:
                 raise TrainstreamError(
                     f"clip_grad_norm_ called twice in one step (max_norm {max_norm} both times): torch's second call "
                     "returns the norm of the gradients the first one clipped, which trainstream does not take; clip "
@@ -679,11 +682,10 @@ class Rank:
             if self.max_grad_norm is not None and max_norm > 0 and max_norm != self.max_grad_norm:
                 raise TrainstreamError(f"clip_grad_norm_ with max_norm={max_norm}, but wrap(max_grad_norm="
                                        f"{self.max_grad_norm}) clips every step already: drop one of the two")
-            if max_norm == 0 and self.max_grad_norm is not None:
-                max_norm = self.max_grad_norm
-            if self._norm is None or max_norm > 0:
-                self.session.send_norm_terms(step, self._micro, self._grad_factor, max_norm)
-                self._norm = (step, max(max_norm, self._norm[1] if self._norm else 0.0))
+            clips_to = self.max_grad_norm if max_norm == 0 and self.max_grad_norm is not None else max_norm
+            if self._norm is None or clips_to > 0:
+                self.session.send_norm_terms(step, self._micro, self._grad_factor, clips_to)
+            self._norm = (step, max(max_norm, asked))
             return step, self._discards
 
     def wait_norm(self, asked: tuple[int, int]) -> tuple[float, bool]:

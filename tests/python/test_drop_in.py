@@ -72,16 +72,18 @@ def nanogpt_loop(model, optimizer, *, micro_batches=lambda step: 1, clip=MAX_NOR
     return [float(n) for n in norms]
 
 
-def both(client, loop=nanogpt_loop, make_scaler=None, **kwargs):
-    """The loop on a plain model and on the same model wrapped with no argument but the client; returns
-    (largest parameter difference, the plain run's norms, the wrapped run's, the scalers)."""
+def both(client, loop=nanogpt_loop, make_scaler=None, wrap_options=None, **kwargs):
+    """The loop on a plain model and on the same model wrapped with no argument but the client (and
+    `wrap_options`); returns (largest parameter difference, the plain run's norms, the wrapped run's, the
+    scalers)."""
     plain = make_model()
     wrapped = copy.deepcopy(plain)
     scalers = [make_scaler() if make_scaler else None for _ in range(2)]
     norms_plain = loop(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1, foreach=False),
                        scaler=scalers[0], **kwargs)
     wrapped, optimizer = trainstream.wrap(wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-2,
-                                                                     weight_decay=0.1), client=client)
+                                                                     weight_decay=0.1), client=client,
+                                          **(wrap_options or {}))
     norms_wrapped = loop(wrapped, optimizer, scaler=scalers[1], **kwargs)
     trainstream.synchronize(wrapped)
     difference = max((p - q).abs().max().item() for p, q in zip(plain.parameters(), wrapped.parameters()))
@@ -111,15 +113,19 @@ def test_zero_grad_before_step_drops_what_was_summed(client, model_zero_grad):
     assert difference < TOLERANCE
 
 
-@pytest.mark.parametrize("unscale, clip", [(False, None), (True, None), (True, MAX_NORM)],
-                         ids=["step-unscales", "unscale_", "unscale_-clip"])
-def test_grad_scaler_skips_and_backs_off_as_in_torch(client, unscale, clip):
+@pytest.mark.parametrize("unscale, clip, options",
+                         [(False, None, {}), (True, None, {}), (True, MAX_NORM, {}),
+                          (True, MAX_NORM, {"accumulation_steps": 2, "max_grad_norm": MAX_NORM})],
+                         ids=["step-unscales", "unscale_", "unscale_-clip", "unscale_-clip-explicit"])
+def test_grad_scaler_skips_and_backs_off_as_in_torch(client, unscale, clip, options):
     """A scale of 2^126 overflows fp32 gradients: some steps are skipped and the scale backs off, then
-    grows every 3 good steps; the scales and the weights follow torch's step for step."""
+    grows every 3 good steps; the scales and the weights follow torch's step for step. With wrap's
+    max_grad_norm the scaler's inf check clips too, and the loop's clip_grad_norm_ after it is no second
+    clipping."""
     def make_scaler():
         return torch.amp.GradScaler("cpu", init_scale=2.0 ** 126, growth_interval=3)
     difference, _, _, (plain, wrapped) = both(client, make_scaler=make_scaler, unscale=unscale, clip=clip,
-                                              micro_batches=lambda step: 2)
+                                              wrap_options=options, micro_batches=lambda step: 2)
     assert difference < TOLERANCE
     assert wrapped.get_scale() == plain.get_scale()
     assert wrapped._growth_tracker.item() == plain._growth_tracker.item()
