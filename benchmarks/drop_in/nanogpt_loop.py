@@ -110,8 +110,11 @@ def run_mode(args) -> dict:
     if private is not None:
         trainstream.unwrap(model)
         private.stop()  # its job writes the trace as the daemon stops
-        traced = {"micro_batches": trace_micro_batches(daemon_trace.load(trace_dir), starts_ns, micro_marks,
-                                                       args.warmup)}
+        trace = daemon_trace.load(trace_dir)
+        traced = {"micro_batches": trace_micro_batches(trace, starts_ns, micro_marks, args.warmup),
+                  "pool": trace_pool(trace, starts_ns, args.warmup)}
+        if args.json:  # the spans themselves, for questions the summary does not answer
+            daemon_trace.keep(trace, starts_ns, args.json.removesuffix(".json") + f"_{args.mode}.trace.json.gz")
         shutil.rmtree(trace_dir, ignore_errors=True)
     return {"mode": args.mode, "step_ms": 1000 * statistics.median(timed), **traced,
             "step_ms_p10_p90": [1000 * sorted(timed)[len(timed) // 10], 1000 * sorted(timed)[-len(timed) // 10 - 1]],
@@ -133,6 +136,20 @@ def trace_micro_batches(trace: dict, starts_ns: list[int], micro_marks: list[lis
             for name, value in merged.items():
                 rows.setdefault(k, {}).setdefault(name, []).append(value)
     return [{name: round(statistics.median(values), 2) for name, values in rows[k].items()} for k in sorted(rows)]
+
+
+def trace_pool(trace: dict, starts_ns: list[int], warmup: int) -> dict[str, dict]:
+    """Medians over the timed steps of what the daemon's workers ran in each (daemon_trace.pool_work), in ms
+    from the step's start: for the step's own gradients ("this step") and the step before's, whose update
+    may still run ("step before")."""
+    rows: dict[str, dict[str, dict[str, list[float]]]] = {}
+    for i in range(warmup, len(starts_ns)):
+        for label, step in (("this step", i + 1), ("step before", i)):
+            for name, work in daemon_trace.pool_work(trace["spans"], step, starts_ns[i]).items():
+                for key, value in work.items():
+                    rows.setdefault(f"{label} {name}", {}).setdefault(key, []).append(value)
+    return {name: {key: round(statistics.median(values), 2) for key, values in keys.items()}
+            for name, keys in rows.items()}
 
 
 def main() -> int:
@@ -160,7 +177,7 @@ def main() -> int:
                    "--batch", str(args.batch),
                    "--seq", str(args.seq), "--micro", str(args.micro), "--steps", str(args.steps),
                    "--warmup", str(args.warmup)] + ([] if args.compile else ["--no-compile"]) + (
-                   ["--daemon-trace"] if args.daemon_trace else [])
+                   ["--daemon-trace"] if args.daemon_trace else []) + (["--json", args.json] if args.json else [])
         done = subprocess.run(command, capture_output=True, text=True, timeout=900)
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
         results[mode] = json.loads(lines[-1]) if done.returncode == 0 and lines else {
@@ -171,6 +188,8 @@ def main() -> int:
               + ", ".join(f"{k} {v:.1f}" for k, v in r["phase_ms"].items()), flush=True)
         for row in r.get("micro_batches", []):
             print("  ", json.dumps(row), flush=True)
+        for name, work in r.get("pool", {}).items():
+            print("  ", name, json.dumps(work), flush=True)
     ok = {m: r for m, r in results.items() if "step_ms" in r}
     ratios = {}
     if "oneline" in ok and "explicit" in ok:

@@ -20,8 +20,10 @@ import json
 import os
 import statistics
 
-KINDS = ["pull", "update-block", "push", "weights-wanted", "commit", "grad-ready", "accumulate", "more-micro"]
-PULL, UPDATE, PUSH, WANTED, COMMIT, GRAD_READY, ACCUMULATE, MORE_MICRO = range(len(KINDS))  # SpanKind's order
+KINDS = ["pull", "update-block", "push", "weights-wanted", "commit", "grad-ready", "accumulate", "more-micro",
+         "accumulate-block", "norm-block"]
+(PULL, UPDATE, PUSH, WANTED, COMMIT, GRAD_READY, ACCUMULATE, MORE_MICRO, ACCUMULATE_BLOCK,
+ NORM_BLOCK) = range(len(KINDS))  # SpanKind's order
 
 
 def load(trace_dir: str) -> dict:
@@ -129,6 +131,19 @@ def micro_batches(spans: list[list[int]], step: int, t0: int) -> list[dict]:
             if k < len(micros):
                 widen(micros[k], "pull", begin, end)
     return [rows[k] for k in sorted(rows)]
+
+
+def pool_work(spans: list[list[int]], step: int, t0: int) -> dict[str, dict[str, float]]:
+    """What the worker pool ran for daemon step `step`, per kind of pass (update, accumulate, norm): its
+    blocks (more update blocks than the model has: redone or taken back), their thread-milliseconds, and
+    from when to when, in ms from t0."""
+    work = {}
+    for kind, name in ((UPDATE, "update"), (ACCUMULATE_BLOCK, "accumulate"), (NORM_BLOCK, "norm")):
+        blocks = [(s[4], s[5]) for s in spans if s[0] == kind and s[2] == step]
+        if blocks:
+            work[name] = {"blocks": len(blocks), "thread_ms": sum(e - b for b, e in blocks) / 1e6,
+                          "from": (min(b for b, _ in blocks) - t0) / 1e6, "to": (max(e for _, e in blocks) - t0) / 1e6}
+    return work
 
 
 def analyse(trace: dict, starts_ns: list[int], step_ns: list[int], warmup: int,

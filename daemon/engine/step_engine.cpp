@@ -784,9 +784,10 @@ void StepEngine::AccumulateSlots(uint32_t b, std::function<void()> then) {
   buckets_[b].accumulated = true;
   Schedule(
       b, 0, [](uint32_t) { return true; },
-      [passes = &passes_, accum, overwrite, sources = SnapshotSources()](size_t, const Block& block) {
-        passes->Accumulate(block, sources, accum, overwrite);
-      },
+      Traced(SpanKind::kAccumulateBlock, b, buckets_[b].step,
+             [passes = &passes_, accum, overwrite, sources = SnapshotSources()](size_t, const Block& block) {
+               passes->Accumulate(block, sources, accum, overwrite);
+             }),
       std::move(then));
 }
 
@@ -819,15 +820,15 @@ void StepEngine::StartNorm(uint32_t b) {
   auto include = [this](uint32_t p) { return had_grad_[p] != 0; };
   auto partial = std::make_shared<std::vector<double>>(BlocksOf(b, include)->size(), 0.0);
   auto nonfinite = std::make_shared<std::atomic<bool>>(false);
-  Schedule(
-      b, 0, include,
-      [passes = &passes_, scale, partial, nonfinite, accum = AccumulatorOf(b), sources = FinalSlots(b)](
-          size_t i, const Block& block) {
-        bool bad = false;
-        (*partial)[i] = passes->SumOfSquares(block, sources, accum, scale, &bad);
-        if (bad) nonfinite->store(true);
-      },
-      [this, b, partial, nonfinite] { OnNormed(b, Total(*partial), nonfinite->load()); });
+  Schedule(b, 0, include,
+           Traced(SpanKind::kNormBlock, b, progress.step,
+                  [passes = &passes_, scale, partial, nonfinite, accum = AccumulatorOf(b), sources = FinalSlots(b)](
+                      size_t i, const Block& block) {
+                    bool bad = false;
+                    (*partial)[i] = passes->SumOfSquares(block, sources, accum, scale, &bad);
+                    if (bad) nonfinite->store(true);
+                  }),
+           [this, b, partial, nonfinite] { OnNormed(b, Total(*partial), nonfinite->load()); });
 }
 
 void StepEngine::OnNormed(uint32_t b, double sum_of_squares, bool nonfinite) {
@@ -1049,7 +1050,7 @@ void StepEngine::StartUpdate(uint32_t b, float multiplier, Pass pass) {
   update->blocks = blocks;
   update->pieces = UpdatePieces(b, *blocks);
   update->piece_written.assign(update->pieces.size(), 0);
-  update->work = Traced(b, plan->step, std::move(work));
+  update->work = Traced(SpanKind::kUpdateBlock, b, plan->step, std::move(work));
   update->finish = [this, b, plan, speculative, partial, nonfinite, norm_nonfinite] {
     if (speculative) return OnSpeculated(b, Total(*partial), norm_nonfinite->load());
     OnUpdated(b, plan->step, plan->to, nonfinite->load());
@@ -1061,13 +1062,13 @@ void StepEngine::StartUpdate(uint32_t b, float multiplier, Pass pass) {
   ScheduleReadyPieces(b);
 }
 
-std::function<void(size_t, const Block&)> StepEngine::Traced(uint32_t b, uint64_t step,
+std::function<void(size_t, const Block&)> StepEngine::Traced(SpanKind kind, uint32_t b, uint64_t step,
                                                              std::function<void(size_t, const Block&)> work) const {
   if (!trace_) return work;
-  return [trace = trace_.get(), b, step, work = std::move(work)](size_t i, const Block& block) {
+  return [trace = trace_.get(), kind, b, step, work = std::move(work)](size_t i, const Block& block) {
     const int64_t began = StepTrace::Now();
     work(i, block);
-    trace->Record({SpanKind::kUpdateBlock, b, step, StepTrace::ThreadId(), began, StepTrace::Now()});
+    trace->Record({kind, b, step, StepTrace::ThreadId(), began, StepTrace::Now()});
   };
 }
 

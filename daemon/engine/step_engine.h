@@ -236,8 +236,9 @@ class StepEngine {
   [[nodiscard]] std::vector<std::pair<size_t, uint64_t>> UpdatePieces(uint32_t bucket,
                                                                       const std::vector<Block>& blocks) const;
   void OnPieceWritten(uint32_t bucket, uint32_t piece);
-  // `work` (a block of bucket's update of `step`), recording each block's span when tracing.
-  [[nodiscard]] std::function<void(size_t, const Block&)> Traced(uint32_t bucket, uint64_t step,
+  // `work` (a block of a pass of `kind` over bucket's gradients of `step`), recording each block's span
+  // when tracing.
+  [[nodiscard]] std::function<void(size_t, const Block&)> Traced(SpanKind kind, uint32_t bucket, uint64_t step,
                                                                  std::function<void(size_t, const Block&)> work) const;
   // Gives the pool the pieces of the bucket's running update whose gradients are in.
   void ScheduleReadyPieces(uint32_t bucket);

@@ -14,8 +14,9 @@ namespace trainstream::daemon {
 namespace {
 
 // By SpanKind.
-constexpr std::array<const char*, 8> kKindNames = {"pull",   "update-block", "push",       "weights-wanted",
-                                                   "commit", "grad-ready",   "accumulate", "more-micro"};
+constexpr std::array<const char*, 10> kKindNames = {
+    "pull",       "update-block", "push",       "weights-wanted",   "commit",
+    "grad-ready", "accumulate",   "more-micro", "accumulate-block", "norm-block"};
 
 // About 2,000 spans a step of the 124M GPT (most of them its update's blocks) and 30,000 of the 1.86B:
 // a few hundred steps of the one, dozens of the other, in 40 MiB.

@@ -2,7 +2,8 @@
 // benchmarks/train_gpt --daemon-trace). Off unless asked for.
 //
 // Each span is one stretch of work on one bucket for one step: a piece of gradients copied from a
-// GPU, one block of an update on a worker thread, a push of weights to a GPU, a micro-batch's
+// GPU, one block of an update (an accumulate pass, a norm pass) on a worker thread, a push of weights to a
+// GPU, a micro-batch's
 // accumulate pass (from its start to the engine thread freeing the bucket's slots); an instant (begin ==
 // end) marks a rank's optimizer.step() reaching the daemon, a bucket's commit, a rank's GRAD_READY or
 // MORE_MICRO reaching the engine thread. Times are
@@ -39,6 +40,8 @@ enum class SpanKind : uint8_t {
   kGradReady,
   kAccumulate,
   kMoreMicro,
+  kAccumulateBlock,
+  kNormBlock,
 };
 
 struct Span {

@@ -904,7 +904,7 @@ class CudaIpcTracedTest : public CudaIpcPiecesTest {
   [[nodiscard]] std::string TraceDir() const override { return dir_; }
   // The spans of one kind for (bucket, step), as the trace file has them.
   struct Spans {
-    std::vector<std::pair<int64_t, int64_t>> of[8];
+    std::vector<std::pair<int64_t, int64_t>> of[10];
     [[nodiscard]] int64_t FirstBegin(SpanKind kind) const { return std::ranges::min(of[Index(kind)]).first; }
     [[nodiscard]] int64_t LastEnd(SpanKind kind) const {
       return std::ranges::max(of[Index(kind)], {}, [](const auto& span) { return span.second; }).second;
@@ -928,12 +928,12 @@ TEST_F(CudaIpcTracedTest, TheTraceHoldsEachStepsPullsUpdatesAndPushesInProtocolO
   const nlohmann::json trace = nlohmann::json::parse(file);
   EXPECT_EQ(trace["dropped"], 0);
   EXPECT_EQ(trace["kinds"], nlohmann::json({"pull", "update-block", "push", "weights-wanted", "commit", "grad-ready",
-                                            "accumulate", "more-micro"}));
+                                            "accumulate", "more-micro", "accumulate-block", "norm-block"}));
   std::map<std::pair<uint64_t, uint64_t>, Spans> spans;  // by (bucket, step)
   size_t wanted = 0;
   for (const auto& span : trace["spans"]) {
     const auto kind = span[0].get<uint32_t>();
-    ASSERT_LT(kind, 8u);
+    ASSERT_LT(kind, 10u);
     ASSERT_LE(span[4].get<int64_t>(), span[5].get<int64_t>());
     if (kind == static_cast<uint32_t>(SpanKind::kWeightsWanted)) {
       ++wanted;
