@@ -59,10 +59,10 @@ def run_mode(args) -> dict:
         import trainstream
         extra = {"explicit": {"accumulation_steps": args.micro, "max_grad_norm": 1.0},
                  "counted": {"max_grad_norm": 1.0}, "clipped": {"accumulation_steps": args.micro}}.get(args.mode, {})
-        if args.daemon_trace:
+        if args.daemon_trace or args.daemon_threads:
             from trainstream._connect import PrivateDaemon
-            trace_dir = tempfile.mkdtemp(prefix="trainstream-trace-")
-            private = PrivateDaemon(trace_dir=trace_dir)
+            trace_dir = tempfile.mkdtemp(prefix="trainstream-trace-") if args.daemon_trace else None
+            private = PrivateDaemon(trace_dir=trace_dir, threads=args.daemon_threads)
             extra["client"] = trainstream.connect(f"unix:{private.socket_path}")
         model, optimizer = trainstream.wrap(model, optimizer, **extra)
     forward = torch.compile(model) if args.compile and args.mode != "oneline-eager" else model
@@ -74,9 +74,15 @@ def run_mode(args) -> dict:
     if args.mode != "stock":
         from train_gpt import daemon_waits
         waits = functools.partial(daemon_waits, model)
+    daemon_pid = trainstream._wrap._rank_of(model).client.ping()["pid"] if args.mode != "stock" else None
+    cpu_before = {}
+    synchronize()
     for step in range(args.steps):
-        synchronize()
+        if step == args.warmup:
+            cpu_before = {"trainer": thread_cpu(os.getpid()), "daemon": thread_cpu(daemon_pid)}
         started = time.perf_counter()
+        if times:  # from one iteration's start to the next: what the loop itself waits for included
+            times[-1] = started - times[-1]
         starts_ns.append(time.monotonic_ns())
         before = waits() if waits else {}
         marks = []
@@ -94,33 +100,62 @@ def run_mode(args) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         stepped = time.perf_counter()
-        synchronize()
-        times.append(time.perf_counter() - started)
+        losses.append(loss.item() * args.micro)  # nanoGPT logs the loss (its log_interval is 1); the norm it
+        norms.append(norm)  # does not read, which would wait for the daemon's whole update
         after = waits() if waits else {}
-        # where the CPU was: launching forward and backward, in clip/step/zero_grad, waiting for the GPU;
-        # and the trainer's waits for the daemon (train_gpt's names), all in ms
+        # where the CPU was: launching forward and backward, in clip/step/zero_grad, waiting for the GPU
+        # (the loss); and the trainer's waits for the daemon (train_gpt's names), all in ms
         phases.append({"launch": 1000 * (backward - started), "clip+step": 1000 * (stepped - backward),
-                       "gpu": 1000 * (started + times[-1] - stepped),
+                       "gpu": 1000 * (time.perf_counter() - stepped),
                        **{name: 1000 * (after[name] - before[name]) for name in after}})
-        losses.append(loss.item() * args.micro)
-        norms.append(norm.item())
+        times.append(started)
+    times[-1] = time.perf_counter() - times[-1]
+    cpu = {name: cpu_per_step(before, thread_cpu(pid), args.steps - args.warmup)
+           for name, before, pid in (("trainer", cpu_before["trainer"], os.getpid()),
+                                     ("daemon", cpu_before["daemon"], daemon_pid))}
+    norms = [n.item() for n in norms]
     timed = times[args.warmup:]
     phase_ms = {name: statistics.median(p[name] for p in phases[args.warmup:]) for name in phases[-1]}
     traced = {}
     if private is not None:
         trainstream.unwrap(model)
         private.stop()  # its job writes the trace as the daemon stops
+    if trace_dir is not None:
         trace = daemon_trace.load(trace_dir)
         traced = {"micro_batches": trace_micro_batches(trace, starts_ns, micro_marks, args.warmup),
                   "pool": trace_pool(trace, starts_ns, args.warmup)}
         if args.json:  # the spans themselves, for questions the summary does not answer
             daemon_trace.keep(trace, starts_ns, args.json.removesuffix(".json") + f"_{args.mode}.trace.json.gz")
         shutil.rmtree(trace_dir, ignore_errors=True)
-    return {"mode": args.mode, "step_ms": 1000 * statistics.median(timed), **traced,
+    return {"mode": args.mode, "step_ms": 1000 * statistics.median(timed), **traced, "cpu_ms_per_step": cpu,
             "step_ms_p10_p90": [1000 * sorted(timed)[len(timed) // 10], 1000 * sorted(timed)[-len(timed) // 10 - 1]],
             "losses": losses, "norms": norms, "phase_ms": phase_ms, "clipped_steps": sum(n > 1.0 for n in norms),
             "tokens_per_step": args.micro * args.batch * args.seq,
             "device": torch.cuda.get_device_name() if cuda else "cpu"}
+
+
+def thread_cpu(pid: int | None) -> dict[int, tuple[str, int]]:
+    """Each thread of process `pid`: its name and the clock ticks it has run (user and system)."""
+    threads = {}
+    for tid in os.listdir(f"/proc/{pid}/task") if pid else []:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        threads[int(tid)] = (name, int(fields[11]) + int(fields[12]))
+    return threads
+
+
+def cpu_per_step(before: dict, after: dict, steps: int, top: int = 8) -> dict[str, float]:
+    """The CPU milliseconds per step of the busiest threads ("name:tid") between two thread_cpu readings,
+    and of all: which thread takes the cores the daemon's workers need."""
+    tick_ms = 1000 / os.sysconf("SC_CLK_TCK")
+    spent = {f"{name}:{tid}": (ticks - before.get(tid, (name, 0))[1]) * tick_ms / steps
+             for tid, (name, ticks) in after.items()}
+    busiest = sorted(spent.items(), key=lambda kv: -kv[1])[:top]
+    return {**{k: round(v, 1) for k, v in busiest if v > 0}, "all": round(sum(spent.values()), 1)}
 
 
 def trace_micro_batches(trace: dict, starts_ns: list[int], micro_marks: list[list[tuple]], warmup: int) -> list[dict]:
@@ -165,6 +200,8 @@ def main() -> int:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--mode", help=argparse.SUPPRESS)  # one mode, in this process
     parser.add_argument("--json")
+    parser.add_argument("--daemon-threads", type=int, help="the trainstream modes on a private daemon with this many "
+                        "optimizer workers (trainstreamd --threads)")
     parser.add_argument("--daemon-trace", action="store_true",
                         help="trainstream modes on a private daemon keeping its step trace: per micro-batch milestones")
     args = parser.parse_args()
@@ -177,7 +214,8 @@ def main() -> int:
                    "--batch", str(args.batch),
                    "--seq", str(args.seq), "--micro", str(args.micro), "--steps", str(args.steps),
                    "--warmup", str(args.warmup)] + ([] if args.compile else ["--no-compile"]) + (
-                   ["--daemon-trace"] if args.daemon_trace else []) + (["--json", args.json] if args.json else [])
+                   ["--daemon-trace"] if args.daemon_trace else []) + (["--json", args.json] if args.json else []) + (
+                   ["--daemon-threads", str(args.daemon_threads)] if args.daemon_threads else [])
         done = subprocess.run(command, capture_output=True, text=True, timeout=900)
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
         results[mode] = json.loads(lines[-1]) if done.returncode == 0 and lines else {
@@ -190,6 +228,8 @@ def main() -> int:
             print("  ", json.dumps(row), flush=True)
         for name, work in r.get("pool", {}).items():
             print("  ", name, json.dumps(work), flush=True)
+        for name, threads in r.get("cpu_ms_per_step", {}).items():
+            print(f"   {name} CPU ms per step:", json.dumps(threads), flush=True)
     ok = {m: r for m, r in results.items() if "step_ms" in r}
     ratios = {}
     if "oneline" in ok and "explicit" in ok:
