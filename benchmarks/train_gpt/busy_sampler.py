@@ -10,7 +10,9 @@ advances at the scheduler's ticks (bursts every 4 ms on an H100 machine).
   python3 benchmarks/train_gpt/busy_sampler.py PID PERIOD_US   # until SIGTERM, then one JSON line
 
 A state of R counts as running (or waiting for a core). The sampler itself runs on some core and
-wakes every period (about 0.1 ms of work a sample for a process of 20 threads).
+wakes every period (about 0.1 ms of work a sample for a process of 20 threads). A process that ends
+while sampled (offload="auto"'s switch stops its private daemon: train_gpt --modes auto --daemon-busy)
+is sampled no more, and its report is what the sampler saw until then, the threads' run times included.
 """
 
 from __future__ import annotations
@@ -61,24 +63,45 @@ def run_times(pid: int) -> dict[int, int]:
     return times
 
 
+def start_time(pid: int) -> int | None:
+    """When process `pid` started (clock ticks after boot), None once it is gone: beside the pid, which
+    process it is (an ended daemon's pid may be given to another)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def sample(pid: int, period_us: int) -> None:
+    """Samples `pid` until SIGTERM or until it is gone, then prints the report. The threads' run times
+    are read at each rescan too: those of a process that ended are the last read before it did."""
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     fds: dict[int, int] = {}
     times, states = [], []
+    run_ns: dict[int, int] = {}
+    started = start_time(pid)
     rescanned = 0
     print("ready", flush=True)
     while not stop:
         now = time.monotonic_ns()
-        if now - rescanned > RESCAN_NS:
-            with contextlib.suppress(FileNotFoundError):  # the process is gone
+        if not fds or now - rescanned > RESCAN_NS:  # and as soon as no thread is left: is it still there?
+            if started is None or start_time(pid) != started:
+                break
+            with contextlib.suppress(FileNotFoundError):  # it ended after start_time read it
                 open_threads(pid, fds)
+            run_ns.update(run_times(pid))
             rescanned = now
         states.append(running(fds))
         times.append(now)
         time.sleep(max(0.0, period_us / 1e6 - (time.monotonic_ns() - now) / 1e9))
+    if started is not None and start_time(pid) == started:
+        run_ns.update(run_times(pid))
+    for fd in fds.values():
+        os.close(fd)
     print(json.dumps({"pid": pid, "period_us": period_us, "t_ns": times, "running": states,
-                      "run_ns": run_times(pid)}), flush=True)
+                      "run_ns": run_ns}), flush=True)
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "train_gpt"))
 from busy_sampler import busy_cores, idle_ns, sampling  # noqa: E402
 
-from train_gpt import Phases, daemon_busy  # noqa: E402
+from train_gpt import Phases, daemon_busy, daemon_cpu_seconds  # noqa: E402
 
 MS = 1_000_000
 
@@ -82,6 +82,38 @@ def test_a_spinning_worker_shows_busy_and_a_sleeping_process_does_not(code, busy
     assert samples["pid"] == proc.pid and len(samples["t_ns"]) > 50
     # A spinning thread is in state R whether it has a core or waits for one (a loaded CI machine).
     assert (cores > 0.9) if busy else (cores < 0.02), cores
+
+
+def test_a_process_that_ends_while_sampled_keeps_its_samples_and_is_sampled_no_more():
+    """offload="auto"'s switch stops its private daemon while train_gpt samples it (--modes auto
+    --daemon-busy): what was seen of the process until then stays, its busy worker included."""
+    proc = subprocess.Popen([sys.executable, "-c", SPINNING])
+    try:
+        time.sleep(0.2)
+        with sampling(proc.pid, workers=1, period_us=1000) as samples:
+            time.sleep(0.5)
+            killed = time.monotonic_ns()
+            proc.kill()
+            proc.wait()
+            ended = time.monotonic_ns()
+            time.sleep(0.5)
+    finally:
+        proc.kill()
+        proc.wait()
+    before = [t for t in samples["t_ns"] if t < killed]
+    assert len(before) > 50 and busy_cores(samples, before[0], before[-1]) > 0.9
+    # The sample that finds no thread left, then none: not 500 more samples of nothing.
+    assert sum(t > ended for t in samples["t_ns"]) <= 2, samples["t_ns"][-1] - ended
+
+
+def test_the_cpu_time_of_a_daemon_that_ended_is_none():
+    """train_gpt --modes auto read the CPU time of the daemon auto's switch had stopped (FileNotFoundError,
+    H100 2026-12-07)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    assert daemon_cpu_seconds(proc.pid) is None
+    assert daemon_cpu_seconds(None) is None
+    assert daemon_cpu_seconds(os.getpid()) > 0
 
 
 def test_no_pid_samples_nothing():
