@@ -40,7 +40,7 @@ from typing import Iterable
 import torch
 
 from trainstream import _layout, _paging
-from trainstream._C import TrainstreamError
+from trainstream._C import LayoutSpec, TrainstreamError
 from trainstream._edits import WeightEdits
 from trainstream._guards import ApplyGuard, StaleReadGuard
 from trainstream._kept_grads import KeptGradients
@@ -108,13 +108,15 @@ class Rank:
         self.weights_wait_s = 0.0  # time the model waited for the daemon's new weights (benchmarks read it)
         self.region_wait_s = 0.0  # time backward waited for a bucket's gradient region to be released (ditto)
         started = time.perf_counter()
-        self.session = client._native.attach(
-            job, rank, _layout.layout_entries(model, optimizer, self.params, dtypes,
-                                           paging.partition if paging else None),
-            len(optimizer.param_groups), int(bucket_mb * (1 << 20)), _layout.MOMENT_DTYPES[moment_dtype], self.kind,
-            accumulation_steps or 0, world_size, float(max_grad_norm or 0.0), seed, list(peers or []), node_rank,
-            transport_name(device), describe_device(device), frozen=_layout.frozen_entries(frozen),
-            wait_timeout_s=wait_timeout, state_halves=halves, speculative_clipping=speculation, step_terms=True)
+        spec = LayoutSpec(
+            params=_layout.layout_entries(model, optimizer, self.params, dtypes, paging.partition if paging else None),
+            frozen=_layout.frozen_entries(frozen), num_groups=len(optimizer.param_groups),
+            bucket_bytes=int(bucket_mb * (1 << 20)), moment_dtype=_layout.MOMENT_DTYPES[moment_dtype],
+            optimizer=self.kind, accumulation_steps=accumulation_steps or 0, world_size=world_size,
+            max_grad_norm=float(max_grad_norm or 0.0), peers=list(peers or []), node_rank=node_rank,
+            state_halves=halves, speculative_clipping=speculation, step_terms=True)
+        self.session = client._native.attach(job, rank, spec, seed, transport_name(device), describe_device(device),
+                                             wait_timeout_s=wait_timeout)
         self.resume_step = self.session.resume_step  # the optimizer steps the job had completed
         moments = torch.float32 if moment_dtype == "float32" else torch.bfloat16
         self.regions = Regions(self.session, self.params, dtypes, moments, [p for _, p in frozen])
