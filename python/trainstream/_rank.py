@@ -40,7 +40,7 @@ from typing import Iterable
 import torch
 
 from trainstream import _layout, _paging
-from trainstream._C import LayoutSpec, TrainstreamError
+from trainstream._C import MAX_ACCUMULATION_STEPS, MIN_BUCKET_BYTES, LayoutSpec, TrainstreamError
 from trainstream._edits import WeightEdits
 from trainstream._guards import ApplyGuard, StaleReadGuard
 from trainstream._kept_grads import KeptGradients
@@ -49,9 +49,8 @@ from trainstream._regions import Regions
 from trainstream._staged_copy import copy_to_host
 from trainstream._transport import Transport, describe_device, transport_for, transport_name
 
-MIN_BUCKET_MB = 4096 / (1 << 20)  # the daemon's smallest bucket (shm/job_layout.cpp)
+MIN_BUCKET_MB = MIN_BUCKET_BYTES / (1 << 20)  # the daemon's smallest bucket (shm/job_layout.h)
 MAX_BUCKET_MB = 1 << 20  # 1 TiB: larger than any model's parameters, which would all share one bucket
-MAX_ACCUMULATION_STEPS = 65536  # the daemon's bound (shm/job_layout.cpp)
 NOT_LAST, LAST, UNKNOWN = 0, 1, 2  # what a GRAD_READY says of its micro-batch (send_grad_ready's `last`)
 
 _live: "weakref.WeakSet[Rank]" = weakref.WeakSet()  # attached ranks, for the takeovers (_clipping, _amp)
@@ -72,10 +71,10 @@ class Rank:
                  paging=None, device: torch.device | None = None, page_prefetch: int = 2,
                  page_pool_mb: float | None = None, wait_timeout: float | None = None, state_halves="auto",
                  speculative_clipping="auto"):
-        accumulation_steps = check_accumulation_steps(accumulation_steps)
+        # accumulation_steps (None: counted) and max_grad_norm come checked by wrap() (check_accumulation_steps,
+        # check_max_grad_norm). The checks below name wrap()'s keywords and Python types, before any work.
         if len(peers or []) > 1 and accumulation_steps is None:
             accumulation_steps = 1  # a job spanning nodes all-reduces from its last micro-batch on: said up front
-        max_grad_norm = check_max_grad_norm(max_grad_norm)
         if moment_dtype not in _layout.MOMENT_DTYPES:
             raise TrainstreamError(f"moment_dtype must be one of {sorted(_layout.MOMENT_DTYPES)}, not {moment_dtype!r}")
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -784,7 +783,7 @@ def _state_options(state_halves, speculative_clipping) -> tuple[int, int]:
         if isinstance(speculative_clipping, (bool, str)) else None
     if speculation is None:
         raise TrainstreamError(f"speculative_clipping must be 'auto', True or False, not {speculative_clipping!r}")
-    if speculation == 1 and halves == 1:
+    if speculation == 1 and halves == 1:  # shm/job_layout.cpp refuses it too, but in codes, not wrap()'s words
         raise TrainstreamError("speculative_clipping=True needs state_halves=2 (or 'auto'): a redo starts again "
                                "from the committed half")
     return halves, speculation
