@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mapfile -t files < <(git ls-files '*.h' '*.cpp' | grep -v '^tests/cpp/optimizer/torch_golden')
 clang-format --dry-run --Werror "${files[@]}"
-mapfile -t sources < <(printf '%s\n' "${files[@]}" | grep -E '^(shm|daemon|client|python|tests|benchmarks)/.*\.cpp$' |
+mapfile -t sources < <(printf '%s\n' "${files[@]}" | grep -E '^(shm|proto|daemon|client|python|tests|benchmarks)/.*\.cpp$' |
   grep -v '^tests/fuzz/')
 # Silent when clean: clang-tidy's "N warnings generated" counts system-header noise it suppressed.
 # Several files per process, one process per core; any finding fails xargs, hence the script.

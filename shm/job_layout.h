@@ -40,7 +40,11 @@
 #include <string>
 #include <vector>
 
+#include <limits>
+#include <type_traits>
+
 #include "shm/dtype.h"
+#include "shm/error.h"
 #include "shm/ring.h"
 
 namespace trainstream::shm {
@@ -49,6 +53,8 @@ constexpr uint32_t kSegmentVersion = 9;
 constexpr size_t kMaxJobName = 256;
 constexpr uint32_t kRingCapacity = 1024;
 constexpr size_t kAlign = 64;
+constexpr uint64_t kMinBucketBytes = 4096;         // a LayoutSpec's smallest bucket_bytes
+constexpr uint32_t kMaxAccumulationSteps = 65536;  // and its largest accumulation_steps
 
 enum class OptimizerKind : uint8_t { kAdamW = 0, kAdam = 1 };
 
@@ -57,6 +63,16 @@ enum class OptimizerKind : uint8_t { kAdamW = 0, kAdam = 1 };
 // has it on or off; kAuto is only asked for, in an attach request (the daemon decides).
 enum class Speculation : uint8_t { kOff = 0, kOn = 1, kAuto = 2 };
 
+// One of the spec's enums from a number that crossed a boundary (the wire, Python): refused only where it
+// does not fit the enum's byte, so that validation (ValidateRequest) sees the number itself, not one
+// wrapped into range, and names what is allowed.
+template <typename Enum>
+Enum EnumFromCode(int64_t code, const char* what) {
+  TS_CHECK(code >= 0 && code <= std::numeric_limits<std::underlying_type_t<Enum>>::max(), Code::kInvalidArgument,
+           "{} code {} is out of range", what, code);
+  return static_cast<Enum>(code);
+}
+
 struct ParamSpec {
   std::string name;
   std::vector<int64_t> shape;
@@ -64,6 +80,7 @@ struct ParamSpec {
   uint32_t group = 0;      // the optimizer's param group (frozen parameters: unused)
   uint32_t partition = 0;  // parameters of different partitions never share a bucket
   [[nodiscard]] uint64_t numel() const;
+  bool operator==(const ParamSpec&) const = default;
 };
 
 // Everything that fixes the job's memory layout and semantics. Ranks of one job must agree on all of it.
@@ -93,7 +110,29 @@ struct LayoutSpec {
   // multi-node all-reduce. A job that counts its micro-batches (accumulation_steps 0) gets one from
   // the daemon when its first step has several (StepEngine).
   [[nodiscard]] bool uses_accumulator() const { return accumulation_steps > 1 || nodes() > 1; }
+  bool operator==(const LayoutSpec&) const = default;
 };
+
+// Every option of a LayoutSpec beside its two parameter lists, each once with its name, in the order the
+// layout hash takes them: the hash, the comparison of two ranks' specs (daemon/control/job_registry.cpp)
+// and a snapshot's JSON (daemon/snapshot/snapshot_format.cpp) walk this list, so a new option is added
+// here, in ValidateRequest, in the proto (proto/layout_spec_proto.cpp) and in the Python binding.
+// `visit(name, member)`: Spec is LayoutSpec or const LayoutSpec.
+template <typename Spec, typename Visit>
+void ForEachOption(Spec& spec, Visit&& visit) {
+  visit("num_groups", spec.num_groups);
+  visit("bucket_bytes", spec.bucket_bytes);
+  visit("moment_dtype", spec.moment_dtype);
+  visit("optimizer", spec.optimizer);
+  visit("accumulation_steps", spec.accumulation_steps);
+  visit("world_size", spec.world_size);
+  visit("max_grad_norm", spec.max_grad_norm);
+  visit("peers", spec.peers);
+  visit("node_rank", spec.node_rank);
+  visit("state_halves", spec.state_halves);
+  visit("speculative_clipping", spec.speculative_clipping);
+  visit("step_terms", spec.step_terms);
+}
 
 struct BucketLayout {
   DType dtype = DType::kFloat32;

@@ -10,6 +10,7 @@
 #include "client/src/bounded_wait.h"
 #include "client/src/grpc_status.h"
 #include "client/src/rank_session_impl.h"
+#include "proto/layout_spec_proto.h"
 
 namespace trainstream {
 
@@ -25,36 +26,6 @@ bool IsOurDaemon(int64_t pid) {
   return std::getline(comm, name) && name == "trainstreamd";
 }
 
-void ToProto(const shm::ParamSpec& p, v1::ParamSpec* param) {
-  param->set_name(p.name);
-  for (int64_t d : p.shape) param->add_shape(d);
-  param->set_dtype(static_cast<v1::DType>(p.dtype));
-  param->set_group(p.group);
-  param->set_partition(p.partition);
-}
-
-v1::LayoutSpec ToProto(const shm::LayoutSpec& spec) {
-  v1::LayoutSpec proto;
-  for (const shm::ParamSpec& p : spec.params) ToProto(p, proto.add_params());
-  for (const shm::ParamSpec& p : spec.frozen) ToProto(p, proto.add_frozen());
-  proto.set_num_groups(spec.num_groups);
-  proto.set_bucket_bytes(spec.bucket_bytes);
-  proto.set_moment_dtype(static_cast<v1::DType>(spec.moment_dtype));
-  proto.set_optimizer(spec.optimizer == shm::OptimizerKind::kAdamW ? v1::ADAMW : v1::ADAM);
-  proto.set_accumulation_steps(spec.accumulation_steps);
-  proto.set_world_size(spec.world_size);
-  proto.set_max_grad_norm(spec.max_grad_norm);
-  proto.set_step_terms(spec.step_terms);
-  for (const std::string& peer : spec.peers) proto.add_peers(peer);
-  proto.set_node_rank(spec.node_rank);
-  proto.set_state_halves(spec.state_halves);
-  switch (spec.speculative_clipping) {
-    case shm::Speculation::kOff: proto.set_speculative_clipping(v1::SPECULATION_OFF); break;
-    case shm::Speculation::kOn: proto.set_speculative_clipping(v1::SPECULATION_ON); break;
-    case shm::Speculation::kAuto: proto.set_speculative_clipping(v1::SPECULATION_AUTO); break;
-  }
-  return proto;
-}
 }  // namespace
 
 std::unique_ptr<RankSession::Impl> RankSession::Impl::Open(const std::shared_ptr<grpc::Channel>& channel,

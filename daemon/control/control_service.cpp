@@ -14,6 +14,7 @@
 #include "daemon/optimizer/adamw_kernels.h"
 #include "daemon/snapshot/file_identity.h"
 #include "daemon/snapshot/snapshot_format.h"
+#include "proto/layout_spec_proto.h"
 #include "shm/error.h"
 #include "shm/version.h"
 
@@ -43,11 +44,6 @@ uint64_t ResidentBytes() {
   uint64_t size = 0, resident = 0;
   statm >> size >> resident;
   return resident * static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
-}
-
-DType DTypeFromProto(int value, const char* what) {
-  TS_CHECK(IsValidDType(static_cast<uint32_t>(value)), Code::kInvalidArgument, "{}: unknown dtype {}", what, value);
-  return static_cast<DType>(value);
 }
 
 // The daemon's side of one Session stream: serializes writes from the engine and gRPC threads.
@@ -143,49 +139,6 @@ uint32_t OwnerNamed(uint32_t caller, bool has_owner, uint32_t owner, const char*
 
 }  // namespace
 
-std::vector<shm::ParamSpec> ParamsFromProto(const google::protobuf::RepeatedPtrField<v1::ParamSpec>& proto) {
-  std::vector<shm::ParamSpec> params;
-  params.reserve(proto.size());
-  for (const v1::ParamSpec& p : proto) {
-    params.push_back(shm::ParamSpec{
-        .name = p.name(),
-        .shape = {p.shape().begin(), p.shape().end()},
-        .dtype = DTypeFromProto(p.dtype(), "parameter dtype"),
-        .group = p.group(),
-        .partition = p.partition(),
-    });
-  }
-  return params;
-}
-
-shm::LayoutSpec LayoutFromProto(const v1::LayoutSpec& proto) {
-  shm::LayoutSpec spec;
-  spec.params = ParamsFromProto(proto.params());
-  spec.frozen = ParamsFromProto(proto.frozen());
-  spec.num_groups = proto.num_groups();
-  spec.bucket_bytes = proto.bucket_bytes();
-  spec.moment_dtype = DTypeFromProto(proto.moment_dtype(), "moment dtype");
-  TS_CHECK(proto.optimizer() == v1::ADAMW || proto.optimizer() == v1::ADAM, Code::kInvalidArgument,
-           "unknown optimizer kind {}", static_cast<int>(proto.optimizer()));
-  spec.optimizer = proto.optimizer() == v1::ADAMW ? shm::OptimizerKind::kAdamW : shm::OptimizerKind::kAdam;
-  spec.accumulation_steps = proto.accumulation_steps();
-  spec.world_size = proto.world_size();
-  spec.max_grad_norm = proto.max_grad_norm();
-  spec.step_terms = proto.step_terms();
-  spec.peers = {proto.peers().begin(), proto.peers().end()};
-  spec.node_rank = proto.node_rank();
-  spec.state_halves = proto.state_halves();
-  switch (proto.speculative_clipping()) {
-    case v1::SPECULATION_AUTO: spec.speculative_clipping = shm::Speculation::kAuto; break;
-    case v1::SPECULATION_OFF: spec.speculative_clipping = shm::Speculation::kOff; break;
-    case v1::SPECULATION_ON: spec.speculative_clipping = shm::Speculation::kOn; break;
-    default:
-      Throw(Code::kInvalidArgument, "unknown speculative_clipping {} (AUTO, OFF or ON)",
-            static_cast<int>(proto.speculative_clipping()));
-  }
-  return spec;
-}
-
 grpc::Status ControlService::Handshake(grpc::ServerContext*, const v1::HandshakeRequest* request,
                                        v1::HandshakeReply* reply) {
   return Guarded("Handshake", [&] {
@@ -232,7 +185,7 @@ grpc::Status ControlService::RunSession(grpc::ServerContext* context,
   std::shared_ptr<Job> job;
   v1::SessionEvent event;
   grpc::Status attached = Guarded("Attach", [&] {
-    const shm::LayoutSpec spec = LayoutFromProto(attach.layout());
+    const shm::LayoutSpec spec = FromProto(attach.layout());
     const std::string transport = DescribeTransport(attach);
     auto found = registry_.FindOrCreate(attach.job(), uid, spec, attach.seed());
     const Job::Attachment attachment = found.job->Attach(attach.rank(), sink, transport);

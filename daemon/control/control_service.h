@@ -60,7 +60,4 @@ class ControlService final : public v1::Control::Service {
   RestoresInProgress restores_;
 };
 
-// Converts the wire layout into the shared one, validating enum values.
-shm::LayoutSpec LayoutFromProto(const v1::LayoutSpec& proto);
-
 }  // namespace trainstream::daemon

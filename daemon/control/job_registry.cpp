@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "daemon/counters/counters.h"
@@ -35,28 +36,44 @@ std::optional<std::string> DescribeParamMismatch(const char* what, const std::ve
   return std::nullopt;
 }
 
+// How a mismatching rank's error shows an option's value.
+template <typename T>
+std::string Shown(const T& value) {
+  return fmt::format("{}", value);
+}
+std::string Shown(DType dtype) {
+  return std::string(NameOf(dtype));
+}
+std::string Shown(shm::OptimizerKind optimizer) {
+  return optimizer == shm::OptimizerKind::kAdam ? "Adam" : "AdamW";
+}
+std::string Shown(shm::Speculation speculation) {  // a job's is on or off
+  return Shown(speculation == shm::Speculation::kOn);
+}
+std::string Shown(const std::vector<std::string>& peers) {
+  return fmt::format("[{}]", fmt::join(peers, ", "));
+}
+
+// Every option of a spec, named and shown (shm::ForEachOption's order).
+std::vector<std::pair<const char*, std::string>> ShownOptions(const shm::LayoutSpec& spec) {
+  std::vector<std::pair<const char*, std::string>> options;
+  shm::ForEachOption(spec,
+                     [&options](const char* name, const auto& value) { options.emplace_back(name, Shown(value)); });
+  return options;
+}
+
 // Names what differs between two layouts, for the error a mismatching rank gets.
 std::string DescribeMismatch(const shm::LayoutSpec& have, const shm::LayoutSpec& want) {
   if (auto params = DescribeParamMismatch("parameter", have.params, want.params)) return *params;
   if (auto frozen = DescribeParamMismatch("frozen parameter", have.frozen, want.frozen)) return *frozen;
+  const auto job = ShownOptions(have);
+  const auto rank = ShownOptions(want);
   std::vector<std::string> differ;
-  auto compare = [&differ](const char* option, const auto& job, const auto& rank) {
-    if (job != rank) differ.push_back(fmt::format("{}: job {}, this rank {}", option, job, rank));
-  };
-  compare("world_size", have.world_size, want.world_size);
-  compare("accumulation_steps", have.accumulation_steps, want.accumulation_steps);
-  compare("max_grad_norm", have.max_grad_norm, want.max_grad_norm);
-  compare("step_terms", have.step_terms, want.step_terms);
-  compare("bucket_bytes", have.bucket_bytes, want.bucket_bytes);
-  compare("moments", NameOf(have.moment_dtype), NameOf(want.moment_dtype));
-  compare("num_groups", have.num_groups, want.num_groups);
-  compare("optimizer", have.optimizer == shm::OptimizerKind::kAdam ? "Adam" : "AdamW",
-          want.optimizer == shm::OptimizerKind::kAdam ? "Adam" : "AdamW");
-  compare("peers", fmt::format("[{}]", fmt::join(have.peers, ", ")), fmt::format("[{}]", fmt::join(want.peers, ", ")));
-  compare("node_rank", have.node_rank, want.node_rank);
-  compare("state_halves", have.state_halves, want.state_halves);
-  compare("speculative_clipping", have.speculative_clipping == shm::Speculation::kOn,
-          want.speculative_clipping == shm::Speculation::kOn);
+  for (size_t i = 0; i < job.size(); ++i) {
+    if (job[i].second != rank[i].second) {
+      differ.push_back(fmt::format("{}: job {}, this rank {}", job[i].first, job[i].second, rank[i].second));
+    }
+  }
   return fmt::format("options differ ({})", fmt::join(differ, "; "));
 }
 

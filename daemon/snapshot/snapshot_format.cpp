@@ -10,6 +10,7 @@
 #include <limits>
 #include <map>
 #include <optional>
+#include <string_view>
 #include <utility>
 
 #include "daemon/snapshot/bounded_json.h"
@@ -60,22 +61,47 @@ std::vector<shm::ParamSpec> ParamsFromJson(const nlohmann::json& list) {
   return params;
 }
 
+// An option's value in a snapshot's layout JSON, and back.
+template <typename T>
+nlohmann::json OptionToJson(const T& value) {
+  return value;
+}
+nlohmann::json OptionToJson(DType dtype) {
+  return std::string(NameOf(dtype));
+}
+nlohmann::json OptionToJson(shm::OptimizerKind optimizer) {
+  return optimizer == shm::OptimizerKind::kAdam ? "adam" : "adamw";
+}
+nlohmann::json OptionToJson(shm::Speculation speculation) {  // a job's is on or off
+  return speculation == shm::Speculation::kOn;
+}
+
+template <typename T>
+void OptionFromJson(const nlohmann::json& json, T* value) {
+  *value = json.get<T>();
+}
+void OptionFromJson(const nlohmann::json& json, DType* dtype) {
+  *dtype = DTypeNamed(json.get<std::string>());
+}
+void OptionFromJson(const nlohmann::json& json, shm::OptimizerKind* optimizer) {
+  const std::string name = json.get<std::string>();
+  TS_CHECK(name == "adam" || name == "adamw", Code::kInvalidArgument, "unknown optimizer '{}'", name);
+  *optimizer = name == "adam" ? shm::OptimizerKind::kAdam : shm::OptimizerKind::kAdamW;
+}
+void OptionFromJson(const nlohmann::json& json, shm::Speculation* speculation) {
+  *speculation = json.get<bool>() ? shm::Speculation::kOn : shm::Speculation::kOff;
+}
+
+// Options that older snapshots lack: they restore with the LayoutSpec's defaults (one state half, no
+// speculation; no step terms before protocol 5).
+bool AddedLater(std::string_view option) {
+  return option == "state_halves" || option == "speculative_clipping" || option == "step_terms";
+}
+
 std::string LayoutToJson(const shm::LayoutSpec& spec) {
-  return nlohmann::json{{"params", ParamsToJson(spec.params)},
-                        {"frozen", ParamsToJson(spec.frozen)},
-                        {"num_groups", spec.num_groups},
-                        {"bucket_bytes", spec.bucket_bytes},
-                        {"moment_dtype", std::string(NameOf(spec.moment_dtype))},
-                        {"optimizer", spec.optimizer == shm::OptimizerKind::kAdam ? "adam" : "adamw"},
-                        {"accumulation_steps", spec.accumulation_steps},
-                        {"world_size", spec.world_size},
-                        {"max_grad_norm", spec.max_grad_norm},
-                        {"step_terms", spec.step_terms},
-                        {"peers", spec.peers},
-                        {"node_rank", spec.node_rank},
-                        {"state_halves", spec.state_halves},
-                        {"speculative_clipping", spec.speculative_clipping == shm::Speculation::kOn}}
-      .dump();
+  nlohmann::json json{{"params", ParamsToJson(spec.params)}, {"frozen", ParamsToJson(spec.frozen)}};
+  shm::ForEachOption(spec, [&json](const char* name, const auto& value) { json[name] = OptionToJson(value); });
+  return json.dump();
 }
 
 shm::LayoutSpec LayoutFromJson(const std::string& text) {
@@ -83,22 +109,9 @@ shm::LayoutSpec LayoutFromJson(const std::string& text) {
   shm::LayoutSpec spec;
   spec.params = ParamsFromJson(json.at("params"));
   spec.frozen = ParamsFromJson(json.at("frozen"));
-  spec.num_groups = json.at("num_groups").get<uint32_t>();
-  spec.bucket_bytes = json.at("bucket_bytes").get<uint64_t>();
-  spec.moment_dtype = DTypeNamed(json.at("moment_dtype").get<std::string>());
-  const std::string optimizer = json.at("optimizer").get<std::string>();
-  TS_CHECK(optimizer == "adam" || optimizer == "adamw", Code::kInvalidArgument, "unknown optimizer '{}'", optimizer);
-  spec.optimizer = optimizer == "adam" ? shm::OptimizerKind::kAdam : shm::OptimizerKind::kAdamW;
-  spec.accumulation_steps = json.at("accumulation_steps").get<uint32_t>();
-  spec.world_size = json.at("world_size").get<uint32_t>();
-  spec.max_grad_norm = json.at("max_grad_norm").get<double>();
-  spec.step_terms = json.value("step_terms", false);  // snapshots before protocol 5 have none
-  spec.peers = json.at("peers").get<std::vector<std::string>>();
-  spec.node_rank = json.at("node_rank").get<uint32_t>();
-  // A snapshot written before the state halves restores as a job of one half, without speculation.
-  spec.state_halves = json.value("state_halves", uint32_t{1});
-  spec.speculative_clipping =
-      json.value("speculative_clipping", false) ? shm::Speculation::kOn : shm::Speculation::kOff;
+  shm::ForEachOption(spec, [&json](const char* name, auto& value) {
+    if (!AddedLater(name) || json.contains(name)) OptionFromJson(json.at(name), &value);
+  });
   return spec;
 }
 

@@ -137,48 +137,22 @@ py::dict ToDict(const trainstream::StatsReport& report) {
   return d;
 }
 
-// (name, shape, dtype, group[, partition]) tuples.
-std::vector<trainstream::shm::ParamSpec> MakeParams(const py::list& entries) {
-  std::vector<trainstream::shm::ParamSpec> params;
-  for (const py::handle item : entries) {
-    const auto tuple = item.cast<py::tuple>();
-    TS_CHECK(tuple.size() == 4 || tuple.size() == 5, trainstream::Code::kInvalidArgument,
-             "parameter entries are (name, shape, dtype, group[, partition])");
-    const int dtype = tuple[2].cast<int>();
-    TS_CHECK(trainstream::IsValidDType(static_cast<uint32_t>(dtype)), trainstream::Code::kInvalidArgument,
-             "unknown dtype code {}", dtype);
-    params.push_back(trainstream::shm::ParamSpec{.name = tuple[0].cast<std::string>(),
-                                                 .shape = tuple[1].cast<std::vector<int64_t>>(),
-                                                 .dtype = static_cast<trainstream::DType>(dtype),
-                                                 .group = tuple[3].cast<uint32_t>(),
-                                                 .partition = tuple.size() == 5 ? tuple[4].cast<uint32_t>() : 0});
-  }
-  return params;
+// A LayoutSpec made with keywords (LayoutSpec(params=[...], num_groups=2)): each goes through its
+// property, which refuses a name the spec lacks. Values are checked by the C++ validation at attach.
+template <typename Spec>
+Spec FromKeywords(const py::kwargs& options) {
+  Spec spec;
+  const py::object view = py::cast(&spec, py::return_value_policy::reference);
+  for (const auto& [name, value] : options) py::setattr(view, name, value);
+  return spec;
 }
 
-trainstream::shm::LayoutSpec MakeSpec(const py::list& params, const py::list& frozen, uint32_t num_groups,
-                                      uint64_t bucket_bytes, int moment_dtype, int optimizer,
-                                      uint32_t accumulation_steps, uint32_t world_size, double max_grad_norm,
-                                      std::vector<std::string> peers, uint32_t node_rank, uint32_t state_halves,
-                                      int speculative_clipping, bool step_terms) {
-  TS_CHECK(speculative_clipping >= 0 && speculative_clipping <= 2, trainstream::Code::kInvalidArgument,
-           "speculative_clipping code {} (0 off, 1 on, 2 the daemon decides)", speculative_clipping);
-  trainstream::shm::LayoutSpec spec;
-  spec.params = MakeParams(params);
-  spec.frozen = MakeParams(frozen);
-  spec.num_groups = num_groups;
-  spec.bucket_bytes = bucket_bytes;
-  spec.moment_dtype = static_cast<trainstream::DType>(moment_dtype);
-  spec.optimizer = static_cast<trainstream::shm::OptimizerKind>(optimizer);
-  spec.accumulation_steps = accumulation_steps;
-  spec.world_size = world_size;
-  spec.max_grad_norm = max_grad_norm;
-  spec.peers = std::move(peers);
-  spec.node_rank = node_rank;
-  spec.state_halves = state_halves;
-  spec.speculative_clipping = static_cast<trainstream::shm::Speculation>(speculative_clipping);
-  spec.step_terms = step_terms;
-  return spec;
+// An enum field of the spec, as its number (the codes _layout.py and _rank.py name).
+template <typename Enum, typename Spec, typename Class>
+void EnumCode(Class& cls, const char* name, Enum Spec::*field) {
+  cls.def_property(
+      name, [field](const Spec& spec) { return static_cast<int>(spec.*field); },
+      [field, name](Spec& spec, int64_t code) { spec.*field = trainstream::shm::EnumFromCode<Enum>(code, name); });
 }
 
 trainstream::shm::StateHalf Half(const RankSession& session, uint32_t half) {
@@ -254,6 +228,45 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("nbytes", [](const Region& r) { return r.bytes; })
       .def_property_readonly("address", [](const Region& r) { return reinterpret_cast<uintptr_t>(r.data); });
 
+  // A job's specification (shm/job_layout.h), as the client sends it: ValidateRequest checks it at attach.
+  using trainstream::shm::LayoutSpec;
+  using trainstream::shm::ParamSpec;
+  py::class_<ParamSpec> param_spec(m, "ParamSpec");
+  param_spec
+      .def(
+          py::init([](std::string name, std::vector<int64_t> shape, int64_t dtype, uint32_t group, uint32_t partition) {
+            return ParamSpec{.name = std::move(name),
+                             .shape = std::move(shape),
+                             .dtype = trainstream::shm::EnumFromCode<trainstream::DType>(dtype, "dtype"),
+                             .group = group,
+                             .partition = partition};
+          }),
+          py::arg("name"), py::arg("shape"), py::arg("dtype"), py::arg("group") = 0, py::arg("partition") = 0)
+      .def_readwrite("name", &ParamSpec::name)
+      .def_readwrite("shape", &ParamSpec::shape)
+      .def_readwrite("group", &ParamSpec::group)
+      .def_readwrite("partition", &ParamSpec::partition);
+  EnumCode(param_spec, "dtype", &ParamSpec::dtype);
+
+  py::class_<LayoutSpec> layout_spec(m, "LayoutSpec");
+  layout_spec.def(py::init(&FromKeywords<LayoutSpec>))
+      .def_readwrite("params", &LayoutSpec::params)
+      .def_readwrite("frozen", &LayoutSpec::frozen)
+      .def_readwrite("num_groups", &LayoutSpec::num_groups)
+      .def_readwrite("bucket_bytes", &LayoutSpec::bucket_bytes)
+      .def_readwrite("accumulation_steps", &LayoutSpec::accumulation_steps)
+      .def_readwrite("world_size", &LayoutSpec::world_size)
+      .def_readwrite("max_grad_norm", &LayoutSpec::max_grad_norm)
+      .def_readwrite("step_terms", &LayoutSpec::step_terms)
+      .def_readwrite("peers", &LayoutSpec::peers)
+      .def_readwrite("node_rank", &LayoutSpec::node_rank)
+      .def_readwrite("state_halves", &LayoutSpec::state_halves);
+  EnumCode(layout_spec, "moment_dtype", &LayoutSpec::moment_dtype);
+  EnumCode(layout_spec, "optimizer", &LayoutSpec::optimizer);
+  EnumCode(layout_spec, "speculative_clipping", &LayoutSpec::speculative_clipping);
+  m.attr("MIN_BUCKET_BYTES") = trainstream::shm::kMinBucketBytes;
+  m.attr("MAX_ACCUMULATION_STEPS") = trainstream::shm::kMaxAccumulationSteps;
+
   py::class_<Client, std::shared_ptr<Client>>(m, "Client")
       .def_static(
           "connect",
@@ -278,26 +291,16 @@ PYBIND11_MODULE(_C, m) {
           py::call_guard<py::gil_scoped_release>())
       .def(
           "attach",
-          [](Client& c, const std::string& job, uint32_t rank, const py::list& params, uint32_t num_groups,
-             uint64_t bucket_bytes, int moment_dtype, int optimizer, uint32_t accumulation_steps, uint32_t world_size,
-             double max_grad_norm, uint64_t seed, std::vector<std::string> peers, uint32_t node_rank,
-             const std::string& transport, const std::string& device, const py::list& frozen, uint32_t state_halves,
-             int speculative_clipping, std::optional<double> wait_timeout_s, bool step_terms) {
-            auto spec = MakeSpec(params, frozen, num_groups, bucket_bytes, moment_dtype, optimizer, accumulation_steps,
-                                 world_size, max_grad_norm, std::move(peers), node_rank, state_halves,
-                                 speculative_clipping, step_terms);
+          [](Client& c, const std::string& job, uint32_t rank, const trainstream::shm::LayoutSpec& spec, uint64_t seed,
+             const std::string& transport, const std::string& device, std::optional<double> wait_timeout_s) {
             std::optional<std::chrono::milliseconds> wait_timeout;
             if (wait_timeout_s) wait_timeout = Milliseconds(*wait_timeout_s);
             py::gil_scoped_release release;
             return std::shared_ptr<RankSession>(
                 c.Attach(job, rank, spec, seed, trainstream::RankTransport{transport, device}, wait_timeout));
           },
-          py::arg("job"), py::arg("rank"), py::arg("params"), py::arg("num_groups"), py::arg("bucket_bytes"),
-          py::arg("moment_dtype"), py::arg("optimizer"), py::arg("accumulation_steps"), py::arg("world_size"),
-          py::arg("max_grad_norm"), py::arg("seed"), py::arg("peers") = std::vector<std::string>(),
-          py::arg("node_rank") = 0, py::arg("transport") = "host", py::arg("device") = "cpu",
-          py::arg("frozen") = py::list(), py::arg("state_halves") = 0, py::arg("speculative_clipping") = 2,
-          py::arg("wait_timeout_s") = py::none(), py::arg("step_terms") = false);
+          py::arg("job"), py::arg("rank"), py::arg("spec"), py::arg("seed"), py::arg("transport") = "host",
+          py::arg("device") = "cpu", py::arg("wait_timeout_s") = py::none());
 
   // Device memory for the cuda-ipc transport; torch.as_tensor(buffer, device=...) views it through
   // __cuda_array_interface__, and the tensor keeps the buffer alive.

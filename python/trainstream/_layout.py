@@ -7,7 +7,7 @@ import inspect
 
 import torch
 
-from trainstream._C import TrainstreamError
+from trainstream._C import ParamSpec, TrainstreamError
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MOMENT_DTYPES = {"float32": 0, "bfloat16": 1}
@@ -83,21 +83,21 @@ def parameters_of(optimizer: torch.optim.Optimizer, paged: set[int] = frozenset(
 
 
 def layout_entries(model: torch.nn.Module, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
-                   dtypes: list[torch.dtype], partition: dict[int, int] | None = None) -> list[tuple]:
-    """(name, shape, dtype code, group, partition) for each parameter, as _C.Client.attach takes them;
-    `dtypes` are the dtypes the job keeps them in (_blocks.PagingPlan.job_dtype), `partition` maps the
-    ids of paged parameters to their block's partition (others: 0)."""
+                   dtypes: list[torch.dtype], partition: dict[int, int] | None = None) -> list[ParamSpec]:
+    """The job's ParamSpec of each parameter (name, shape, dtype code, group, partition); `dtypes` are
+    the dtypes the job keeps them in (_blocks.PagingPlan.job_dtype), `partition` maps the ids of paged
+    parameters to their block's partition (others: 0)."""
     names = {id(p): name for name, p in model.named_parameters()}
     group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
     partition = partition or {}
-    return [(names.get(id(p), f"param{i}"), list(p.shape), DTYPE_CODES[dtype], group_of[id(p)],
-             partition.get(id(p), 0)) for i, (p, dtype) in enumerate(zip(params, dtypes))]
+    return [ParamSpec(names.get(id(p), f"param{i}"), list(p.shape), DTYPE_CODES[dtype], group_of[id(p)],
+                      partition.get(id(p), 0)) for i, (p, dtype) in enumerate(zip(params, dtypes))]
 
 
-def frozen_entries(frozen: list[tuple[str, torch.nn.Parameter]]) -> list[tuple]:
-    """(name, shape, dtype code, 0) for each paged parameter outside the optimizer."""
+def frozen_entries(frozen: list[tuple[str, torch.nn.Parameter]]) -> list[ParamSpec]:
+    """The ParamSpec of each paged parameter outside the optimizer (group 0: unused)."""
     for name, p in frozen:
         if p.dtype not in DTYPE_CODES:
             raise TrainstreamError(f"frozen parameter '{name}' has dtype {p.dtype}: paging supports float32, "
                                    "bfloat16 and float16")
-    return [(name, list(p.shape), DTYPE_CODES[p.dtype], 0) for name, p in frozen]
+    return [ParamSpec(name, list(p.shape), DTYPE_CODES[p.dtype]) for name, p in frozen]

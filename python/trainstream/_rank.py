@@ -40,7 +40,7 @@ from typing import Iterable
 import torch
 
 from trainstream import _layout, _paging
-from trainstream._C import TrainstreamError
+from trainstream._C import MAX_ACCUMULATION_STEPS, MIN_BUCKET_BYTES, LayoutSpec, TrainstreamError
 from trainstream._edits import WeightEdits
 from trainstream._guards import ApplyGuard, StaleReadGuard
 from trainstream._kept_grads import KeptGradients
@@ -49,9 +49,8 @@ from trainstream._regions import Regions
 from trainstream._staged_copy import copy_to_host
 from trainstream._transport import Transport, describe_device, transport_for, transport_name
 
-MIN_BUCKET_MB = 4096 / (1 << 20)  # the daemon's smallest bucket (shm/job_layout.cpp)
+MIN_BUCKET_MB = MIN_BUCKET_BYTES / (1 << 20)  # the daemon's smallest bucket (shm/job_layout.h)
 MAX_BUCKET_MB = 1 << 20  # 1 TiB: larger than any model's parameters, which would all share one bucket
-MAX_ACCUMULATION_STEPS = 65536  # the daemon's bound (shm/job_layout.cpp)
 NOT_LAST, LAST, UNKNOWN = 0, 1, 2  # what a GRAD_READY says of its micro-batch (send_grad_ready's `last`)
 
 _live: "weakref.WeakSet[Rank]" = weakref.WeakSet()  # attached ranks, for the takeovers (_clipping, _amp)
@@ -72,10 +71,10 @@ class Rank:
                  paging=None, device: torch.device | None = None, page_prefetch: int = 2,
                  page_pool_mb: float | None = None, wait_timeout: float | None = None, state_halves="auto",
                  speculative_clipping="auto"):
-        accumulation_steps = check_accumulation_steps(accumulation_steps)
+        # accumulation_steps (None: counted) and max_grad_norm come checked by wrap() (check_accumulation_steps,
+        # check_max_grad_norm). The checks below name wrap()'s keywords and Python types, before any work.
         if len(peers or []) > 1 and accumulation_steps is None:
             accumulation_steps = 1  # a job spanning nodes all-reduces from its last micro-batch on: said up front
-        max_grad_norm = check_max_grad_norm(max_grad_norm)
         if moment_dtype not in _layout.MOMENT_DTYPES:
             raise TrainstreamError(f"moment_dtype must be one of {sorted(_layout.MOMENT_DTYPES)}, not {moment_dtype!r}")
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -108,13 +107,15 @@ class Rank:
         self.weights_wait_s = 0.0  # time the model waited for the daemon's new weights (benchmarks read it)
         self.region_wait_s = 0.0  # time backward waited for a bucket's gradient region to be released (ditto)
         started = time.perf_counter()
-        self.session = client._native.attach(
-            job, rank, _layout.layout_entries(model, optimizer, self.params, dtypes,
-                                           paging.partition if paging else None),
-            len(optimizer.param_groups), int(bucket_mb * (1 << 20)), _layout.MOMENT_DTYPES[moment_dtype], self.kind,
-            accumulation_steps or 0, world_size, float(max_grad_norm or 0.0), seed, list(peers or []), node_rank,
-            transport_name(device), describe_device(device), frozen=_layout.frozen_entries(frozen),
-            wait_timeout_s=wait_timeout, state_halves=halves, speculative_clipping=speculation, step_terms=True)
+        spec = LayoutSpec(
+            params=_layout.layout_entries(model, optimizer, self.params, dtypes, paging.partition if paging else None),
+            frozen=_layout.frozen_entries(frozen), num_groups=len(optimizer.param_groups),
+            bucket_bytes=int(bucket_mb * (1 << 20)), moment_dtype=_layout.MOMENT_DTYPES[moment_dtype],
+            optimizer=self.kind, accumulation_steps=accumulation_steps or 0, world_size=world_size,
+            max_grad_norm=float(max_grad_norm or 0.0), peers=list(peers or []), node_rank=node_rank,
+            state_halves=halves, speculative_clipping=speculation, step_terms=True)
+        self.session = client._native.attach(job, rank, spec, seed, transport_name(device), describe_device(device),
+                                             wait_timeout_s=wait_timeout)
         self.resume_step = self.session.resume_step  # the optimizer steps the job had completed
         moments = torch.float32 if moment_dtype == "float32" else torch.bfloat16
         self.regions = Regions(self.session, self.params, dtypes, moments, [p for _, p in frozen])
@@ -784,7 +785,7 @@ def _state_options(state_halves, speculative_clipping) -> tuple[int, int]:
         if isinstance(speculative_clipping, (bool, str)) else None
     if speculation is None:
         raise TrainstreamError(f"speculative_clipping must be 'auto', True or False, not {speculative_clipping!r}")
-    if speculation == 1 and halves == 1:
+    if speculation == 1 and halves == 1:  # shm/job_layout.cpp refuses it too, but in codes, not wrap()'s words
         raise TrainstreamError("speculative_clipping=True needs state_halves=2 (or 'auto'): a redo starts again "
                                "from the committed half")
     return halves, speculation

@@ -136,7 +136,7 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
         raise TrainstreamError("this model is already wrapped; call trainstream.unwrap(model) first")
     holder, optimizer = optimizer, _inside_holders(optimizer)  # accelerate's AcceleratedOptimizer, say
     _clipping.install_accelerate()  # loaded since trainstream was
-    check_accumulation_steps(accumulation_steps)
+    accumulation_steps = check_accumulation_steps(accumulation_steps)  # None: counted
     max_grad_norm = check_max_grad_norm(max_grad_norm)
     _check_choice("offload", offload, OFFLOAD_CHOICES, "'auto', True or False")
     check_activation_offload(activation_offload)

@@ -1,5 +1,5 @@
 // libFuzzer harness: layout validation. The bytes are either a serialized v1::LayoutSpec, as an attach
-// carries it (LayoutFromProto, then shm::ComputeLayout: the daemon's path), or a LayoutSpec built
+// carries it (FromProto, then shm::ComputeLayout: the daemon's path), or a LayoutSpec built
 // field by field (reaching ComputeLayout with specs protobuf parsing would rarely produce); a layout
 // that passes is then checked against a state segment whose header the rest of the bytes overwrite
 // (what a daemon re-adopting a dead daemon's job reads). Only trainstream::Error may come out.
@@ -9,7 +9,7 @@
 #include <cstring>
 #include <vector>
 
-#include "daemon/control/control_service.h"
+#include "proto/layout_spec_proto.h"
 #include "shm/error.h"
 #include "shm/job_layout.h"
 
@@ -68,7 +68,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* bytes, size_t size) {
       const std::vector<uint8_t> message = data.ConsumeBytes<uint8_t>(data.ConsumeIntegralInRange<size_t>(0, 4096));
       ts::v1::LayoutSpec proto;
       if (!proto.ParseFromArray(message.data(), static_cast<int>(message.size()))) return 0;
-      spec = ts::daemon::LayoutFromProto(proto);
+      spec = ts::FromProto(proto);
     } else {
       spec = SpecFrom(data);
     }

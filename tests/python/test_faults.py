@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from conftest import wait_until
+from conftest import raw_spec, wait_until
 
 import trainstream
 from trainstream import TrainstreamError
@@ -118,7 +118,7 @@ LAYOUT = [("w", [4, 4], 0, 0), ("b", [4], 0, 0)]
 
 
 def attach(client, job="raw", rank=0, params=LAYOUT, world_size=1, transport="host"):
-    return client._native.attach(job, rank, params, 1, 1 << 20, 0, 0, 1, world_size, 0.0, 7, transport=transport)
+    return client._native.attach(job, rank, raw_spec(params, world_size), 7, transport=transport)
 
 
 def assert_daemon_healthy(client):

@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from conftest import Daemon, wait_until
+from conftest import Daemon, raw_spec, wait_until
 
 import trainstream
 from trainstream import _C, TrainstreamError
@@ -24,8 +24,7 @@ LAYOUT = [("w", [4, 4], 0, 0), ("b", [4], 0, 0)]  # one bucket
 
 
 def attach(client, job, wait_timeout_s=None):
-    session = client._native.attach(job, 0, LAYOUT, 1, 1 << 20, 0, 0, 1, 1, 0.0, 7, transport="host",
-                                    wait_timeout_s=wait_timeout_s)
+    session = client._native.attach(job, 0, raw_spec(LAYOUT), 7, transport="host", wait_timeout_s=wait_timeout_s)
     session.set_hparams(1, 0, 1e-3, 0.9, 0.999, 1e-8, 0.0)
     return session
 

@@ -64,7 +64,9 @@ def main() -> int:
     os.setgid(args.uid)
     os.setuid(args.uid)
     client = trainstream.connect(args.socket)
-    session = client._native.attach(args.job, 0, PARAMS, 1, 1 << 20, 0, 0, 1, 1, 0.0, 7, wait_timeout_s=60.0)
+    spec = trainstream._C.LayoutSpec(params=[trainstream._C.ParamSpec(*p) for p in PARAMS], bucket_bytes=1 << 20,
+                                     state_halves=0, speculative_clipping=2)
+    session = client._native.attach(args.job, 0, spec, 7, wait_timeout_s=60.0)
     fill(session.master(session.committed_half(0)), 0.5)
     session.send_load_state(0)
     wait(session, 0)

@@ -13,6 +13,7 @@
 #include "shm/error.h"
 #include "shm/job_layout.h"
 #include "shm/segment.h"
+#include "tests/cpp/shm/full_spec.h"
 #include "tests/cpp/shm/test_support.h"
 
 namespace trainstream::shm {
@@ -307,6 +308,13 @@ TEST(ComputeLayout, AccumulatorOnlyWithAccumulation) {
 
 TEST(ComputeLayout, HashIsEqualForEqualSpecs) {
   EXPECT_EQ(ComputeLayout(MixedSpec()).hash, ComputeLayout(MixedSpec()).hash);
+}
+
+// A daemon re-adopts a dead daemon's job by comparing this hash with the one its state segment holds
+// (and ranks compare theirs at attach): a change to what it covers, or in which order, goes with a new
+// kSegmentVersion. The value is the one of the hash before ForEachOption listed the options.
+TEST(ComputeLayout, HashOfAFixedSpecStaysTheSame) {
+  EXPECT_EQ(ComputeLayout(testing::FullSpec()).hash, 1060129321780834316ull);
 }
 
 TEST(ComputeLayout, HashChangesWithEveryField) {

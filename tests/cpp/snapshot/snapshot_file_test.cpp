@@ -7,6 +7,8 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <nlohmann/json.hpp>
+
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -14,6 +16,7 @@
 #include <limits>
 #include <vector>
 
+#include "tests/cpp/shm/full_spec.h"
 #include "tests/cpp/shm/test_support.h"
 
 namespace trainstream::daemon {
@@ -192,6 +195,38 @@ TEST_F(SnapshotFileTest, AConsistentFileRestoresWhatItHolds) {
   EXPECT_EQ(state.committed().Param(a).step, 3u);
   EXPECT_EQ(state.committed().BucketStep(0), 4u);
   EXPECT_EQ(state.committed().BucketStep(1), 3u);
+}
+
+// The layout metadata carries every option of the job's spec (shm::ForEachOption) and its parameters.
+TEST_F(SnapshotFileTest, EveryFieldOfTheSpecRoundTrips) {
+  Forged forged(64 * 32);
+  forged.meta.spec = testing::FullSpec();
+  forged.steps = {3, 3};
+  forged.bucket_steps = {3, 3};
+  const SnapshotFile file(Write(Path("full"), forged));
+  EXPECT_EQ(file.meta().spec, testing::FullSpec());
+}
+
+// Snapshots from before the state halves (and before protocol 5's step terms) lack those options: they
+// restore as a job of one half, without speculation or step terms.
+TEST_F(SnapshotFileTest, OptionsAddedLaterTakeTheirDefaultsWhenMissing) {
+  Forged forged = TwoBuckets();
+  forged.meta.spec.state_halves = 2;
+  forged.meta.spec.speculative_clipping = shm::Speculation::kOn;
+  forged.meta.spec.max_grad_norm = 1.0;
+  forged.meta.spec.step_terms = true;
+  nlohmann::json layout = nlohmann::json::parse(SnapshotHeader(forged.meta).metadata.at("layout"));
+  for (const char* option : {"state_halves", "speculative_clipping", "step_terms"}) layout.erase(option);
+  forged.metadata["layout"] = layout.dump();
+  const SnapshotFile file(Write(Path("old"), forged));
+  EXPECT_EQ(file.meta().spec.state_halves, 1u);
+  EXPECT_EQ(file.meta().spec.speculative_clipping, shm::Speculation::kOff);
+  EXPECT_FALSE(file.meta().spec.step_terms);
+  EXPECT_EQ(file.meta().spec.max_grad_norm, 1.0);
+  layout.erase("world_size");  // one that every snapshot has
+  forged.metadata["layout"] = layout.dump();
+  TS_EXPECT_ERROR(SnapshotFile broken(Write(Path("broken"), forged)), Code::kInvalidArgument,
+                  "its layout or hparams metadata is malformed");
 }
 
 // uid_t -1 means "no change" to chown: a job of it kept root's segment; 2^32 wrapped to root.
