@@ -786,15 +786,16 @@ def clipping():
                 timeout=120, show=1, label=f"{weights} clip {norm}")
 
 
-@stage(BENCHMARKS, "drop-in", "the nanoGPT loop: the one line against the explicit options and stock "
-       "(NANOGPT_MODES; NANOGPT_TRACE=1 adds --daemon-trace, per micro-batch milestones): nanogpt_loop.json. "
-       "Its tests: test-cuda (-m cuda)", "NANOGPT_MODES NANOGPT_TRACE NANOGPT_TIMEOUT NANOGPT_STEPS")
+@stage(BENCHMARKS, "drop-in", "the nanoGPT loop: the one line against the explicit options and stock, the "
+       "modes in turn NANOGPT_ROUNDS times (NANOGPT_MODES; NANOGPT_TRACE=1 adds --daemon-trace, per micro-batch "
+       "milestones): nanogpt_loop.json. Its tests: test-cuda (-m cuda)",
+       "NANOGPT_MODES NANOGPT_ROUNDS NANOGPT_TRACE NANOGPT_TIMEOUT NANOGPT_STEPS")
 def drop_in():
     header("drop-in")
     modes = ["--modes", *words("NANOGPT_MODES")] if knob("NANOGPT_MODES") else []
-    run(["python3", "benchmarks/drop_in/nanogpt_loop.py", "--steps", knob("NANOGPT_STEPS", "30"), *modes,
-         *(["--daemon-trace"] if knob("NANOGPT_TRACE") else []), "--json", out("nanogpt_loop.json")],
-        timeout=knob("NANOGPT_TIMEOUT", "420"), show=40)
+    run(["python3", "benchmarks/drop_in/nanogpt_loop.py", "--steps", knob("NANOGPT_STEPS", "24"), *modes,
+         "--rounds", knob("NANOGPT_ROUNDS", "2"), *(["--daemon-trace"] if knob("NANOGPT_TRACE") else []),
+         "--json", out("nanogpt_loop.json")], timeout=knob("NANOGPT_TIMEOUT", "540"), show=40)
 
 
 @stage(BENCHMARKS, "lora", "LoRA r=16 on Qwen2.5-shaped bases bigger than the cap, per LORA_SHAPES entry "

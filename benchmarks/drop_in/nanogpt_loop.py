@@ -8,10 +8,11 @@ backward, clip_grad_norm_(1.0) in the loop, fused AdamW), three ways, each in a 
   counted   wrap(model, optimizer, max_grad_norm=1.0): the micro-batches counted, the clipping said (--modes)
   clipped   wrap(model, optimizer, accumulation_steps=K): the count said, the loop's clipping taken over (--modes)
 
-It prints each mode's median step time over the steps after the warm-up (compilation), its losses, and the
-ratios: oneline against explicit (the cost of the one line: the first step waits for its terms, each later
-step commits at optimizer.step()), and both against stock. Data: a fixed Markov chain's tokens
-(benchmarks/train_gpt/markov_text.py), so the loss falls and the norm moves.
+It prints each mode's median step time (from one iteration's start to the next) over the steps after the
+warm-up (compilation), its losses, and the ratios: oneline against explicit (the cost of the one line), and
+both against stock. The modes run in turn --rounds times and each ratio is the median of the rounds'.
+Data: a fixed Markov chain's tokens (benchmarks/train_gpt/markov_text.py), so the loss falls and the norm
+moves.
 
     python3 benchmarks/drop_in/nanogpt_loop.py --json out.json
 
@@ -187,6 +188,29 @@ def trace_pool(trace: dict, starts_ns: list[int], warmup: int) -> dict[str, dict
             for name, keys in rows.items()}
 
 
+def run_in_process(args, mode: str) -> dict:
+    """One mode in a process of its own (a daemon and a compilation of its own), reported as it ends."""
+    command = [sys.executable, __file__, "--mode", mode, "--config", args.config, "--device", args.device,
+               "--batch", str(args.batch), "--seq", str(args.seq), "--micro", str(args.micro), "--steps",
+               str(args.steps), "--warmup", str(args.warmup)] + ([] if args.compile else ["--no-compile"]) + (
+               ["--daemon-trace"] if args.daemon_trace else []) + (["--json", args.json] if args.json else []) + (
+               ["--daemon-threads", str(args.daemon_threads)] if args.daemon_threads else [])
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    r = json.loads(lines[-1]) if done.returncode == 0 and lines else {
+        "mode": mode, "error": (done.stderr or done.stdout)[-2000:]}
+    print(mode, r.get("error") or f"{r['step_ms']:.1f} ms/step, clipped {r['clipped_steps']} of {args.steps}, "
+          f"losses {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}; median ms "
+          + ", ".join(f"{k} {v:.1f}" for k, v in r["phase_ms"].items()), flush=True)
+    for row in r.get("micro_batches", []):
+        print("  ", json.dumps(row), flush=True)
+    for name, work in r.get("pool", {}).items():
+        print("  ", name, json.dumps(work), flush=True)
+    for name, threads in r.get("cpu_ms_per_step", {}).items():
+        print(f"   {name} CPU ms per step:", json.dumps(threads), flush=True)
+    return r
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="124m")
@@ -200,6 +224,10 @@ def main() -> int:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--mode", help=argparse.SUPPRESS)  # one mode, in this process
     parser.add_argument("--json")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="the modes run in turn this many times: the GPU machine's step drifts by 1.4x within "
+                             "minutes (112-163 ms for the one line on one H100 machine), so modes run one after "
+                             "the other only compare within a round")
     parser.add_argument("--daemon-threads", type=int, help="the trainstream modes on a private daemon with this many "
                         "optimizer workers (trainstreamd --threads)")
     parser.add_argument("--daemon-trace", action="store_true",
@@ -208,39 +236,21 @@ def main() -> int:
     if args.mode:
         print(json.dumps(run_mode(args)))
         return 0
-    results = {}
-    for mode in args.modes.split(","):
-        command = [sys.executable, __file__, "--mode", mode, "--config", args.config, "--device", args.device,
-                   "--batch", str(args.batch),
-                   "--seq", str(args.seq), "--micro", str(args.micro), "--steps", str(args.steps),
-                   "--warmup", str(args.warmup)] + ([] if args.compile else ["--no-compile"]) + (
-                   ["--daemon-trace"] if args.daemon_trace else []) + (["--json", args.json] if args.json else []) + (
-                   ["--daemon-threads", str(args.daemon_threads)] if args.daemon_threads else [])
-        done = subprocess.run(command, capture_output=True, text=True, timeout=900)
-        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-        results[mode] = json.loads(lines[-1]) if done.returncode == 0 and lines else {
-            "mode": mode, "error": (done.stderr or done.stdout)[-2000:]}
-        r = results[mode]
-        print(mode, r.get("error") or f"{r['step_ms']:.1f} ms/step, clipped {r['clipped_steps']} of {args.steps}, "
-              f"losses {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}; median ms "
-              + ", ".join(f"{k} {v:.1f}" for k, v in r["phase_ms"].items()), flush=True)
-        for row in r.get("micro_batches", []):
-            print("  ", json.dumps(row), flush=True)
-        for name, work in r.get("pool", {}).items():
-            print("  ", name, json.dumps(work), flush=True)
-        for name, threads in r.get("cpu_ms_per_step", {}).items():
-            print(f"   {name} CPU ms per step:", json.dumps(threads), flush=True)
-    ok = {m: r for m, r in results.items() if "step_ms" in r}
-    ratios = {}
-    if "oneline" in ok and "explicit" in ok:
-        ratios["oneline/explicit"] = ok["oneline"]["step_ms"] / ok["explicit"]["step_ms"]
+    rounds = [{mode: run_in_process(args, mode) for mode in args.modes.split(",")} for _ in range(args.rounds)]
+    results = {mode: {**rounds[0][mode], "round_step_ms": [r[mode].get("step_ms") for r in rounds]}
+               for mode in rounds[0]}
+
+    def ratio(a: str, b: str) -> float | None:
+        """The median over the rounds of a's step over b's, each pair run minutes apart at most."""
+        pairs = [r[a]["step_ms"] / r[b]["step_ms"] for r in rounds if "step_ms" in r[a] and "step_ms" in r[b]]
+        return statistics.median(pairs) if pairs else None
+
+    ratios = {f"{a}/{b}": ratio(a, b) for a, b in (("oneline", "explicit"), ("oneline", "oneline-eager"),
+                                                   ("explicit", "stock"), ("oneline", "stock"))
+              if a in results and b in results}
+    if "step_ms" in results.get("oneline", {}) and "step_ms" in results.get("explicit", {}):
         ratios["max loss difference oneline-explicit"] = max(
-            abs(a - b) for a, b in zip(ok["oneline"]["losses"], ok["explicit"]["losses"]))
-    if "oneline" in ok and "oneline-eager" in ok:
-        ratios["oneline/oneline-eager"] = ok["oneline"]["step_ms"] / ok["oneline-eager"]["step_ms"]
-    for mode in ("explicit", "oneline"):
-        if mode in ok and "stock" in ok:
-            ratios[f"{mode}/stock"] = ok[mode]["step_ms"] / ok["stock"]["step_ms"]
+            abs(a - b) for a, b in zip(results["oneline"]["losses"], results["explicit"]["losses"]))
     print(json.dumps(ratios, indent=1))
     if args.json:
         with open(args.json, "w") as f:

@@ -110,6 +110,5 @@ class GPT(nn.Module):
 
 
 def build(name: str, device: str, dtype: torch.dtype, **options) -> GPT:
-    layers, heads, width = CONFIGS[name]
     with torch.device(device):
-        return GPT(GPTConfig(layers, heads, width), dtype, **options)
+        return GPT(config_of(name), dtype, **options)

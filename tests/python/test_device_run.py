@@ -69,8 +69,8 @@ def test_the_device_tools_command_lines_print_their_commands(tmp_path):
     assert f"PYTORCH_CUDA_ALLOC_CONF='' timeout 300 python3 -m pytest -q -p no:cacheprovider " \
            f"tests/python/test_cuda.py > {tmp_path}/pytest_cuda_.log" in text
     assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 300 python3 -m pytest" in text
-    assert "timeout 420 python3 benchmarks/drop_in/nanogpt_loop.py --steps 30 --modes eager --daemon-trace " \
-           f"--json {tmp_path}/nanogpt_loop.json" in text
+    assert "timeout 540 python3 benchmarks/drop_in/nanogpt_loop.py --steps 24 --modes eager --rounds 2 " \
+           f"--daemon-trace --json {tmp_path}/nanogpt_loop.json" in text
 
     shown = device_run("--dry-run", "build", "test", out=tmp_path)
     assert shown.returncode == 0, shown.stderr
