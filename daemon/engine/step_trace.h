@@ -2,12 +2,11 @@
 // benchmarks/train_gpt --daemon-trace). Off unless asked for.
 //
 // Each span is one stretch of work on one bucket for one step: a piece of gradients copied from a
-// GPU, one block of an update (an accumulate pass, a norm pass) on a worker thread, a push of weights to a
-// GPU, a micro-batch's
-// accumulate pass (from its start to the engine thread freeing the bucket's slots); an instant (begin ==
-// end) marks a rank's optimizer.step() reaching the daemon, a bucket's commit, a rank's GRAD_READY or
-// MORE_MICRO reaching the engine thread. Times are
-// CLOCK_MONOTONIC nanoseconds (std::chrono::steady_clock on Linux), the clock of Python's
+// GPU, one block of an update, an accumulate pass or a norm pass on a worker thread, a push of weights
+// to a GPU, a micro-batch's whole accumulate pass (from its start to the engine thread freeing the
+// bucket's slots); an instant (begin == end) marks a rank's optimizer.step() reaching the daemon, a
+// bucket's commit, a rank's GRAD_READY or MORE_MICRO reaching the engine thread. Times are CLOCK_MONOTONIC
+// nanoseconds (std::chrono::steady_clock on Linux), the clock of Python's
 // time.monotonic_ns, so that a benchmark sets them against its own marks. Why spans and not the
 // busy sampler's /proc states: the 124M's step runs 3.6-4.7 ms longer than the daemon's update alone
 // plus its idle time, and only per-block times say whether the update itself ran slower or its
@@ -48,8 +47,8 @@ struct Span {
   SpanKind kind = SpanKind::kPull;
   uint32_t bucket = 0;
   uint64_t step = 0;
-  uint64_t detail =
-      0;  // the piece pulled, the worker's thread id, the bytes pushed, the rank, the half, the micro-batch
+  // The piece pulled, the worker's thread id, the bytes pushed, the rank, the half, the micro-batch.
+  uint64_t detail = 0;
   int64_t begin_ns = 0;
   int64_t end_ns = 0;
 };
