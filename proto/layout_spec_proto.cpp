@@ -57,7 +57,9 @@ v1::LayoutSpec ToProto(const shm::LayoutSpec& spec) {
   proto.set_num_groups(spec.num_groups);
   proto.set_bucket_bytes(spec.bucket_bytes);
   proto.set_moment_dtype(static_cast<v1::DType>(spec.moment_dtype));
-  proto.set_optimizer(static_cast<v1::OptimizerKind>(spec.optimizer));  // the same numbers
+  static_assert(v1::ADAMW == static_cast<int>(shm::OptimizerKind::kAdamW) &&
+                v1::ADAM == static_cast<int>(shm::OptimizerKind::kAdam));
+  proto.set_optimizer(static_cast<v1::OptimizerKind>(spec.optimizer));
   proto.set_accumulation_steps(spec.accumulation_steps);
   proto.set_world_size(spec.world_size);
   proto.set_max_grad_norm(spec.max_grad_norm);

@@ -108,15 +108,23 @@ def run(argv, *, env: dict | None = None, cwd=None, timeout: int | str | None = 
         into = f" {'>>' if append else '>'} {log}" if log else ""
         print(f"+ {where}{' '.join([*assignments, shlex.join(argv)])}{into}", flush=True)
         return 0
+    # Into `log` as it runs, as the shell's redirection did: a run the device tool kills at its limit still
+    # brings back the log of the stage it was in (a hanging test's, a build's).
+    sink = open(log, "a" if append else "w") if log else None  # noqa: SIM115 (read back below)
+    start = sink.tell() if sink else 0
     try:
         proc = subprocess.run(argv, cwd=cwd, env={**os.environ, **env} if env else None,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        text, status = proc.stdout.decode(errors="replace"), proc.returncode
+                              stdout=sink or subprocess.PIPE, stderr=subprocess.STDOUT)
+        text, status = "" if sink else proc.stdout.decode(errors="replace"), proc.returncode
     except OSError as e:  # not found, not executable, no such cwd: as the shell says it
         text, status = f"{e.filename or argv[0]}: {e.strerror}\n", 127
-    if log:
-        with open(log, "a" if append else "w") as f:
-            f.write(text)
+        if sink:
+            sink.write(text)
+    if sink:
+        sink.close()
+        with open(log, "rb") as f:
+            f.seek(start)
+            text = f.read().decode(errors="replace")
     lines = [line for line in text.splitlines()
              if (keep is None or re.search(keep, line)) and (drop is None or not re.search(drop, line))]
     lines = lines[:head] if head is not None else lines
@@ -952,6 +960,8 @@ def refusals(args: list[str]) -> list[str]:
             problems.append(problem)
     if any(find(arg)[0] is None for arg in args):
         problems.append("the stages: " + " ".join(STAGES))
+    if knob("RUNS") and not knob("RUNS").isdigit():  # count()'s knob, refused before the first stage
+        problems.append(f"RUNS must be a whole number, not {knob('RUNS')!r}")
     return problems
 
 

@@ -118,9 +118,10 @@ void Validate(const LayoutSpec& spec, bool request) {
   TS_CHECK(spec.bucket_bytes >= kMinBucketBytes, Code::kInvalidArgument, "bucket_bytes {} is below {}",
            spec.bucket_bytes, kMinBucketBytes);
   TS_CHECK(spec.moment_dtype == DType::kFloat32 || spec.moment_dtype == DType::kBFloat16, Code::kInvalidArgument,
-           "moment dtype {} unsupported (float32 or bfloat16)", NameOf(spec.moment_dtype));
+           "moment dtype {} (code {}) unsupported (float32 or bfloat16)", NameOf(spec.moment_dtype),
+           static_cast<int>(spec.moment_dtype));
   TS_CHECK(spec.optimizer == OptimizerKind::kAdamW || spec.optimizer == OptimizerKind::kAdam, Code::kInvalidArgument,
-           "unknown optimizer kind {}", static_cast<int>(spec.optimizer));
+           "unknown optimizer kind {} (0 AdamW, 1 Adam)", static_cast<int>(spec.optimizer));
   TS_CHECK((spec.accumulation_steps >= 1 || spec.step_terms) && spec.accumulation_steps <= kMaxAccumulationSteps,
            Code::kInvalidArgument, "accumulation_steps {} out of range [1, {}]{}", spec.accumulation_steps,
            kMaxAccumulationSteps, spec.step_terms ? " (or 0: counted)" : "");

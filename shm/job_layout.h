@@ -37,11 +37,10 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
-#include <string>
-#include <vector>
-
 #include <limits>
+#include <string>
 #include <type_traits>
+#include <vector>
 
 #include "shm/dtype.h"
 #include "shm/error.h"
@@ -116,7 +115,9 @@ struct LayoutSpec {
 // Every option of a LayoutSpec beside its two parameter lists, each once with its name, in the order the
 // layout hash takes them: the hash, the comparison of two ranks' specs (daemon/control/job_registry.cpp)
 // and a snapshot's JSON (daemon/snapshot/snapshot_format.cpp) walk this list, so a new option is added
-// here, in ValidateRequest, in the proto (proto/layout_spec_proto.cpp) and in the Python binding.
+// here, in ValidateRequest, in the proto (proto/layout_spec_proto.cpp), in the Python binding, and in
+// snapshot_format.cpp's AddedLater with its default (snapshots written before it lack it and would not
+// restore); it changes the layout hash, so kSegmentVersion goes up with it.
 // `visit(name, member)`: Spec is LayoutSpec or const LayoutSpec.
 template <typename Spec, typename Visit>
 void ForEachOption(Spec& spec, Visit&& visit) {
