@@ -225,8 +225,8 @@ def main() -> int:
     parser.add_argument("--mode", help=argparse.SUPPRESS)  # one mode, in this process
     parser.add_argument("--json")
     parser.add_argument("--rounds", type=int, default=3,
-                        help="the modes run in turn this many times: the GPU machine's step drifts by 1.4x within "
-                             "minutes (112-163 ms for the one line on one H100 machine), so modes run one after "
+                        help="the modes run in turn this many times: the GPU machine's step drifts by 1.3x within "
+                             "minutes (112-151 ms for the one line on one H100 machine), so modes run one after "
                              "the other only compare within a round")
     parser.add_argument("--daemon-threads", type=int, help="the trainstream modes on a private daemon with this many "
                         "optimizer workers (trainstreamd --threads)")
