@@ -69,7 +69,7 @@ def run_mode(args) -> dict:
     forward = torch.compile(model) if args.compile and args.mode != "oneline-eager" else model
     text = MarkovText(model.wte.weight.shape[0])
     batches = [text.batch(i, args.batch, args.seq).to(args.device) for i in range(args.micro * 4)]
-    times, losses, norms, phases = [], [], [], []
+    losses, norms, phases = [], [], []
     starts_ns, micro_marks = [], []  # per step: its start; per micro-batch (backward from, to, region wait ms)
     waits = None
     if args.mode != "stock":
@@ -82,8 +82,6 @@ def run_mode(args) -> dict:
         if step == args.warmup:
             cpu_before = {"trainer": thread_cpu(os.getpid()), "daemon": thread_cpu(daemon_pid)}
         started = time.perf_counter()
-        if times:  # from one iteration's start to the next: what the loop itself waits for included
-            times[-1] = started - times[-1]
         starts_ns.append(time.monotonic_ns())
         before = waits() if waits else {}
         marks = []
@@ -109,13 +107,12 @@ def run_mode(args) -> dict:
         phases.append({"launch": 1000 * (backward - started), "clip+step": 1000 * (stepped - backward),
                        "gpu": 1000 * (time.perf_counter() - stepped),
                        **{name: 1000 * (after[name] - before[name]) for name in after}})
-        times.append(started)
-    times[-1] = time.perf_counter() - times[-1]
-    cpu = {name: cpu_per_step(before, thread_cpu(pid), args.steps - args.warmup)
-           for name, before, pid in (("trainer", cpu_before["trainer"], os.getpid()),
-                                     ("daemon", cpu_before["daemon"], daemon_pid))}
+    # a step: from one iteration's start to the next, what the loop itself waits for included
+    timed = [(end - start) / 1e9 for start, end in zip(starts_ns, [*starts_ns[1:], time.monotonic_ns()])]
+    timed = timed[args.warmup:]
+    cpu = {name: cpu_per_step(cpu_before[name], thread_cpu(pid), args.steps - args.warmup)
+           for name, pid in (("trainer", os.getpid()), ("daemon", daemon_pid))}
     norms = [n.item() for n in norms]
-    timed = times[args.warmup:]
     phase_ms = {name: statistics.median(p[name] for p in phases[args.warmup:]) for name in phases[-1]}
     traced = {}
     if private is not None:
