@@ -120,8 +120,9 @@ def run_mode(args) -> dict:
         private.stop()  # its job writes the trace as the daemon stops
     if trace_dir is not None:
         trace = daemon_trace.load(trace_dir)
-        traced = {"micro_batches": trace_micro_batches(trace, starts_ns, micro_marks, args.warmup),
-                  "pool": trace_pool(trace, starts_ns, args.warmup)}
+        steps = daemon_trace.by_step(trace["spans"])
+        traced = {"micro_batches": trace_micro_batches(steps, starts_ns, micro_marks, args.warmup),
+                  "pool": trace_pool(steps, starts_ns, args.warmup)}
         if args.json:  # the spans themselves, for questions the summary does not answer
             daemon_trace.keep(trace, starts_ns, args.json.removesuffix(".json") + f"_{args.mode}.trace.json.gz")
         shutil.rmtree(trace_dir, ignore_errors=True)
@@ -156,33 +157,36 @@ def cpu_per_step(before: dict, after: dict, steps: int, top: int = 8) -> dict[st
     return {**{k: round(v, 1) for k, v in busiest if v > 0}, "all": round(sum(spent.values()), 1)}
 
 
-def trace_micro_batches(trace: dict, starts_ns: list[int], micro_marks: list[list[tuple]], warmup: int) -> list[dict]:
+def medians(values: dict[str, list[float]]) -> dict[str, float]:
+    return {name: round(statistics.median(each), 2) for name, each in values.items()}
+
+
+def trace_micro_batches(steps: dict, starts_ns: list[int], micro_marks: list[list[tuple]], warmup: int) -> list[dict]:
     """Per micro-batch, medians over the timed steps of its milestones in ms from the step's start: the
     trainer's backward (from, to) and its waits for gradient regions in it, and the daemon's
-    (daemon_trace.micro_batches; the trainer's step i is the daemon's step i + 1)."""
+    (daemon_trace.micro_batches of `steps`, by_step's; the trainer's step i is the daemon's step i + 1)."""
     rows: dict[int, dict[str, list[float]]] = {}
     for i in range(warmup, len(starts_ns)):
-        for row in daemon_trace.micro_batches(trace["spans"], i + 1, starts_ns[i]):
+        for row in daemon_trace.micro_batches(steps.get(i + 1, []), starts_ns[i]):
             k = row["micro"]
             backward_from, backward_to, region_wait = micro_marks[i][k] if k < len(micro_marks[i]) else (0, 0, 0)
             merged = {**row, "backward_from": backward_from, "backward_to": backward_to, "region_wait_ms": region_wait}
             for name, value in merged.items():
                 rows.setdefault(k, {}).setdefault(name, []).append(value)
-    return [{name: round(statistics.median(values), 2) for name, values in rows[k].items()} for k in sorted(rows)]
+    return [medians(rows[k]) for k in sorted(rows)]
 
 
-def trace_pool(trace: dict, starts_ns: list[int], warmup: int) -> dict[str, dict]:
-    """Medians over the timed steps of what the daemon's workers ran in each (daemon_trace.pool_work), in ms
-    from the step's start: for the step's own gradients ("this step") and the step before's, whose update
-    may still run ("step before")."""
-    rows: dict[str, dict[str, dict[str, list[float]]]] = {}
+def trace_pool(steps: dict, starts_ns: list[int], warmup: int) -> dict[str, dict]:
+    """Medians over the timed steps of what the daemon's workers ran in each (daemon_trace.pool_work of
+    `steps`, by_step's), in ms from the step's start: for the step's own gradients ("this step") and the
+    step before's, whose update may still run ("step before")."""
+    rows: dict[str, dict[str, list[float]]] = {}
     for i in range(warmup, len(starts_ns)):
         for label, step in (("this step", i + 1), ("step before", i)):
-            for name, work in daemon_trace.pool_work(trace["spans"], step, starts_ns[i]).items():
+            for name, work in daemon_trace.pool_work(steps.get(step, []), starts_ns[i]).items():
                 for key, value in work.items():
                     rows.setdefault(f"{label} {name}", {}).setdefault(key, []).append(value)
-    return {name: {key: round(statistics.median(values), 2) for key, values in keys.items()}
-            for name, keys in rows.items()}
+    return {name: medians(values) for name, values in rows.items()}
 
 
 def run_in_process(args, mode: str) -> dict:

@@ -99,12 +99,20 @@ def buckets(spans: list[list[int]], step: int, t0: int, threads: int) -> list[di
     return sorted(rows.values(), key=lambda r: r.get("pull_from", 0.0))
 
 
-def micro_batches(spans: list[list[int]], step: int, t0: int) -> list[dict]:
-    """Daemon step `step`'s micro-batches in ms from t0: when their GRAD_READYs reached the engine, their
-    pulls, their accumulate passes (to the SLOT_FREE that lets the next micro-batch's gradients in) and
-    the MORE_MICRO that said another came. A micro-batch's pulls and GRAD_READYs are told apart by
-    order: each bucket's k-th GRAD_READY of the step is micro-batch k's (pieces: one per GRAD_READY)."""
-    mine = sorted((s for s in spans if s[2] == step), key=lambda s: s[4])
+def by_step(spans: list[list[int]]) -> dict[int, list[list[int]]]:
+    """The spans of each daemon step, in the order they began (one pass over a trace of many steps)."""
+    steps: dict[int, list[list[int]]] = {}
+    for span in sorted(spans, key=lambda s: s[4]):
+        steps.setdefault(span[2], []).append(span)
+    return steps
+
+
+def micro_batches(mine: list[list[int]], t0: int) -> list[dict]:
+    """One daemon step's micro-batches (`mine`: its spans, by_step's) in ms from t0: when their
+    GRAD_READYs reached the engine, their pulls, their accumulate passes (to the SLOT_FREE that lets the
+    next micro-batch's gradients in) and the MORE_MICRO that said another came. A micro-batch's pulls and
+    GRAD_READYs are told apart by order: each bucket's k-th GRAD_READY of the step is micro-batch k's
+    (pieces: one per GRAD_READY)."""
     rows: dict[int, dict] = {}
 
     def widen(micro: int, name: str, begin: int, end: int) -> None:
@@ -133,13 +141,13 @@ def micro_batches(spans: list[list[int]], step: int, t0: int) -> list[dict]:
     return [rows[k] for k in sorted(rows)]
 
 
-def pool_work(spans: list[list[int]], step: int, t0: int) -> dict[str, dict[str, float]]:
-    """What the worker pool ran for daemon step `step`, per kind of pass (update, accumulate, norm): its
-    blocks (more update blocks than the model has: redone or taken back), their thread-milliseconds, and
-    from when to when, in ms from t0."""
+def pool_work(mine: list[list[int]], t0: int) -> dict[str, dict[str, float]]:
+    """What the worker pool ran for one daemon step (`mine`: its spans, by_step's), per kind of pass
+    (update, accumulate, norm): its blocks (more update blocks than the model has: redone or taken back),
+    their thread-milliseconds, and from when to when, in ms from t0."""
     work = {}
     for kind, name in ((UPDATE, "update"), (ACCUMULATE_BLOCK, "accumulate"), (NORM_BLOCK, "norm")):
-        blocks = [(s[4], s[5]) for s in spans if s[0] == kind and s[2] == step]
+        blocks = [(s[4], s[5]) for s in mine if s[0] == kind]
         if blocks:
             work[name] = {"blocks": len(blocks), "thread_ms": sum(e - b for b, e in blocks) / 1e6,
                           "from": (min(b for b, _ in blocks) - t0) / 1e6, "to": (max(e for _, e in blocks) - t0) / 1e6}
