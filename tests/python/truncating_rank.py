@@ -14,6 +14,8 @@ import argparse
 import os
 import sys
 
+from conftest import raw_spec
+
 import trainstream
 
 PARAMS = [("w", [64, 64], 0, 0), ("b", [64], 0, 0)]  # one fp32 bucket of 16.6 KB: it spans several pages
@@ -64,9 +66,7 @@ def main() -> int:
     os.setgid(args.uid)
     os.setuid(args.uid)
     client = trainstream.connect(args.socket)
-    spec = trainstream._C.LayoutSpec(params=[trainstream._C.ParamSpec(*p) for p in PARAMS], bucket_bytes=1 << 20,
-                                     state_halves=0, speculative_clipping=2)
-    session = client._native.attach(args.job, 0, spec, 7, wait_timeout_s=60.0)
+    session = client._native.attach(args.job, 0, raw_spec(PARAMS), 7, wait_timeout_s=60.0)
     fill(session.master(session.committed_half(0)), 0.5)
     session.send_load_state(0)
     wait(session, 0)
