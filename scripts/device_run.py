@@ -409,6 +409,19 @@ def python_before():
            ["cp", "build/daemon/trainstreamd", f"{BEFORE}/build/daemon/"])
 
 
+@stage(SETUP, "wheel-before", "another commit's cp312 wheel, carried in .device/before/, installed into "
+       "/tmp/before as build-before leaves it (python/, build/daemon/trainstreamd): the before/after stages "
+       "without a sysroot", check=lambda _: None if glob.glob(".device/before/trainstream-*-cp312-*.whl")
+       else "no cp312 wheel in .device/before/")
+def wheel_before():
+    header("wheel-before")
+    wheel = sorted(glob.glob(".device/before/trainstream-*-cp312-*.whl"))[-1]
+    all_ok(["rm", "-rf", BEFORE], ["mkdir", "-p", f"{BEFORE}/build/daemon"],
+           [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+            "--target", f"{BEFORE}/python", wheel],
+           ["ln", "-s", f"{BEFORE}/python/trainstream/_bin/trainstreamd", f"{BEFORE}/build/daemon/trainstreamd"])
+
+
 @stage(SETUP, "wheel-info", "which trainstream this run uses and what its binaries load: wheel_info.txt "
        "(ldd of each), machine.txt")
 def wheel_info():
@@ -674,15 +687,27 @@ def gpt_largest():
                       "--json", out(f"gpt_{config}_bf16_cap24{'_paging' if paging else ''}.json")), show=3)
 
 
-@stage(BENCHMARKS, "gpt-before-after", "the 1.86B under a 24 GiB cap through /tmp/before (build-before) and "
-       "this tree: gpt_1.86b_cap24_{before,after}.json", "STEPS")
+def tree_env(tree) -> dict | None:
+    """What runs `tree`'s trainstream: its build (or wheel-before's package and daemon), or for this tree
+    from the carried wheel, the run's own environment."""
+    if tree == ROOT and not os.environ.get("TS_SYSROOT"):
+        return None
+    return {"TRAINSTREAMD": f"{tree}/build/daemon/trainstreamd", "PYTHONPATH": f"{tree}/python:{SITE}"}
+
+
+@stage(BENCHMARKS, "gpt-before-after", "the 1.86B under a 24 GiB cap through /tmp/before (build-before or "
+       "wheel-before) and this tree, in turn RUNS (1) times (the machine drifts): "
+       "gpt_1.86b_cap24_{before,after}[_run<n>].json", "STEPS RUNS")
 def gpt_before_after():
     header("gpt-before-after")
-    for name, tree in (("before", BEFORE), ("after", ROOT)):
-        run(train_gpt("--config", "1.86b", "--vram-cap-gib", "24", "--steps", knob("STEPS", "5"), "--warmup", "2",
-                      "--modes", "trainstream", "--json", out(f"gpt_1.86b_cap24_{name}.json")), cwd=tree,
-            env={"TRAINSTREAMD": f"{tree}/build/daemon/trainstreamd", "PYTHONPATH": f"{tree}/python:{SITE}"},
-            timeout=200, show=1, label=name)
+    runs = int(knob("RUNS", "1"))
+    for n in range(1, runs + 1):
+        for name, tree in (("before", BEFORE), ("after", ROOT)):
+            suffix = f"_run{n}" if runs > 1 else ""
+            run(train_gpt("--config", "1.86b", "--vram-cap-gib", "24", "--steps", knob("STEPS", "5"), "--warmup",
+                          "2", "--modes", "trainstream", "--json", out(f"gpt_1.86b_cap24_{name}{suffix}.json")),
+                cwd=tree if Path(tree, TRAIN_GPT).is_file() else ROOT, env=tree_env(tree), timeout=200, show=1,
+                label=f"{name}{suffix}")
 
 
 @stage(BENCHMARKS, "gpt-peers", "the 1.86B, bf16 weights and moments, clipped at 1.0, 24 GiB cap: trainstream "

@@ -25,11 +25,11 @@ def device_run(*args: str, out, **env: str) -> subprocess.CompletedProcess:
 
 # What the README, docs/ and benchmarks/results/*.md cite as the way to reproduce a committed figure, and
 # what the GPU tests run through.
-KEPT = ["build", "build-fast", "use-bin", "build-before", "python-before", "wheel-info", "wheels", "ds-compile",
-        "torchao", "shm-huge=POLICY", "pack", "test", "test-cuda", "test-paging-cuda", "pytest", "bench-adamw",
-        "gpt-small", "gpt-small-offload", "gpt-small-ab", "gpt-small-peers", "gpt-auto", "gpt-large", "gpt-largest",
-        "gpt-before-after", "gpt-peers", "gpt-paging", "gpt-start", "gpt-start-floor", "clipping", "drop-in", "lora",
-        "hf-full", "hf-paged", "transfer", "ranks", "torchrun-gpt", "allreduce"]
+KEPT = ["build", "build-fast", "use-bin", "build-before", "python-before", "wheel-before", "wheel-info", "wheels",
+        "ds-compile", "torchao", "shm-huge=POLICY", "pack", "test", "test-cuda", "test-paging-cuda", "pytest",
+        "bench-adamw", "gpt-small", "gpt-small-offload", "gpt-small-ab", "gpt-small-peers", "gpt-auto", "gpt-large",
+        "gpt-largest", "gpt-before-after", "gpt-peers", "gpt-paging", "gpt-start", "gpt-start-floor", "clipping",
+        "drop-in", "lora", "hf-full", "hf-paged", "transfer", "ranks", "torchrun-gpt", "allreduce"]
 
 
 def test_the_list_names_each_stage_the_benchmarks_and_tests_use(tmp_path):
@@ -93,3 +93,18 @@ def test_the_124m_offload_runs_each_value_of_a_setting_in_turn_within_each_run(t
                       shown.stdout, re.M)
     assert runs == [(slots, f"{tmp_path}/gpt_124m_offload_{slots}_run{n}.json")
                     for n in (1, 2) for slots in ("4", "16")]
+
+
+def test_the_before_and_after_runs_alternate_and_the_before_run_uses_the_carried_wheel_of_before(tmp_path):
+    shown = device_run("--dry-run", "wheel-before", "gpt-before-after", out=tmp_path, RUNS="2")
+    if not glob.glob(os.path.join(ROOT, ".device/before/trainstream-*-cp312-*.whl")):
+        assert shown.returncode == 2 and "no cp312 wheel in .device/before/" in shown.stderr, shown.stderr
+        return
+    assert shown.returncode == 0, shown.stderr
+    assert "--target /tmp/before/python .device/before/trainstream-" in shown.stdout
+    runs = re.findall(r"^\+ cd \S+ && (TRAINSTREAMD=\S+ )?.*train_gpt.py --config 1.86b .* --json (\S+)$",
+                      shown.stdout, re.M)
+    before = "TRAINSTREAMD=/tmp/before/build/daemon/trainstreamd "
+    assert [(env == before, path.rsplit("/", 1)[1]) for env, path in runs] == [
+        (True, "gpt_1.86b_cap24_before_run1.json"), (False, "gpt_1.86b_cap24_after_run1.json"),
+        (True, "gpt_1.86b_cap24_before_run2.json"), (False, "gpt_1.86b_cap24_after_run2.json")]
