@@ -6,6 +6,7 @@
 
 #include "client/src/bounded_wait.h"
 #include "client/src/grpc_status.h"
+#include "client/src/proto_records.h"
 #include "client/src/rank_session_impl.h"
 #include "shm/version.h"
 #include "trainstream/v1/control.grpc.pb.h"
@@ -52,8 +53,7 @@ DaemonInfo Handshake(v1::Control::Stub& stub, std::chrono::milliseconds timeout,
   Call(timeout, waits, what, [&](grpc::ClientContext* context, CallDone done) {
     stub.async()->Handshake(context, &request, &reply, std::move(done));
   });
-  return DaemonInfo{reply.daemon_version(), reply.protocol_version(), reply.pid(), reply.kernel(),
-                    reply.peer_address()};
+  return proto_records::FromProto<DaemonInfo>(reply);
 }
 
 }  // namespace
@@ -79,53 +79,7 @@ StatsReport Client::Stats() {
   Call(kRpcTimeout, waits_, "stats", [&](grpc::ClientContext* context, CallDone done) {
     impl_->stub->async()->Stats(context, &request, &reply, std::move(done));
   });
-  StatsReport report{.jobs = {},
-                     .host_bytes = reply.host_bytes(),
-                     .rss_bytes = reply.rss_bytes(),
-                     .worker_threads = reply.worker_threads(),
-                     .kernel = reply.kernel(),
-                     .daemon_version = reply.daemon_version(),
-                     .pid = reply.pid(),
-                     .uptime_seconds = reply.uptime_seconds(),
-                     .pinned_bytes = reply.pinned_bytes(),
-                     .max_host_bytes = reply.max_host_bytes(),
-                     .max_jobs = reply.max_jobs(),
-                     .gpus = {}};
-  for (const v1::GpuStats& gpu : reply.gpus()) {
-    report.gpus.push_back(GpuReport{gpu.gpu(), gpu.to_host_bytes(), gpu.to_device_bytes()});
-  }
-  for (const v1::JobStats& job : reply.jobs()) {
-    report.jobs.push_back(JobReport{
-        .name = job.name(),
-        .job_key = job.job_key(),
-        .uid = job.uid(),
-        .buckets = job.buckets(),
-        .world_size = job.world_size(),
-        .state_halves = job.state_halves(),
-        .params = job.params(),
-        .elements = job.elements(),
-        .completed_step = job.completed_step(),
-        .state_bytes = job.state_bytes(),
-        .rank_bytes = job.rank_bytes(),
-        .updates = job.updates(),
-        .nonfinite_steps = job.nonfinite_steps(),
-        .speculative_steps = job.speculative_steps(),
-        .redone_steps = job.redone_steps(),
-        .speculative_clipping = job.speculative_clipping(),
-        .attached_ranks = {job.attached_ranks().begin(), job.attached_ranks().end()},
-        .transports = {job.transports().begin(), job.transports().end()},
-        .orphaned = job.orphaned(),
-        .steps = job.steps(),
-        .update_seconds = job.update_seconds(),
-        .last_update_unix_ms = job.last_update_unix_ms(),
-        .last_step_unix_ms = job.last_step_unix_ms(),
-        .host_bytes = job.host_bytes(),
-        .pinned_bytes = job.pinned_bytes(),
-        .last_snapshot = job.last_snapshot(),
-        .last_snapshot_step = job.last_snapshot_step(),
-    });
-  }
-  return report;
+  return proto_records::FromProto<StatsReport>(reply);
 }
 
 void Client::DropJob(const std::string& job, bool force, std::optional<uint32_t> owner_uid) {

@@ -70,70 +70,31 @@ auto WithoutGil(Call call) {
   return call();
 }
 
-py::dict ToDict(const trainstream::DaemonInfo& info) {
-  py::dict d;
-  d["daemon_version"] = info.daemon_version;
-  d["protocol_version"] = info.protocol_version;
-  d["pid"] = info.pid;
-  d["kernel"] = info.kernel;
-  d["peer_address"] = info.peer_address;
-  return d;
+// A record of the daemon's replies (client.h) as a dict, its fields under their proto names; a list of
+// records in it (a StatsReport's jobs and gpus) as a list of dicts.
+template <typename T>
+concept Record = requires(const T& record) {
+  T::VisitFields(record, [](const char*, const auto&) {});
+};
+
+template <Record R>
+py::dict ToDict(const R& record);
+
+template <typename T>
+py::object ToPython(const T& value) {
+  if constexpr (requires { requires Record<typename T::value_type>; }) {
+    py::list list;
+    for (const auto& item : value) list.append(ToDict(item));
+    return list;
+  } else {
+    return py::cast(value);
+  }
 }
 
-py::dict ToDict(const trainstream::StatsReport& report) {
-  py::list jobs;
-  for (const auto& job : report.jobs) {
-    py::dict j;
-    j["name"] = job.name;
-    j["job_key"] = job.job_key;
-    j["uid"] = job.uid;
-    j["params"] = job.params;
-    j["elements"] = job.elements;
-    j["buckets"] = job.buckets;
-    j["world_size"] = job.world_size;
-    j["attached_ranks"] = job.attached_ranks;
-    j["completed_step"] = job.completed_step;
-    j["state_bytes"] = job.state_bytes;
-    j["rank_bytes"] = job.rank_bytes;
-    j["updates"] = job.updates;
-    j["nonfinite_steps"] = job.nonfinite_steps;
-    j["state_halves"] = job.state_halves;
-    j["speculative_clipping"] = job.speculative_clipping;
-    j["speculative_steps"] = job.speculative_steps;
-    j["redone_steps"] = job.redone_steps;
-    j["transports"] = job.transports;
-    j["orphaned"] = job.orphaned;
-    j["steps"] = job.steps;  // since the daemon took the job, as update_seconds
-    j["update_seconds"] = job.update_seconds;
-    j["last_update_unix_ms"] = job.last_update_unix_ms;
-    j["last_step_unix_ms"] = job.last_step_unix_ms;
-    j["host_bytes"] = job.host_bytes;
-    j["pinned_bytes"] = job.pinned_bytes;
-    j["last_snapshot"] = job.last_snapshot;
-    j["last_snapshot_step"] = job.last_snapshot_step;
-    jobs.append(j);
-  }
-  py::list gpus;
-  for (const auto& gpu : report.gpus) {
-    py::dict g;
-    g["gpu"] = gpu.gpu;
-    g["to_host_bytes"] = gpu.to_host_bytes;
-    g["to_device_bytes"] = gpu.to_device_bytes;
-    gpus.append(g);
-  }
+template <Record R>
+py::dict ToDict(const R& record) {
   py::dict d;
-  d["jobs"] = jobs;
-  d["host_bytes"] = report.host_bytes;
-  d["rss_bytes"] = report.rss_bytes;
-  d["worker_threads"] = report.worker_threads;
-  d["kernel"] = report.kernel;
-  d["daemon_version"] = report.daemon_version;
-  d["pid"] = report.pid;
-  d["uptime_seconds"] = report.uptime_seconds;
-  d["pinned_bytes"] = report.pinned_bytes;
-  d["max_host_bytes"] = report.max_host_bytes;
-  d["max_jobs"] = report.max_jobs;
-  d["gpus"] = gpus;
+  R::VisitFields(record, [&d](const char* name, const auto& field) { d[name] = ToPython(field); });
   return d;
 }
 

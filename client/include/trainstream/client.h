@@ -28,12 +28,27 @@ namespace cuda {
 class PrimaryContext;  // shm/cuda_driver.h; only the implementations of the GPU memory classes see it
 }  // namespace cuda
 
+// The daemon's replies as the client shows them. Each record lists its fields once, under their names in
+// proto/trainstream/v1/control.proto, in VisitFields(record, visit), which calls visit(name, field) for
+// each: the client fills them from the reply by those names (client/src/proto_records.h), the Python
+// module makes its dicts from them, and tests/cpp/client/proto_records_test.cpp checks that the list
+// and the proto name the same fields. A new field: the proto, the daemon's fill, a member here and its
+// line in VisitFields.
 struct DaemonInfo {
   std::string daemon_version;
   uint32_t protocol_version = 0;
   int64_t pid = 0;
   std::string kernel;
   std::string peer_address;  // the daemon's advertised peer-plane address; empty: no peer plane
+
+  template <typename Self, typename Visit>
+  static void VisitFields(Self& r, Visit&& visit) {
+    visit("daemon_version", r.daemon_version);
+    visit("protocol_version", r.protocol_version);
+    visit("pid", r.pid);
+    visit("kernel", r.kernel);
+    visit("peer_address", r.peer_address);
+  }
 };
 
 struct JobReport {
@@ -52,12 +67,50 @@ struct JobReport {
   uint64_t host_bytes = 0, pinned_bytes = 0;
   std::string last_snapshot;  // empty: none
   uint64_t last_snapshot_step = 0;
+
+  template <typename Self, typename Visit>
+  static void VisitFields(Self& r, Visit&& visit) {
+    visit("name", r.name);
+    visit("job_key", r.job_key);
+    visit("uid", r.uid);
+    visit("buckets", r.buckets);
+    visit("world_size", r.world_size);
+    visit("state_halves", r.state_halves);
+    visit("params", r.params);
+    visit("elements", r.elements);
+    visit("completed_step", r.completed_step);
+    visit("state_bytes", r.state_bytes);
+    visit("rank_bytes", r.rank_bytes);
+    visit("updates", r.updates);
+    visit("nonfinite_steps", r.nonfinite_steps);
+    visit("speculative_steps", r.speculative_steps);
+    visit("redone_steps", r.redone_steps);
+    visit("speculative_clipping", r.speculative_clipping);
+    visit("attached_ranks", r.attached_ranks);
+    visit("transports", r.transports);
+    visit("orphaned", r.orphaned);
+    visit("steps", r.steps);
+    visit("update_seconds", r.update_seconds);
+    visit("last_update_unix_ms", r.last_update_unix_ms);
+    visit("last_step_unix_ms", r.last_step_unix_ms);
+    visit("host_bytes", r.host_bytes);
+    visit("pinned_bytes", r.pinned_bytes);
+    visit("last_snapshot", r.last_snapshot);
+    visit("last_snapshot_step", r.last_snapshot_step);
+  }
 };
 
 // Bytes the daemon copied with one GPU (cuda-ipc) since it started.
 struct GpuReport {
   std::string gpu;  // "GPU-<uuid>"
   uint64_t to_host_bytes = 0, to_device_bytes = 0;
+
+  template <typename Self, typename Visit>
+  static void VisitFields(Self& r, Visit&& visit) {
+    visit("gpu", r.gpu);
+    visit("to_host_bytes", r.to_host_bytes);
+    visit("to_device_bytes", r.to_device_bytes);
+  }
 };
 
 struct SnapshotReport {
@@ -161,6 +214,22 @@ struct StatsReport {
   uint64_t pinned_bytes = 0, max_host_bytes = 0;  // max_host_bytes 0: no quota
   uint32_t max_jobs = 0;
   std::vector<GpuReport> gpus;
+
+  template <typename Self, typename Visit>
+  static void VisitFields(Self& r, Visit&& visit) {
+    visit("jobs", r.jobs);
+    visit("host_bytes", r.host_bytes);
+    visit("rss_bytes", r.rss_bytes);
+    visit("worker_threads", r.worker_threads);
+    visit("kernel", r.kernel);
+    visit("daemon_version", r.daemon_version);
+    visit("pid", r.pid);
+    visit("uptime_seconds", r.uptime_seconds);
+    visit("pinned_bytes", r.pinned_bytes);
+    visit("max_host_bytes", r.max_host_bytes);
+    visit("max_jobs", r.max_jobs);
+    visit("gpus", r.gpus);
+  }
 };
 
 class RankSession;
