@@ -10,11 +10,11 @@ returns the model (same object, with hooks) and an optimizer that behaves like t
 import torch  # noqa: F401  (loaded before _C: its libraries first, as in every torch program; see _C below)
 
 from trainstream import _amp, _clipping, _compile, _wrap
-from trainstream._activations import activation_paging
 from trainstream._C import TrainstreamError, __version__
 from trainstream._connect import Client, connect
 from trainstream._losses import chunked_cross_entropy
 from trainstream._wrap import synchronize, unwrap, wrap
+from trainstream.activations.paging import activation_paging
 
 _clipping.install()  # clip_grad_norm_ of wrapped parameters clips in the daemon
 _amp.install()  # a GradScaler's check of a wrapped optimizer's gradients is the daemon's

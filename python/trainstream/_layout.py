@@ -85,7 +85,7 @@ def parameters_of(optimizer: torch.optim.Optimizer, paged: set[int] = frozenset(
 def layout_entries(model: torch.nn.Module, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
                    dtypes: list[torch.dtype], partition: dict[int, int] | None = None) -> list[ParamSpec]:
     """The job's ParamSpec of each parameter (name, shape, dtype code, group, partition); `dtypes` are
-    the dtypes the job keeps them in (_blocks.PagingPlan.job_dtype), `partition` maps the ids of paged
+    the dtypes the job keeps them in (PagingPlan.job_dtype, paging/blocks.py), `partition` maps the ids of paged
     parameters to their block's partition (others: 0)."""
     names = {id(p): name for name, p in model.named_parameters()}
     group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from trainstream._C import TrainstreamError
-from trainstream._stock import StockOptimizer
+from trainstream.fallback.stock import StockOptimizer
 
 _BACKEND_FLAGS = ("fused", "foreach")  # kept from the stock optimizer's groups when a state dict loads
 

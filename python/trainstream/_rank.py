@@ -17,8 +17,8 @@ after all tells the daemon first (MORE_MICRO), and zero_grad() before optimizer.
 gradients (DISCARD). clip_grad_norm_ on the wrapped parameters (_clipping.py) and a GradScaler
 (_amp.py) add to the step's terms: the norm they ask for and the multipliers they apply.
 
-With weight paging (`paging`, a _blocks.PagingPlan), the paged blocks' weights stay in the job's host
-memory and a BlockPager (_paging.py) brings them to the GPU block by block: for their buckets the Rank
+With weight paging (`paging`, a PagingPlan of paging/blocks.py), the paged blocks' weights stay in the job's host
+memory and a BlockPager (paging/pager.py) brings them to the GPU block by block: for their buckets the Rank
 only waits for PARAMS_READY, and the pager copies.
 
 Invariants: a bucket's slot is written only after the daemon released it (SLOT_FREE / PARAMS_READY);
@@ -30,7 +30,6 @@ of a step went out, before optimizer.step()).
 from __future__ import annotations
 
 import math
-import os
 import threading
 import time
 import warnings
@@ -39,18 +38,17 @@ from typing import Iterable
 
 import torch
 
-from trainstream import _layout, _paging
-from trainstream._C import MAX_ACCUMULATION_STEPS, MIN_BUCKET_BYTES, LayoutSpec, TrainstreamError
+from trainstream import _job_options, _layout
+from trainstream._C import MAX_ACCUMULATION_STEPS, LayoutSpec, TrainstreamError
 from trainstream._edits import WeightEdits
 from trainstream._guards import ApplyGuard, StaleReadGuard
 from trainstream._kept_grads import KeptGradients
-from trainstream._pinning import HostPins
 from trainstream._regions import Regions
 from trainstream._staged_copy import copy_to_host
 from trainstream._transport import Transport, describe_device, transport_for, transport_name
+from trainstream.paging import pager as _paging
+from trainstream.paging.host_pins import HostPins
 
-MIN_BUCKET_MB = MIN_BUCKET_BYTES / (1 << 20)  # the daemon's smallest bucket (shm/job_layout.h)
-MAX_BUCKET_MB = 1 << 20  # 1 TiB: larger than any model's parameters, which would all share one bucket
 NOT_LAST, LAST, UNKNOWN = 0, 1, 2  # what a GRAD_READY says of its micro-batch (send_grad_ready's `last`)
 
 _live: "weakref.WeakSet[Rank]" = weakref.WeakSet()  # attached ranks, for the takeovers (_clipping, _amp)
@@ -71,20 +69,13 @@ class Rank:
                  paging=None, device: torch.device | None = None, page_prefetch: int = 2,
                  page_pool_mb: float | None = None, wait_timeout: float | None = None, state_halves="auto",
                  speculative_clipping="auto"):
-        # accumulation_steps (None: counted) and max_grad_norm come checked by wrap() (check_accumulation_steps,
-        # check_max_grad_norm). The checks below name wrap()'s keywords and Python types, before any work.
+        # accumulation_steps (None: counted) and max_grad_norm come checked by wrap(); the rest is checked here,
+        # in wrap()'s words, before any work.
         if len(peers or []) > 1 and accumulation_steps is None:
             accumulation_steps = 1  # a job spanning nodes all-reduces from its last micro-batch on: said up front
-        if moment_dtype not in _layout.MOMENT_DTYPES:
-            raise TrainstreamError(f"moment_dtype must be one of {sorted(_layout.MOMENT_DTYPES)}, not {moment_dtype!r}")
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise TrainstreamError(f"world_size must be an integer >= 1 (this node's ranks), not {world_size!r}")
-        if not 0 <= rank < world_size:
-            raise TrainstreamError(f"rank {rank} out of range for world_size {world_size}")
-        if not isinstance(bucket_mb, (int, float)) or not MIN_BUCKET_MB <= bucket_mb <= MAX_BUCKET_MB:  # nan too
-            raise TrainstreamError(f"bucket_mb must be a number of MiB in [{MIN_BUCKET_MB}, {MAX_BUCKET_MB}] (4 KiB to "
-                                   f"1 TiB), not {bucket_mb!r}")
-        halves, speculation = _state_options(state_halves, speculative_clipping)
+        _job_options.check_rank_options(rank=rank, world_size=world_size, moment_dtype=moment_dtype,
+                                        bucket_mb=bucket_mb)
+        halves, speculation = _job_options.state_options(state_halves, speculative_clipping)
         self.client = client
         self.model = model
         self.kind = _layout.optimizer_kind(optimizer)
@@ -773,44 +764,3 @@ class _WeightGate(_paging.WeightGate):
     def generation(self, buckets: tuple[int, ...]) -> int:
         rank = self.rank
         return hash((rank._loads, *(rank._ready_step[b] for b in buckets)))
-
-
-def _state_options(state_halves, speculative_clipping) -> tuple[int, int]:
-    """wrap()'s state_halves ("auto", 1, 2) and speculative_clipping ("auto", True, False) as the attach
-    codes: halves 0 (the daemon decides), 1, 2; speculation 0 off, 1 on, 2 the daemon decides."""
-    halves = {"auto": 0, 1: 1, 2: 2}.get(state_halves) if not isinstance(state_halves, bool) else None
-    if halves is None:
-        raise TrainstreamError(f"state_halves must be 'auto', 1 or 2, not {state_halves!r}")
-    speculation = {"auto": 2, True: 1, False: 0}.get(speculative_clipping) \
-        if isinstance(speculative_clipping, (bool, str)) else None
-    if speculation is None:
-        raise TrainstreamError(f"speculative_clipping must be 'auto', True or False, not {speculative_clipping!r}")
-    if speculation == 1 and halves == 1:  # shm/job_layout.cpp refuses it too, but in codes, not wrap()'s words
-        raise TrainstreamError("speculative_clipping=True needs state_halves=2 (or 'auto'): a redo starts again "
-                               "from the committed half")
-    return halves, speculation
-
-
-def check_accumulation_steps(value) -> int | None:
-    """wrap()'s accumulation_steps: "auto" (None: counted) or a count in [1, 65536]."""
-    if isinstance(value, str) and value == "auto":
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_ACCUMULATION_STEPS:
-        raise TrainstreamError(f"accumulation_steps must be 'auto' (the backward passes between two optimizer.step() "
-                               f"are counted) or an integer in [1, {MAX_ACCUMULATION_STEPS}], not {value!r}")
-    return value
-
-
-def check_max_grad_norm(value) -> float | None:
-    """wrap()'s max_grad_norm: None or a number > 0 (inf: the norm is taken, nothing clipped)."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:  # nan too
-        raise TrainstreamError(f"max_grad_norm must be None (no clipping, or the clip_grad_norm_ calls of the loop) "
-                               f"or a number > 0, not {value!r}")
-    return float(value)
-
-
-def default_job_name() -> str:
-    Rank._counter = getattr(Rank, "_counter", 0) + 1
-    return f"{os.uname().nodename}-{os.getpid()}-{Rank._counter}"

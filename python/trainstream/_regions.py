@@ -28,7 +28,7 @@ class Regions:
     def __init__(self, session, params: list[torch.nn.Parameter], dtypes: list[torch.dtype],
                  moment_dtype: torch.dtype, frozen: list[torch.nn.Parameter] = ()):
         """`dtypes`: the dtype the job keeps each parameter's weights and gradients in
-        (_blocks.PagingPlan.job_dtype: its own, or autocast's for a float32 weight paged in it)."""
+        (PagingPlan.job_dtype, paging/blocks.py: its own, or autocast's for a float32 weight paged in it)."""
         self.params = params
         self.dtypes = dtypes
         self.session = session

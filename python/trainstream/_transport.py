@@ -39,8 +39,8 @@ import torch
 
 from trainstream import _C, _layout
 from trainstream._C import TrainstreamError
-from trainstream._pinning import page_ranges
 from trainstream._regions import Regions
+from trainstream.paging.host_pins import page_ranges
 
 
 class Transport(Protocol):

@@ -26,16 +26,20 @@ from typing import Callable
 
 import torch
 
-from trainstream import _blocks, _clipping, _compile, _distributed, _layout, _peers
-from trainstream._activation_offload import ActivationOffload
-from trainstream._activation_offload import check as check_activation_offload
+from trainstream import _clipping, _compile, _layout
 from trainstream._C import TrainstreamError
 from trainstream._connect import Client, check_wait_timeout, connect
 from trainstream._guards import Conversion
-from trainstream._offload_auto import AutoOffload
+from trainstream._job_options import check_accumulation_steps, check_max_grad_norm, default_job_name
 from trainstream._optimizer import OffloadedOptimizer
-from trainstream._rank import Rank, check_accumulation_steps, check_max_grad_norm, default_job_name
-from trainstream._stock import StockOptimizer
+from trainstream._rank import Rank
+from trainstream.activations.offload import ActivationOffload
+from trainstream.activations.offload import check as check_activation_offload
+from trainstream.distributed import group as _distributed
+from trainstream.distributed import peers as _peers
+from trainstream.fallback.offload_auto import AutoOffload
+from trainstream.fallback.stock import StockOptimizer
+from trainstream.paging import blocks as _blocks
 
 log = logging.getLogger("trainstream")
 OFFLOAD_CHOICES = ("auto", True, False)
@@ -75,7 +79,7 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
     by default they come from torchrun's LOCAL_RANK/LOCAL_WORLD_SIZE (and the job name from its run
     id), else, with `distributed="auto"` (the default) or True, from an initialized torch.distributed
     process group of more than one rank: the ranks agree on the node-local ranks, the nodes and the job
-    name over it (see _distributed.py); `distributed=False` ignores both. The daemon averages the ranks'
+    name over it (see distributed/group.py); `distributed=False` ignores both. The daemon averages the ranks'
     gradients: do not also wrap the model in DistributedDataParallel. The training loop stays as it is:
     gradients leave during backward, and the backward passes between two optimizer.step() calls are
     summed (`accumulation_steps="auto"`; a number k says every step has k, which a step's update can then
@@ -264,7 +268,7 @@ def _check_number(option: str, value, allowed: str) -> None:
 
 def _check_paging_sizes(page_prefetch, page_pool_mb) -> None:
     """The paging pool's size: blocks loaded ahead, or MiB; checked whether or not anything pages, so a
-    mistake shows where it was made. Against the GPU's memory: _paging.BlockPager."""
+    mistake shows where it was made. Against the GPU's memory: paging/pager.py's BlockPager."""
     if isinstance(page_prefetch, bool) or not isinstance(page_prefetch, int) or not 0 <= page_prefetch <= 1024:
         raise TrainstreamError(f"page_prefetch must be an integer in [0, 1024] (the blocks loaded while one "
                                f"computes), not {page_prefetch!r}")

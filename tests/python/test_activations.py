@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import trainstream
-from trainstream import _activations, _pinned_buffers
+from trainstream import _pinned_buffers
+from trainstream.activations import paging as _activations
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

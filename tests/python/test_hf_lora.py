@@ -13,8 +13,8 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 import trainstream  # noqa: E402
-from trainstream import _blocks  # noqa: E402
 from trainstream.hf import TrainstreamTrainer  # noqa: E402
+from trainstream.paging import blocks as _blocks  # noqa: E402
 
 CONFIG = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)

@@ -18,8 +18,11 @@ from test_parity import STEPS, adamw, max_difference, mlp, train_both
 from test_parity import mse_step as loss_of
 
 import trainstream
-from trainstream import TrainstreamError, _activation_offload, _blocks, _connect, _offload_auto
+from trainstream import TrainstreamError, _connect
 from trainstream._budget import Budget
+from trainstream.activations import offload as _activation_offload
+from trainstream.fallback import offload_auto as _offload_auto
+from trainstream.paging import blocks as _blocks
 
 
 def schedule(optimizer):

@@ -22,7 +22,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import trainstream
-from trainstream import TrainstreamError, _blocks
+from trainstream import TrainstreamError
+from trainstream.paging import blocks as _blocks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VOCAB, WIDTH = 40, 16

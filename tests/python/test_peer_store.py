@@ -19,7 +19,7 @@ from test_peers import free_port, start_nodes, stop
 from test_ranks import HERE, STEPS, reference
 
 import trainstream
-from trainstream import _peers
+from trainstream.distributed import peers as _peers
 
 
 def start_env_ranks(daemons, tmp_path, ranks_per_node, store_env, *extra, steps=STEPS):

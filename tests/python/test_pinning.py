@@ -1,7 +1,7 @@
-"""Page-locking arithmetic of weight paging (_pinning.py): which pages each group registers, and how a
+"""Page-locking arithmetic of weight paging (paging/host_pins.py): which pages each group registers, and how a
 copy is cut where registrations meet (the driver refuses a copy that spans two). No GPU needed."""
 
-from trainstream._pinning import PAGE, page_ranges, split_at
+from trainstream.paging.host_pins import PAGE, page_ranges, split_at
 
 
 def test_ranges_widen_to_pages_and_merge():

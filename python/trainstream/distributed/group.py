@@ -35,8 +35,8 @@ class Placement:
     rank: int = 0                 # among this node's ranks
     world_size: int = 1           # this node's ranks
     job: str | None = None
-    node_rank: int | None = None  # None: from the environment (_peers.env_node_rank)
-    nodes: int | None = None      # None: from the environment (_peers.env_node_count)
+    node_rank: int | None = None  # None: from the environment (peers.env_node_rank)
+    nodes: int | None = None      # None: from the environment (peers.env_node_count)
     client: Client | None = None
     agreed_name: bool = False     # the job's name was made up here: nobody can resume it
 

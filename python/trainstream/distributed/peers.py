@@ -2,7 +2,7 @@
 
 Explicit (wrap(peers=, node_rank=)), else $TRAINSTREAM_PEERS / $TRAINSTREAM_NODE_RANK. Otherwise, when
 torchrun's environment says the job spans several nodes (WORLD_SIZE > LOCAL_WORLD_SIZE), or the ranks of
-an initialized process group found several hosts (_distributed.py), they are exchanged through the job's
+an initialized process group found several hosts (distributed/group.py), they are exchanged through the job's
 torch.distributed store: local rank 0 of every node sets
 "trainstream/<job>/peer/<node>" to its daemon's advertised address (Client.peer_address, "" when the
 daemon has no peer plane), and every rank reads the keys of all nodes.

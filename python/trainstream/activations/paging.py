@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from trainstream import _paging
 from trainstream._pinned_buffers import BUFFERS, Lease
+from trainstream.paging import pager as _paging
 
 
 class activation_paging(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (used as a context manager)

@@ -25,8 +25,8 @@ import math
 import torch
 
 from trainstream import _budget
-from trainstream._activations import activation_paging
 from trainstream._C import TrainstreamError
+from trainstream.activations.paging import activation_paging
 
 MARGIN = 1.10
 RESERVE = 256 << 20

@@ -6,7 +6,7 @@ stock AdamW fits — its state (exp_avg and exp_avg_sq in the parameters' fp32, 
 gradients, the measured peak, and the parameters that cuda-ipc keeps outside torch's allocator now (they
 move back into it), times MARGIN plus RESERVE, within the memory budget (_budget.py; cuda-ipc's buffers
 count as free, the switch frees them) — the optimizer switches to torch's fused AdamW / Adam (see
-_stock.py): the state moves into it, the daemon's job is dropped, the hooks go. On the CPU there is no
+fallback/stock.py): the state moves into it, the daemon's job is dropped, the hooks go. On the CPU there is no
 allocator counter: the peak counted is the parameters' bytes, and the budget the host's.
 
 Decided once and logged once (logger "trainstream") with the figures it was decided from. It never switches

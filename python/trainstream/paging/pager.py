@@ -98,7 +98,7 @@ def align(n: int) -> int:
 class BlockPager:
     def __init__(self, blocks: list[BlockCopy], device: torch.device, gate: WeightGate, prefetch: int = 2,
                  pool_bytes: int | None = None, pins=None):
-        """`pins`: a _pinning.HostPins with one group per block, in `blocks`' order, that a block's
+        """`pins`: a HostPins (paging/host_pins.py) with one group per block, in `blocks`' order, that a block's
         first copy waits for."""
         if prefetch < 0:
             raise TrainstreamError(f"page_prefetch must be >= 0, not {prefetch}")
@@ -373,7 +373,7 @@ class BlockPager:
 
 
 def block_copies(plan, regions) -> list[BlockCopy]:
-    """What loading each paged block of `plan` (_blocks.PagingPlan) copies: its buckets' weights (each
+    """What loading each paged block of `plan` (paging/blocks.py's PagingPlan) copies: its buckets' weights (each
     paged block's trainable parameters fill buckets of their own) and its frozen parameters, which lie
     one after another in the frozen region."""
     index = {id(p): i for i, p in enumerate(regions.params)}
