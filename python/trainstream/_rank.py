@@ -46,8 +46,8 @@ from trainstream._kept_grads import KeptGradients
 from trainstream._regions import Regions
 from trainstream._staged_copy import copy_to_host
 from trainstream._transport import Transport, describe_device, transport_for, transport_name
-from trainstream.paging import pager as _paging
-from trainstream.paging.host_pins import HostPins
+from trainstream.paging.paged_weights import PagedWeights
+from trainstream.paging.pager import BlockPager, WeightGate
 
 NOT_LAST, LAST, UNKNOWN = 0, 1, 2  # what a GRAD_READY says of its micro-batch (send_grad_ready's `last`)
 
@@ -146,12 +146,15 @@ class Rank:
         self._loads = 0                     # state loads published (they change the weights at the same step)
         self._handles = []
         self.relayout = None  # wrap's: re-attaches the job around a conversion of the model (ApplyGuard)
-        self.pager: _paging.BlockPager | None = None
+        self.paged: PagedWeights | None = None
+        self.pager: BlockPager | None = None  # the paged weights' pager
         self.edits = WeightEdits(self.params, [i for i, p in enumerate(self.params) if id(p) not in paged])
         self._seed_weights(rank)
         started = self._timed("seed", started)
         if paging:
-            self.pager = self._make_pager(page_prefetch, page_pool_mb)
+            self.paged = PagedWeights(paging, self.regions, self.params, model, device, _WeightGate(self),
+                                      page_prefetch, page_pool_mb, self.transport.pins_job_regions)
+            self.pager = self.paged.pager
             started = self._timed("pager", started)
         self.synchronize()
         started = self._timed("first weights", started)
@@ -196,58 +199,18 @@ class Rank:
         else:
             self._mark_all_stale(0)
 
-    def _make_pager(self, prefetch: int, pool_mb: float | None) -> _paging.BlockPager:
-        """The paged parameters become placeholders (their memory is released), their host copies are
-        page-locked in the background (GPU), and the pager's hooks go onto the blocks."""
-        copies = _paging.block_copies(self.paging, self.regions)
-        pins = None
-        if self.device.type == "cuda":
-            frozen_only = self.transport.pins_job_regions
-            groups = [[(t.data_ptr(), r.nbytes) for r in c.ranges if r.frozen or not frozen_only for t in r.copies()]
-                      for c in copies]
-            pins = HostPins(self.device.index or 0, groups)
-        pager = _paging.BlockPager(copies, self.device, _WeightGate(self), prefetch,
-                                   None if pool_mb is None else int(pool_mb * (1 << 20)), pins)
-        self._paging_hooks = _paging.PagingHooks(pager, self.model)
-        self._paged_block = {id(t.param): c.index for c in copies for t in c.tensors}
-        paged = set(self._paged_block)
-        self._paged_names = [(name, p) for name, p in self.model.named_parameters(remove_duplicate=False)
-                             if id(p) in paged]
-        return pager
-
     def model_dtype(self, p: torch.nn.Parameter) -> torch.dtype:
         """The dtype parameter p has for the user (its state dicts' and optimizer state's), which a weight
         paged in autocast's dtype shows only on the GPU."""
         return torch.float32 if id(p) in self.paged_as else p.dtype
-
-    def _paged_host_views(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
-        """Each paged parameter with the job's host copy of its current weights in its model dtype (the
-        master weights of one paged in autocast's dtype)."""
-        index = {id(p): i for i, p in enumerate(self.params)}
-        views = [(p, self.regions.master_view(index[id(p)]) if id(p) in self.paged_as else
-                  self.regions.upload_view(index[id(p)])) for b in self.paging.blocks for p in b.trainable]
-        return views + [(p, v) for (_, p), v in zip(self.paging.frozen, self.regions.frozen_views)]
-
-    def _paged_state_dict(self, state_dict: dict, prefix: str) -> None:
-        """model.state_dict(): a paged parameter's entry is its host weights on the CPU: a copy of a
-        trainable one's (the daemon rewrites them), the job's own memory for a frozen one (it never
-        changes, and peft's adapter checkpoints take the state dict of a whole base they then drop)."""
-        host = {id(p): v for p, v in self._paged_host_views()}
-        frozen = {id(p) for _, p in self.paging.frozen}
-        for name, p in self._paged_names:
-            if prefix + name in state_dict:
-                state_dict[prefix + name] = host[id(p)] if id(p) in frozen else host[id(p)].clone()
 
     def _before_load(self) -> None:
         """model.load_state_dict(), before torch copies into the parameters: the last step's weights are in
         first (taken in later, they would overwrite what loads), and the paged parameters become their host
         copies while torch writes into them; push_weights() publishes them and puts the placeholders back."""
         self._require_idle("load weights")
-        if self.pager is None:
-            return
-        self.pager.evict_all()
-        for p, view in self._paged_host_views():
-            p.data = view
+        if self.paged is not None:
+            self.paged.show_host_copies()
 
     def _mark_all_stale(self, step: int, weights_on_gpu: bool = False) -> None:
         """`weights_on_gpu`: this rank just loaded the master weights from its parameters."""
@@ -378,7 +341,7 @@ class Rank:
         if self._refreshing:
             return
         buckets, blocks, bucket_of = set(), set(), self.regions.bucket_of
-        paged = self._paged_block if self.pager is not None else {}
+        paged = self.paged.block_of if self.paged is not None else {}
         for a in (*args, *kwargs.values()):
             for t in a if isinstance(a, (list, tuple)) else (a,):
                 k = paged.get(id(t))
@@ -441,7 +404,7 @@ class Rank:
         self._handles.append(self.model.register_state_dict_pre_hook(lambda *args, **kwargs: self.synchronize()))
         if self.pager is not None:
             self._handles.append(self.model.register_state_dict_post_hook(
-                lambda module, state_dict, prefix, metadata: self._paged_state_dict(state_dict, prefix)))
+                lambda module, state_dict, prefix, metadata: self.paged.fill_state_dict(state_dict, prefix)))
         self._handles.append(self.model.register_load_state_dict_pre_hook(lambda *args: self._before_load()))
         self._handles.append(self.model.register_load_state_dict_post_hook(lambda module, keys: self.push_weights()))
         self._handles += [ApplyGuard(self, module) for module in self.model.modules()]
@@ -719,16 +682,12 @@ class Rank:
         or on `device`."""
         _live.discard(self)
         self.remove_hooks()
-        if self.pager is not None:
-            self._paging_hooks.remove()
-            self.pager.close()
-            with torch.no_grad():
-                for p, host in self._paged_host_views():
-                    p.data = host.to(device or "cpu", copy=True)
+        if self.paged is not None:
+            self.paged.close(device)
             # The pager and its hooks go now, and with them the pool's GPU memory: the pager's gate
             # refers back to this Rank, so while the Rank kept either, the pool lasted until a garbage
             # collection found the cycle (the next test on the GPU machine found a 75 MB pool still allocated).
-            self.pager = self._paging_hooks = None
+            self.paged = self.pager = None
         self.transport.close()
         self.session.close()
         if drop:
@@ -738,7 +697,7 @@ class Rank:
                 pass
 
 
-class _WeightGate(_paging.WeightGate):
+class _WeightGate(WeightGate):
     """The pager's view of the step protocol: a paged block's host copy may be read once its buckets'
     weights of the step the model must show are published, and not while the daemon may be updating
     them."""
