@@ -32,11 +32,11 @@ def _unscale_grads_(self: GradScaler, optimizer, inv_scale: torch.Tensor, found_
     asked = rank.request_norm(0.0)
 
     def resolve() -> torch.Tensor:
-        _, nonfinite = rank.wait_norm(asked)
+        _, nonfinite = rank.terms.wait(asked)
         return torch.tensor(1.0 if nonfinite else 0.0)
 
     found = PendingScalar(resolve, found_inf.dtype, found_inf.device)
-    rank.read_norm_later(asked, found)
+    rank.terms.read_later(asked, found)
     return {found_inf.device: found}
 
 

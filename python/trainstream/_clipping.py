@@ -94,11 +94,11 @@ def _pending_norm(rank: Rank, asked: tuple[int, int]) -> PendingScalar:
     first = rank.params[0]
 
     def resolve() -> torch.Tensor:
-        norm, _ = rank.wait_norm(asked)
+        norm, _ = rank.terms.wait(asked)
         return torch.tensor(norm, dtype=torch.float64)
 
     norm = PendingScalar(resolve, rank.model_dtype(first), first.device)
-    rank.read_norm_later(asked, norm)
+    rank.terms.read_later(asked, norm)
     return norm
 
 

@@ -29,7 +29,6 @@ of a step went out, before optimizer.step()).
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 import warnings
@@ -45,6 +44,7 @@ from trainstream._guards import ApplyGuard, StaleReadGuard
 from trainstream._kept_grads import KeptGradients
 from trainstream._regions import Regions
 from trainstream._staged_copy import copy_to_host
+from trainstream._step_terms import StepTerms
 from trainstream._transport import Transport, describe_device, transport_for, transport_name
 from trainstream.paging.paged_weights import PagedWeights
 from trainstream.paging.pager import BlockPager, WeightGate
@@ -123,15 +123,7 @@ class Rank:
         self._step_pending = False      # all micro-batches in; optimizer.step() is due
         self._stepped = False           # optimizer.step() ran since the last backward
         self._most_micros = 0           # the most backward passes a step had: what the next ones expect
-        self._grad_factor = 1.0         # what a GradScaler's unscale_ multiplied the step's gradients by
-        self._discards = 0              # zero_grad() calls that dropped this step's gradients
-        # Norms asked for (step, discards before), and the tensors that will read them: the client keeps only
-        # the last few steps' norms, so each step() settles those of the steps before (_settle_norms).
-        self._norm_readers: dict[tuple[int, int], list[weakref.ref]] = {}
-        self._norms: dict[tuple[int, int], tuple[float, bool]] = {}
-        # The step whose norm was asked for, and the max norm the loop's clip_grad_norm_ asked (0: only a
-        # GradScaler's inf check, which wrap(max_grad_norm=...) makes a clipping too)
-        self._norm: tuple[int, float] | None = None
+        self.terms = StepTerms(self.session, max_grad_norm)  # scaling and clipping asked for, the norms' readers
         self.last_grad_norm: torch.Tensor | None = None  # the last clipped step's total norm
         self.compiled_forward = 0  # compiled forwards running with every weight taken in (_compile.py)
         self._in_backward = False
@@ -421,7 +413,7 @@ class Rank:
                 "backward() ran again before optimizer.step(): with accumulation_steps="
                 f"{self.accumulation_steps}, call optimizer.step() after every {self.accumulation_steps} "
                 "backward pass(es), or wrap with accumulation_steps='auto' (the default), which counts them")
-        if self._micro and self._norm is not None:
+        if self._micro and self.terms.norm is not None:
             raise TrainstreamError(
                 "backward() after clip_grad_norm_ (or a GradScaler's unscale_) and before optimizer.step(): "
                 "trainstream clips the sum of every backward pass of a step; clip (and unscale) after the last one")
@@ -569,14 +561,8 @@ class Rank:
                     f"optimizer.step() after {self._micro} of accumulation_steps={self.accumulation_steps} "
                     "micro-batches (wrap with accumulation_steps='auto', the default, to count them)")
             step = self.current_step
-            if self.max_grad_norm is not None and self._norm is None:
-                self.session.send_norm_terms(step, self._micro, self._grad_factor, self.max_grad_norm)
-            self.session.send_commit_terms(step, self._micro, self._grad_factor)
-            self._settle_norms(wait=False)
+            self.terms.commit(step, self._micro)
             self._most_micros = max(self._most_micros, self._micro)
-            self._grad_factor = 1.0
-            self._discards = 0
-            self._norm = None
             for b in range(len(self.buckets)):
                 self._ready_step[b] = self._bucket_step[b]
                 self._bucket_step[b] += 1
@@ -605,73 +591,26 @@ class Rank:
                     "zero_grad() between backward() and optimizer.step() drops the step's gradients, which a job "
                     "spanning nodes cannot (they were all-reduced): call zero_grad() before backward() or after "
                     "optimizer.step()")
-            step = self.current_step
-            self._settle_norms(wait=True)  # the dropped gradients' norms stay what they were for their readers
-            self._discards += 1
-            self.session.discard(step, self._discards)
+            self.terms.discard(self.current_step)
             self._micro = 0
             self._step_pending = False
             self._final_sent.clear()
-            self._grad_factor = 1.0
-            self._norm = None
             self.grads.zero_grad(set_to_none)
 
     def request_norm(self, max_norm: float) -> tuple[int, int]:
         """clip_grad_norm_ (or a GradScaler's inf check, max_norm 0) of this step's gradients: the daemon
-        clips them to `max_norm` and sends their norm; returns what to wait on (wait_norm)."""
+        clips them to `max_norm` and sends their norm; returns what to wait on (terms.wait)."""
         with self._lock:
             if self._in_backward or self._micro == 0:
                 raise TrainstreamError(
                     "the gradient norm is asked for before any backward() of this step (or during one): trainstream "
                     "takes the norm of the step's gradients after its last backward pass")
-            step = self.current_step
-            asked = self._norm[1] if self._norm is not None else 0.0
-            if max_norm > 0 and asked > 0 and max_norm != asked:
-                raise TrainstreamError(f"clip_grad_norm_ called twice in one step (max_norm {asked} and "
-                                       f"{max_norm}): trainstream clips each step once")
-            if max_norm == asked and 0 < max_norm < math.inf:
-                raise TrainstreamError(
-                    f"clip_grad_norm_ called twice in one step (max_norm {max_norm} both times): torch's second call "
-                    "returns the norm of the gradients the first one clipped, which trainstream does not take; clip "
-                    "once a step (the first call returned the norm)")
-            if self.max_grad_norm is not None and max_norm > 0 and max_norm != self.max_grad_norm:
-                raise TrainstreamError(f"clip_grad_norm_ with max_norm={max_norm}, but wrap(max_grad_norm="
-                                       f"{self.max_grad_norm}) clips every step already: drop one of the two")
-            clips_to = self.max_grad_norm if max_norm == 0 and self.max_grad_norm is not None else max_norm
-            if self._norm is None or clips_to > 0:
-                self.session.send_norm_terms(step, self._micro, self._grad_factor, clips_to)
-            self._norm = (step, max(max_norm, asked))
-            return step, self._discards
-
-    def wait_norm(self, asked: tuple[int, int]) -> tuple[float, bool]:
-        """The norm request_norm asked for (times the GradScaler's factor), and whether some gradients are
-        inf or NaN: waits for the daemon."""
-        settled = self._norms.get(asked)
-        return settled if settled is not None else self.session.wait_step_norm(asked[0])
-
-    def read_norm_later(self, asked: tuple[int, int], reader: torch.Tensor) -> None:
-        """`reader` (a PendingScalar) will read the norm `asked` for, maybe steps later."""
-        self._norm_readers.setdefault(asked, []).append(weakref.ref(reader))
-
-    def _settle_norms(self, wait: bool) -> None:
-        """The norms asked for before the step now ending (`wait`: and this one's too, whose gradients
-        zero_grad drops) go to the tensors that will read them, before the client forgets them."""
-        current = (self.current_step, self._discards)
-        for asked in [a for a in self._norm_readers if a != current or wait]:
-            readers = self._norm_readers.pop(asked)
-            alive = [r for r in (ref() for ref in readers) if r is not None]
-            if alive:
-                self._norms[asked] = self.session.wait_step_norm(asked[0])
-                for reader in alive:
-                    reader.value()
-                del self._norms[asked]
+            return self.terms.request_norm(self.current_step, self._micro, max_norm)
 
     def unscale(self, inv_scale: float) -> None:
         """A GradScaler's unscale_: the step's gradients are multiplied by `inv_scale` from now on."""
         with self._lock:
-            if self._norm is not None and inv_scale != 1.0:
-                raise TrainstreamError("a GradScaler's unscale_ after clip_grad_norm_ in the same step: unscale first")
-            self._grad_factor *= inv_scale
+            self.terms.unscale(inv_scale)
 
     def _report_warnings(self) -> None:
         for message in self.session.take_warnings():
