@@ -48,6 +48,7 @@ from trainstream._pinning import HostPins
 from trainstream._regions import Regions
 from trainstream._staged_copy import copy_to_host
 from trainstream._transport import Transport, describe_device, transport_for, transport_name
+from trainstream._watched import Watch, internal
 
 MIN_BUCKET_MB = MIN_BUCKET_BYTES / (1 << 20)  # the daemon's smallest bucket (shm/job_layout.h)
 MAX_BUCKET_MB = 1 << 20  # 1 TiB: larger than any model's parameters, which would all share one bucket
@@ -156,6 +157,7 @@ class Rank:
         self._handles = []
         self.relayout = None  # wrap's: re-attaches the job around a conversion of the model (ApplyGuard)
         self.pager: _paging.BlockPager | None = None
+        self.watch: Watch | None = None  # the parameters' watching (_watched.py), from _install_hooks on
         self.edits = WeightEdits(self.params, [i for i, p in enumerate(self.params) if id(p) not in paged])
         self._seed_weights(rank)
         started = self._timed("seed", started)
@@ -272,7 +274,7 @@ class Rank:
         to the kernels queued from now on the current stream, which may wait for them on the GPU
         (the transport's wait_weights_on_gpu), while this thread goes on."""
         self.session.check_healthy()  # a dead daemon is reported here even when nothing needs waiting for
-        with self._lock:
+        with self._lock, internal():
             self._refreshing = True
             try:
                 for b in buckets:
@@ -290,6 +292,8 @@ class Rank:
                                 self.transport.weights_in(i)
                         self.edits.note(params)
                     self.stale.discard(b)
+                    if self.watch is not None:  # None while attaching
+                        self.watch.refreshed(b)
                 self.transport.weights_done()
             finally:
                 self._refreshing = False
@@ -299,7 +303,8 @@ class Rank:
         """At a forward's start and at optimizer.step(): weights the user changed in place since trainstream
         wrote them (WeightEdits) become the master weights, as torch trains what the parameters hold (the
         moments stay); where that cannot be (a step's gradients are out), refuses."""
-        edited = self.edits.edited()
+        with internal():
+            edited = self.edits.edited()
         if not edited:
             return
         self._refuse_stale_edits(edited)
@@ -413,7 +418,7 @@ class Rank:
 
     def push_weights(self) -> None:
         """Publishes the parameters' current values as the master weights (after model.load_state_dict)."""
-        with self._lock:
+        with self._lock, internal():
             self._require_idle("load weights")
             with torch.no_grad():
                 for i, p in enumerate(self.params):
@@ -440,6 +445,9 @@ class Rank:
         for i, p in enumerate(self.params):
             self._handles.append(p.register_post_accumulate_grad_hook(lambda param, i=i: self._on_grad(i, param)))
         self._index = index = {id(p): i for i, p in enumerate(self.params)}
+        paged = self.paging.paged_ids if self.paging else set()
+        self.watch = Watch(self, {i: p for i, p in enumerate(self.params) if id(p) not in paged})
+        self._handles += self.watch.handles
         guard = StaleReadGuard(self)  # kept by the handles only: it refers back to this Rank
         for module in self.model.modules():
             own = [index[id(p)] for p in module.parameters(recurse=False) if id(p) in index]
@@ -475,6 +483,7 @@ class Rank:
             self._zero_fill = self.grads.to_zero_fill()
         self._in_backward = True
         self._stepped = False
+        self.watch.awaiting_backward = False
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         if self._micro == 0:
             self._write_hparams()
@@ -525,7 +534,7 @@ class Rank:
         self._opened.add(b)
 
     def _on_grad(self, i: int, p: torch.nn.Parameter) -> None:
-        with self._lock:
+        with self._lock, internal():
             if not self._in_backward:
                 self._begin_backward()
             grad = p.grad
@@ -597,7 +606,7 @@ class Rank:
     def step(self) -> None:
         """The step's terms to the daemon, and its weights from now on."""
         self.session.check_healthy()
-        with self._lock:
+        with self._lock, internal():
             if self._in_backward:
                 raise TrainstreamError("optimizer.step() called during backward()")
             self._check_no_hand_made_gradients()
@@ -727,6 +736,7 @@ class Rank:
         """Detaches. Paged parameters get their current weights from the job's host copy: on the CPU,
         or on `device`."""
         _live.discard(self)
+        self.watch.close()
         self.remove_hooks()
         if self.pager is not None:
             self._paging_hooks.remove()
