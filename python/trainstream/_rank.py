@@ -8,7 +8,8 @@ all in is sent (GRAD_READY) at once, the rest at the end of the backward pass. o
 the step's terms (how many backward passes it summed, the loss scale a GradScaler left) and records
 which step's weights each bucket must show; the forward pre-hook of a module waits for its buckets' new
 weights and copies them in, and a parameter the forward reads elsewhere (a parent using a child's weight
-directly) is refreshed when a torch function first gets it (StaleReadGuard).
+directly) is refreshed when a torch function first gets it (StaleReadGuard); outside the forward, the
+parameters are watched (_watched.py: the Rank's Watch) and refreshed the same way.
 
 Accumulation is counted, as p.grad sums backward passes in torch (`accumulation_steps="auto"`): each
 GRAD_READY says whether this rank expects the micro-batch to be the step's last (from the most backward

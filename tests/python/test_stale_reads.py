@@ -206,6 +206,20 @@ def test_p_data_assigned_after_the_step_is_copied_in_and_another_layout_is_refus
     trainstream.unwrap(model)
 
 
+def test_p_data_between_a_forward_and_its_backward_is_torchs_own(client):
+    """An edit through the detached alias of a weight saved for backward would make autograd raise its
+    version error where torch trains on: in that window p.data is torch's (docs/porting.md, "Not caught yet")."""
+    model, optimizer = wrap(make_model(), client)
+    x, y = batch(0)
+    loss = F.mse_loss(model(x), y)
+    version = model.head.weight._version
+    model.head.weight.data.mul_(1.0)
+    assert model.head.weight._version == version
+    loss.backward()
+    optimizer.step()
+    trainstream.unwrap(model)
+
+
 # ----- p.grad -----
 
 def test_p_grad_is_refused_where_torch_would_hold_a_gradient_and_none_elsewhere(client):
