@@ -642,6 +642,7 @@ class Rank:
             self._final_sent.clear()
             self._stepped = True
             self._zeroed = False
+            self.watch.awaiting_backward = False
             self.grads.stepped()
             self.transport.step_done(max(self._ready_step, default=0))
         self._report_warnings()

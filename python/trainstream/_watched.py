@@ -183,7 +183,8 @@ class Watch:
         self.params = list(params.values())
         self.by_bucket = [[params[i] for i in bucket if i in params] for bucket in rank.regions.bucket_params]
         self.depth = 0  # nested forwards of the model
-        self.awaiting_backward = False  # a forward ended with autograd recording, and no backward began since
+        # A forward ended with autograd recording, and no backward nor optimizer.step() came since
+        self.awaiting_backward = False
         ref = weakref.ref(rank)
         for p in self.params:
             _owners[id(p)] = ref
@@ -221,9 +222,9 @@ class Watch:
                         p.__class__ = _Parameter
 
     def _forward_ends(self) -> None:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or not self.depth:  # not: the StaleReadGuard's pre-hook raised first
             return
-        self.depth = max(0, self.depth - 1)  # 0 already: the StaleReadGuard's pre-hook raised before ours ran
+        self.depth -= 1
         if self.depth == 0:
             self.watch_all()
             self.awaiting_backward = torch.is_grad_enabled()

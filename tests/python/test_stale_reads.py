@@ -220,6 +220,22 @@ def test_p_data_between_a_forward_and_its_backward_is_torchs_own(client):
     trainstream.unwrap(model)
 
 
+def test_p_data_after_a_forward_refused_at_its_start_is_still_watched(client):
+    """The forward's end hook runs however it ends: one refused before it began opens no window."""
+    model, optimizer = wrap(make_model(), client)
+    alias = model.head.weight.detach()
+    x, y = batch(0)
+    F.mse_loss(model(x), y).backward()
+    optimizer.step()
+    alias.add_(1.0)
+    with pytest.raises(trainstream.TrainstreamError, match="changed in place while it still showed"):
+        model(x)
+    version = model.head.weight._version
+    model.head.weight.data.mul_(1.0)
+    assert model.head.weight._version != version
+    trainstream.unwrap(model)
+
+
 # ----- p.grad -----
 
 def test_p_grad_is_refused_where_torch_would_hold_a_gradient_and_none_elsewhere(client):
