@@ -129,7 +129,7 @@ class Rank:
         self._ready_step = [0] * len(self.buckets)   # the step whose weights the model must show
         self.stale: set[int] = set()                 # buckets whose new weights are not yet copied in
         self._lock = threading.RLock()  # hooks may run on autograd threads
-        self._refreshing = False        # refresh() runs (its own copies read stale parameters)
+        self._refreshing = None  # the thread whose refresh() runs (its own copies read stale parameters)
         self._micro = 0                 # micro-batches finished in this step
         self._step_pending = False      # all micro-batches in; optimizer.step() is due
         self._stepped = False           # optimizer.step() ran since the last backward
@@ -276,7 +276,7 @@ class Rank:
         (the transport's wait_weights_on_gpu), while this thread goes on."""
         self.session.check_healthy()  # a dead daemon is reported here even when nothing needs waiting for
         with self._lock, internal():
-            self._refreshing = True
+            self._refreshing = threading.get_ident()
             try:
                 for b in buckets:
                     if b not in self.stale:
@@ -297,7 +297,7 @@ class Rank:
                         self.watch.refreshed(b)
                 self.transport.weights_done()
             finally:
-                self._refreshing = False
+                self._refreshing = None
         self._report_warnings()
 
     def take_edits(self) -> None:
@@ -389,8 +389,8 @@ class Rank:
 
     def refresh_read(self, args: tuple, kwargs: dict) -> None:
         """Refreshes the stale buckets of the wrapped parameters among a torch function's arguments
-        (and in lists and tuples among them, as torch.cat's), unless a refresh is running already."""
-        if self._refreshing:
+        (and in lists and tuples among them, as torch.cat's), unless this thread's refresh is running already."""
+        if self._refreshing == threading.get_ident():  # another thread's read waits for that refresh
             return
         buckets, blocks, bucket_of = set(), set(), self.regions.bucket_of
         paged = self._paged_block if self.pager is not None else {}
