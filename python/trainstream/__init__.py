@@ -19,6 +19,7 @@ from trainstream.activations.paging import activation_paging
 _clipping.install()  # clip_grad_norm_ of wrapped parameters clips in the daemon
 _amp.install()  # a GradScaler's check of a wrapped optimizer's gradients is the daemon's
 _compile.install(_wrap.current_rank)  # a compiled forward of a wrapped model takes its weights in before Dynamo runs
+_wrap.install()  # Module.zero_grad of a wrapped model drops the step's gradients in the daemon too
 
 __all__ = ["Client", "TrainstreamError", "activation_paging", "chunked_cross_entropy", "connect", "synchronize",
            "unwrap", "wrap", "__version__"]

@@ -9,6 +9,9 @@ compiled before wrap(), around the compiled call it already has. Any other compi
 model (a compiled training step, say) still sees its weights: the model's first hook then takes them in
 outside the graph (StaleReadGuard._forward_starts), at the cost of one graph break there.
 
+The prologue also makes the parameters plain nn.Parameters until the compiled call returns (_watched.py):
+Dynamo guards on their type, and would compile the forward again for the watched class.
+
 Invariant: a forward that runs compiled starts with no stale weight and the daemon healthy, and a
 failed prologue leaves the model as it was.
 """
@@ -30,12 +33,15 @@ def _prologue(model: torch.nn.Module):
         return None
     rank.take_all()
     rank.compiled_forward += 1
+    rank.watch.plain_all()
     return rank
 
 
 def _epilogue(rank) -> None:
     if rank is not None:
         rank.compiled_forward -= 1
+        if not rank.compiled_forward:
+            rank.watch.watch_all()
 
 
 def _around(model: torch.nn.Module, call):

@@ -6,9 +6,10 @@ daemon, whose next weights would overwrite such a change, so the Rank asks here 
 and at optimizer.step() (_rank.Rank.take_edits) and publishes the changed weights or refuses.
 
 A change is seen by the parameter's version counter: every in-place op on it or on a detached view of
-it bumps it, under torch.no_grad() too. Not seen: writes through `p.data` (it shares no version
-counter), and writes by code that is not torch (numpy views, ctypes) (docs/porting.md, "Not caught
-yet").
+it bumps it, under torch.no_grad() too, and so do writes through `p.data` of a watched parameter (it is
+`p.detach()` there, _watched.py). Not seen: writes through `p.data` between a forward and its backward
+(torch's own `p.data`, which shares no version counter), and writes by code that is not torch (numpy
+views, ctypes) (docs/porting.md, "Not caught yet").
 
 The check runs at every forward's start: 11 us for 150 parameters on the 2-core dev box (a Python loop
 over their `_version`), against the milliseconds of a step.

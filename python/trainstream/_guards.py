@@ -24,6 +24,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from trainstream._C import TrainstreamError
+from trainstream._watched import internal
 
 
 class StaleReadGuard(TorchFunctionMode):
@@ -134,9 +135,11 @@ def _guarded_apply(module: torch.nn.Module, fn, *args, **kwargs):
     rank = _GUARDED.get(module)
     active = _applying.__dict__.setdefault("ranks", set())
     if rank is None or rank in active:
-        return type(module)._apply(module, fn, *args, **kwargs)
+        with internal():  # torch's own `param.data = fn(param)`, on watched parameters (_watched.py)
+            return type(module)._apply(module, fn, *args, **kwargs)
     rank.synchronize()
-    changes = conversions(module, fn, set(map(id, rank.params)))
+    with internal():
+        changes = conversions(module, fn, set(map(id, rank.params)))
     if changes:
         if rank.relayout is None:
             raise TrainstreamError(f"this would turn parameter {changes[0]}, but trainstream keeps its optimizer "
@@ -145,7 +148,8 @@ def _guarded_apply(module: torch.nn.Module, fn, *args, **kwargs):
         return rank.relayout(lambda: type(module)._apply(module, fn, *args, **kwargs), changes)
     active.add(rank)
     try:
-        return type(module)._apply(module, fn, *args, **kwargs)
+        with internal():
+            return type(module)._apply(module, fn, *args, **kwargs)
     finally:
         active.discard(rank)
 

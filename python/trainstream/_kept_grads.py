@@ -12,7 +12,8 @@ second, where torch would add them to the last step's for the first (docs/portin
 the examples and tests written for trainstream rely on it).
 
 Invariant: `kept` holds the parameters whose `p.grad` torch would hold as a tensor now, a loop that
-zeroes at every step assumed.
+zeroes at every step assumed, and `holds(i)` says whether torch holds one for parameter i now (a wrapped
+parameter's `p.grad` is refused there, _watched.py).
 """
 
 
@@ -20,18 +21,26 @@ class KeptGradients:
     def __init__(self):
         self.kept: set[int] = set()
         self.zeroed = True  # zero_grad() since the last step
+        self.live = False  # torch holds the kept gradients now: a backward since the step, or zeroed to zeros
 
     def got(self, i: int) -> None:
         """Parameter i received a gradient in a backward pass."""
         self.kept.add(i)
+        self.live = True
 
     def zero_grad(self, set_to_none: bool) -> None:
         self.zeroed = True
         if set_to_none:
             self.kept.clear()
+        self.live = bool(self.kept)
 
     def stepped(self) -> None:
         self.zeroed = False
+        self.live = False  # optimizer.step() empties p.grad (wrap's contract)
+
+    def holds(self, i: int) -> bool:
+        """Whether torch would hold a gradient tensor in parameter i's p.grad now."""
+        return self.live and i in self.kept
 
     def to_zero_fill(self) -> set[int]:
         """At a step's first backward pass: the parameters whose gradient torch sums into a zero `p.grad`

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from trainstream._C import TrainstreamError
+from trainstream._watched import internal
 from trainstream.fallback.stock import StockOptimizer
 
 _BACKEND_FLAGS = ("fused", "foreach")  # kept from the stock optimizer's groups when a state dict loads
@@ -120,9 +121,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         # Gradients leave through the hooks: those of the step so far are dropped in the daemon, and
         # whatever is left here (a parameter outside the model's backward, say) is cleared like torch does.
         self._rank.zero_grad(set_to_none)
-        for group in self.param_groups:
-            for p in group["params"]:
-                p.grad = None
+        with internal():
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.grad = None
 
     def add_param_group(self, param_group: dict) -> None:
         if self._stock is not None:

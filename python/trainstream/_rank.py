@@ -8,7 +8,8 @@ all in is sent (GRAD_READY) at once, the rest at the end of the backward pass. o
 the step's terms (how many backward passes it summed, the loss scale a GradScaler left) and records
 which step's weights each bucket must show; the forward pre-hook of a module waits for its buckets' new
 weights and copies them in, and a parameter the forward reads elsewhere (a parent using a child's weight
-directly) is refreshed when a torch function first gets it (StaleReadGuard).
+directly) is refreshed when a torch function first gets it (StaleReadGuard); outside the forward, the
+parameters are watched (_watched.py: the Rank's Watch) and refreshed the same way.
 
 Accumulation is counted, as p.grad sums backward passes in torch (`accumulation_steps="auto"`): each
 GRAD_READY says whether this rank expects the micro-batch to be the step's last (from the most backward
@@ -46,6 +47,7 @@ from trainstream._regions import Regions
 from trainstream._staged_copy import copy_to_host
 from trainstream._step_terms import StepTerms
 from trainstream._transport import Transport, describe_device, transport_for, transport_name
+from trainstream._watched import Watch, internal
 from trainstream.paging.paged_weights import PagedWeights
 from trainstream.paging.pager import BlockPager, WeightGate
 
@@ -118,7 +120,7 @@ class Rank:
         self._ready_step = [0] * len(self.buckets)   # the step whose weights the model must show
         self.stale: set[int] = set()                 # buckets whose new weights are not yet copied in
         self._lock = threading.RLock()  # hooks may run on autograd threads
-        self._refreshing = False        # refresh() runs (its own copies read stale parameters)
+        self._refreshing = None  # the thread whose refresh() runs (its own copies read stale parameters)
         self._micro = 0                 # micro-batches finished in this step
         self._step_pending = False      # all micro-batches in; optimizer.step() is due
         self._stepped = False           # optimizer.step() ran since the last backward
@@ -140,6 +142,7 @@ class Rank:
         self.relayout = None  # wrap's: re-attaches the job around a conversion of the model (ApplyGuard)
         self.paged: PagedWeights | None = None
         self.pager: BlockPager | None = None  # the paged weights' pager
+        self.watch: Watch | None = None  # the parameters' watching (_watched.py), from _install_hooks on
         self.edits = WeightEdits(self.params, [i for i, p in enumerate(self.params) if id(p) not in paged])
         self._seed_weights(rank)
         started = self._timed("seed", started)
@@ -218,8 +221,8 @@ class Rank:
         to the kernels queued from now on the current stream, which may wait for them on the GPU
         (the transport's wait_weights_on_gpu), while this thread goes on."""
         self.session.check_healthy()  # a dead daemon is reported here even when nothing needs waiting for
-        with self._lock:
-            self._refreshing = True
+        with self._lock, internal():
+            self._refreshing = threading.get_ident()
             try:
                 for b in buckets:
                     if b not in self.stale:
@@ -236,16 +239,19 @@ class Rank:
                                 self.transport.weights_in(i)
                         self.edits.note(params)
                     self.stale.discard(b)
+                    if self.watch is not None:  # None while attaching
+                        self.watch.refreshed(b)
                 self.transport.weights_done()
             finally:
-                self._refreshing = False
+                self._refreshing = None
         self._report_warnings()
 
     def take_edits(self) -> None:
         """At a forward's start and at optimizer.step(): weights the user changed in place since trainstream
         wrote them (WeightEdits) become the master weights, as torch trains what the parameters hold (the
         moments stay); where that cannot be (a step's gradients are out), refuses."""
-        edited = self.edits.edited()
+        with internal():
+            edited = self.edits.edited()
         if not edited:
             return
         self._refuse_stale_edits(edited)
@@ -329,8 +335,8 @@ class Rank:
 
     def refresh_read(self, args: tuple, kwargs: dict) -> None:
         """Refreshes the stale buckets of the wrapped parameters among a torch function's arguments
-        (and in lists and tuples among them, as torch.cat's), unless a refresh is running already."""
-        if self._refreshing:
+        (and in lists and tuples among them, as torch.cat's), unless this thread's refresh is running already."""
+        if self._refreshing == threading.get_ident():  # another thread's read waits for that refresh
             return
         buckets, blocks, bucket_of = set(), set(), self.regions.bucket_of
         paged = self.paged.block_of if self.paged is not None else {}
@@ -359,7 +365,7 @@ class Rank:
 
     def push_weights(self) -> None:
         """Publishes the parameters' current values as the master weights (after model.load_state_dict)."""
-        with self._lock:
+        with self._lock, internal():
             self._require_idle("load weights")
             with torch.no_grad():
                 for i, p in enumerate(self.params):
@@ -386,6 +392,9 @@ class Rank:
         for i, p in enumerate(self.params):
             self._handles.append(p.register_post_accumulate_grad_hook(lambda param, i=i: self._on_grad(i, param)))
         self._index = index = {id(p): i for i, p in enumerate(self.params)}
+        paged = self.paging.paged_ids if self.paging else set()
+        self.watch = Watch(self, {i: p for i, p in enumerate(self.params) if id(p) not in paged})
+        self._handles += self.watch.handles
         guard = StaleReadGuard(self)  # kept by the handles only: it refers back to this Rank
         for module in self.model.modules():
             own = [index[id(p)] for p in module.parameters(recurse=False) if id(p) in index]
@@ -421,6 +430,7 @@ class Rank:
             self._zero_fill = self.grads.to_zero_fill()
         self._in_backward = True
         self._stepped = False
+        self.watch.awaiting_backward = False
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         if self._micro == 0:
             self._write_hparams()
@@ -471,7 +481,7 @@ class Rank:
         self._opened.add(b)
 
     def _on_grad(self, i: int, p: torch.nn.Parameter) -> None:
-        with self._lock:
+        with self._lock, internal():
             if not self._in_backward:
                 self._begin_backward()
             grad = p.grad
@@ -543,7 +553,7 @@ class Rank:
     def step(self) -> None:
         """The step's terms to the daemon, and its weights from now on."""
         self.session.check_healthy()
-        with self._lock:
+        with self._lock, internal():
             if self._in_backward:
                 raise TrainstreamError("optimizer.step() called during backward()")
             self._check_no_hand_made_gradients()
@@ -572,6 +582,7 @@ class Rank:
             self._final_sent.clear()
             self._stepped = True
             self._zeroed = False
+            self.watch.awaiting_backward = False
             self.grads.stepped()
             self.transport.step_done(max(self._ready_step, default=0))
         self._report_warnings()
@@ -620,6 +631,7 @@ class Rank:
         """Detaches. Paged parameters get their current weights from the job's host copy: on the CPU,
         or on `device`."""
         _live.discard(self)
+        self.watch.close()
         self.remove_hooks()
         if self.paged is not None:
             self.paged.close(device)

@@ -19,7 +19,6 @@ import logging
 import math
 import random
 import time
-import types
 import weakref
 from dataclasses import dataclass
 from typing import Callable
@@ -33,6 +32,7 @@ from trainstream._guards import Conversion
 from trainstream._job_options import check_accumulation_steps, check_max_grad_norm, default_job_name
 from trainstream._optimizer import OffloadedOptimizer
 from trainstream._rank import Rank
+from trainstream._watched import internal
 from trainstream.activations.offload import ActivationOffload
 from trainstream.activations.offload import check as check_activation_offload
 from trainstream.distributed import group as _distributed
@@ -205,7 +205,6 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
     w = Wrapped(model, wrapped, attach, auto_named, world_size * max(1, len(peers)), max_grad_norm,
                 own_client=own_client)
     _wrapped[model] = w
-    model.zero_grad = types.MethodType(_zero_grad, model)  # the Hugging Face Trainer's way to zero them
     _compile.adopt(model)
     r.relayout = functools.partial(_relayout, w)
     if state is not None:
@@ -251,13 +250,36 @@ def _rehome(holder, inner: torch.optim.Optimizer, wrapped: OffloadedOptimizer):
     return holder
 
 
-def _zero_grad(model: torch.nn.Module, set_to_none: bool = True) -> None:
-    """model.zero_grad() of a wrapped model: as optimizer.zero_grad(), the step's gradients so far are
-    dropped in the daemon too. A copy of the model (copy.deepcopy) is not wrapped and zeroes its own."""
-    w = _wrapped.get(model)
-    if w is not None and w.optimizer._rank is not None:
-        w.optimizer._rank.zero_grad(set_to_none)
-    torch.nn.Module.zero_grad(model, set_to_none)
+_torch_zero_grad = torch.nn.Module.zero_grad
+
+
+def _zero_grad(module: torch.nn.Module, set_to_none: bool = True) -> None:
+    """Module.zero_grad() (the Hugging Face Trainer's way to zero them) of a module holding a wrapped model's
+    parameters, all of them: as optimizer.zero_grad(), the step's gradients so far are dropped in the daemon
+    too; some of them, between backward and step: refused (a step's gradients are dropped whole). torch's
+    own then clears the other parameters' p.grad, past the watched parameters' refusal of p.grad after
+    backward (_watched.py). A copy of the model (copy.deepcopy) is not wrapped and zeroes its own."""
+    if _wrapped:
+        ids = {id(p) for p in module.parameters()}
+        for w in list(_wrapped.values()):
+            r = w.optimizer._rank
+            if r is None:
+                continue
+            mine = sum(id(p) in ids for p in r.params)
+            if mine == len(r.params):
+                r.zero_grad(set_to_none)
+            elif mine and (r._micro or r._in_backward):
+                raise TrainstreamError(
+                    f"zero_grad() of a module holding {mine} of the {len(r.params)} parameters of a wrapped model, "
+                    "between backward() and optimizer.step(): trainstream drops a step's gradients for the whole "
+                    "model; call model.zero_grad() or optimizer.zero_grad()")
+    with internal():
+        _torch_zero_grad(module, set_to_none)
+
+
+def install() -> None:
+    """Module.zero_grad of modules holding wrapped parameters drops their step's gradients in the daemon."""
+    torch.nn.Module.zero_grad = _zero_grad
 
 
 def _check_number(option: str, value, allowed: str) -> None:
@@ -510,7 +532,6 @@ def unwrap(model: torch.nn.Module, device: str | torch.device | None = None) -> 
         w.optimizer._stock.max_grad_norm = None
         w.optimizer._stock.clear_grads = False
     del _wrapped[model]
-    model.__dict__.pop("zero_grad", None)
     return model
 
 

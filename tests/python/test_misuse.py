@@ -108,7 +108,10 @@ def test_stats_name_each_ranks_transport(client):
 def test_gradients_leave_the_parameters(client):
     model, opt = trainstream.wrap(*model_and_adamw(), client=client)
     backward(model)
-    assert all(p.grad is None for p in model.parameters())
+    with trainstream._watched.internal():  # what p.grad holds
+        assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(trainstream.TrainstreamError, match="read after backward"):  # not a silent None
+        model.weight.grad  # noqa: B018
 
 
 def test_nonfinite_gradients_are_reported_without_clipping(client):

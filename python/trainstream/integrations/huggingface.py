@@ -73,6 +73,12 @@ class TrainstreamMixin:
                 **self.trainstream_options)
         return self.optimizer
 
+    def _has_mixed_mesh_grads(self, model) -> bool:
+        """transformers asks (once, from p.grad after backward) whether the gradients span several device
+        meshes; a wrapped model's are in the daemon, none a DTensor, and its watched parameters refuse p.grad
+        reads there (_watched.py)."""
+        return False
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         chunked = None
         if (self.chunked_loss and model.training and not return_outputs and "labels" in inputs
