@@ -125,7 +125,7 @@ class Rank:
         self._step_pending = False      # all micro-batches in; optimizer.step() is due
         self._stepped = False           # optimizer.step() ran since the last backward
         self._most_micros = 0           # the most backward passes a step had: what the next ones expect
-        self.terms = StepTerms(self.session, max_grad_norm)  # scaling and clipping asked for, the norms' readers
+        self.terms = StepTerms(self.session, max_grad_norm, self.groups)  # hyperparameters, scaling, clipping
         self.last_grad_norm: torch.Tensor | None = None  # the last clipped step's total norm
         self.compiled_forward = 0  # compiled forwards running with every weight taken in (_compile.py)
         self._in_backward = False
@@ -136,7 +136,6 @@ class Rank:
         self._zeroed = False  # zero_grad(set_to_none=True) since the last step: a step without backward does nothing
         self.grads = KeptGradients()  # the p.grad torch would keep: zero gradients to send
         self._zero_fill: set[int] = set()  # at the step's first backward pass: those it must send
-        self._hparams_written: list[tuple] = []  # the param groups' values at the step's first backward
         self._loads = 0                     # state loads published (they change the weights at the same step)
         self._handles = []
         self.relayout = None  # wrap's: re-attaches the job around a conversion of the model (ApplyGuard)
@@ -433,32 +432,9 @@ class Rank:
         self.watch.awaiting_backward = False
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         if self._micro == 0:
-            self._write_hparams()
+            self.terms.write_hparams(set(self._bucket_step))
         elif self.accumulation_steps is None:
             self.session.send_more_micro(self.current_step, self._micro - 1)  # that one was not the last
-
-    def _hparams_now(self) -> list[tuple]:
-        return [(float(g["lr"]), *map(float, g["betas"]), float(g["eps"]), float(g["weight_decay"]))
-                for g in self.groups]
-
-    def _write_hparams(self) -> None:
-        """The param groups' current values (LR schedulers change them between steps)."""
-        self._hparams_written = self._hparams_now()
-        for step in set(self._bucket_step):
-            for g, values in enumerate(self._hparams_written):
-                self.session.set_hparams(step, g, *values)
-
-    def _check_hparams_unchanged(self) -> None:
-        """optimizer.step(): the update may have started with the values of the step's first backward (the
-        daemon reads them then), so a change since cannot apply to this step as torch would apply it."""
-        names = ("lr", "beta1", "beta2", "eps", "weight_decay")
-        for g, (now, written) in enumerate(zip(self._hparams_now(), self._hparams_written)):
-            for name, a, b in zip(names, written, now):
-                if a != b:
-                    raise TrainstreamError(
-                        f"optimizer.step(): param group {g}'s {name} changed from {a} to {b} after this step's first "
-                        "backward(), which the step's update already uses: change hyperparameters after "
-                        "optimizer.step() (a scheduler's step()) or before the step's first backward()")
 
     def _check_no_hand_made_gradients(self) -> None:
         """Gradients reach the daemon from backward()'s hooks only; one put into p.grad by hand (from
@@ -565,7 +541,7 @@ class Rank:
                         "gradients twice (or, after zero_grad(set_to_none=False), zeros), but they left for the "
                         "daemon during backward and are gone; call backward() before every optimizer.step()")
                 return  # no gradients (yet, or zero_grad() dropped them): torch's step() does nothing either
-            self._check_hparams_unchanged()
+            self.terms.check_hparams_unchanged()
             if self.accumulation_steps is not None and not self._step_pending:
                 raise TrainstreamError(
                     f"optimizer.step() after {self._micro} of accumulation_steps={self.accumulation_steps} "

@@ -1,12 +1,14 @@
-"""What a step tells the daemon besides its gradients (docs/architecture.md, "Step protocol"): the
-multiplier a GradScaler's unscale_ left on them, the norm clip_grad_norm_ (or the scaler's inf check)
-asked for and what to clip it to, and at optimizer.step() the micro-batch count; and the tensors that
-will read the norms the daemon sends back.
+"""What a step tells the daemon besides its gradients (docs/architecture.md, "Step protocol"): its param
+groups' hyperparameters, the multiplier a GradScaler's unscale_ left on the gradients, the norm
+clip_grad_norm_ (or the scaler's inf check) asked for and what to clip it to, and at optimizer.step() the
+micro-batch count; and the tensors that will read the norms the daemon sends back.
 
 The Rank owns one per job and calls it under its lock, with the step and micro-batch count it keeps.
-Invariants: a step's norm terms go out at most once with a clipping (a second clip_grad_norm_ is
-refused), before its commit terms; a norm asked for is read from the daemon before the client forgets it
-(it keeps the last few steps'), whether the step commits or zero_grad() drops its gradients.
+Invariants: a step's hyperparameters are those of its first backward pass (the daemon may start the
+update with them), so a change before optimizer.step() is refused there; a step's norm terms go out at
+most once with a clipping (a second clip_grad_norm_ is refused), before its commit terms; a norm asked for
+is read from the daemon before the client forgets it (it keeps the last few steps'), whether the step
+commits or zero_grad() drops its gradients.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from trainstream._C import TrainstreamError
 
 
 class StepTerms:
-    def __init__(self, session, max_grad_norm: float | None):
+    def __init__(self, session, max_grad_norm: float | None, groups: list[dict]):
         self.session = session
+        self.groups = groups  # the optimizer's param_groups: LR schedulers change them between steps
+        self._hparams: list[tuple] = []  # the groups' values at the step's first backward
         self.max_grad_norm = max_grad_norm  # wrap()'s: every step clipped to it
         self.grad_factor = 1.0  # what a GradScaler's unscale_ multiplied the step's gradients by
         self.discards = 0       # zero_grad() calls that dropped this step's gradients
@@ -32,6 +36,30 @@ class StepTerms:
         # the last few steps' norms, so each step settles those of the steps before (settle).
         self._readers: dict[tuple[int, int], list[weakref.ref]] = {}
         self._settled: dict[tuple[int, int], tuple[float, bool]] = {}
+
+    def write_hparams(self, steps: set[int]) -> None:
+        """At a step's first backward pass: the param groups' current values, for the steps its buckets
+        collect."""
+        self._hparams = self._hparams_now()
+        for step in steps:
+            for g, values in enumerate(self._hparams):
+                self.session.set_hparams(step, g, *values)
+
+    def check_hparams_unchanged(self) -> None:
+        """optimizer.step(): the update may have started with the values of the step's first backward (the
+        daemon reads them then), so a change since cannot apply to this step as torch would apply it."""
+        names = ("lr", "beta1", "beta2", "eps", "weight_decay")
+        for g, (now, written) in enumerate(zip(self._hparams_now(), self._hparams)):
+            for name, a, b in zip(names, written, now):
+                if a != b:
+                    raise TrainstreamError(
+                        f"optimizer.step(): param group {g}'s {name} changed from {a} to {b} after this step's first "
+                        "backward(), which the step's update already uses: change hyperparameters after "
+                        "optimizer.step() (a scheduler's step()) or before the step's first backward()")
+
+    def _hparams_now(self) -> list[tuple]:
+        return [(float(g["lr"]), *map(float, g["betas"]), float(g["eps"]), float(g["weight_decay"]))
+                for g in self.groups]
 
     def unscale(self, inv_scale: float) -> None:
         """A GradScaler's unscale_: the step's gradients are multiplied by `inv_scale` from now on."""
