@@ -27,7 +27,7 @@ def _unscale_grads_(self: GradScaler, optimizer, inv_scale: torch.Tensor, found_
                     allow_fp16: bool) -> dict:
     if not isinstance(optimizer, OffloadedOptimizer) or not optimizer.offloaded:
         return _torch_unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16)
-    rank = optimizer._rank
+    rank = optimizer.job_rank
     rank.unscale(float(inv_scale))  # 1.0 from the scaler's own check before a step without unscale_
     asked = rank.request_norm(0.0)
 

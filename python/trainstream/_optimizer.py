@@ -61,6 +61,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         return self._rank is not None
 
     @property
+    def job_rank(self):
+        """This process's Rank of the daemon's job (_rank.py) while the state is there, else None."""
+        return self._rank
+
+    @property
     def stock(self) -> torch.optim.Optimizer | None:
         """The torch optimizer holding the state once it left the daemon."""
         return self._stock.optimizer if self._stock is not None else None
@@ -160,6 +165,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._rank = None
         self.state = stock.state
 
+    def end_contract(self) -> None:
+        """unwrap() with the state in torch: the stock optimizer no longer clips to wrap's max_grad_norm nor
+        empties p.grad after a step (wrap's contract)."""
+        self._stock.max_grad_norm = None
+        self._stock.clear_grads = False
+
     def use_rank(self, rank) -> None:
         """A new job holds the state (the model was re-attached with another layout)."""
         self._rank = rank
@@ -211,7 +222,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 if key != "params" and key not in skip:
                     group[key] = value
         if self._rank is not None:
-            self._rank._publish()
+            self._rank.publish()
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
@@ -243,7 +254,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def _load_into_daemon(self, saved: dict) -> None:
         rank = self._rank
-        rank._require_idle("load an optimizer state dict")
+        rank.require_idle("load an optimizer state dict")
         regions = rank.regions
         paged = rank.paging.paged_ids if rank.paging else set()  # their master weights are the current ones
         with torch.no_grad():

@@ -59,7 +59,7 @@ _live: "weakref.WeakSet[Rank]" = weakref.WeakSet()  # attached ranks, for the ta
 def rank_of(param: torch.Tensor) -> "Rank | None":
     """The attached Rank whose job trains `param`, if one does."""
     for rank in list(_live):
-        if id(param) in rank._index:
+        if id(param) in rank.param_index:
             return rank
     return None
 
@@ -202,7 +202,7 @@ class Rank:
         """model.load_state_dict(), before torch copies into the parameters: the last step's weights are in
         first (taken in later, they would overwrite what loads), and the paged parameters become their host
         copies while torch writes into them; push_weights() publishes them and puts the placeholders back."""
-        self._require_idle("load weights")
+        self.require_idle("load weights")
         if self.paged is not None:
             self.paged.show_host_copies()
 
@@ -257,7 +257,7 @@ class Rank:
         if self._micro or self._in_backward or self._step_pending:
             self.edits.note(edited)  # refused: not kept, and not refused again
             raise TrainstreamError(
-                f"parameter {self._name(edited[0])} was changed in place between backward() and optimizer.step(): "
+                f"parameter {self.param_name(edited[0])} was changed in place between backward() and optimizer.step(): "
                 "the daemon updates the weights it holds with this step's gradients, so torch's update of the "
                 "changed weights cannot be had, and the change is not kept; change weights after "
                 "optimizer.step() or before the step's first backward()")
@@ -271,11 +271,11 @@ class Rank:
         if stale:
             self.edits.note(stale)  # refused: the new weights replace it, and it is not refused again
             raise TrainstreamError(
-                f"parameter {self._name(stale[0])} was changed in place while it still showed the weights before the "
-                "last optimizer.step() (trainstream brings the new ones in at the next read), so the change is not "
+                f"parameter {self.param_name(stale[0])} was changed in place while it still showed the weights before "
+                "the last optimizer.step() (trainstream brings the new ones in at the next read), so the change is not "
                 "kept: call trainstream.synchronize(model) after optimizer.step(), then change the weights")
 
-    def _name(self, i: int) -> str:
+    def param_name(self, i: int) -> str:
         p = self.params[i]
         name = next((n for n, q in self.model.named_parameters() if q is p), f"{i}")
         return f"'{name}'"
@@ -345,7 +345,7 @@ class Rank:
                 if k is not None:
                     blocks.add(k)
                     continue
-                i = self._index.get(id(t))
+                i = self.param_index.get(id(t))
                 if i is not None and bucket_of[i] in self.stale:
                     buckets.add(bucket_of[i])
         if buckets:
@@ -365,22 +365,22 @@ class Rank:
     def push_weights(self) -> None:
         """Publishes the parameters' current values as the master weights (after model.load_state_dict)."""
         with self._lock, internal():
-            self._require_idle("load weights")
+            self.require_idle("load weights")
             with torch.no_grad():
                 for i, p in enumerate(self.params):
                     self.regions.master_view(i).copy_(p.detach())
             self.edits.note_all()  # published
             if self.pager is not None:
                 self.pager.release_all()
-            self._publish()
+            self.publish()
 
-    def _publish(self) -> None:
+    def publish(self) -> None:
         step = self.session.completed_step
         self.session.send_load_state(step)
         self._mark_all_stale(step, weights_on_gpu=True)
         self.synchronize()
 
-    def _require_idle(self, what: str) -> None:
+    def require_idle(self, what: str) -> None:
         if self._micro or self._in_backward or self._step_pending:
             raise TrainstreamError(f"cannot {what} in the middle of a step (after backward, before optimizer.step())")
         self.synchronize()
@@ -390,7 +390,7 @@ class Rank:
     def _install_hooks(self) -> None:
         for i, p in enumerate(self.params):
             self._handles.append(p.register_post_accumulate_grad_hook(lambda param, i=i: self._on_grad(i, param)))
-        self._index = index = {id(p): i for i, p in enumerate(self.params)}
+        self.param_index = index = {id(p): i for i, p in enumerate(self.params)}
         paged = self.paging.paged_ids if self.paging else set()
         self.watch = Watch(self, {i: p for i, p in enumerate(self.params) if id(p) not in paged})
         self._handles += self.watch.handles

@@ -139,10 +139,10 @@ def _grad(func, args: tuple):
     grad = func(p)
     if grad is not None:  # set by hand
         return grad
-    i = rank._index[id(p)]
+    i = rank.param_index[id(p)]
     if rank.grads.holds(i):
         raise TrainstreamError(
-            f"p.grad of wrapped parameter {rank._name(i)} read after backward(): its gradient left for the daemon "
+            f"p.grad of wrapped parameter {rank.param_name(i)} read after backward(): its gradient left for the daemon "
             "during backward and is not kept on this side. For the gradient norm use the value "
             "torch.nn.utils.clip_grad_norm_ returns (or optimizer.last_grad_norm); to read per-parameter gradients "
             "call trainstream.unwrap(model) (training with torch's optimizer)")
@@ -165,7 +165,7 @@ def _data(func, args: tuple):
         got = f"{value.dtype} {tuple(value.shape)} on {value.device}" if isinstance(value, torch.Tensor) else \
             type(value).__name__
         raise TrainstreamError(
-            f"p.data = a tensor of {got} for wrapped parameter {rank._name(rank._index[id(p)])} ({p.dtype} "
+            f"p.data = a tensor of {got} for wrapped parameter {rank.param_name(rank.param_index[id(p)])} ({p.dtype} "
             f"{tuple(p.shape)} on {p.device}): trainstream keeps the parameter's optimizer state in its layout and "
             "copies a p.data of the same shape, dtype and device into it; call trainstream.unwrap(model), convert, "
             "then wrap again")

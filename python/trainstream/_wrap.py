@@ -262,7 +262,7 @@ def _zero_grad(module: torch.nn.Module, set_to_none: bool = True) -> None:
     if _wrapped:
         ids = {id(p) for p in module.parameters()}
         for w in list(_wrapped.values()):
-            r = w.optimizer._rank
+            r = w.optimizer.job_rank
             if r is None:
                 continue
             mine = sum(id(p) in ids for p in r.params)
@@ -340,7 +340,7 @@ def _check_parameters_are_the_models(model: torch.nn.Module, optimizer: torch.op
                 raise TrainstreamError(f"param group {gi} holds a parameter of shape {tuple(p.shape)} that is not a "
                                        "parameter of the model: pass the optimizer over this model's parameters")
             if id(p) in taken:
-                r = taken[id(p)].optimizer._rank
+                r = taken[id(p)].optimizer.job_rank
                 owner = f"job {r.job!r}" if r is not None else "in torch"
                 raise TrainstreamError(f"a parameter of shape {tuple(p.shape)} (param group {gi}) is already trained "
                                        f"by another wrapped model ({owner}): wrapped models cannot share parameters; "
@@ -404,7 +404,7 @@ def _leave_daemon(w: Wrapped, *, fused: bool | None, contract: bool, drop: bool,
 
 def _switch(w: Wrapped) -> None:
     """offload="auto" decided for stock AdamW (a single rank: the job is this process's alone)."""
-    client = w.optimizer._rank.client
+    client = w.optimizer.job_rank.client
     _leave_daemon(w, fused=True, contract=True, drop=True, force=True)
     if w.own_client:
         _stop_unused_private_daemon(client)
@@ -432,7 +432,7 @@ def _relayout(w: Wrapped, convert: Callable[[], torch.nn.Module], changes: list[
     again around `convert()` in the parameters' new dtype or device, with the old job's fp32 master weights,
     moments and step counts copied in exactly; the parameters then take the master weights in their new
     dtype. Refused before anything changes when the new layout is not one trainstream takes."""
-    r = w.optimizer._rank
+    r = w.optimizer.job_rank
     if r.pager is not None:
         raise TrainstreamError("cannot convert a model whose weights page (param_offload): call "
                                "trainstream.unwrap(model, device=...) first, convert, then wrap again")
@@ -440,7 +440,7 @@ def _relayout(w: Wrapped, convert: Callable[[], torch.nn.Module], changes: list[
         raise TrainstreamError(f"cannot convert one of the {w.ranks} ranks of a data-parallel job: convert the model "
                                "before trainstream.wrap on every rank")
     _check_conversions(r.params, changes)
-    r._require_idle("convert the model")
+    r.require_idle("convert the model")
     regions = r.regions
     saved = [(regions.master_view(i), *regions.moment_views(i), regions.param_step(i)) for i in range(len(r.params))]
     before = {str(p.dtype) + " on " + str(p.device) for p in r.params}
@@ -455,7 +455,7 @@ def _relayout(w: Wrapped, convert: Callable[[], torch.nn.Module], changes: list[
             moments[0].copy_(exp_avg)
             moments[1].copy_(exp_avg_sq)
             new.regions.set_param_step(i, steps)
-    new._publish()
+    new.publish()
     new.relayout = functools.partial(_relayout, w)
     w.optimizer.use_rank(new)
     after = {str(p.dtype) + " on " + str(p.device) for p in new.params}
@@ -491,11 +491,11 @@ def _wrapped_of(model: torch.nn.Module) -> Wrapped:
 def current_rank(model: torch.nn.Module) -> Rank | None:
     """The Rank whose hooks `model` has now: none when it is not wrapped or its optimizer runs in torch."""
     w = _wrapped.get(model)
-    return w.optimizer._rank if w is not None else None
+    return w.optimizer.job_rank if w is not None else None
 
 
 def _rank_of(model: torch.nn.Module) -> Rank:
-    r = _wrapped_of(model).optimizer._rank
+    r = _wrapped_of(model).optimizer.job_rank
     if r is None:
         raise TrainstreamError("this model's optimizer state is not in trainstreamd (offload=False, or "
                                "offload='auto' switched to stock AdamW)")
@@ -520,7 +520,7 @@ def unwrap(model: torch.nn.Module, device: str | torch.device | None = None) -> 
     if w.activations is not None:
         w.activations.remove()
     w.optimizer.after_step.clear()
-    r = w.optimizer._rank
+    r = w.optimizer.job_rank
     if r is not None:
         r.synchronize()
         where = torch.device(device) if device is not None else None
@@ -529,8 +529,7 @@ def unwrap(model: torch.nn.Module, device: str | torch.device | None = None) -> 
                      where or "cpu", "" if device is not None else " (pass device= to bring them to the GPU)")
         _leave_daemon(w, fused=None, contract=False, drop=w.auto_named, device=where)
     else:
-        w.optimizer._stock.max_grad_norm = None
-        w.optimizer._stock.clear_grads = False
+        w.optimizer.end_contract()
     del _wrapped[model]
     return model
 
@@ -538,7 +537,7 @@ def unwrap(model: torch.nn.Module, device: str | torch.device | None = None) -> 
 @atexit.register
 def _drop_auto_named_jobs() -> None:
     for w in list(_wrapped.values()):
-        r = w.optimizer._rank
+        r = w.optimizer.job_rank
         if r is None or not w.auto_named:
             continue
         try:

@@ -87,7 +87,7 @@ class AutoOffload:
         self.switch = switch
         self.ranks = ranks
         self.times: list[float] = []
-        device = optimizer._rank.device
+        device = optimizer.job_rank.device
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         self.last = time.perf_counter()
@@ -99,7 +99,7 @@ class AutoOffload:
         if len(self.times) < MEASURED_STEPS:
             return
         self.optimizer.after_step.remove(self.after_step)
-        rank = self.optimizer._rank
+        rank = self.optimizer.job_rank
         if rank is None:
             return  # left the daemon already
         steps = ", ".join(f"{1000 * t:.1f}" for t in self.times)
