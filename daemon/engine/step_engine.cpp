@@ -54,13 +54,12 @@ StepEngine::StepEngine(std::string job_name, const shm::LayoutSpec& spec, const 
       trace_(std::move(trace)),
       state_segment_(state_segment),
       ranks_(spec.world_size),
-      buckets_(layout.buckets.size()),
       had_grad_(spec.params.size(), 0),
       accumulator_(state.accum),
       adopted_(adopted) {
-  for (size_t b = 0; b < buckets_.size(); ++b) {
-    buckets_[b].step = state_.bucket_state[b].Load().step + 1;
-    buckets_[b].delivered.assign(spec.world_size, 0);
+  buckets_.reserve(layout.buckets.size());
+  for (size_t b = 0; b < layout.buckets.size(); ++b) {
+    buckets_.emplace_back(state_.bucket_state[b].Load().step + 1, spec.world_size);
   }
   completed_ = CompletedStep();
   thread_ = std::thread([this] { Loop(); });
@@ -187,9 +186,7 @@ uint64_t StepEngine::Resume() {
 
 bool StepEngine::Settled() const {
   if (loading_) return false;
-  return std::none_of(buckets_.begin(), buckets_.end(), [](const BucketProgress& progress) {
-    return progress.phase == Phase::kBusy || progress.pushes > 0;
-  });
+  return std::all_of(buckets_.begin(), buckets_.end(), [](const BucketLifecycle& bucket) { return bucket.Settled(); });
 }
 
 void StepEngine::RunResumes() {
@@ -207,7 +204,7 @@ void StepEngine::ResumeNow(std::function<void(uint64_t)> reply) {
   const uint64_t completed = CompletedStep();
   std::vector<uint32_t> rolled_back, kept;
   for (uint32_t b = 0; b < buckets_.size(); ++b) {
-    BucketProgress& progress = buckets_[b];
+    BucketLifecycle& progress = buckets_[b];
     const shm::BucketCommit commit = state_.bucket_state[b].Load();
     // The dead daemon may have been writing it; a trainer that went away, its gradients into it.
     const bool had_gradients = layout_.buckets[b].grads_in_upload && state_.header->initialized != 0;
@@ -235,7 +232,7 @@ void StepEngine::ResumeNow(std::function<void(uint64_t)> reply) {
   }
   std::vector<uint32_t> rewrite;
   for (uint32_t b = 0; b < buckets_.size(); ++b) {
-    BucketProgress& progress = buckets_[b];
+    BucketLifecycle& progress = buckets_[b];
     if (!progress.upload_dirty) continue;
     progress.upload_dirty = false;
     if (!layout_.buckets[b].uploads_from_master()) rewrite.push_back(b);
@@ -245,8 +242,7 @@ void StepEngine::ResumeNow(std::function<void(uint64_t)> reply) {
   auto done = std::make_shared<std::function<void(uint64_t)>>(std::move(reply));
   for (const uint32_t b : rewrite) {
     UploadCommitted(b, [this, b, remaining, done, completed] {
-      buckets_[b].phase = Phase::kCollecting;
-      buckets_[b].pass = Pass::kNone;
+      buckets_[b].Idle();
       if (--*remaining == 0) (*done)(completed);
     });
   }
@@ -254,8 +250,7 @@ void StepEngine::ResumeNow(std::function<void(uint64_t)> reply) {
 
 // Bucket b's upload region from its committed master weights, on the pool; then `done`.
 void StepEngine::UploadCommitted(uint32_t b, std::function<void()> done) {
-  buckets_[b].phase = Phase::kBusy;
-  buckets_[b].pass = Pass::kUpload;
+  buckets_[b].Begin(Pass::kUpload);
   Schedule(
       b, 0, [](uint32_t) { return true; },
       [passes = &passes_, half = &state_.Committed(b)](size_t, const Block& block) {
@@ -297,38 +292,23 @@ void StepEngine::FailSessions(const std::string& message) {
 void StepEngine::ResetCollecting(const std::string& reason) {
   bool discarded = false;
   for (uint32_t b = 0; b < buckets_.size(); ++b) {
-    BucketProgress& progress = buckets_[b];
-    const bool discardable_pass =
-        progress.pass == Pass::kAccumulate || progress.pass == Pass::kNorm || progress.pass == Pass::kSpeculate;
-    if (progress.phase == Phase::kCollecting) {
-      if (progress.delivered_count == 0 && progress.micro == 0) continue;
-      RestartBucket(b);
-    } else if (progress.phase == Phase::kAwaitingDecision && progress.plan != nullptr && !Revocable(b)) {
-      // Updated in place before its step's decision: it commits as it ran, and the replayed step skips
-      // it (SkipReplayedStep), as a one-half job's buckets that committed before a rank left always did.
-      CommitBucket(b, progress.step, progress.plan->to);
-      continue;
-    } else if (progress.phase == Phase::kAwaitingDecision) {
-      Abandon(b);
-    } else if (progress.streaming && GradientBytesIn(b) < layout_.buckets[b].bytes()) {
-      // Its update started with its first gradients (or waits to start), and the rest will not come:
-      // it ends with the pieces still running (OnPieceWritten), or now, and what it wrote is dropped.
-      progress.pending.reset();
-      if (progress.updating && progress.update != nullptr && progress.update->unfinished > 0) {
-        progress.discard = true;
-      } else {
+    BucketLifecycle& bucket = buckets_[b];
+    const BucketLifecycle::Dropped dropped = bucket.OnRankLeft(Revocable(b), layout_.buckets[b].bytes(), completed_);
+    discarded |= dropped.discards;
+    switch (dropped.drop) {
+      case BucketLifecycle::Drop::kRestart: RestartBucket(b); break;
+      case BucketLifecycle::Drop::kCommitAsRan: CommitBucket(b, bucket.step, bucket.plan->to); break;
+      case BucketLifecycle::Drop::kAbandon: Abandon(b); break;
+      case BucketLifecycle::Drop::kDropPending:
+        bucket.pending.reset();
         Abandon(b);
-      }
-    } else if (progress.pending && (progress.pending->second == Pass::kSpeculate || progress.step > completed_ + 1)) {
-      progress.pending.reset();  // held back by the skew bound: the step before cannot complete now
-      Abandon(b);
-    } else if (discardable_pass && !progress.pending) {
-      progress.discard = true;  // Discarded() restarts it when its pass ends
-    } else {
-      discarded |= progress.phase == Phase::kBusy && progress.pass != Pass::kUpload;  // commits, a step ahead
-      continue;
+        break;
+      case BucketLifecycle::Drop::kAtPassEnd:
+        bucket.pending.reset();
+        bucket.discard = true;  // Discarded() restarts it when its pass ends
+        break;
+      default: break;
     }
-    discarded = true;
   }
   gates_.clear();  // no step with a gate left can complete: decided gates are gone already
   more_step_ = 0;
@@ -347,16 +327,7 @@ void StepEngine::ResetCollecting(const std::string& reason) {
 
 // Forgets what bucket b collected of its current step: it collects that step (progress.step) from scratch.
 void StepEngine::RestartBucket(uint32_t b) {
-  BucketProgress& progress = buckets_[b];
-  progress.phase = Phase::kCollecting;
-  progress.pass = Pass::kNone;
-  progress.micro = 0;
-  progress.delivered_count = 0;
-  std::fill(progress.delivered.begin(), progress.delivered.end(), 0);
-  progress.streaming = false;
-  progress.grad_bytes = 0;
-  progress.flags = 0;
-  progress.accumulated = progress.held = progress.from_accum = progress.take_back = false;
+  buckets_[b].Restart();
   for (uint32_t p : layout_.buckets[b].params) had_grad_[p] = 0;
   for (const auto& channel : ranks_) {
     if (channel) channel->staged[b] = channel->pulled[b] = 0;
@@ -366,21 +337,18 @@ void StepEngine::RestartBucket(uint32_t b) {
 // Bucket b's step is abandoned before its commit: a speculative update it wrote is dropped (the other
 // half is not read; the upload region holds its weights until Resume rewrites it).
 void StepEngine::Abandon(uint32_t b) {
-  BucketProgress& progress = buckets_[b];
+  BucketLifecycle& bucket = buckets_[b];
   ForgetSpeculated(b);
-  if (progress.plan != nullptr) {
-    progress.updating = false;
-    progress.upload_dirty = !layout_.buckets[b].uploads_from_master();
-    progress.plan.reset();
+  if (bucket.plan != nullptr) {
+    bucket.upload_dirty = false;  // set again below where the upload region holds what it wrote
+    bucket.Forget(!layout_.buckets[b].uploads_from_master());
   }
-  progress.update.reset();
+  bucket.update.reset();
   RestartBucket(b);
 }
 
 bool StepEngine::Discarded(uint32_t b) {
-  BucketProgress& progress = buckets_[b];
-  if (!progress.discard) return false;
-  progress.discard = false;
+  if (!buckets_[b].TakeDiscard()) return false;
   Abandon(b);
   RunResumes();
   MaybeFinishDiscard();
@@ -456,7 +424,7 @@ void StepEngine::OnGradReady(RankChannel& channel, const shm::Message& message) 
   const uint32_t b = message.bucket;
   TS_CHECK(b < buckets_.size(), Code::kInvalidArgument, "GRAD_READY for bucket {}, but the job has {} buckets", b,
            buckets_.size());
-  BucketProgress& progress = buckets_[b];
+  BucketLifecycle& progress = buckets_[b];
   TS_CHECK(!loading_, Code::kFailedPrecondition, "GRAD_READY for bucket {} while a state load is in progress", b);
   TS_CHECK(message.step == progress.step, Code::kInvalidArgument,
            "GRAD_READY for bucket {} of step {}, but that bucket expects step {}", b, message.step, progress.step);
@@ -521,7 +489,7 @@ void StepEngine::PullThenDeliver(const std::shared_ptr<RankChannel>& channel, ui
             return FailRank(*channel,
                             fmt::format("copying bucket {}'s gradients from the GPU failed: {}", b, error->what()));
           }
-          BucketProgress& progress = buckets_[b];
+          BucketLifecycle& progress = buckets_[b];
           if (progress.step != step || progress.micro != micro ||
               (progress.phase != Phase::kCollecting && !progress.streaming)) {
             return;
@@ -544,19 +512,16 @@ void StepEngine::PullThenDeliver(const std::shared_ptr<RankChannel>& channel, ui
 }
 
 void StepEngine::Deliver(RankChannel& channel, uint32_t b) {
-  BucketProgress& progress = buckets_[b];
-  progress.delivered[channel.rank] = 1;
-  ++progress.delivered_count;
   for (uint32_t p : layout_.buckets[b].params) had_grad_[p] |= channel.view.presence[p] != 0 ? 1 : 0;
-  if (progress.delivered_count == spec_.world_size) OnBucketDelivered(b);
+  if (buckets_[b].Deliver(channel.rank)) OnBucketDelivered(b);
 }
 
 void StepEngine::OnBucketDelivered(uint32_t b) {
-  BucketProgress& progress = buckets_[b];
+  BucketLifecycle& progress = buckets_[b];
   const Last last = LastMicro(b);
   if (last == Last::kUnknown) return Hold(b);
   if (last == Last::kYes) HParamsFor(progress.step);  // refuse bad hyperparameters before any work starts
-  progress.phase = Phase::kBusy;
+  progress.phase = Phase::kBusy;                      // its pass is named below
   if (last == Last::kNo) return StartAccumulate(b);
   if (spec_.nodes() > 1) return StartReduce(b);
   AfterGradients(b);
@@ -565,7 +530,7 @@ void StepEngine::OnBucketDelivered(uint32_t b) {
 // A fixed count says it; else what the step's ranks said (its terms' count, another backward pass),
 // else what the micro-batch's ranks expect.
 StepEngine::Last StepEngine::LastMicro(uint32_t b) {
-  const BucketProgress& progress = buckets_[b];
+  const BucketLifecycle& progress = buckets_[b];
   if (spec_.accumulation_steps != 0) return progress.micro + 1 == spec_.accumulation_steps ? Last::kYes : Last::kNo;
   if (more_step_ == progress.step && progress.micro < more_micros_) return Last::kNo;
   const auto gate = gates_.find(progress.step);
@@ -579,10 +544,8 @@ StepEngine::Last StepEngine::LastMicro(uint32_t b) {
 // Its ranks cannot tell whether this micro-batch is the step's last: its gradients stay in the slots
 // until the step's terms (then they are) or another backward pass (then they are accumulated) say.
 void StepEngine::Hold(uint32_t b) {
-  BucketProgress& progress = buckets_[b];
-  progress.phase = Phase::kAwaitingDecision;
-  progress.pass = Pass::kNone;
-  progress.held = true;
+  BucketLifecycle& progress = buckets_[b];
+  progress.Hold();
   const auto gate = gates_.find(progress.step);
   if (gate != gates_.end() && gate->second.NormsNeeded()) StartNorm(b);
 }
@@ -687,18 +650,13 @@ void StepEngine::TouchState() {
 }
 
 void StepEngine::StartAccumulate(uint32_t b) {
-  buckets_[b].phase = Phase::kBusy;
-  buckets_[b].pass = Pass::kAccumulate;
+  buckets_[b].Begin(Pass::kAccumulate);
   const int64_t started = trace_ ? StepTrace::Now() : 0;
   AccumulateSlots(b, [this, b, started] {
     if (Discarded(b)) return;
-    BucketProgress& progress = buckets_[b];
-    const uint32_t micro = progress.micro++;
+    BucketLifecycle& progress = buckets_[b];
+    const uint32_t micro = progress.EndAccumulate();
     if (trace_) trace_->Record({SpanKind::kAccumulate, b, progress.step, micro, started, StepTrace::Now()});
-    progress.delivered_count = 0;
-    std::fill(progress.delivered.begin(), progress.delivered.end(), 0);
-    progress.phase = Phase::kCollecting;
-    progress.pass = Pass::kNone;
     PostToAll(shm::Message{.kind = shm::MessageKind::kSlotFree, .bucket = b, .step = progress.step, .micro = micro});
     if (HoldAccumulated(b)) MaybeDecide(progress.step);
   });
@@ -707,7 +665,7 @@ void StepEngine::StartAccumulate(uint32_t b) {
 // The step's terms say it summed as many micro-batches as bucket b has accumulated: its last gradients
 // are all in the accumulator, and it waits for the decision as a held bucket does.
 bool StepEngine::HoldAccumulated(uint32_t b) {
-  BucketProgress& progress = buckets_[b];
+  BucketLifecycle& progress = buckets_[b];
   const auto gate = gates_.find(progress.step);
   if (gate == gates_.end() || gate->second.terms().micro_batches == 0) return false;
   if (progress.phase != Phase::kCollecting || !progress.accumulated || progress.delivered_count != 0 ||
@@ -721,7 +679,7 @@ bool StepEngine::HoldAccumulated(uint32_t b) {
 
 // Multi-node: this node's sum goes into the accumulator, then around the ring of daemons.
 void StepEngine::StartReduce(uint32_t b) {
-  buckets_[b].pass = Pass::kReduce;
+  buckets_[b].Begin(Pass::kReduce);
   AccumulateSlots(b, [this, b] {
     const shm::BucketLayout& bucket = layout_.buckets[b];
     ++inflight_;  // the all-reduce works on the accumulator
@@ -813,9 +771,8 @@ Sources StepEngine::FinalSlots(uint32_t b) {
 // The squares of the bucket's last gradients (all of the step's, the accumulator's included), before any
 // update: the decision then says what the update applies (or whether it runs).
 void StepEngine::StartNorm(uint32_t b) {
-  BucketProgress& progress = buckets_[b];
-  progress.phase = Phase::kBusy;
-  progress.pass = Pass::kNorm;
+  BucketLifecycle& progress = buckets_[b];
+  progress.Begin(Pass::kNorm);
   const float scale = 1.0f / static_cast<float>(spec_.world_size * spec_.nodes());
   auto include = [this](uint32_t p) { return had_grad_[p] != 0; };
   auto partial = std::make_shared<std::vector<double>>(BlocksOf(b, include)->size(), 0.0);
@@ -833,10 +790,9 @@ void StepEngine::StartNorm(uint32_t b) {
 
 void StepEngine::OnNormed(uint32_t b, double sum_of_squares, bool nonfinite) {
   if (Discarded(b)) return;
-  BucketProgress& progress = buckets_[b];
+  BucketLifecycle& progress = buckets_[b];
   if (progress.take_back) return Revoke(b);
-  progress.phase = Phase::kAwaitingDecision;
-  progress.pass = Pass::kNone;
+  progress.AwaitDecision();
   GateOf(progress.step).AddNorm(b, sum_of_squares, nonfinite, 1.0f);
   MaybeDecide(progress.step);
 }
@@ -845,10 +801,9 @@ void StepEngine::OnNormed(uint32_t b, double sum_of_squares, bool nonfinite) {
 // the squares. Once the step is decided, MaybeDecide commits, redoes or takes it back.
 void StepEngine::OnSpeculated(uint32_t b, double sum_of_squares, bool nonfinite) {
   if (Discarded(b)) return;
-  BucketProgress& progress = buckets_[b];
+  BucketLifecycle& progress = buckets_[b];
   if (progress.take_back) return Revoke(b);
-  progress.phase = Phase::kAwaitingDecision;
-  progress.pass = Pass::kNone;
+  progress.AwaitDecision();
   const uint64_t step = progress.step;
   StepGate& gate = GateOf(step);
   if (progress.plan->with_norm) gate.AddNorm(b, sum_of_squares, nonfinite, progress.plan->multiplier);
@@ -864,7 +819,7 @@ void StepEngine::OnSpeculated(uint32_t b, double sum_of_squares, bool nonfinite)
 void StepEngine::StartMissingNorms(uint64_t step) {
   StepGate& gate = GateOf(step);
   for (uint32_t b = 0; b < buckets_.size(); ++b) {
-    const BucketProgress& progress = buckets_[b];
+    const BucketLifecycle& progress = buckets_[b];
     if (progress.step == step && progress.phase == Phase::kAwaitingDecision && !gate.HasNorm(b)) StartNorm(b);
   }
 }
@@ -896,7 +851,7 @@ void StepEngine::Count(uint64_t step, const StepGate& gate, const StepDecision& 
   last_factor_ = gate.terms().factor;
   last_needed_norms_ = gate.NormsNeeded();
   bool written = false, changed = false;
-  for (const BucketProgress& progress : buckets_) {
+  for (const BucketLifecycle& progress : buckets_) {
     if (progress.step != step || progress.plan == nullptr || progress.phase != Phase::kAwaitingDecision) continue;
     written = true;
     changed |= progress.plan->multiplier != decision.multiplier;
@@ -911,7 +866,7 @@ void StepEngine::Count(uint64_t step, const StepGate& gate, const StepDecision& 
 // forward needs first. A bucket whose pass still runs settles when it ends (its end sees the step decided),
 // one whose last gradients are still coming when they are in (AfterGradients).
 void StepEngine::Settle(uint32_t b, const StepDecision& decision) {
-  BucketProgress& progress = buckets_[b];
+  BucketLifecycle& progress = buckets_[b];
   const uint64_t step = progress.step;
   if (progress.phase != Phase::kAwaitingDecision) return;
   progress.held = false;
@@ -932,18 +887,14 @@ void StepEngine::Settle(uint32_t b, const StepDecision& decision) {
 }
 
 void StepEngine::TakeBack(uint32_t b) {
-  BucketProgress& progress = buckets_[b];
   ForgetSpeculated(b);
-  progress.updating = false;
-  progress.upload_dirty |= !layout_.buckets[b].uploads_from_master();
-  progress.plan.reset();
-  progress.update.reset();
+  buckets_[b].Forget(!layout_.buckets[b].uploads_from_master());
 }
 
 // Another backward pass follows the micro-batch bucket b holds: taken back where an update ran on it
 // (that fails the job where it ran in place), its gradients accumulated, and the bucket collects the next.
 void StepEngine::Revoke(uint32_t b) {
-  BucketProgress& progress = buckets_[b];
+  BucketLifecycle& progress = buckets_[b];
   progress.take_back = false;
   progress.held = false;
   if (progress.plan != nullptr) {
@@ -967,30 +918,6 @@ void StepEngine::Diverge(const std::string& why) {
   FailSessions(why);
 }
 
-// The update of bucket b's step: scalars per parameter (step counts written into the half it writes),
-// from the committed half into the other (the same with one half).
-std::shared_ptr<StepEngine::UpdatePlan> StepEngine::PlanUpdate(uint32_t b) {
-  auto plan = std::make_shared<UpdatePlan>();
-  plan->step = buckets_[b].step;
-  plan->from = state_.bucket_state[b].Load().half;
-  plan->to = OtherHalf(plan->from);
-  plan->scalars.resize(spec_.params.size());
-  plan->updated.assign(spec_.params.size(), 0);
-  const shm::StateHalf& from = state_.halves[plan->from];
-  const shm::StateHalf& to = state_.halves[plan->to];
-  const shm::HParams* hparams = HParamsFor(plan->step);
-  const bool decoupled = spec_.optimizer == shm::OptimizerKind::kAdamW;
-  for (uint32_t p : layout_.buckets[b].params) {
-    const uint64_t steps = from.param_state[p].step + (had_grad_[p] != 0 ? 1 : 0);
-    to.param_state[p].step = steps;
-    if (!had_grad_[p]) continue;
-    plan->updated[p] = 1;
-    const shm::HParams& h = hparams[spec_.params[p].group];
-    plan->scalars[p] = optimizer::AdamWStep::For(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, decoupled, steps);
-  }
-  return plan;
-}
-
 // Reads bucket b's committed half and writes the other (the same half, in place, with one half): the
 // parameters with a gradient get their update, the others their state carried over unchanged (with one
 // half there is nothing to carry), from g = multiplier x the averaged gradients. kSpeculate also sums
@@ -1002,19 +929,19 @@ std::shared_ptr<StepEngine::UpdatePlan> StepEngine::PlanUpdate(uint32_t b) {
 // The update waits while a GPU still reads the bucket's weights of the last step, and until every bucket
 // has committed the step before (the skew bound, see the header).
 void StepEngine::StartUpdate(uint32_t b, float multiplier, Pass pass) {
-  BucketProgress& progress = buckets_[b];
+  BucketLifecycle& progress = buckets_[b];
   if (state_.bucket_state[b].Load().step >= progress.step) return SkipReplayedStep(b);
-  progress.phase = Phase::kBusy;
-  progress.pass = pass;
-  if (progress.pushes > 0 || progress.step > completed_ + 1) {
-    progress.pending = {multiplier, pass};
-    return;
-  }
+  progress.Begin(pass);
+  if (progress.pushes > 0 || progress.step > completed_ + 1) return progress.HoldBack(multiplier, pass);
   progress.pending.reset();
   if (pass == Pass::kRedo) ForgetSpeculated(b);  // no push reads the half now (pushes hold updates back)
   progress.updating = true;
   progress.update_started = std::chrono::steady_clock::now();
-  if (pass != Pass::kRedo) progress.plan = PlanUpdate(b);
+  if (pass != Pass::kRedo) {
+    const uint32_t from = state_.bucket_state[b].Load().half;
+    progress.plan = PlanUpdate(spec_, layout_, state_, b, progress.step, from, OtherHalf(from),
+                               HParamsFor(progress.step), had_grad_);
+  }
   const std::shared_ptr<UpdatePlan> plan = progress.plan;
   plan->multiplier = multiplier;
   plan->with_norm =
@@ -1048,14 +975,14 @@ void StepEngine::StartUpdate(uint32_t b, float multiplier, Pass pass) {
   };
   auto update = std::make_shared<RunningUpdate>();
   update->blocks = blocks;
-  update->pieces = UpdatePieces(b, *blocks);
+  update->pieces = SplitIntoPieces(layout_, b, *blocks, PieceBytes(b));
   update->piece_written.assign(update->pieces.size(), 0);
   update->work = Traced(SpanKind::kUpdateBlock, b, plan->step, std::move(work));
   update->finish = [this, b, plan, speculative, partial, nonfinite, norm_nonfinite] {
     if (speculative) return OnSpeculated(b, Total(*partial), norm_nonfinite->load());
     OnUpdated(b, plan->step, plan->to, nonfinite->load());
   };
-  progress.update = std::move(update);
+  progress.StartUpdate(std::move(update));
   for (const auto& channel : ranks_) {
     if (channel) channel->streamed[b] = 0;
   }
@@ -1073,44 +1000,24 @@ std::function<void(size_t, const Block&)> StepEngine::Traced(SpanKind kind, uint
 }
 
 void StepEngine::ScheduleReadyPieces(uint32_t b) {
-  BucketProgress& progress = buckets_[b];
-  if (!progress.updating || progress.update == nullptr) return;  // not started yet (held back)
-  RunningUpdate& update = *progress.update;
-  const uint64_t gradients = GradientBytesIn(b);
-  for (; update.scheduled < update.pieces.size(); ++update.scheduled) {
-    const uint32_t k = update.scheduled;
-    const uint64_t end = update.pieces[k].second;
-    if (end > gradients) break;
-    const size_t first = k == 0 ? 0 : update.pieces[k - 1].first;
-    ++update.unfinished;
-    ScheduleBlocks(update.blocks, first, update.pieces[k].first, static_cast<int64_t>(b), update.work,
-                   [this, b, k, running = progress.update] {
+  BucketLifecycle& bucket = buckets_[b];
+  if (!bucket.updating || bucket.update == nullptr) return;  // not started yet (held back)
+  RunningUpdate& update = *bucket.update;
+  const auto [first, end] = update.TakeReady(bucket.GradientBytesIn(layout_.buckets[b].bytes()));
+  for (uint32_t k = first; k < end; ++k) {
+    ScheduleBlocks(update.blocks, update.FirstBlock(k), update.pieces[k].first, static_cast<int64_t>(b), update.work,
+                   [this, b, k, running = bucket.update] {
                      if (buckets_[b].update == running) OnPieceWritten(b, k);
                    });
   }
 }
 
-std::vector<std::pair<size_t, uint64_t>> StepEngine::UpdatePieces(uint32_t b, const std::vector<Block>& blocks) const {
-  const shm::BucketLayout& bucket = layout_.buckets[b];
-  uint64_t piece_bytes = bucket.bytes();
+uint64_t StepEngine::PieceBytes(uint32_t b) const {
+  uint64_t piece_bytes = layout_.buckets[b].bytes();
   for (const auto& channel : ranks_) {
     if (channel && channel->transfer != nullptr) piece_bytes = std::min(piece_bytes, channel->transfer->slot_bytes());
   }
-  std::vector<std::pair<size_t, uint64_t>> pieces;
-  const uint64_t element = SizeOf(bucket.dtype);
-  size_t first = 0;  // the first block of the piece being filled
-  for (size_t i = 0; i < blocks.size(); ++i) {
-    const Block& block = blocks[i];
-    const uint64_t begin = (layout_.params[block.param].offset_in_bucket + block.begin) * element;
-    // A piece ends before the block that would take it past the next multiple of a slot, so that it
-    // reads no gradients of the slot after: its update can run once the slots up to its end are in.
-    if (i > first && begin + block.count * element > (pieces.size() + 1) * piece_bytes) {
-      pieces.emplace_back(i, begin);
-      first = i;
-    }
-  }
-  pieces.emplace_back(blocks.size(), bucket.bytes());
-  return pieces;
+  return piece_bytes;
 }
 
 // Piece k of bucket b's update is written: with the pieces before it, it may go to the GPUs (a bucket
@@ -1118,18 +1025,15 @@ std::vector<std::pair<size_t, uint64_t>> StepEngine::UpdatePieces(uint32_t b, co
 // The update ends with its last piece, or, abandoned while waiting for gradients, with the last piece
 // that was running.
 void StepEngine::OnPieceWritten(uint32_t b, uint32_t k) {
-  BucketProgress& progress = buckets_[b];
-  RunningUpdate& update = *progress.update;
-  update.piece_written[k] = 1;
-  while (update.written < update.pieces.size() && update.piece_written[update.written] != 0) ++update.written;
-  --update.unfinished;
+  RunningUpdate& update = *buckets_[b].update;
+  const RunningUpdate::PieceEnd end = update.MarkWritten(k);
   if (update.pieces.size() > 1) {
     for (const auto& channel : ranks_) {
       if (channel && channel->transfer != nullptr) MaybePush(channel, b);
     }
   }
-  if (update.unfinished > 0) return;
-  if (update.scheduled < update.pieces.size()) {
+  if (end == RunningUpdate::PieceEnd::kRunning) return;
+  if (end == RunningUpdate::PieceEnd::kWaitsForGradients) {
     Discarded(b);  // waits for gradients, unless its rank is gone
     return;
   }
@@ -1140,22 +1044,17 @@ void StepEngine::OnPieceWritten(uint32_t b, uint32_t k) {
 }
 
 bool StepEngine::StreamsGradients(uint32_t b) {
-  const BucketProgress& progress = buckets_[b];
+  const BucketLifecycle& progress = buckets_[b];
   if (spec_.world_size != 1 || spec_.nodes() != 1 || spec_.state_halves != 2) return false;
   if (LastMicro(b) != Last::kYes) return false;
   const StepGate& gate = GateOf(progress.step);
   return gate.Decided() || !gate.NormsNeeded() || gate.speculative();
 }
 
-uint64_t StepEngine::GradientBytesIn(uint32_t b) const {
-  const BucketProgress& progress = buckets_[b];
-  return progress.streaming ? progress.grad_bytes : layout_.buckets[b].bytes();
-}
-
 // Updates held back (pushes, the skew bound) whose wait is over, from the highest bucket down.
 void StepEngine::StartPendingUpdates() {
   for (uint32_t b = static_cast<uint32_t>(buckets_.size()); b-- > 0;) {
-    const BucketProgress& progress = buckets_[b];
+    const BucketLifecycle& progress = buckets_[b];
     if (progress.pending && progress.pushes == 0 && progress.step <= completed_ + 1) {
       StartUpdate(b, progress.pending->first, progress.pending->second);
     }
@@ -1189,12 +1088,9 @@ void StepEngine::OnUpdated(uint32_t b, uint64_t step, uint32_t half, bool nonfin
 void StepEngine::CommitBucket(uint32_t b, uint64_t step, uint32_t half) {
   state_.bucket_state[b].Store({.step = step, .half = half});
   if (trace_) trace_->Mark(SpanKind::kCommit, b, step, half);
-  BucketProgress& progress = buckets_[b];
-  progress.updating = false;
-  progress.upload_dirty = false;
-  progress.plan.reset();
-  progress.step = step + 1;
-  RestartBucket(b);  // collects the next step from scratch
+  BucketLifecycle& progress = buckets_[b];
+  progress.Committed(step);  // collects the next step from scratch
+  RestartBucket(b);
   updates_++;
   const uint64_t completed_before = completed_;
   AdvanceCompleted();  // before the last PARAMS_READY: a client may read it then
@@ -1232,7 +1128,7 @@ void StepEngine::AnnounceCommitted() {
 // died mid-step, and the trainer replayed the step): its gradients are not applied again, its current
 // weights go back.
 void StepEngine::SkipReplayedStep(uint32_t b) {
-  BucketProgress& progress = buckets_[b];
+  BucketLifecycle& progress = buckets_[b];
   const uint64_t step = progress.step;
   progress.step = step + 1;
   RestartBucket(b);
@@ -1272,10 +1168,8 @@ void StepEngine::OnStepTerms(RankChannel& channel, const shm::Message& message) 
            "step {} summed {} backward passes, but rank(s) said another came after the {}th", step, message.micro,
            more_micros_);
   for (uint32_t b = 0; b < buckets_.size(); ++b) {
-    const BucketProgress& progress = buckets_[b];
-    const bool collected =
-        progress.delivered_count > 0 || (progress.phase != Phase::kCollecting && !progress.from_accum);
-    const uint32_t seen = progress.micro + (collected ? 1 : 0);  // micro-batches it has of the step
+    const BucketLifecycle& progress = buckets_[b];
+    const uint32_t seen = progress.MicrosSeen();
     TS_CHECK(progress.step != step || seen <= message.micro, Code::kInvalidArgument,
              "step {} summed {} backward passes, but bucket {} has {} already", step, message.micro, b, seen);
   }
@@ -1307,7 +1201,7 @@ void StepEngine::OnMoreMicro(RankChannel& channel, const shm::Message& message) 
   more_micros_ = message.micro + 1;
   if (gate != gates_.end()) gates_.erase(gate);  // its norms were of the micro-batch taken back
   for (uint32_t b = 0; b < buckets_.size(); ++b) {
-    BucketProgress& progress = buckets_[b];
+    BucketLifecycle& progress = buckets_[b];
     if (progress.step != step || progress.micro != message.micro) continue;
     if (progress.phase == Phase::kAwaitingDecision) {
       Revoke(b);
@@ -1340,21 +1234,19 @@ void StepEngine::OnDiscard(RankChannel& channel, const shm::Message& message) {
   gates_.erase(message.step);
   more_step_ = 0;
   for (uint32_t b = 0; b < buckets_.size(); ++b) {
-    BucketProgress& progress = buckets_[b];
-    if (progress.phase == Phase::kBusy && progress.pending) {
-      progress.pending.reset();  // held back, not started
-      Abandon(b);
-    } else if (progress.phase == Phase::kBusy) {
-      progress.discard = true;  // Discarded() restarts it when its pass ends
-    } else if (progress.phase == Phase::kAwaitingDecision && progress.plan != nullptr && !Revocable(b)) {
-      Diverge(
-          fmt::format("step {}: zero_grad() after bucket {} was updated in place (the job has one state half, or "
-                      "keeps paged gradients in their upload copy); drop the job and call zero_grad() only "
-                      "after optimizer.step()",
-                      message.step, b));
-      return;
-    } else {
-      Abandon(b);
+    switch (buckets_[b].OnDiscard(Revocable(b))) {
+      case BucketLifecycle::Drop::kDropPending:
+        buckets_[b].pending.reset();  // held back, not started
+        Abandon(b);
+        break;
+      case BucketLifecycle::Drop::kAtPassEnd: buckets_[b].discard = true; break;  // Discarded() restarts it
+      case BucketLifecycle::Drop::kDiverge:
+        return Diverge(
+            fmt::format("step {}: zero_grad() after bucket {} was updated in place (the job has one state half, or "
+                        "keeps paged gradients in their upload copy); drop the job and call zero_grad() only "
+                        "after optimizer.step()",
+                        message.step, b));
+      default: Abandon(b); break;
     }
   }
   discarding_ = message.step;
@@ -1363,7 +1255,7 @@ void StepEngine::OnDiscard(RankChannel& channel, const shm::Message& message) {
 
 void StepEngine::MaybeFinishDiscard() {
   if (!discarding_) return;
-  for (const BucketProgress& progress : buckets_) {
+  for (const BucketLifecycle& progress : buckets_) {
     if (progress.phase != Phase::kCollecting) return;
   }
   PostToAll(shm::Message{.kind = shm::MessageKind::kDiscarded, .step = *discarding_, .micro = discards_});
@@ -1373,9 +1265,8 @@ void StepEngine::MaybeFinishDiscard() {
 void StepEngine::OnLoadState(RankChannel& channel, const shm::Message& message) {
   TS_CHECK(!loading_, Code::kFailedPrecondition, "LOAD_STATE while another load is in progress");
   for (size_t b = 0; b < buckets_.size(); ++b) {
-    const BucketProgress& progress = buckets_[b];
-    TS_CHECK(progress.phase == Phase::kCollecting && progress.delivered_count == 0 && progress.micro == 0,
-             Code::kFailedPrecondition,
+    const BucketLifecycle& progress = buckets_[b];
+    TS_CHECK(progress.phase == Phase::kCollecting && !progress.MidStep(), Code::kFailedPrecondition,
              "LOAD_STATE from rank {} while bucket {} is in the middle of step {}; call synchronize() first",
              channel.rank, b, progress.step);
   }
@@ -1397,8 +1288,7 @@ void StepEngine::OnLoadState(RankChannel& channel, const shm::Message& message) 
         // The client wrote the committed half: it commits as `step` where it is.
         state_.bucket_state[bucket].Store({.step = step, .half = state_.bucket_state[bucket].Load().half});
         buckets_[bucket].step = step + 1;
-        buckets_[bucket].phase = Phase::kCollecting;
-        buckets_[bucket].pass = Pass::kNone;
+        buckets_[bucket].Idle();
         buckets_[bucket].upload_dirty = false;
       }
       completed_ = step;
@@ -1485,9 +1375,9 @@ void StepEngine::OnWeightsWanted(const std::shared_ptr<RankChannel>& channel, co
 // Pushes bucket b's weights to a cuda-ipc rank if it wants them and they are final and not there yet;
 // a speculated bucket's weights before they are final.
 void StepEngine::MaybePush(const std::shared_ptr<RankChannel>& channel, uint32_t b) {
-  const BucketProgress& progress = buckets_[b];
+  const BucketLifecycle& progress = buckets_[b];
   if (channel->failed || loading_ || state_.header->initialized == 0) return;
-  if (Writing(b)) return PushWritten(channel, b);
+  if (progress.Writing()) return PushWritten(channel, b);
   if (channel->pushing[b] > 0) return;
   const auto step = static_cast<int64_t>(state_.bucket_state[b].Load().step);
   if (step > channel->weights_wanted || channel->pushed[b] >= step || progress.updating || progress.upload_dirty) {
@@ -1506,24 +1396,12 @@ void StepEngine::MaybePush(const std::shared_ptr<RankChannel>& channel, uint32_t
   Push(channel, b, step, *offset, WeightsIn(b, state_.Committed(b)), 0, layout_.buckets[b].bytes(), /*written=*/false);
 }
 
-bool StepEngine::Speculated(uint32_t b) const {
-  const BucketProgress& progress = buckets_[b];
-  return progress.phase == Phase::kAwaitingDecision && progress.plan != nullptr && !progress.discard;
-}
-
-bool StepEngine::Writing(uint32_t b) const {
-  const BucketProgress& progress = buckets_[b];
-  if (progress.update == nullptr) return false;
-  return Speculated(b) || (progress.updating && progress.phase == Phase::kBusy && !progress.pending &&
-                           !progress.discard && progress.plan != nullptr);
-}
-
 // A step that does not clip then has its weights on the GPU when it commits, as without clipping:
 // waiting for the commit, every bucket's push would start after the last bucket's update (1.86B GPT,
 // fp32 weights, 24 GiB cap on the H200: 604 ms a step with max_grad_norm against 425 ms without; the
 // pushes of 7.5 GB take about 136 ms at 55 GB/s). A bucket updated in pieces goes piece by piece.
 void StepEngine::PushWritten(const std::shared_ptr<RankChannel>& channel, uint32_t b) {
-  const BucketProgress& progress = buckets_[b];
+  const BucketLifecycle& progress = buckets_[b];
   const auto step = static_cast<int64_t>(progress.step);
   const std::optional<uint64_t> offset = channel->transfer->ParamsOffset(b);
   const RunningUpdate& update = *progress.update;
@@ -1578,9 +1456,9 @@ void StepEngine::OnPushed(const std::shared_ptr<RankChannel>& channel, uint32_t 
   // Written weights still awaiting the norm or the update's end, or committed as they are (a redo waits
   // for this push, an abandoned step leaves the bucket collecting it again). Recorded before a redo held
   // back by this push starts: the redo forgets them.
-  const bool holds = (Writing(b) && buckets_[b].step == step) || state_.bucket_state[b].Load().step == step;
+  const bool holds = (buckets_[b].Writing() && buckets_[b].step == step) || state_.bucket_state[b].Load().step == step;
   if (current && written && last && holds) channel->speculated[b] = static_cast<int64_t>(step);
-  BucketProgress& progress = buckets_[b];
+  BucketLifecycle& progress = buckets_[b];
   if (--progress.pushes == 0) {
     if (progress.pending) StartPendingUpdates();
     RunResumes();

@@ -62,6 +62,7 @@
 
 #include "daemon/engine/accumulator_memory.h"
 #include "daemon/engine/all_reduce.h"
+#include "daemon/engine/bucket_lifecycle.h"
 #include "daemon/engine/bucket_passes.h"
 #include "daemon/engine/rank_channel.h"
 #include "daemon/engine/step_gate.h"
@@ -144,62 +145,10 @@ class StepEngine {
   void AnnounceCommitted();
 
  private:
-  // kAwaitingDecision: the bucket's last gradients of the step are in (held, normed, or updated before
-  // the decision) and it waits for its step's decision.
-  enum class Phase { kCollecting, kBusy, kAwaitingDecision };
-  // What a busy bucket's pass is. A rank that leaves mid-step discards the passes of a step that can no
-  // longer complete (ResetCollecting): accumulation, norm and speculation; the rest have all their
-  // gradients and commit. kSpeculate: an update before the step's decision.
-  enum class Pass { kNone, kAccumulate, kReduce, kNorm, kSpeculate, kUpdate, kRedo, kUpload };
+  using Phase = BucketLifecycle::Phase;
+  using Pass = BucketLifecycle::Pass;
   // Whether the micro-batch a bucket collects is its step's last.
   enum class Last { kNo, kYes, kUnknown };
-  // An update and its per-parameter scalars, kept from a speculation to its redo.
-  struct UpdatePlan {
-    uint64_t step = 0;
-    uint32_t from = 0, to = 0;                  // state halves
-    std::vector<optimizer::AdamWStep> scalars;  // by parameter
-    std::vector<uint8_t> updated;               // by parameter: had a gradient (else carried)
-    float multiplier = 1.0f;                    // of the averaged gradients, in the update written last
-    bool with_norm = false;                     // that update summed the squares of what it read
-  };
-  struct RunningUpdate;
-  struct BucketProgress {
-    uint64_t step = 1;  // the step being collected
-    uint32_t micro = 0;
-    uint16_t flags = 0;        // the GRAD_READY flags of the micro-batch collected (what its ranks expect)
-    bool accumulated = false;  // the accumulator holds the step's micro-batches before `micro`
-    bool held = false;         // its last gradients are in, not yet known to be the last (kAwaitingDecision)
-    bool from_accum = false;   // the step's last micro-batch had no gradients left: the update reads the accumulator
-    bool take_back = false;    // not the last micro-batch after all: when its pass ends, accumulate instead
-    std::vector<uint8_t> delivered;  // per rank, for (step, micro)
-    uint32_t delivered_count = 0;
-    Phase phase = Phase::kCollecting;
-    Pass pass = Pass::kNone;
-    bool discard = false;       // its pass runs for a step a rank abandoned: restart when it ends
-    bool updating = false;      // an update wrote master and upload and has not committed: not pushed
-    bool upload_dirty = false;  // the upload region may hold weights of an uncommitted step
-    uint32_t pushes = 0;        // pushes to GPUs in flight: master and upload are read
-    std::optional<std::pair<float, Pass>> pending;  // an update waiting for pushes or the skew bound
-    std::shared_ptr<UpdatePlan> plan;               // the update written before the decision, for its redo
-    std::chrono::steady_clock::time_point update_started;
-    std::shared_ptr<RunningUpdate> update;  // the update started last (its pieces outlive its work)
-    // Delivered with its first piece of gradients (StreamsGradients): the rest are still coming, and
-    // `grad_bytes` of them are in.
-    bool streaming = false;
-    uint64_t grad_bytes = 0;
-  };
-  // An update runs in pieces (UpdatePieces): a piece goes to the pool once the gradients it reads are
-  // in, and may go to the GPUs once it and every piece before it are written.
-  struct RunningUpdate {
-    std::shared_ptr<std::vector<Block>> blocks;
-    std::vector<std::pair<size_t, uint64_t>> pieces;  // (end block, end byte in the bucket)
-    std::function<void(size_t, const Block&)> work;   // one block; dropped at the end (it holds the ranks)
-    std::function<void()> finish;                     // once every piece is written
-    std::vector<uint8_t> piece_written;
-    uint32_t scheduled = 0;   // pieces given to the pool
-    uint32_t unfinished = 0;  // of those, the ones still running
-    uint32_t written = 0;     // pieces written, counted from the first (those may go to the GPUs)
-  };
 
   void Loop();
   bool DrainRequests();
@@ -223,18 +172,11 @@ class StepEngine {
   // The weights of `bucket` after `step` are final: PARAMS_READY, after a push for cuda-ipc ranks.
   void PublishWeights(uint32_t bucket, uint64_t step);
   void MaybePush(const std::shared_ptr<RankChannel>& channel, uint32_t bucket);
-  // Speculative clipping: a bucket whose speculated update is written, waiting for the step's norm.
-  [[nodiscard]] bool Speculated(uint32_t bucket) const;
-  // The bucket's weights written by its running update (not held back, not discarded) or its speculated
-  // ones may go to the GPUs before the commit, as far as they are written.
-  [[nodiscard]] bool Writing(uint32_t bucket) const;
   // Pushes the pieces of the bucket's running update or speculation written since the rank's last push.
   void PushWritten(const std::shared_ptr<RankChannel>& channel, uint32_t bucket);
-  // Where an update of the bucket splits: before each block that would reach past the next multiple of
-  // the smallest staging slot of the cuda-ipc ranks, as (end block, end byte) pairs; one piece for a
-  // bucket no larger than that slot, or without such ranks.
-  [[nodiscard]] std::vector<std::pair<size_t, uint64_t>> UpdatePieces(uint32_t bucket,
-                                                                      const std::vector<Block>& blocks) const;
+  // The bytes of the pieces an update of the bucket splits into: the smallest staging slot of the
+  // cuda-ipc ranks (SplitIntoPieces), or the bucket's size without such ranks.
+  [[nodiscard]] uint64_t PieceBytes(uint32_t bucket) const;
   void OnPieceWritten(uint32_t bucket, uint32_t piece);
   // `work` (a block of a pass of `kind` over bucket's gradients of `step`), recording each block's span
   // when tracing.
@@ -245,7 +187,6 @@ class StepEngine {
   // One rank, two state halves, the step's last micro-batch, no norm to wait for: the bucket's update
   // may start with its first piece of gradients (the others follow while it runs).
   [[nodiscard]] bool StreamsGradients(uint32_t bucket);
-  [[nodiscard]] uint64_t GradientBytesIn(uint32_t bucket) const;
   // The GPUs' copies of the bucket's speculated weights are void (redone, abandoned).
   void ForgetSpeculated(uint32_t bucket);
   // Copies bytes [begin, end) of the bucket's weights of `step` (the bucket's in `source`) to the rank's
@@ -295,7 +236,6 @@ class StepEngine {
   // averaged gradients.
   void StartUpdate(uint32_t bucket, float multiplier, Pass pass);
   void StartPendingUpdates();
-  [[nodiscard]] std::shared_ptr<UpdatePlan> PlanUpdate(uint32_t bucket);
   void OnNormed(uint32_t bucket, double sum_of_squares, bool nonfinite);
   void OnSpeculated(uint32_t bucket, double sum_of_squares, bool nonfinite);
   // The gate of `step`, made (and what its updates assume decided) by the first that needs it.
@@ -368,7 +308,7 @@ class StepEngine {
   std::optional<std::string> lost_;
 
   // Engine-thread state.
-  std::vector<BucketProgress> buckets_;
+  std::vector<BucketLifecycle> buckets_;
   std::vector<uint8_t> had_grad_;  // per parameter, for the step its bucket is collecting
   std::map<uint64_t, StepGate> gates_;
   static constexpr uint32_t kClippedRunToWait = 3;  // clipped steps in a row after which steps wait (GateOf)
