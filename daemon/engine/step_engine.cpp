@@ -55,6 +55,8 @@ StepEngine::StepEngine(std::string job_name, const shm::LayoutSpec& spec, const 
       state_segment_(state_segment),
       ranks_(spec.world_size),
       had_grad_(spec.params.size(), 0),
+      gates_(layout.buckets.size(), spec.world_size, layout.speculative_clipping, spec.step_terms,
+             spec.accumulation_steps, spec.max_grad_norm),
       accumulator_(state.accum),
       adopted_(adopted) {
   buckets_.reserve(layout.buckets.size());
@@ -310,7 +312,7 @@ void StepEngine::ResetCollecting(const std::string& reason) {
       default: break;
     }
   }
-  gates_.clear();  // no step with a gate left can complete: decided gates are gone already
+  gates_.Clear();  // no step with a gate left can complete: decided gates are gone already
   more_step_ = 0;
   discarding_.reset();
   for (uint32_t b = 0; b < buckets_.size() && !discarded; ++b) {
@@ -533,9 +535,9 @@ StepEngine::Last StepEngine::LastMicro(uint32_t b) {
   const BucketLifecycle& progress = buckets_[b];
   if (spec_.accumulation_steps != 0) return progress.micro + 1 == spec_.accumulation_steps ? Last::kYes : Last::kNo;
   if (more_step_ == progress.step && progress.micro < more_micros_) return Last::kNo;
-  const auto gate = gates_.find(progress.step);
-  if (gate != gates_.end() && gate->second.terms().micro_batches != 0) {
-    return progress.micro + 1 == gate->second.terms().micro_batches ? Last::kYes : Last::kNo;
+  const StepGate* gate = gates_.Find(progress.step);
+  if (gate != nullptr && gate->terms().micro_batches != 0) {
+    return progress.micro + 1 == gate->terms().micro_batches ? Last::kYes : Last::kNo;
   }
   if ((progress.flags & shm::kUncertainMicro) != 0) return Last::kUnknown;
   return (progress.flags & shm::kFinalMicro) != 0 ? Last::kYes : Last::kNo;
@@ -546,8 +548,8 @@ StepEngine::Last StepEngine::LastMicro(uint32_t b) {
 void StepEngine::Hold(uint32_t b) {
   BucketLifecycle& progress = buckets_[b];
   progress.Hold();
-  const auto gate = gates_.find(progress.step);
-  if (gate != gates_.end() && gate->second.NormsNeeded()) StartNorm(b);
+  const StepGate* gate = gates_.Find(progress.step);
+  if (gate != nullptr && gate->NormsNeeded()) StartNorm(b);
 }
 
 // The hyperparameters in force for `step`: those rank 0 wrote (the lowest attached rank if 0 is gone).
@@ -666,10 +668,10 @@ void StepEngine::StartAccumulate(uint32_t b) {
 // are all in the accumulator, and it waits for the decision as a held bucket does.
 bool StepEngine::HoldAccumulated(uint32_t b) {
   BucketLifecycle& progress = buckets_[b];
-  const auto gate = gates_.find(progress.step);
-  if (gate == gates_.end() || gate->second.terms().micro_batches == 0) return false;
+  const StepGate* gate = gates_.Find(progress.step);
+  if (gate == nullptr || gate->terms().micro_batches == 0) return false;
   if (progress.phase != Phase::kCollecting || !progress.accumulated || progress.delivered_count != 0 ||
-      progress.micro != gate->second.terms().micro_batches) {
+      progress.micro != gate->terms().micro_batches) {
     return false;
   }
   progress.from_accum = true;
@@ -702,34 +704,16 @@ void StepEngine::StartReduce(uint32_t b) {
 // steps before had, unless a norm is needed and it could not be taken back or the step waits for the
 // norm (a run of clipped steps): then the norm comes first.
 void StepEngine::AfterGradients(uint32_t b) {
-  StepGate& gate = GateOf(buckets_[b].step);
-  if (gate.Decided()) {
-    return StartUpdate(b, gate.Decision().multiplier, Pass::kUpdate);
+  const StepGate& gate = gates_.Of(buckets_[b].step);
+  switch (StepGates::AfterGradients(gate, Revocable(b))) {
+    case StepGates::Next::kUpdate: return StartUpdate(b, gate.Decision().multiplier, Pass::kUpdate);
+    case StepGates::Next::kNorm: return StartNorm(b);
+    case StepGates::Next::kSpeculate: return StartUpdate(b, gate.assumed(), Pass::kSpeculate);
   }
-  if (gate.NormsNeeded() && !(gate.speculative() && Revocable(b))) return StartNorm(b);
-  StartUpdate(b, gate.assumed(), Pass::kSpeculate);
 }
 
 bool StepEngine::Revocable(uint32_t b) const {
   return spec_.state_halves == 2 && !layout_.buckets[b].grads_in_upload;
-}
-
-// The step's first bucket to need its gate decides what the step's updates assume: the multiplier and
-// whether a norm was needed of the step before, or the job's own terms. A step whose updates need the
-// norm speculates unless the last kClippedRunToWait steps all clipped. A clipped step's redo starts only
-// after the whole speculative pass (a bucket's norm is known when its update ends), so in a run of
-// clipped steps each step pays a second update pass on top of what waiting for the norm costs; an
-// isolated clipped step still speculates, as most steps after it do not clip (the 124M GPT on structured
-// data, one H200: 10 of 220 steps redone, 54.9 ms a step against 59.7 ms waiting for the norm).
-StepGate& StepEngine::GateOf(uint64_t step) {
-  auto found = gates_.find(step);
-  if (found != gates_.end()) return found->second;
-  const bool speculate = layout_.speculative_clipping && clipped_run_ < kClippedRunToWait;
-  const bool expects_norms = spec_.max_grad_norm > 0 || last_needed_norms_;
-  StepGate& gate =
-      gates_.try_emplace(step, buckets_.size(), spec_.world_size, speculate, last_factor_, expects_norms).first->second;
-  if (!spec_.step_terms) gate.SetTerms(StepGate::FromOptions(spec_.accumulation_steps, spec_.max_grad_norm));
-  return gate;
 }
 
 void StepEngine::AccumulateSlots(uint32_t b, std::function<void()> then) {
@@ -793,7 +777,7 @@ void StepEngine::OnNormed(uint32_t b, double sum_of_squares, bool nonfinite) {
   BucketLifecycle& progress = buckets_[b];
   if (progress.take_back) return Revoke(b);
   progress.AwaitDecision();
-  GateOf(progress.step).AddNorm(b, sum_of_squares, nonfinite, 1.0f);
+  gates_.Of(progress.step).AddNorm(b, sum_of_squares, nonfinite, 1.0f);
   MaybeDecide(progress.step);
 }
 
@@ -805,7 +789,7 @@ void StepEngine::OnSpeculated(uint32_t b, double sum_of_squares, bool nonfinite)
   if (progress.take_back) return Revoke(b);
   progress.AwaitDecision();
   const uint64_t step = progress.step;
-  StepGate& gate = GateOf(step);
+  StepGate& gate = gates_.Of(step);
   if (progress.plan->with_norm) gate.AddNorm(b, sum_of_squares, nonfinite, progress.plan->multiplier);
   if (!gate.HasNorm(b) && gate.NormsNeeded()) return StartNorm(b);  // its gradients are still there
   MaybeDecide(step);
@@ -817,7 +801,7 @@ void StepEngine::OnSpeculated(uint32_t b, double sum_of_squares, bool nonfinite)
 }
 
 void StepEngine::StartMissingNorms(uint64_t step) {
-  StepGate& gate = GateOf(step);
+  StepGate& gate = gates_.Of(step);
   for (uint32_t b = 0; b < buckets_.size(); ++b) {
     const BucketLifecycle& progress = buckets_[b];
     if (progress.step == step && progress.phase == Phase::kAwaitingDecision && !gate.HasNorm(b)) StartNorm(b);
@@ -826,11 +810,10 @@ void StepEngine::StartMissingNorms(uint64_t step) {
 
 // The ranks that asked get the step's norm once every bucket's is in; a decided step's buckets go on.
 void StepEngine::MaybeDecide(uint64_t step) {
-  const auto found = gates_.find(step);
-  if (found == gates_.end()) return;
-  StepGate& gate = found->second;
-  if (spec_.step_terms && gate.NormsComplete() && (gate.terms().norm_wanted || gate.terms().max_norm > 0) &&
-      gate.MarkNormSent()) {
+  StepGate* const found = gates_.Find(step);
+  if (found == nullptr) return;
+  StepGate& gate = *found;
+  if (spec_.step_terms && StepGates::SendNorm(gate)) {
     PostToAll(shm::Message{.kind = shm::MessageKind::kStepNorm,
                            .flags = static_cast<uint16_t>(gate.Decision().nonfinite ? shm::kNonFinite : 0),
                            .step = step,
@@ -847,9 +830,7 @@ void StepEngine::MaybeDecide(uint64_t step) {
 // A step decided: its warnings and counters, and what the next step's updates assume.
 void StepEngine::Count(uint64_t step, const StepGate& gate, const StepDecision& decision) {
   if (decision.nonfinite) ReportNonFinite(step, "gradients contain inf or NaN");
-  if (gate.terms().max_norm > 0) clipped_run_ = decision.clip_coefficient != 1.0 ? clipped_run_ + 1 : 0;
-  last_factor_ = gate.terms().factor;
-  last_needed_norms_ = gate.NormsNeeded();
+  gates_.Decided(gate, decision);
   bool written = false, changed = false;
   for (const BucketLifecycle& progress : buckets_) {
     if (progress.step != step || progress.plan == nullptr || progress.phase != Phase::kAwaitingDecision) continue;
@@ -871,19 +852,19 @@ void StepEngine::Settle(uint32_t b, const StepDecision& decision) {
   if (progress.phase != Phase::kAwaitingDecision) return;
   progress.held = false;
   const std::shared_ptr<const UpdatePlan> plan = progress.plan;
-  if (plan == nullptr) return StartUpdate(b, decision.multiplier, Pass::kUpdate);  // held, or its norm taken first
-  if (plan->multiplier == decision.multiplier) return CommitBucket(b, step, plan->to);
-  if (!Revocable(b)) {
-    return Diverge(fmt::format(
-        "step {}: bucket {} was updated in place with gradient multiplier {} before the step's terms said {} (the "
-        "job has one state half, or keeps paged gradients in their upload copy, so an update cannot be taken "
-        "back); drop the job and pass the clipping (max_grad_norm=) to trainstream.wrap, or let the job keep two "
-        "state halves",
-        step, b, plan->multiplier, decision.multiplier));
+  switch (StepGates::Settle(plan.get(), decision, Revocable(b))) {
+    case StepGates::Settlement::kUpdate:  // held, or its norm taken first
+      return StartUpdate(b, decision.multiplier, Pass::kUpdate);
+    case StepGates::Settlement::kCommit: return CommitBucket(b, step, plan->to);
+    case StepGates::Settlement::kDiverge:
+      return Diverge(fmt::format(
+          "step {}: bucket {} was updated in place with gradient multiplier {} before the step's terms said {} (the "
+          "job has one state half, or keeps paged gradients in their upload copy, so an update cannot be taken "
+          "back); drop the job and pass the clipping (max_grad_norm=) to trainstream.wrap, or let the job keep two "
+          "state halves",
+          step, b, plan->multiplier, decision.multiplier));
+    case StepGates::Settlement::kRedo: return StartUpdate(b, decision.multiplier, Pass::kRedo);
   }
-  const bool any_gradient = std::any_of(plan->updated.begin(), plan->updated.end(), [](uint8_t u) { return u; });
-  if (!any_gradient) return CommitBucket(b, step, plan->to);  // it only carried its state across
-  StartUpdate(b, decision.multiplier, Pass::kRedo);
 }
 
 void StepEngine::TakeBack(uint32_t b) {
@@ -945,7 +926,7 @@ void StepEngine::StartUpdate(uint32_t b, float multiplier, Pass pass) {
   const std::shared_ptr<UpdatePlan> plan = progress.plan;
   plan->multiplier = multiplier;
   plan->with_norm =
-      pass == Pass::kSpeculate && (GateOf(plan->step).NormsNeeded() || layout_.buckets[b].grads_in_upload);
+      pass == Pass::kSpeculate && (gates_.Of(plan->step).NormsNeeded() || layout_.buckets[b].grads_in_upload);
   if (spec_.state_halves == 1) {  // torn until the commit: a daemon that adopts the job must know
     state_.bucket_state[b].Store({.step = state_.bucket_state[b].Load().step, .half = 0, .updating = true});
   }
@@ -1047,8 +1028,7 @@ bool StepEngine::StreamsGradients(uint32_t b) {
   const BucketLifecycle& progress = buckets_[b];
   if (spec_.world_size != 1 || spec_.nodes() != 1 || spec_.state_halves != 2) return false;
   if (LastMicro(b) != Last::kYes) return false;
-  const StepGate& gate = GateOf(progress.step);
-  return gate.Decided() || !gate.NormsNeeded() || gate.speculative();
+  return StepGates::MayStream(gates_.Of(progress.step));
 }
 
 // Updates held back (pushes, the skew bound) whose wait is over, from the highest bucket down.
@@ -1146,7 +1126,7 @@ void StepEngine::AdvanceCompleted() {
   if (completed <= completed_) return;
   completed_ = completed;
   state_.header->completed_step.store(completed);
-  gates_.erase(gates_.begin(), gates_.upper_bound(completed));
+  gates_.EraseThrough(completed);
 }
 
 // The step the ranks are in: the one after the job's completed step (the buckets of a later step wait
@@ -1173,7 +1153,7 @@ void StepEngine::OnStepTerms(RankChannel& channel, const shm::Message& message) 
     TS_CHECK(progress.step != step || seen <= message.micro, Code::kInvalidArgument,
              "step {} summed {} backward passes, but bucket {} has {} already", step, message.micro, b, seen);
   }
-  StepGate& gate = GateOf(step);
+  StepGate& gate = gates_.Of(step);
   gate.AddTerms(channel.rank, message);
   for (uint32_t b = 0; b < buckets_.size(); ++b) {
     if (buckets_[b].step == step) (void)HoldAccumulated(b);
@@ -1190,16 +1170,16 @@ void StepEngine::OnMoreMicro(RankChannel& channel, const shm::Message& message) 
   CheckCurrentStep(message, completed_, channel.rank, "MORE_MICRO");
   const uint64_t step = message.step;
   if (trace_) trace_->Mark(SpanKind::kMoreMicro, 0, step, message.micro);
-  const auto gate = gates_.find(step);
-  TS_CHECK(gate == gates_.end() || gate->second.terms().micro_batches == 0, Code::kInvalidArgument,
+  const StepGate* gate = gates_.Find(step);
+  TS_CHECK(gate == nullptr || gate->terms().micro_batches == 0, Code::kInvalidArgument,
            "rank {} began backward pass {} of step {} after its terms said {} (backward after clip_grad_norm_, a "
            "GradScaler's unscale_ or optimizer.step())",
-           channel.rank, message.micro + 2, step, gate->second.terms().micro_batches);
+           channel.rank, message.micro + 2, step, gate->terms().micro_batches);
   if (more_step_ != step) more_micros_ = 0;
   more_step_ = step;
   if (message.micro + 1 <= more_micros_) return;  // another rank said so already
   more_micros_ = message.micro + 1;
-  if (gate != gates_.end()) gates_.erase(gate);  // its norms were of the micro-batch taken back
+  gates_.Erase(step);  // its norms were of the micro-batch taken back
   for (uint32_t b = 0; b < buckets_.size(); ++b) {
     BucketLifecycle& progress = buckets_[b];
     if (progress.step != step || progress.micro != message.micro) continue;
@@ -1231,7 +1211,7 @@ void StepEngine::OnDiscard(RankChannel& channel, const shm::Message& message) {
            before);
   discarded_step_ = message.step;
   discards_ = message.micro;
-  gates_.erase(message.step);
+  gates_.Erase(message.step);
   more_step_ = 0;
   for (uint32_t b = 0; b < buckets_.size(); ++b) {
     switch (buckets_[b].OnDiscard(Revocable(b))) {

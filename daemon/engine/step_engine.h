@@ -16,7 +16,7 @@
 // and once the decision is in each bucket commits what it wrote or is redone from the committed half
 // with the decided multiplier. Where a norm is needed and the update cannot be taken back (one
 // state half), the norm comes first and the updates wait for the decision, then run in forward order;
-// after a run of clipped steps the next steps wait for the norm until one does not clip (GateOf).
+// after a run of clipped steps the next steps wait for the norm until one does not clip (StepGates).
 // A job that counts its micro-batches (accumulation_steps 0) learns a step's count from its terms, or
 // earlier from kMoreMicro (another backward pass follows). Each rank's GRAD_READY says what it expects
 // (kFinalMicro, or kUncertainMicro: held until known); an update started on a micro-batch that turns
@@ -65,7 +65,7 @@
 #include "daemon/engine/bucket_lifecycle.h"
 #include "daemon/engine/bucket_passes.h"
 #include "daemon/engine/rank_channel.h"
-#include "daemon/engine/step_gate.h"
+#include "daemon/engine/step_gates.h"
 #include "daemon/engine/step_trace.h"
 #include "daemon/engine/worker_pool.h"
 #include "shm/job_layout.h"
@@ -238,8 +238,6 @@ class StepEngine {
   void StartPendingUpdates();
   void OnNormed(uint32_t bucket, double sum_of_squares, bool nonfinite);
   void OnSpeculated(uint32_t bucket, double sum_of_squares, bool nonfinite);
-  // The gate of `step`, made (and what its updates assume decided) by the first that needs it.
-  StepGate& GateOf(uint64_t step);
   // Norm passes for the buckets of `step` whose last gradients are in and not yet counted.
   void StartMissingNorms(uint64_t step);
   // Sends the step's norm where asked and, once the step is decided, ends each bucket waiting for it.
@@ -310,12 +308,7 @@ class StepEngine {
   // Engine-thread state.
   std::vector<BucketLifecycle> buckets_;
   std::vector<uint8_t> had_grad_;  // per parameter, for the step its bucket is collecting
-  std::map<uint64_t, StepGate> gates_;
-  static constexpr uint32_t kClippedRunToWait = 3;  // clipped steps in a row after which steps wait (GateOf)
-  uint32_t clipped_run_ = 0;                        // the steps decided last that clipped, in a row
-  // What the steps before said, which the next step's updates assume until its own terms are in.
-  float last_factor_ = 1.0f;
-  bool last_needed_norms_ = false;
+  StepGates gates_;
   uint64_t more_step_ = 0;  // kMoreMicro said: this step's micro-batches below more_micros_ are not its last
   uint32_t more_micros_ = 0;
   std::optional<uint64_t> discarding_;  // kDiscard of this step: kDiscarded once its passes ended
