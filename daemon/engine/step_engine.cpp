@@ -98,26 +98,8 @@ void StepEngine::SetTransfer(uint32_t rank, std::shared_ptr<RankTransfer> transf
   TS_CHECK(rank < ranks_.size() && ranks_[rank] != nullptr, Code::kFailedPrecondition, "rank {} is not attached", rank);
   TS_CHECK(ranks_[rank]->transfer == nullptr, Code::kAlreadyExists, "rank {} registered its GPU buffers already", rank);
   ranks_[rank]->transfer = std::move(transfer);
-  if (PastTheSeed()) ranks_[rank]->transfer->WillCopy(CopiedHostRanges(*ranks_[rank]));  // else at the seed's load
-}
-
-std::vector<HostRange> StepEngine::CopiedHostRanges(const RankChannel& channel) const {
-  std::vector<HostRange> ranges, second_half;
-  for (uint32_t b = 0; b < layout_.buckets.size(); ++b) {
-    const shm::BucketLayout& bucket = layout_.buckets[b];
-    if (!channel.transfer->ParamsOffset(b)) continue;
-    ranges.push_back(HostRange::Of(shm::GradsOf(bucket, state_, channel.view), bucket.bytes()));
-    if (!bucket.uploads_from_master()) {
-      ranges.push_back(HostRange::Of(state_.upload + bucket.upload_offset, bucket.bytes()));
-      continue;
-    }
-    ranges.push_back(HostRange::Of(state_.Other(b).master + bucket.elem_offset, bucket.bytes()));
-    if (state_.Other(b).master != state_.Committed(b).master) {
-      second_half.push_back(HostRange::Of(state_.Committed(b).master + bucket.elem_offset, bucket.bytes()));
-    }
-  }
-  ranges.insert(ranges.end(), second_half.begin(), second_half.end());
-  return ranges;
+  if (PastTheSeed())
+    ranks_[rank]->transfer->WillCopy(CopiedHostRanges(layout_, state_, *ranks_[rank]));  // else at the seed's load
 }
 
 bool StepEngine::HasRank(uint32_t rank) {
@@ -456,17 +438,12 @@ void StepEngine::OnGradReady(RankChannel& channel, const shm::Message& message) 
   TS_CHECK(message.slot < channel.transfer->staging_slots(), Code::kInvalidArgument,
            "GRAD_READY for bucket {} names staging slot {}, but rank {} registered {}", b, message.slot, channel.rank,
            channel.transfer->staging_slots());
-  const uint32_t pieces = PiecesOf(b, *channel.transfer);
+  const uint32_t pieces = PiecesOf(layout_.buckets[b], channel.transfer->slot_bytes());
   TS_CHECK(message.piece == channel.staged[b] && message.piece < pieces, Code::kInvalidArgument,
            "GRAD_READY for piece {} of bucket {} ({} pieces), but piece {} is the next one", message.piece, b, pieces,
            channel.staged[b]);
   ++channel.staged[b];
   PullThenDeliver(ranks_[channel.rank], b, message.slot, message.piece);
-}
-
-uint32_t StepEngine::PiecesOf(uint32_t b, const RankTransfer& transfer) const {
-  const uint64_t bytes = layout_.buckets[b].bytes();
-  return static_cast<uint32_t>(std::max<uint64_t>(1, (bytes + transfer.slot_bytes() - 1) / transfer.slot_bytes()));
 }
 
 // cuda-ipc: each piece of the bucket's gradients reaches the rank's host slot first (the slot on the
@@ -498,7 +475,7 @@ void StepEngine::PullThenDeliver(const std::shared_ptr<RankChannel>& channel, ui
           }
           PostTo(*channel, shm::Message{.kind = shm::MessageKind::kStagingFree, .step = step, .slot = slot});
           const uint32_t pulled = ++channel->pulled[b];
-          const uint32_t pieces = PiecesOf(b, *channel->transfer);
+          const uint32_t pieces = PiecesOf(layout_.buckets[b], channel->transfer->slot_bytes());
           const bool delivered = progress.streaming;
           if (pulled == pieces) channel->staged[b] = channel->pulled[b] = 0;
           if (delivered || (pulled < pieces && StreamsGradients(b))) {
@@ -1253,7 +1230,7 @@ void StepEngine::OnLoadState(RankChannel& channel, const shm::Message& message) 
   TS_CHECK(message.step < (uint64_t{1} << 62), Code::kInvalidArgument, "LOAD_STATE step {} out of range", message.step);
   if (!PastTheSeed()) {  // the seed is written: SetTransfer left this to now
     for (const auto& rank : ranks_) {
-      if (rank && rank->transfer) rank->transfer->WillCopy(CopiedHostRanges(*rank));
+      if (rank && rank->transfer) rank->transfer->WillCopy(CopiedHostRanges(layout_, state_, *rank));
     }
   }
   loading_ = true;
@@ -1278,14 +1255,8 @@ void StepEngine::OnLoadState(RankChannel& channel, const shm::Message& message) 
       loaded_by_ = loader;
       loaded_step_ = step;
       for (const auto& channel : ranks_) {  // the GPUs' copies of the weights are stale now...
-        if (!channel) continue;
-        ++channel->push_generation;
-        std::fill(channel->pushed.begin(), channel->pushed.end(), -1);
-        std::fill(channel->speculated.begin(), channel->speculated.end(), -1);
         // ...except the loader's, if it said its GPU holds what it loaded
-        channel->on_gpu = channel->rank == loader && channel->claims_on_gpu == static_cast<int64_t>(step)
-                              ? static_cast<int64_t>(step)
-                              : -1;
+        if (channel) channel->Reloaded(channel->rank, loader, step);
       }
       for (uint32_t bucket = buckets_.size(); bucket-- > 0;) PublishWeights(bucket, step);
       for (uint32_t bucket = 0; bucket < buckets_.size(); ++bucket) {
@@ -1353,59 +1324,33 @@ void StepEngine::OnWeightsWanted(const std::shared_ptr<RankChannel>& channel, co
 }
 
 // Pushes bucket b's weights to a cuda-ipc rank if it wants them and they are final and not there yet;
-// a speculated bucket's weights before they are final.
+// a speculated bucket's weights before they are final (NextPush).
 void StepEngine::MaybePush(const std::shared_ptr<RankChannel>& channel, uint32_t b) {
-  const BucketLifecycle& progress = buckets_[b];
+  const BucketLifecycle& bucket = buckets_[b];
   if (channel->failed || loading_ || state_.header->initialized == 0) return;
-  if (progress.Writing()) return PushWritten(channel, b);
-  if (channel->pushing[b] > 0) return;
-  const auto step = static_cast<int64_t>(state_.bucket_state[b].Load().step);
-  if (step > channel->weights_wanted || channel->pushed[b] >= step || progress.updating || progress.upload_dirty) {
-    return;
-  }
+  const auto committed = static_cast<int64_t>(state_.bucket_state[b].Load().step);
   const std::optional<uint64_t> offset = channel->transfer->ParamsOffset(b);
-  // Nothing to copy when the rank's GPU holds these weights already (a load of its own, the speculation
-  // that committed), or keeps the bucket off it (weight paging: the rank loads the bucket from the host
-  // copy itself, once told it is final).
-  if (channel->on_gpu == step || channel->speculated[b] == step || !offset) {
-    channel->pushed[b] = step;
-    return PostTo(
-        *channel,
-        shm::Message{.kind = shm::MessageKind::kParamsReady, .bucket = b, .step = static_cast<uint64_t>(step)});
+  const PushOrder order = NextPush(*channel, b, bucket, committed, offset, layout_.buckets[b].bytes());
+  switch (order.kind) {
+    case PushOrder::Kind::kNone: return;
+    case PushOrder::Kind::kReady:
+      channel->pushed[b] = order.step;
+      return PostTo(
+          *channel,
+          shm::Message{.kind = shm::MessageKind::kParamsReady, .bucket = b, .step = static_cast<uint64_t>(order.step)});
+    case PushOrder::Kind::kCommitted:
+      return Push(channel, b, order.step, *offset, WeightsIn(layout_, state_, b, state_.Committed(b)), order.begin,
+                  order.end, /*written=*/false);
+    case PushOrder::Kind::kWritten:
+      channel->streamed[b] = bucket.update->written;
+      return Push(channel, b, order.step, *offset, WeightsIn(layout_, state_, b, state_.halves[bucket.plan->to]),
+                  order.begin, order.end, /*written=*/true);
   }
-  Push(channel, b, step, *offset, WeightsIn(b, state_.Committed(b)), 0, layout_.buckets[b].bytes(), /*written=*/false);
-}
-
-// A step that does not clip then has its weights on the GPU when it commits, as without clipping:
-// waiting for the commit, every bucket's push would start after the last bucket's update (1.86B GPT,
-// fp32 weights, 24 GiB cap on the H200: 604 ms a step with max_grad_norm against 425 ms without; the
-// pushes of 7.5 GB take about 136 ms at 55 GB/s). A bucket updated in pieces goes piece by piece.
-void StepEngine::PushWritten(const std::shared_ptr<RankChannel>& channel, uint32_t b) {
-  const BucketLifecycle& progress = buckets_[b];
-  const auto step = static_cast<int64_t>(progress.step);
-  const std::optional<uint64_t> offset = channel->transfer->ParamsOffset(b);
-  const RunningUpdate& update = *progress.update;
-  uint32_t& streamed = channel->streamed[b];
-  if (!offset || step > channel->weights_wanted || streamed >= update.written) return;
-  const uint64_t begin = streamed == 0 ? 0 : update.pieces[streamed - 1].second;
-  streamed = update.written;
-  Push(channel, b, step, *offset, WeightsIn(b, state_.halves[progress.plan->to]), begin,
-       update.pieces[streamed - 1].second, /*written=*/true);
-}
-
-const std::byte* StepEngine::WeightsIn(uint32_t b, const shm::StateHalf& half) const {
-  const shm::BucketLayout& bucket = layout_.buckets[b];
-  const void* weights = bucket.uploads_from_master() ? static_cast<const void*>(half.master + bucket.elem_offset)
-                                                     : static_cast<const void*>(state_.upload + bucket.upload_offset);
-  return static_cast<const std::byte*>(weights);
 }
 
 void StepEngine::ForgetSpeculated(uint32_t b) {
   for (const auto& channel : ranks_) {
-    if (!channel || channel->speculated[b] < 0) continue;
-    // The GPU holds weights of no committed step now: the next commit pushes again.
-    if (channel->speculated[b] > channel->pushed[b]) channel->pushed[b] = -1;
-    channel->speculated[b] = -1;
+    if (channel) channel->ForgetSpeculated(b);
   }
 }
 
@@ -1431,13 +1376,10 @@ void StepEngine::Push(const std::shared_ptr<RankChannel>& channel, uint32_t b, i
 
 void StepEngine::OnPushed(const std::shared_ptr<RankChannel>& channel, uint32_t b, uint64_t step, uint64_t generation,
                           bool written, bool last, const std::optional<Error>& error) {
-  --channel->pushing[b];
-  const bool current = !error && generation == channel->push_generation;  // not overtaken by a state load
   // Written weights still awaiting the norm or the update's end, or committed as they are (a redo waits
-  // for this push, an abandoned step leaves the bucket collecting it again). Recorded before a redo held
-  // back by this push starts: the redo forgets them.
+  // for this push, an abandoned step leaves the bucket collecting it again).
   const bool holds = (buckets_[b].Writing() && buckets_[b].step == step) || state_.bucket_state[b].Load().step == step;
-  if (current && written && last && holds) channel->speculated[b] = static_cast<int64_t>(step);
+  const bool current = PushEnded(*channel, b, step, generation, written, last, !error, holds);
   BucketLifecycle& progress = buckets_[b];
   if (--progress.pushes == 0) {
     if (progress.pending) StartPendingUpdates();

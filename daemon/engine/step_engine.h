@@ -64,6 +64,7 @@
 #include "daemon/engine/all_reduce.h"
 #include "daemon/engine/bucket_lifecycle.h"
 #include "daemon/engine/bucket_passes.h"
+#include "daemon/engine/gpu_copies.h"
 #include "daemon/engine/rank_channel.h"
 #include "daemon/engine/step_gates.h"
 #include "daemon/engine/step_trace.h"
@@ -157,11 +158,6 @@ class StepEngine {
   void OnGradReady(RankChannel& channel, const shm::Message& message);
   void Deliver(RankChannel& channel, uint32_t bucket);
   void PullThenDeliver(const std::shared_ptr<RankChannel>& channel, uint32_t bucket, uint32_t slot, uint32_t piece);
-  [[nodiscard]] uint32_t PiecesOf(uint32_t bucket, const RankTransfer& transfer) const;  // staged piece by piece
-  // What a cuda-ipc rank's copies touch on the host, in the order of its first two steps: each bucket on
-  // its GPU, in backward order, its gradients and the weights the first update writes; then the other
-  // state half's fp32 master weights (the second update's).
-  [[nodiscard]] std::vector<HostRange> CopiedHostRanges(const RankChannel& channel) const;
   // Whether a new job's seed is written (its first LOAD_STATE runs or ran): a transfer is told what its
   // copies touch only then, since page-locking beside the seed's copy slowed that copy threefold on an H100
   // (0.39-0.47 s against 0.14 s for 7 GiB; benchmarks/results/train_gpt.md, 2026-12-06). loading_ changes
@@ -172,8 +168,6 @@ class StepEngine {
   // The weights of `bucket` after `step` are final: PARAMS_READY, after a push for cuda-ipc ranks.
   void PublishWeights(uint32_t bucket, uint64_t step);
   void MaybePush(const std::shared_ptr<RankChannel>& channel, uint32_t bucket);
-  // Pushes the pieces of the bucket's running update or speculation written since the rank's last push.
-  void PushWritten(const std::shared_ptr<RankChannel>& channel, uint32_t bucket);
   // The bytes of the pieces an update of the bucket splits into: the smallest staging slot of the
   // cuda-ipc ranks (SplitIntoPieces), or the bucket's size without such ranks.
   [[nodiscard]] uint64_t PieceBytes(uint32_t bucket) const;
@@ -197,8 +191,6 @@ class StepEngine {
   // of a rank complete in submission order).
   void OnPushed(const std::shared_ptr<RankChannel>& channel, uint32_t bucket, uint64_t step, uint64_t generation,
                 bool written, bool last, const std::optional<Error>& error);
-  // Where the bucket's weights of `half` lie: its master weights there (fp32), else the upload region.
-  [[nodiscard]] const std::byte* WeightsIn(uint32_t bucket, const shm::StateHalf& half) const;
   [[nodiscard]] bool Attached(const std::shared_ptr<RankChannel>& channel) const;
   void PostTo(RankChannel& channel, const shm::Message& message);
   void FailRank(RankChannel& channel, const std::string& message);
