@@ -57,7 +57,7 @@ StepEngine::StepEngine(std::string job_name, const shm::LayoutSpec& spec, const 
       had_grad_(spec.params.size(), 0),
       gates_(layout.buckets.size(), spec.world_size, layout.speculative_clipping, spec.step_terms,
              spec.accumulation_steps, spec.max_grad_norm),
-      accumulator_(state.accum),
+      micro_(spec.accumulation_steps, state.accum, layout.total_elems),
       adopted_(adopted) {
   buckets_.reserve(layout.buckets.size());
   for (size_t b = 0; b < layout.buckets.size(); ++b) {
@@ -295,8 +295,8 @@ void StepEngine::ResetCollecting(const std::string& reason) {
     }
   }
   gates_.Clear();  // no step with a gate left can complete: decided gates are gone already
-  more_step_ = 0;
-  discarding_.reset();
+  micro_.Forget();
+  micro_.ForgetDiscard();
   for (uint32_t b = 0; b < buckets_.size() && !discarded; ++b) {
     discarded = state_.bucket_state[b].Load().step != completed_;
   }
@@ -497,27 +497,13 @@ void StepEngine::Deliver(RankChannel& channel, uint32_t b) {
 
 void StepEngine::OnBucketDelivered(uint32_t b) {
   BucketLifecycle& progress = buckets_[b];
-  const Last last = LastMicro(b);
+  const Last last = micro_.LastOf(progress, gates_.Find(progress.step));
   if (last == Last::kUnknown) return Hold(b);
   if (last == Last::kYes) HParamsFor(progress.step);  // refuse bad hyperparameters before any work starts
   progress.phase = Phase::kBusy;                      // its pass is named below
   if (last == Last::kNo) return StartAccumulate(b);
   if (spec_.nodes() > 1) return StartReduce(b);
   AfterGradients(b);
-}
-
-// A fixed count says it; else what the step's ranks said (its terms' count, another backward pass),
-// else what the micro-batch's ranks expect.
-StepEngine::Last StepEngine::LastMicro(uint32_t b) {
-  const BucketLifecycle& progress = buckets_[b];
-  if (spec_.accumulation_steps != 0) return progress.micro + 1 == spec_.accumulation_steps ? Last::kYes : Last::kNo;
-  if (more_step_ == progress.step && progress.micro < more_micros_) return Last::kNo;
-  const StepGate* gate = gates_.Find(progress.step);
-  if (gate != nullptr && gate->terms().micro_batches != 0) {
-    return progress.micro + 1 == gate->terms().micro_batches ? Last::kYes : Last::kNo;
-  }
-  if ((progress.flags & shm::kUncertainMicro) != 0) return Last::kUnknown;
-  return (progress.flags & shm::kFinalMicro) != 0 ? Last::kYes : Last::kNo;
 }
 
 // Its ranks cannot tell whether this micro-batch is the step's last: its gradients stay in the slots
@@ -645,12 +631,7 @@ void StepEngine::StartAccumulate(uint32_t b) {
 // are all in the accumulator, and it waits for the decision as a held bucket does.
 bool StepEngine::HoldAccumulated(uint32_t b) {
   BucketLifecycle& progress = buckets_[b];
-  const StepGate* gate = gates_.Find(progress.step);
-  if (gate == nullptr || gate->terms().micro_batches == 0) return false;
-  if (progress.phase != Phase::kCollecting || !progress.accumulated || progress.delivered_count != 0 ||
-      progress.micro != gate->terms().micro_batches) {
-    return false;
-  }
+  if (!MicroBatches::AllAccumulated(progress, gates_.Find(progress.step))) return false;
   progress.from_accum = true;
   Hold(b);
   return true;
@@ -662,7 +643,7 @@ void StepEngine::StartReduce(uint32_t b) {
   AccumulateSlots(b, [this, b] {
     const shm::BucketLayout& bucket = layout_.buckets[b];
     ++inflight_;  // the all-reduce works on the accumulator
-    peers_->Submit(buckets_[b].step, b, accumulator_ + bucket.elem_offset, bucket.numel,
+    peers_->Submit(buckets_[b].step, b, micro_.accumulator() + bucket.elem_offset, bucket.numel,
                    [this, b](std::optional<Error> error) {
                      Continue([this, b, error = std::move(error)] {
                        if (!error) return AfterGradients(b);
@@ -697,8 +678,8 @@ void StepEngine::AccumulateSlots(uint32_t b, std::function<void()> then) {
   float* accum = AccumulatorOf(b);
   const bool overwrite = !buckets_[b].accumulated;
   if (accum == nullptr) {
-    EnsureAccumulator();
-    accum = accumulator_;
+    accum = micro_.Accumulator(job_name_);
+    accumulator_bytes_ = micro_.own_bytes();
   }
   buckets_[b].accumulated = true;
   Schedule(
@@ -711,18 +692,7 @@ void StepEngine::AccumulateSlots(uint32_t b, std::function<void()> then) {
 }
 
 float* StepEngine::AccumulatorOf(uint32_t b) {
-  return buckets_[b].accumulated ? accumulator_ : nullptr;
-}
-
-// A job that counts its micro-batches maps its accumulator when the first step sums several; a job
-// without the room fails that step (every rank hears why) and keeps its state.
-void StepEngine::EnsureAccumulator() {
-  if (accumulator_ != nullptr) return;
-  own_accumulator_ = std::make_unique<AccumulatorMemory>(layout_.total_elems);
-  accumulator_ = own_accumulator_->data();
-  accumulator_bytes_ = own_accumulator_->bytes();
-  spdlog::info("job '{}': {} bytes of gradient accumulator mapped (a step sums several backward passes)", job_name_,
-               own_accumulator_->bytes());
+  return buckets_[b].accumulated ? micro_.accumulator() : nullptr;
 }
 
 Sources StepEngine::FinalSlots(uint32_t b) {
@@ -1004,7 +974,7 @@ void StepEngine::OnPieceWritten(uint32_t b, uint32_t k) {
 bool StepEngine::StreamsGradients(uint32_t b) {
   const BucketLifecycle& progress = buckets_[b];
   if (spec_.world_size != 1 || spec_.nodes() != 1 || spec_.state_halves != 2) return false;
-  if (LastMicro(b) != Last::kYes) return false;
+  if (micro_.LastOf(progress, gates_.Find(progress.step)) != Last::kYes) return false;
   return StepGates::MayStream(gates_.Of(progress.step));
 }
 
@@ -1121,9 +1091,7 @@ void StepEngine::OnStepTerms(RankChannel& channel, const shm::Message& message) 
   TS_CHECK(spec_.accumulation_steps == 0 || message.micro == spec_.accumulation_steps, Code::kInvalidArgument,
            "step {} summed {} backward passes, but the job's accumulation_steps is {}", step, message.micro,
            spec_.accumulation_steps);
-  TS_CHECK(more_step_ != step || message.micro > more_micros_, Code::kInvalidArgument,
-           "step {} summed {} backward passes, but rank(s) said another came after the {}th", step, message.micro,
-           more_micros_);
+  micro_.CheckTerms(step, message.micro);
   for (uint32_t b = 0; b < buckets_.size(); ++b) {
     const BucketLifecycle& progress = buckets_[b];
     const uint32_t seen = progress.MicrosSeen();
@@ -1152,11 +1120,8 @@ void StepEngine::OnMoreMicro(RankChannel& channel, const shm::Message& message) 
            "rank {} began backward pass {} of step {} after its terms said {} (backward after clip_grad_norm_, a "
            "GradScaler's unscale_ or optimizer.step())",
            channel.rank, message.micro + 2, step, gate->terms().micro_batches);
-  if (more_step_ != step) more_micros_ = 0;
-  more_step_ = step;
-  if (message.micro + 1 <= more_micros_) return;  // another rank said so already
-  more_micros_ = message.micro + 1;
-  gates_.Erase(step);  // its norms were of the micro-batch taken back
+  if (!micro_.More(step, message.micro)) return;  // another rank said so already
+  gates_.Erase(step);                             // its norms were of the micro-batch taken back
   for (uint32_t b = 0; b < buckets_.size(); ++b) {
     BucketLifecycle& progress = buckets_[b];
     if (progress.step != step || progress.micro != message.micro) continue;
@@ -1177,19 +1142,15 @@ void StepEngine::OnDiscard(RankChannel& channel, const shm::Message& message) {
            "DISCARD from rank {}: a job spanning nodes cannot drop a step's gradients (they were all-reduced)",
            channel.rank);
   CheckCurrentStep(message, completed_, channel.rank, "DISCARD");
-  const uint32_t before = discarded_step_ == message.step ? discards_ : 0;
-  if (message.micro <= before) {  // another rank's discard of it came first
-    if (!discarding_)
-      PostTo(channel, shm::Message{.kind = shm::MessageKind::kDiscarded, .step = message.step, .micro = discards_});
-    return;
+  switch (micro_.OnDiscard(message.step, message.micro, channel.rank)) {
+    case MicroBatches::Discard::kDropped:  // another rank's discard of it came first
+      return PostTo(
+          channel,
+          shm::Message{.kind = shm::MessageKind::kDiscarded, .step = message.step, .micro = micro_.discards()});
+    case MicroBatches::Discard::kBeingDropped: return;
+    case MicroBatches::Discard::kDrop: break;
   }
-  TS_CHECK(message.micro == before + 1, Code::kInvalidArgument,
-           "DISCARD number {} of step {} from rank {}, but {} came before", message.micro, message.step, channel.rank,
-           before);
-  discarded_step_ = message.step;
-  discards_ = message.micro;
   gates_.Erase(message.step);
-  more_step_ = 0;
   for (uint32_t b = 0; b < buckets_.size(); ++b) {
     switch (buckets_[b].OnDiscard(Revocable(b))) {
       case BucketLifecycle::Drop::kDropPending:
@@ -1206,17 +1167,17 @@ void StepEngine::OnDiscard(RankChannel& channel, const shm::Message& message) {
       default: Abandon(b); break;
     }
   }
-  discarding_ = message.step;
+  micro_.Dropping(message.step);
   MaybeFinishDiscard();
 }
 
 void StepEngine::MaybeFinishDiscard() {
-  if (!discarding_) return;
+  if (!micro_.discarding()) return;
   for (const BucketLifecycle& progress : buckets_) {
     if (progress.phase != Phase::kCollecting) return;
   }
-  PostToAll(shm::Message{.kind = shm::MessageKind::kDiscarded, .step = *discarding_, .micro = discards_});
-  discarding_.reset();
+  const std::optional<uint64_t> step = micro_.FinishDiscard();
+  PostToAll(shm::Message{.kind = shm::MessageKind::kDiscarded, .step = *step, .micro = micro_.discards()});
 }
 
 void StepEngine::OnLoadState(RankChannel& channel, const shm::Message& message) {

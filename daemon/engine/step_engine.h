@@ -60,11 +60,11 @@
 #include <thread>
 #include <vector>
 
-#include "daemon/engine/accumulator_memory.h"
 #include "daemon/engine/all_reduce.h"
 #include "daemon/engine/bucket_lifecycle.h"
 #include "daemon/engine/bucket_passes.h"
 #include "daemon/engine/gpu_copies.h"
+#include "daemon/engine/micro_batches.h"
 #include "daemon/engine/rank_channel.h"
 #include "daemon/engine/step_gates.h"
 #include "daemon/engine/step_trace.h"
@@ -148,8 +148,7 @@ class StepEngine {
  private:
   using Phase = BucketLifecycle::Phase;
   using Pass = BucketLifecycle::Pass;
-  // Whether the micro-batch a bucket collects is its step's last.
-  enum class Last { kNo, kYes, kUnknown };
+  using Last = MicroBatches::Last;
 
   void Loop();
   bool DrainRequests();
@@ -198,16 +197,13 @@ class StepEngine {
   void OnStepTerms(RankChannel& channel, const shm::Message& message);
   void OnMoreMicro(RankChannel& channel, const shm::Message& message);
   void OnDiscard(RankChannel& channel, const shm::Message& message);
-  [[nodiscard]] Last LastMicro(uint32_t bucket);
   void Hold(uint32_t bucket);
   [[nodiscard]] bool HoldAccumulated(uint32_t bucket);
   void StartAccumulate(uint32_t bucket);
   void StartReduce(uint32_t bucket);
   void AccumulateSlots(uint32_t bucket, std::function<void()> then);
-  // The accumulator of the bucket's step (nullptr: no micro-batch before the last), mapping the job's
-  // own where it has none yet and `need` says it will.
+  // The accumulator of the bucket's step (nullptr: no micro-batch before the last).
   [[nodiscard]] float* AccumulatorOf(uint32_t bucket);
-  void EnsureAccumulator();
   // The ranks whose slots the bucket's last pass reads: none where its gradients are all in the accumulator.
   [[nodiscard]] Sources FinalSlots(uint32_t bucket);
   void AfterGradients(uint32_t bucket);
@@ -301,13 +297,7 @@ class StepEngine {
   std::vector<BucketLifecycle> buckets_;
   std::vector<uint8_t> had_grad_;  // per parameter, for the step its bucket is collecting
   StepGates gates_;
-  uint64_t more_step_ = 0;  // kMoreMicro said: this step's micro-batches below more_micros_ are not its last
-  uint32_t more_micros_ = 0;
-  std::optional<uint64_t> discarding_;  // kDiscard of this step: kDiscarded once its passes ended
-  uint64_t discarded_step_ = 0;         // the step the last kDiscard dropped, and how many times
-  uint32_t discards_ = 0;
-  std::unique_ptr<AccumulatorMemory> own_accumulator_;  // jobs that count their micro-batches
-  float* accumulator_ = nullptr;                        // the segment's or own_accumulator_'s
+  MicroBatches micro_;
   std::vector<std::function<void(uint64_t)>> resumes_;  // Resume calls waiting for the job to settle
   bool adopted_;                                        // until the first Resume
   uint64_t completed_ = 0;                              // CompletedStep(), as the header has it
