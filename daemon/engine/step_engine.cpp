@@ -9,6 +9,7 @@
 #include <limits>
 #include <utility>
 
+#include "daemon/engine/ring_checks.h"
 #include "daemon/optimizer/adamw_kernels.h"
 #include "shm/error.h"
 
@@ -20,15 +21,6 @@ constexpr uint64_t kBlockElements = 1 << 16;           // elements of one Block 
 constexpr uint32_t kMaxMessagesPerRankPerRound = 256;  // fairness between ranks
 constexpr auto kIdleWait = std::chrono::milliseconds(100);
 constexpr auto kResumeTimeout = std::chrono::minutes(5);  // passes in flight finish in milliseconds
-
-void CheckHParams(const shm::HParams& h, uint32_t group) {
-  const bool ok = std::isfinite(h.lr) && h.lr >= 0 && std::isfinite(h.beta1) && h.beta1 >= 0 && h.beta1 < 1 &&
-                  std::isfinite(h.beta2) && h.beta2 >= 0 && h.beta2 < 1 && std::isfinite(h.eps) && h.eps >= 0 &&
-                  std::isfinite(h.weight_decay) && h.weight_decay >= 0;
-  TS_CHECK(ok, Code::kInvalidArgument,
-           "invalid hyperparameters for group {}: lr={} betas=({}, {}) eps={} weight_decay={}", group, h.lr, h.beta1,
-           h.beta2, h.eps, h.weight_decay);
-}
 
 // The sum of per-block partial sums, in block order: deterministic whatever order the blocks ran in.
 double Total(const std::vector<double>& partial) {
@@ -406,42 +398,14 @@ void StepEngine::Handle(RankChannel& channel, const shm::Message& message) {
 
 void StepEngine::OnGradReady(RankChannel& channel, const shm::Message& message) {
   const uint32_t b = message.bucket;
-  TS_CHECK(b < buckets_.size(), Code::kInvalidArgument, "GRAD_READY for bucket {}, but the job has {} buckets", b,
-           buckets_.size());
+  const bool rest =
+      CheckGradReady(spec_, buckets_, loading_, channel.rank, b < buckets_.size() ? channel.staged[b] : 0, message);
   BucketLifecycle& progress = buckets_[b];
-  TS_CHECK(!loading_, Code::kFailedPrecondition, "GRAD_READY for bucket {} while a state load is in progress", b);
-  TS_CHECK(message.step == progress.step, Code::kInvalidArgument,
-           "GRAD_READY for bucket {} of step {}, but that bucket expects step {}", b, message.step, progress.step);
-  // The rest of a bucket whose update started with its first piece (StreamsGradients).
-  const bool rest = progress.streaming && channel.staged[b] > 0;
-  TS_CHECK((rest || progress.phase == Phase::kCollecting) && message.micro == progress.micro, Code::kInvalidArgument,
-           "GRAD_READY for bucket {} micro-batch {} of step {}, but that bucket is {}", b, message.micro, message.step,
-           progress.phase == Phase::kCollecting || rest ? fmt::format("collecting micro-batch {}", progress.micro)
-                                                        : std::string("still being processed (slot not yet released)"));
-  TS_CHECK(rest || !progress.delivered[channel.rank], Code::kInvalidArgument,
-           "rank {} delivered bucket {} of step {} micro-batch {} twice", channel.rank, b, message.step, message.micro);
-  const bool final_micro = (message.flags & shm::kFinalMicro) != 0;
-  const bool uncertain = (message.flags & shm::kUncertainMicro) != 0;
-  if (spec_.accumulation_steps != 0) {
-    TS_CHECK(final_micro == (message.micro + 1 == spec_.accumulation_steps) && !uncertain, Code::kInvalidArgument,
-             "GRAD_READY micro-batch {} marked {}, but accumulation_steps is {}", message.micro,
-             uncertain     ? "uncertain"
-             : final_micro ? "final"
-                           : "not final",
-             spec_.accumulation_steps);
-  }
-  TS_CHECK(!(final_micro && uncertain), Code::kInvalidArgument,
-           "GRAD_READY micro-batch {} marked both final and uncertain", message.micro);
   if (!rest) progress.flags = message.flags;
   if (trace_) trace_->Mark(SpanKind::kGradReady, b, message.step, message.micro);
   if (channel.transfer == nullptr) return Deliver(channel, b);
-  TS_CHECK(message.slot < channel.transfer->staging_slots(), Code::kInvalidArgument,
-           "GRAD_READY for bucket {} names staging slot {}, but rank {} registered {}", b, message.slot, channel.rank,
-           channel.transfer->staging_slots());
-  const uint32_t pieces = PiecesOf(layout_.buckets[b], channel.transfer->slot_bytes());
-  TS_CHECK(message.piece == channel.staged[b] && message.piece < pieces, Code::kInvalidArgument,
-           "GRAD_READY for piece {} of bucket {} ({} pieces), but piece {} is the next one", message.piece, b, pieces,
-           channel.staged[b]);
+  CheckGradPiece(channel.transfer->staging_slots(), PiecesOf(layout_.buckets[b], channel.transfer->slot_bytes()),
+                 channel.rank, channel.staged[b], message);
   ++channel.staged[b];
   PullThenDeliver(ranks_[channel.rank], b, message.slot, message.piece);
 }
@@ -1076,28 +1040,11 @@ void StepEngine::AdvanceCompleted() {
   gates_.EraseThrough(completed);
 }
 
-// The step the ranks are in: the one after the job's completed step (the buckets of a later step wait
-// for it to complete before they update).
-void CheckCurrentStep(const shm::Message& message, uint64_t completed, uint32_t rank, const char* what) {
-  TS_CHECK(message.step == completed + 1, Code::kInvalidArgument,
-           "{} from rank {} for step {}, but the job is in step {}", what, rank, message.step, completed + 1);
-}
-
 void StepEngine::OnStepTerms(RankChannel& channel, const shm::Message& message) {
-  TS_CHECK(spec_.step_terms, Code::kInvalidArgument,
-           "step terms from rank {}, but the job was attached without them (LayoutSpec::step_terms)", channel.rank);
-  CheckCurrentStep(message, completed_, channel.rank, "step terms");
+  CheckStepTerms(spec_, completed_, channel.rank, message);
   const uint64_t step = message.step;
-  TS_CHECK(spec_.accumulation_steps == 0 || message.micro == spec_.accumulation_steps, Code::kInvalidArgument,
-           "step {} summed {} backward passes, but the job's accumulation_steps is {}", step, message.micro,
-           spec_.accumulation_steps);
   micro_.CheckTerms(step, message.micro);
-  for (uint32_t b = 0; b < buckets_.size(); ++b) {
-    const BucketLifecycle& progress = buckets_[b];
-    const uint32_t seen = progress.MicrosSeen();
-    TS_CHECK(progress.step != step || seen <= message.micro, Code::kInvalidArgument,
-             "step {} summed {} backward passes, but bucket {} has {} already", step, message.micro, b, seen);
-  }
+  CheckTermsAgainstBuckets(buckets_, message);
   StepGate& gate = gates_.Of(step);
   gate.AddTerms(channel.rank, message);
   for (uint32_t b = 0; b < buckets_.size(); ++b) {
@@ -1110,16 +1057,11 @@ void StepEngine::OnStepTerms(RankChannel& channel, const shm::Message& message) 
 // Micro-batch message.micro of the step was not its last: what was held or updated on it is taken back
 // and accumulated (where it cannot be, no rank may go on), and the step's gate starts again.
 void StepEngine::OnMoreMicro(RankChannel& channel, const shm::Message& message) {
-  TS_CHECK(spec_.step_terms && spec_.accumulation_steps == 0, Code::kInvalidArgument,
-           "MORE_MICRO from rank {}, but the job's accumulation_steps is {}", channel.rank, spec_.accumulation_steps);
-  CheckCurrentStep(message, completed_, channel.rank, "MORE_MICRO");
+  CheckMoreMicro(spec_, completed_, channel.rank, message);
   const uint64_t step = message.step;
   if (trace_) trace_->Mark(SpanKind::kMoreMicro, 0, step, message.micro);
   const StepGate* gate = gates_.Find(step);
-  TS_CHECK(gate == nullptr || gate->terms().micro_batches == 0, Code::kInvalidArgument,
-           "rank {} began backward pass {} of step {} after its terms said {} (backward after clip_grad_norm_, a "
-           "GradScaler's unscale_ or optimizer.step())",
-           channel.rank, message.micro + 2, step, gate->terms().micro_batches);
+  CheckMoreAfterTerms(gate == nullptr ? 0 : gate->terms().micro_batches, channel.rank, message);
   if (!micro_.More(step, message.micro)) return;  // another rank said so already
   gates_.Erase(step);                             // its norms were of the micro-batch taken back
   for (uint32_t b = 0; b < buckets_.size(); ++b) {
@@ -1138,10 +1080,7 @@ void StepEngine::OnMoreMicro(RankChannel& channel, const shm::Message& message) 
 // kDiscarded. Every rank of a data-parallel job discards alike: the first rank's kDiscard of the step's
 // nth discard drops it, the others' find it dropped.
 void StepEngine::OnDiscard(RankChannel& channel, const shm::Message& message) {
-  TS_CHECK(spec_.step_terms && spec_.nodes() == 1, Code::kInvalidArgument,
-           "DISCARD from rank {}: a job spanning nodes cannot drop a step's gradients (they were all-reduced)",
-           channel.rank);
-  CheckCurrentStep(message, completed_, channel.rank, "DISCARD");
+  CheckDiscard(spec_, completed_, channel.rank, message);
   switch (micro_.OnDiscard(message.step, message.micro, channel.rank)) {
     case MicroBatches::Discard::kDropped:  // another rank's discard of it came first
       return PostTo(
@@ -1181,14 +1120,7 @@ void StepEngine::MaybeFinishDiscard() {
 }
 
 void StepEngine::OnLoadState(RankChannel& channel, const shm::Message& message) {
-  TS_CHECK(!loading_, Code::kFailedPrecondition, "LOAD_STATE while another load is in progress");
-  for (size_t b = 0; b < buckets_.size(); ++b) {
-    const BucketLifecycle& progress = buckets_[b];
-    TS_CHECK(progress.phase == Phase::kCollecting && !progress.MidStep(), Code::kFailedPrecondition,
-             "LOAD_STATE from rank {} while bucket {} is in the middle of step {}; call synchronize() first",
-             channel.rank, b, progress.step);
-  }
-  TS_CHECK(message.step < (uint64_t{1} << 62), Code::kInvalidArgument, "LOAD_STATE step {} out of range", message.step);
+  CheckLoadState(buckets_, loading_, channel.rank, message);
   if (!PastTheSeed()) {  // the seed is written: SetTransfer left this to now
     for (const auto& rank : ranks_) {
       if (rank && rank->transfer) rank->transfer->WillCopy(CopiedHostRanges(layout_, state_, *rank));
@@ -1256,13 +1188,9 @@ void StepEngine::PublishWeights(uint32_t b, uint64_t step) {
 // optimizer.step() was called for message.step: from now on that step's weights may overwrite the
 // rank's parameters, after (on the GPU) the kernels it queued before.
 void StepEngine::OnWeightsWanted(const std::shared_ptr<RankChannel>& channel, const shm::Message& message) {
-  TS_CHECK(channel->transfer != nullptr, Code::kInvalidArgument,
-           "WEIGHTS_WANTED from rank {}, which copies its weights itself (no cuda-ipc registration)", channel->rank);
-  TS_CHECK(message.slot < channel->transfer->weights_wanted_events(), Code::kInvalidArgument,
-           "WEIGHTS_WANTED names event {}, but rank {} registered {}", message.slot, channel->rank,
-           channel->transfer->weights_wanted_events());
-  TS_CHECK(message.step < (uint64_t{1} << 62), Code::kInvalidArgument, "WEIGHTS_WANTED step {} out of range",
-           message.step);
+  CheckWeightsWanted(channel->transfer != nullptr,
+                     channel->transfer != nullptr ? channel->transfer->weights_wanted_events() : 0, channel->rank,
+                     message);
   ++inflight_;
   channel->transfer->AwaitWeightsWanted(message.slot, [this, channel](std::optional<Error> error) {
     Continue([this, channel, error = std::move(error)] {
