@@ -9,6 +9,7 @@
 #include <limits>
 #include <utility>
 
+#include "daemon/engine/resume_plan.h"
 #include "daemon/engine/ring_checks.h"
 #include "daemon/optimizer/adamw_kernels.h"
 #include "shm/error.h"
@@ -177,35 +178,28 @@ void StepEngine::RunResumes() {
 // See Resume. Runs on the engine thread once no pass is in flight. By the skew bound a bucket is at
 // most one step past the job's completed step, and with two halves its other half holds that step.
 void StepEngine::ResumeNow(std::function<void(uint64_t)> reply) {
-  const uint64_t completed = CompletedStep();
-  std::vector<uint32_t> rolled_back, kept;
+  std::vector<uint64_t> committed(buckets_.size());
   for (uint32_t b = 0; b < buckets_.size(); ++b) {
-    BucketLifecycle& progress = buckets_[b];
-    const shm::BucketCommit commit = state_.bucket_state[b].Load();
-    // The dead daemon may have been writing it; a trainer that went away, its gradients into it.
-    const bool had_gradients = layout_.buckets[b].grads_in_upload && state_.header->initialized != 0;
-    if (adopted_ || had_gradients) progress.upload_dirty = true;
-    if (commit.step == completed) continue;
-    if (spec_.state_halves == 2) {
-      state_.bucket_state[b].Store({.step = completed, .half = OtherHalf(commit.half)});
-      progress.upload_dirty = true;
-      rolled_back.push_back(b);
-    } else {
-      kept.push_back(b);  // StartUpdate skips its replayed step
+    committed[b] = state_.bucket_state[b].Load().step;
+    const bool grads_in_upload = layout_.buckets[b].grads_in_upload;
+    if (UploadSuspect(adopted_, grads_in_upload, state_.header->initialized != 0)) buckets_[b].upload_dirty = true;
+  }
+  const ResumePlan plan = ResumePlan::Of(committed, spec_.state_halves);
+  const uint64_t completed = plan.completed;
+  for (const uint32_t b : plan.rolled_back) {
+    state_.bucket_state[b].Store({.step = completed, .half = OtherHalf(state_.bucket_state[b].Load().half)});
+    buckets_[b].upload_dirty = true;
+  }
+  for (const auto* moved : {&plan.rolled_back, &plan.kept}) {
+    for (const uint32_t b : *moved) {
+      buckets_[b].step = completed + 1;
+      RestartBucket(b);
     }
-    progress.step = completed + 1;
-    RestartBucket(b);
   }
   adopted_ = false;
   completed_ = completed;
   state_.header->completed_step.store(completed);
-  if (!rolled_back.empty() || !kept.empty()) {
-    spdlog::info("job '{}' resumes after step {}: bucket(s) [{}] rolled back from step {}{}", job_name_, completed,
-                 fmt::join(rolled_back, ", "), completed + 1,
-                 kept.empty() ? std::string()
-                              : fmt::format(", bucket(s) [{}] keep step {} and skip its replay (one state half)",
-                                            fmt::join(kept, ", "), completed + 1));
-  }
+  if (const std::string resumed = plan.Describe(job_name_); !resumed.empty()) spdlog::info("{}", resumed);
   std::vector<uint32_t> rewrite;
   for (uint32_t b = 0; b < buckets_.size(); ++b) {
     BucketLifecycle& progress = buckets_[b];
