@@ -9,6 +9,7 @@
 #include <limits>
 #include <utility>
 
+#include "daemon/engine/pass_work.h"
 #include "daemon/engine/resume_plan.h"
 #include "daemon/engine/ring_checks.h"
 #include "daemon/optimizer/adamw_kernels.h"
@@ -18,17 +19,9 @@ namespace trainstream::daemon {
 
 namespace {
 
-constexpr uint64_t kBlockElements = 1 << 16;           // elements of one Block (the unit of work on the pool)
 constexpr uint32_t kMaxMessagesPerRankPerRound = 256;  // fairness between ranks
 constexpr auto kIdleWait = std::chrono::milliseconds(100);
 constexpr auto kResumeTimeout = std::chrono::minutes(5);  // passes in flight finish in milliseconds
-
-// The sum of per-block partial sums, in block order: deterministic whatever order the blocks ran in.
-double Total(const std::vector<double>& partial) {
-  double sum = 0;
-  for (const double value : partial) sum += value;
-  return sum;
-}
 
 }  // namespace
 
@@ -222,11 +215,7 @@ void StepEngine::ResumeNow(std::function<void(uint64_t)> reply) {
 void StepEngine::UploadCommitted(uint32_t b, std::function<void()> done) {
   buckets_[b].Begin(Pass::kUpload);
   Schedule(
-      b, 0, [](uint32_t) { return true; },
-      [passes = &passes_, half = &state_.Committed(b)](size_t, const Block& block) {
-        passes->UploadMaster(block, *half);
-      },
-      std::move(done));
+      b, 0, [](uint32_t) { return true; }, UploadWork(&passes_, &state_.Committed(b)), std::move(done));
 }
 
 void StepEngine::FailAll(const std::string& message) {
@@ -512,43 +501,16 @@ void StepEngine::Continue(std::function<void()> continuation) {
   }
 }
 
-template <typename Include>
-std::shared_ptr<std::vector<Block>> StepEngine::BlocksOf(uint32_t bucket, Include include) const {
-  auto blocks = std::make_shared<std::vector<Block>>();
-  for (uint32_t p : layout_.buckets[bucket].params) {
-    if (!include(p)) continue;
-    const uint64_t numel = layout_.params[p].numel;
-    for (uint64_t begin = 0; begin < numel; begin += kBlockElements) {
-      blocks->push_back(Block{p, begin, std::min(kBlockElements, numel - begin)});
-    }
-  }
-  return blocks;
-}
-
-// With several NUMA nodes, each bucket is split into equal element ranges, one per node: a block's
-// home depends only on where its elements lie, so every pass (touch, accumulate, norm, update) runs
-// it on the same node, whichever parameters the pass includes.
-WorkerPool::Home StepEngine::HomesOf(std::shared_ptr<std::vector<Block>> blocks) const {
-  const uint32_t nodes = pool_.nodes();
-  if (nodes == 1) return {};
-  return [this, blocks = std::move(blocks), nodes](size_t i) {
-    const Block& block = (*blocks)[i];
-    const shm::ParamLayout& p = layout_.params[block.param];
-    const uint64_t numel = std::max<uint64_t>(layout_.buckets[p.bucket].numel, 1);
-    return static_cast<uint32_t>((p.offset_in_bucket + block.begin) * nodes / numel);
-  };
-}
-
 template <typename Work, typename Include>
 void StepEngine::Schedule(uint32_t bucket, int64_t priority, Include include, Work work, std::function<void()> done) {
-  const auto blocks = BlocksOf(bucket, include);
+  const auto blocks = BlocksOf(layout_, bucket, include);
   ScheduleBlocks(blocks, 0, blocks->size(), priority, std::move(work), std::move(done));
 }
 
 template <typename Work>
 void StepEngine::ScheduleBlocks(const std::shared_ptr<std::vector<Block>>& blocks, size_t begin, size_t end,
                                 int64_t priority, Work work, std::function<void()> done) {
-  WorkerPool::Home home = HomesOf(blocks);
+  WorkerPool::Home home = HomesOf(layout_, pool_.nodes(), blocks);
   if (home) home = [home = std::move(home), begin](size_t i) { return home(begin + i); };
   ++inflight_;
   pool_.Submit(
@@ -564,10 +526,10 @@ void StepEngine::TouchState() {
   if (pool_.nodes() == 1) return;
   std::latch touched(static_cast<std::ptrdiff_t>(layout_.buckets.size()));
   for (uint32_t b = 0; b < layout_.buckets.size(); ++b) {
-    auto blocks = BlocksOf(b, [](uint32_t) { return true; });
+    auto blocks = BlocksOf(layout_, b, [](uint32_t) { return true; });
     pool_.Submit(
         blocks->size(), [passes = &passes_, blocks](size_t i) { passes->Touch((*blocks)[i]); },
-        [&touched] { touched.count_down(); }, /*priority=*/0, HomesOf(blocks));
+        [&touched] { touched.count_down(); }, /*priority=*/0, HomesOf(layout_, pool_.nodes(), blocks));
   }
   touched.wait();
 }
@@ -642,10 +604,8 @@ void StepEngine::AccumulateSlots(uint32_t b, std::function<void()> then) {
   buckets_[b].accumulated = true;
   Schedule(
       b, 0, [](uint32_t) { return true; },
-      Traced(SpanKind::kAccumulateBlock, b, buckets_[b].step,
-             [passes = &passes_, accum, overwrite, sources = SnapshotSources()](size_t, const Block& block) {
-               passes->Accumulate(block, sources, accum, overwrite);
-             }),
+      Traced(trace_.get(), SpanKind::kAccumulateBlock, b, buckets_[b].step,
+             AccumulateWork(&passes_, accum, overwrite, SnapshotSources())),
       std::move(then));
 }
 
@@ -664,17 +624,11 @@ void StepEngine::StartNorm(uint32_t b) {
   progress.Begin(Pass::kNorm);
   const float scale = 1.0f / static_cast<float>(spec_.world_size * spec_.nodes());
   auto include = [this](uint32_t p) { return had_grad_[p] != 0; };
-  auto partial = std::make_shared<std::vector<double>>(BlocksOf(b, include)->size(), 0.0);
-  auto nonfinite = std::make_shared<std::atomic<bool>>(false);
+  auto results = std::make_shared<PassResults>(BlocksOf(layout_, b, include)->size());
   Schedule(b, 0, include,
-           Traced(SpanKind::kNormBlock, b, progress.step,
-                  [passes = &passes_, scale, partial, nonfinite, accum = AccumulatorOf(b), sources = FinalSlots(b)](
-                      size_t i, const Block& block) {
-                    bool bad = false;
-                    (*partial)[i] = passes->SumOfSquares(block, sources, accum, scale, &bad);
-                    if (bad) nonfinite->store(true);
-                  }),
-           [this, b, partial, nonfinite] { OnNormed(b, Total(*partial), nonfinite->load()); });
+           Traced(trace_.get(), SpanKind::kNormBlock, b, progress.step,
+                  NormWork(&passes_, scale, AccumulatorOf(b), FinalSlots(b), results)),
+           [this, b, results] { OnNormed(b, Total(results->partial), results->nonfinite.load()); });
 }
 
 void StepEngine::OnNormed(uint32_t b, double sum_of_squares, bool nonfinite) {
@@ -840,49 +794,24 @@ void StepEngine::StartUpdate(uint32_t b, float multiplier, Pass pass) {
   const bool speculative = pass == Pass::kSpeculate;
   const float scale = multiplier / static_cast<float>(spec_.world_size * spec_.nodes());
   const uint64_t sr_seed = seed_ ^ (plan->step * 0xD1B54A32D192ED03ull);
-  const std::shared_ptr<std::vector<Block>> blocks = BlocksOf(b, include);
-  auto partial = std::make_shared<std::vector<double>>(plan->with_norm ? blocks->size() : 0, 0.0);
-  auto nonfinite = std::make_shared<std::atomic<bool>>(false);
-  auto norm_nonfinite = std::make_shared<std::atomic<bool>>(false);
-  auto work = [passes = &passes_, scale, sr_seed, plan, partial, nonfinite, norm_nonfinite,
-               from = &state_.halves[plan->from], to = &state_.halves[plan->to], accum = AccumulatorOf(b),
-               sources = FinalSlots(b)](size_t i, const Block& block) {
-    if (plan->updated[block.param] == 0) return passes->Carry(block, *from, *to);
-    bool bad_weights = false;
-    if (partial->empty()) {
-      bad_weights = passes->Update(block, sources, accum, scale, plan->scalars[block.param], sr_seed, *from, *to);
-    } else {  // the norm of the update's own g (scale included)
-      bool bad_gradients = false;
-      bad_weights = passes->UpdateWithNorm(block, sources, accum, scale, plan->scalars[block.param], sr_seed, *from,
-                                           *to, &(*partial)[i], &bad_gradients);
-      if (bad_gradients) norm_nonfinite->store(true);
-    }
-    if (bad_weights) nonfinite->store(true);
-  };
+  const std::shared_ptr<std::vector<Block>> blocks = BlocksOf(layout_, b, include);
+  auto results = std::make_shared<PassResults>(plan->with_norm ? blocks->size() : 0);
+  auto work = UpdateWork(&passes_, scale, sr_seed, plan, &state_.halves[plan->from], &state_.halves[plan->to],
+                         AccumulatorOf(b), FinalSlots(b), results);
   auto update = std::make_shared<RunningUpdate>();
   update->blocks = blocks;
   update->pieces = SplitIntoPieces(layout_, b, *blocks, PieceBytes(b));
   update->piece_written.assign(update->pieces.size(), 0);
-  update->work = Traced(SpanKind::kUpdateBlock, b, plan->step, std::move(work));
-  update->finish = [this, b, plan, speculative, partial, nonfinite, norm_nonfinite] {
-    if (speculative) return OnSpeculated(b, Total(*partial), norm_nonfinite->load());
-    OnUpdated(b, plan->step, plan->to, nonfinite->load());
+  update->work = Traced(trace_.get(), SpanKind::kUpdateBlock, b, plan->step, std::move(work));
+  update->finish = [this, b, plan, speculative, results] {
+    if (speculative) return OnSpeculated(b, Total(results->partial), results->norm_nonfinite.load());
+    OnUpdated(b, plan->step, plan->to, results->nonfinite.load());
   };
   progress.StartUpdate(std::move(update));
   for (const auto& channel : ranks_) {
     if (channel) channel->streamed[b] = 0;
   }
   ScheduleReadyPieces(b);
-}
-
-std::function<void(size_t, const Block&)> StepEngine::Traced(SpanKind kind, uint32_t b, uint64_t step,
-                                                             std::function<void(size_t, const Block&)> work) const {
-  if (!trace_) return work;
-  return [trace = trace_.get(), kind, b, step, work = std::move(work)](size_t i, const Block& block) {
-    const int64_t began = StepTrace::Now();
-    work(i, block);
-    trace->Record({kind, b, step, StepTrace::ThreadId(), began, StepTrace::Now()});
-  };
 }
 
 void StepEngine::ScheduleReadyPieces(uint32_t b) {

@@ -171,10 +171,6 @@ class StepEngine {
   // cuda-ipc ranks (SplitIntoPieces), or the bucket's size without such ranks.
   [[nodiscard]] uint64_t PieceBytes(uint32_t bucket) const;
   void OnPieceWritten(uint32_t bucket, uint32_t piece);
-  // `work` (a block of a pass of `kind` over bucket's gradients of `step`), recording each block's span
-  // when tracing.
-  [[nodiscard]] std::function<void(size_t, const Block&)> Traced(SpanKind kind, uint32_t bucket, uint64_t step,
-                                                                 std::function<void(size_t, const Block&)> work) const;
   // Gives the pool the pieces of the bucket's running update whose gradients are in.
   void ScheduleReadyPieces(uint32_t bucket);
   // One rank, two state halves, the step's last micro-batch, no norm to wait for: the bucket's update
@@ -261,9 +257,6 @@ class StepEngine {
   const shm::HParams* HParamsFor(uint64_t step);
   Sources SnapshotSources();
   void TouchState();
-  template <typename Include>
-  std::shared_ptr<std::vector<Block>> BlocksOf(uint32_t bucket, Include include) const;
-  WorkerPool::Home HomesOf(std::shared_ptr<std::vector<Block>> blocks) const;
   // Runs `work` on the pool for every block of `bucket`'s params selected by `include`; `done` runs on
   // the engine thread afterwards.
   template <typename Work, typename Include>
