@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "daemon/engine/pass_work.h"
+#include "daemon/engine/rank_table.h"
 #include "daemon/engine/resume_plan.h"
 #include "daemon/engine/ring_checks.h"
 #include "daemon/optimizer/adamw_kernels.h"
@@ -38,8 +39,7 @@ StepEngine::StepEngine(std::string job_name, const shm::LayoutSpec& spec, const 
       peers_(peers),
       on_commit_(std::move(on_commit)),
       trace_(std::move(trace)),
-      state_segment_(state_segment),
-      ranks_(spec.world_size),
+      ranks_(job_name_, spec.world_size, state_segment, peers),
       had_grad_(spec.params.size(), 0),
       gates_(layout.buckets.size(), spec.world_size, layout.speculative_clipping, spec.step_terms,
              spec.accumulation_steps, spec.max_grad_norm),
@@ -62,69 +62,35 @@ StepEngine::~StepEngine() {
 }
 
 void StepEngine::AddRank(std::shared_ptr<RankChannel> channel) {
-  std::lock_guard lock(mutex_);
-  const uint32_t rank = channel->rank;
-  TS_CHECK(rank < ranks_.size(), Code::kInvalidArgument, "rank {} out of range (world size {})", rank, ranks_.size());
-  TS_CHECK(ranks_[rank] == nullptr, Code::kAlreadyExists, "rank {} of job '{}' is already attached by another client",
-           rank, job_name_);
-  TS_CHECK(!CheckMemory(), Code::kAborted, "job '{}' is being dropped: {}", job_name_, lost_.value_or(""));
-  ranks_[rank] = std::move(channel);
+  std::lock_guard lock(ranks_.mutex());
+  ranks_.Add(std::move(channel));
 }
 
 void StepEngine::RemoveRank(uint32_t rank) {
-  std::lock_guard lock(mutex_);
-  if (rank >= ranks_.size() || ranks_[rank] == nullptr) return;
-  if (ranks_[rank]->transfer) ranks_[rank]->transfer->Abandon();  // its GPU may never reach its events
-  ranks_[rank] = nullptr;
-  ResetCollecting(fmt::format("rank {} detached", rank));
+  std::lock_guard lock(ranks_.mutex());
+  if (ranks_.Remove(rank)) ResetCollecting(fmt::format("rank {} detached", rank));
 }
 
 void StepEngine::SetTransfer(uint32_t rank, std::shared_ptr<RankTransfer> transfer) {
-  std::lock_guard lock(mutex_);
-  TS_CHECK(rank < ranks_.size() && ranks_[rank] != nullptr, Code::kFailedPrecondition, "rank {} is not attached", rank);
-  TS_CHECK(ranks_[rank]->transfer == nullptr, Code::kAlreadyExists, "rank {} registered its GPU buffers already", rank);
-  ranks_[rank]->transfer = std::move(transfer);
-  if (PastTheSeed())
-    ranks_[rank]->transfer->WillCopy(CopiedHostRanges(layout_, state_, *ranks_[rank]));  // else at the seed's load
+  std::lock_guard lock(ranks_.mutex());
+  RankChannel& channel = ranks_.SetTransfer(rank, std::move(transfer));
+  if (PastTheSeed()) channel.transfer->WillCopy(CopiedHostRanges(layout_, state_, channel));  // else at the seed's load
 }
 
 bool StepEngine::HasRank(uint32_t rank) {
-  std::lock_guard lock(mutex_);
-  return rank < ranks_.size() && ranks_[rank] != nullptr;
+  std::lock_guard lock(ranks_.mutex());
+  return ranks_.Has(rank);
 }
 
 std::optional<std::string> StepEngine::Diverged() {
-  std::lock_guard lock(mutex_);
-  return diverged_;
+  std::lock_guard lock(ranks_.mutex());
+  return ranks_.diverged();
 }
 
 std::optional<std::string> StepEngine::Lost() {
-  std::lock_guard lock(mutex_);
-  CheckMemory();
-  return lost_;
-}
-
-// What a lost segment's pages hold now are zeros private to the daemon (daemon/guard/fault_guard.h):
-// nothing computed from them may reach a rank, so every session fails before the next message or
-// continuation, and the failed ranks get nothing more (PostTo, PublishWeights and pushes skip them).
-bool StepEngine::CheckMemory() {
-  if (lost_) return true;
-  const ClientSegment* lost = state_segment_ != nullptr && state_segment_->lost() ? state_segment_ : nullptr;
-  for (const auto& channel : ranks_) {
-    if (lost == nullptr && channel && channel->segment.lost()) lost = &channel->segment;
-  }
-  if (lost == nullptr) return false;
-  lost_ = lost->LostMessage();
-  const std::string message = fmt::format(
-      "job '{}' was dropped: {}; its optimizer state is gone, restart from a checkpoint", job_name_, *lost_);
-  spdlog::error("{}", message);
-  if (peers_ != nullptr) peers_->Reset(message);
-  for (const auto& channel : ranks_) {
-    if (!channel) continue;
-    channel->failed = true;
-    channel->session->Fail(message);
-  }
-  return true;
+  std::lock_guard lock(ranks_.mutex());
+  ranks_.CheckMemory();
+  return ranks_.lost();
 }
 
 EngineStats StepEngine::Stats() {
@@ -134,10 +100,8 @@ EngineStats StepEngine::Stats() {
                     .redone_steps = redone_steps_.load(),
                     .accumulator_bytes = accumulator_bytes_.load(),
                     .attached_ranks = {}};
-  std::lock_guard lock(mutex_);
-  for (const auto& channel : ranks_) {
-    if (channel) stats.attached_ranks.push_back(channel->rank);
-  }
+  std::lock_guard lock(ranks_.mutex());
+  stats.attached_ranks = ranks_.AttachedRanks();
   return stats;
 }
 
@@ -219,26 +183,8 @@ void StepEngine::UploadCommitted(uint32_t b, std::function<void()> done) {
 }
 
 void StepEngine::FailAll(const std::string& message) {
-  std::lock_guard lock(mutex_);
-  FailSessions(message);
-}
-
-void StepEngine::FailRank(RankChannel& channel, const std::string& message) {
-  if (CheckMemory()) return;  // what went wrong may be the zeros a lost segment holds now: the loss is the news
-  channel.failed = true;
-  spdlog::warn("job '{}' rank {}: {}", job_name_, channel.rank, message);
-  channel.session->Fail(message);
-}
-
-bool StepEngine::Attached(const std::shared_ptr<RankChannel>& channel) const {
-  return channel->rank < ranks_.size() && ranks_[channel->rank] == channel && !channel->failed;
-}
-
-void StepEngine::FailSessions(const std::string& message) {
-  if (CheckMemory()) return;
-  for (const auto& channel : ranks_) {
-    if (channel) channel->session->Fail(message);
-  }
+  std::lock_guard lock(ranks_.mutex());
+  ranks_.FailSessions(message);
 }
 
 // A rank left while others were mid-step: its share of the step's gradients is gone, so the partial
@@ -325,8 +271,8 @@ void StepEngine::Loop() {
 }
 
 bool StepEngine::DrainRequests() {
-  std::lock_guard lock(mutex_);
-  CheckMemory();  // every round: an idle job's too
+  std::lock_guard lock(ranks_.mutex());
+  ranks_.CheckMemory();  // every round: an idle job's too
   bool progress = false;
   for (const auto& channel : ranks_) {
     if (!channel || channel->failed) continue;
@@ -338,7 +284,7 @@ bool StepEngine::DrainRequests() {
         Handle(*channel, message);
       }
     } catch (const Error& e) {
-      FailRank(*channel, e.what());
+      ranks_.FailRank(*channel, e.what());
     }
   }
   return progress;
@@ -351,14 +297,14 @@ bool StepEngine::DrainFinished() {
     finished.swap(finished_);
   }
   if (finished.empty()) return false;
-  std::lock_guard lock(mutex_);
-  CheckMemory();  // a worker that found pages gone did so before it handed its continuation back
+  std::lock_guard lock(ranks_.mutex());
+  ranks_.CheckMemory();  // a worker that found pages gone did so before it handed its continuation back
   for (auto& continuation : finished) {
     try {
       continuation();
     } catch (const Error& e) {  // e.g. hyperparameters rewritten between validation and use
       spdlog::error("job '{}': {}", job_name_, e.what());
-      FailSessions(e.what());
+      ranks_.FailSessions(e.what());
     }
   }
   RunResumes();
@@ -410,17 +356,17 @@ void StepEngine::PullThenDeliver(const std::shared_ptr<RankChannel>& channel, ui
       [this, channel, b, slot, step, micro, piece, pulling](std::optional<Error> error) {
         if (trace_) trace_->Record({SpanKind::kPull, b, step, piece, pulling, StepTrace::Now()});
         Continue([this, channel, b, slot, step, micro, error = std::move(error)] {
-          if (!Attached(channel)) return;
+          if (!ranks_.Attached(channel)) return;
           if (error) {
-            return FailRank(*channel,
-                            fmt::format("copying bucket {}'s gradients from the GPU failed: {}", b, error->what()));
+            return ranks_.FailRank(
+                *channel, fmt::format("copying bucket {}'s gradients from the GPU failed: {}", b, error->what()));
           }
           BucketLifecycle& progress = buckets_[b];
           if (progress.step != step || progress.micro != micro ||
               (progress.phase != Phase::kCollecting && !progress.streaming)) {
             return;
           }
-          PostTo(*channel, shm::Message{.kind = shm::MessageKind::kStagingFree, .step = step, .slot = slot});
+          ranks_.PostTo(*channel, shm::Message{.kind = shm::MessageKind::kStagingFree, .step = step, .slot = slot});
           const uint32_t pulled = ++channel->pulled[b];
           const uint32_t pieces = PiecesOf(layout_.buckets[b], channel->transfer->slot_bytes());
           const bool delivered = progress.streaming;
@@ -474,12 +420,12 @@ const shm::HParams* StepEngine::HParamsFor(uint64_t step) {
 }
 
 Sources StepEngine::SnapshotSources() {
-  return ranks_;
+  return ranks_.all();
 }
 
 // After a multi-node all-reduce the accumulator holds the whole sum: the slots must not count again.
 Sources StepEngine::GradientSlots() {
-  return spec_.nodes() > 1 ? Sources() : ranks_;
+  return spec_.nodes() > 1 ? Sources() : ranks_.all();
 }
 
 // Runs `work` on the engine thread.
@@ -542,7 +488,8 @@ void StepEngine::StartAccumulate(uint32_t b) {
     BucketLifecycle& progress = buckets_[b];
     const uint32_t micro = progress.EndAccumulate();
     if (trace_) trace_->Record({SpanKind::kAccumulate, b, progress.step, micro, started, StepTrace::Now()});
-    PostToAll(shm::Message{.kind = shm::MessageKind::kSlotFree, .bucket = b, .step = progress.step, .micro = micro});
+    ranks_.PostToAll(
+        shm::Message{.kind = shm::MessageKind::kSlotFree, .bucket = b, .step = progress.step, .micro = micro});
     if (HoldAccumulated(b)) MaybeDecide(progress.step);
   });
 }
@@ -569,9 +516,8 @@ void StepEngine::StartReduce(uint32_t b) {
                        if (!error) return AfterGradients(b);
                        RestartBucket(b);
                        const std::string message = fmt::format("all-reduce between daemons failed: {}", error->what());
-                       if (!diverged_)
-                         diverged_ = fmt::format("{} (bucket {} of step {})", message, b, buckets_[b].step);
-                       FailSessions(message);
+                       ranks_.SetDiverged(fmt::format("{} (bucket {} of step {})", message, b, buckets_[b].step));
+                       ranks_.FailSessions(message);
                      });
                    });
   });
@@ -673,10 +619,10 @@ void StepEngine::MaybeDecide(uint64_t step) {
   if (found == nullptr) return;
   StepGate& gate = *found;
   if (spec_.step_terms && StepGates::SendNorm(gate)) {
-    PostToAll(shm::Message{.kind = shm::MessageKind::kStepNorm,
-                           .flags = static_cast<uint16_t>(gate.Decision().nonfinite ? shm::kNonFinite : 0),
-                           .step = step,
-                           .value = gate.Norm()});
+    ranks_.PostToAll(shm::Message{.kind = shm::MessageKind::kStepNorm,
+                                  .flags = static_cast<uint16_t>(gate.Decision().nonfinite ? shm::kNonFinite : 0),
+                                  .step = step,
+                                  .value = gate.Norm()});
   }
   if (!gate.Decided()) return;
   const StepDecision decision = gate.Decision();
@@ -753,9 +699,9 @@ void StepEngine::Revoke(uint32_t b) {
 }
 
 void StepEngine::Diverge(const std::string& why) {
-  if (!diverged_) diverged_ = why;
+  ranks_.SetDiverged(why);
   spdlog::error("job '{}': {}", job_name_, why);
-  FailSessions(why);
+  ranks_.FailSessions(why);
 }
 
 // Reads bucket b's committed half and writes the other (the same half, in place, with one half): the
@@ -1006,7 +952,7 @@ void StepEngine::OnDiscard(RankChannel& channel, const shm::Message& message) {
   CheckDiscard(spec_, completed_, channel.rank, message);
   switch (micro_.OnDiscard(message.step, message.micro, channel.rank)) {
     case MicroBatches::Discard::kDropped:  // another rank's discard of it came first
-      return PostTo(
+      return ranks_.PostTo(
           channel,
           shm::Message{.kind = shm::MessageKind::kDiscarded, .step = message.step, .micro = micro_.discards()});
     case MicroBatches::Discard::kBeingDropped: return;
@@ -1039,7 +985,7 @@ void StepEngine::MaybeFinishDiscard() {
     if (progress.phase != Phase::kCollecting) return;
   }
   const std::optional<uint64_t> step = micro_.FinishDiscard();
-  PostToAll(shm::Message{.kind = shm::MessageKind::kDiscarded, .step = *step, .micro = micro_.discards()});
+  ranks_.PostToAll(shm::Message{.kind = shm::MessageKind::kDiscarded, .step = *step, .micro = micro_.discards()});
 }
 
 void StepEngine::OnLoadState(RankChannel& channel, const shm::Message& message) {
@@ -1083,27 +1029,13 @@ void StepEngine::OnLoadState(RankChannel& channel, const shm::Message& message) 
   }
 }
 
-void StepEngine::PostToAll(const shm::Message& message) {
-  for (const auto& channel : ranks_) {
-    if (channel && !channel->failed) PostTo(*channel, message);
-  }
-}
-
-void StepEngine::PostTo(RankChannel& channel, const shm::Message& message) {
-  try {
-    channel.Post(message);
-  } catch (const Error& e) {
-    FailRank(channel, e.what());
-  }
-}
-
 void StepEngine::PublishWeights(uint32_t b, uint64_t step) {
   for (const auto& channel : ranks_) {
     if (!channel || channel->failed) continue;
     if (channel->transfer != nullptr) {
       MaybePush(channel, b);
     } else {
-      PostTo(*channel, shm::Message{.kind = shm::MessageKind::kParamsReady, .bucket = b, .step = step});
+      ranks_.PostTo(*channel, shm::Message{.kind = shm::MessageKind::kParamsReady, .bucket = b, .step = step});
     }
   }
 }
@@ -1117,9 +1049,10 @@ void StepEngine::OnWeightsWanted(const std::shared_ptr<RankChannel>& channel, co
   ++inflight_;
   channel->transfer->AwaitWeightsWanted(message.slot, [this, channel](std::optional<Error> error) {
     Continue([this, channel, error = std::move(error)] {
-      if (!Attached(channel)) return;
+      if (!ranks_.Attached(channel)) return;
       if (error)
-        return FailRank(*channel, fmt::format("waiting for the rank's optimizer.step() failed: {}", error->what()));
+        return ranks_.FailRank(*channel,
+                               fmt::format("waiting for the rank's optimizer.step() failed: {}", error->what()));
       channel->view.header->weights_wanted_waits.fetch_add(1);
     });
   });
@@ -1147,7 +1080,7 @@ void StepEngine::MaybePush(const std::shared_ptr<RankChannel>& channel, uint32_t
     case PushOrder::Kind::kNone: return;
     case PushOrder::Kind::kReady:
       channel->pushed[b] = order.step;
-      return PostTo(
+      return ranks_.PostTo(
           *channel,
           shm::Message{.kind = shm::MessageKind::kParamsReady, .bucket = b, .step = static_cast<uint64_t>(order.step)});
     case PushOrder::Kind::kCommitted:
@@ -1197,12 +1130,13 @@ void StepEngine::OnPushed(const std::shared_ptr<RankChannel>& channel, uint32_t 
     if (progress.pending) StartPendingUpdates();
     RunResumes();
   }
-  if (!Attached(channel)) return;
+  if (!ranks_.Attached(channel)) return;
   if (error)
-    return FailRank(*channel, fmt::format("copying bucket {}'s weights to the GPU failed: {}", b, error->what()));
+    return ranks_.FailRank(*channel,
+                           fmt::format("copying bucket {}'s weights to the GPU failed: {}", b, error->what()));
   if (current && !written) {
     channel->pushed[b] = static_cast<int64_t>(step);
-    PostTo(*channel, shm::Message{.kind = shm::MessageKind::kParamsReady, .bucket = b, .step = step});
+    ranks_.PostTo(*channel, shm::Message{.kind = shm::MessageKind::kParamsReady, .bucket = b, .step = step});
   }
   MaybePush(channel, b);
 }

@@ -23,7 +23,7 @@
 // out not to be the last is taken back (two halves) and its gradients accumulated. kDiscard (zero_grad()
 // mid-step) drops a step's gradients, one rank only.
 // Worker completions come back to the engine thread through a queue plus the same doorbell, so all
-// protocol state below is touched by the engine thread only; `mutex_` guards the rank table against
+// protocol state below is touched by the engine thread only; the rank table's mutex guards it against
 // attach/detach from gRPC threads.
 //
 // Each bucket advances through steps on its own: a fast rank may deliver bucket b of step t+1 while
@@ -66,6 +66,7 @@
 #include "daemon/engine/gpu_copies.h"
 #include "daemon/engine/micro_batches.h"
 #include "daemon/engine/rank_channel.h"
+#include "daemon/engine/rank_table.h"
 #include "daemon/engine/step_gates.h"
 #include "daemon/engine/step_trace.h"
 #include "daemon/engine/worker_pool.h"
@@ -160,7 +161,7 @@ class StepEngine {
   // Whether a new job's seed is written (its first LOAD_STATE runs or ran): a transfer is told what its
   // copies touch only then, since page-locking beside the seed's copy slowed that copy threefold on an H100
   // (0.39-0.47 s against 0.14 s for 7 GiB; benchmarks/results/train_gpt.md, 2026-12-06). loading_ changes
-  // only in messages and continuations, which run holding mutex_.
+  // only in messages and continuations, which run holding the rank table's mutex.
   [[nodiscard]] bool PastTheSeed() const { return state_.header->initialized != 0 || loading_; }
   void OnLoadState(RankChannel& channel, const shm::Message& message);
   void OnWeightsWanted(const std::shared_ptr<RankChannel>& channel, const shm::Message& message);
@@ -186,9 +187,6 @@ class StepEngine {
   // of a rank complete in submission order).
   void OnPushed(const std::shared_ptr<RankChannel>& channel, uint32_t bucket, uint64_t step, uint64_t generation,
                 bool written, bool last, const std::optional<Error>& error);
-  [[nodiscard]] bool Attached(const std::shared_ptr<RankChannel>& channel) const;
-  void PostTo(RankChannel& channel, const shm::Message& message);
-  void FailRank(RankChannel& channel, const std::string& message);
   void OnBucketDelivered(uint32_t bucket);
   void OnStepTerms(RankChannel& channel, const shm::Message& message);
   void OnMoreMicro(RankChannel& channel, const shm::Message& message);
@@ -208,10 +206,6 @@ class StepEngine {
   [[nodiscard]] bool Revocable(uint32_t bucket) const;
   void Post(std::function<void()> work);
   void Continue(std::function<void()> continuation);
-  void FailSessions(const std::string& message);  // requires mutex_
-  // Whether the job's memory is lost (Lost()); the first time, fails every session saying so. Requires
-  // mutex_.
-  bool CheckMemory();
   void RestartBucket(uint32_t bucket);
   void Abandon(uint32_t bucket);
   Sources GradientSlots();
@@ -252,7 +246,6 @@ class StepEngine {
   void ResumeNow(std::function<void(uint64_t)> reply);
   // Counts `step` once among the non-finite steps and tells every rank why.
   void ReportNonFinite(uint64_t step, const std::string& what);
-  void PostToAll(const shm::Message& message);
   void ResetCollecting(const std::string& reason);
   const shm::HParams* HParamsFor(uint64_t step);
   Sources SnapshotSources();
@@ -278,13 +271,8 @@ class StepEngine {
   const CommitObserver on_commit_;
   const std::unique_ptr<StepTrace> trace_;  // nullptr: not tracing; written once the engine has stopped
 
-  const ClientSegment* const state_segment_;
-
   std::once_flag placed_;
-  std::mutex mutex_;                                 // guards ranks_, diverged_ and lost_
-  std::vector<std::shared_ptr<RankChannel>> ranks_;  // by rank; nullptr when not attached
-  std::optional<std::string> diverged_;
-  std::optional<std::string> lost_;
+  RankTable ranks_;  // its mutex guards the table, against attach/detach from gRPC threads
 
   // Engine-thread state.
   std::vector<BucketLifecycle> buckets_;
