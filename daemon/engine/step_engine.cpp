@@ -44,7 +44,8 @@ StepEngine::StepEngine(std::string job_name, const shm::LayoutSpec& spec, const 
       gates_(layout.buckets.size(), spec.world_size, layout.speculative_clipping, spec.step_terms,
              spec.accumulation_steps, spec.max_grad_norm),
       micro_(spec.accumulation_steps, state.accum, layout.total_elems),
-      adopted_(adopted) {
+      adopted_(adopted),
+      mailbox_(state.header->doorbell) {
   buckets_.reserve(layout.buckets.size());
   for (size_t b = 0; b < layout.buckets.size(); ++b) {
     buckets_.emplace_back(state_.bucket_state[b].Load().step + 1, spec.world_size);
@@ -57,8 +58,7 @@ StepEngine::~StepEngine() {
   stopping_ = true;
   state_.header->doorbell.Ring();
   thread_.join();
-  std::unique_lock lock(inflight_mutex_);
-  inflight_zero_.wait(lock, [this] { return inflight_.load() == 0; });
+  mailbox_.WaitIdle();
 }
 
 void StepEngine::AddRank(std::shared_ptr<RankChannel> channel) {
@@ -108,7 +108,7 @@ EngineStats StepEngine::Stats() {
 uint64_t StepEngine::Resume() {
   auto resumed = std::make_shared<std::promise<uint64_t>>();
   std::future<uint64_t> step = resumed->get_future();
-  Post([this, resumed] {
+  mailbox_.Post([this, resumed] {
     resumes_.emplace_back([resumed](uint64_t completed) { resumed->set_value(completed); });
     RunResumes();
   });
@@ -291,11 +291,7 @@ bool StepEngine::DrainRequests() {
 }
 
 bool StepEngine::DrainFinished() {
-  std::vector<std::function<void()>> finished;
-  {
-    std::lock_guard lock(finished_mutex_);
-    finished.swap(finished_);
-  }
+  std::vector<std::function<void()>> finished = mailbox_.Take();
   if (finished.empty()) return false;
   std::lock_guard lock(ranks_.mutex());
   ranks_.CheckMemory();  // a worker that found pages gone did so before it handed its continuation back
@@ -348,14 +344,14 @@ void StepEngine::PullThenDeliver(const std::shared_ptr<RankChannel>& channel, ui
   const uint64_t step = buckets_[b].step;
   const uint32_t micro = buckets_[b].micro;
   const uint64_t offset = piece * channel->transfer->slot_bytes();
-  ++inflight_;
+  mailbox_.Begin();
   const int64_t pulling = trace_ ? StepTrace::Now() : 0;
   channel->transfer->PullGradients(
       slot, shm::GradsOf(bucket, state_, channel->view) + offset,
       std::min(channel->transfer->slot_bytes(), bucket.bytes() - offset),
       [this, channel, b, slot, step, micro, piece, pulling](std::optional<Error> error) {
         if (trace_) trace_->Record({SpanKind::kPull, b, step, piece, pulling, StepTrace::Now()});
-        Continue([this, channel, b, slot, step, micro, error = std::move(error)] {
+        mailbox_.Continue([this, channel, b, slot, step, micro, error = std::move(error)] {
           if (!ranks_.Attached(channel)) return;
           if (error) {
             return ranks_.FailRank(
@@ -428,25 +424,6 @@ Sources StepEngine::GradientSlots() {
   return spec_.nodes() > 1 ? Sources() : ranks_.all();
 }
 
-// Runs `work` on the engine thread.
-void StepEngine::Post(std::function<void()> work) {
-  {
-    std::lock_guard lock(finished_mutex_);
-    finished_.push_back(std::move(work));
-  }
-  state_.header->doorbell.Ring();
-}
-
-// Hands `continuation` from an asynchronous worker (pool, all-reduce) back to the engine thread, and
-// ends that worker's in-flight count.
-void StepEngine::Continue(std::function<void()> continuation) {
-  Post(std::move(continuation));
-  if (--inflight_ == 0) {
-    std::lock_guard lock(inflight_mutex_);
-    inflight_zero_.notify_all();
-  }
-}
-
 template <typename Work, typename Include>
 void StepEngine::Schedule(uint32_t bucket, int64_t priority, Include include, Work work, std::function<void()> done) {
   const auto blocks = BlocksOf(layout_, bucket, include);
@@ -458,10 +435,10 @@ void StepEngine::ScheduleBlocks(const std::shared_ptr<std::vector<Block>>& block
                                 int64_t priority, Work work, std::function<void()> done) {
   WorkerPool::Home home = HomesOf(layout_, pool_.nodes(), blocks);
   if (home) home = [home = std::move(home), begin](size_t i) { return home(begin + i); };
-  ++inflight_;
+  mailbox_.Begin();
   pool_.Submit(
       end - begin, [blocks, begin, work = std::move(work)](size_t i) { work(begin + i, (*blocks)[begin + i]); },
-      [this, done = std::move(done)] { Continue(done); }, priority, home);
+      [this, done = std::move(done)] { mailbox_.Continue(done); }, priority, home);
 }
 
 void StepEngine::PlaceState() {
@@ -509,10 +486,10 @@ void StepEngine::StartReduce(uint32_t b) {
   buckets_[b].Begin(Pass::kReduce);
   AccumulateSlots(b, [this, b] {
     const shm::BucketLayout& bucket = layout_.buckets[b];
-    ++inflight_;  // the all-reduce works on the accumulator
+    mailbox_.Begin();  // the all-reduce works on the accumulator
     peers_->Submit(buckets_[b].step, b, micro_.accumulator() + bucket.elem_offset, bucket.numel,
                    [this, b](std::optional<Error> error) {
-                     Continue([this, b, error = std::move(error)] {
+                     mailbox_.Continue([this, b, error = std::move(error)] {
                        if (!error) return AfterGradients(b);
                        RestartBucket(b);
                        const std::string message = fmt::format("all-reduce between daemons failed: {}", error->what());
@@ -875,8 +852,8 @@ void StepEngine::NotifyCommit(Commit commit) {
 }
 
 void StepEngine::AnnounceCommitted() {
-  ++inflight_;
-  Continue([this] {
+  mailbox_.Begin();
+  mailbox_.Continue([this] {
     for (uint32_t b = 0; b < buckets_.size(); ++b) {
       if (loading_ || buckets_[b].updating) continue;
       NotifyCommit(Commit{.bucket = b, .step = state_.bucket_state[b].Load().step, .announced = true});
@@ -1046,9 +1023,9 @@ void StepEngine::OnWeightsWanted(const std::shared_ptr<RankChannel>& channel, co
   CheckWeightsWanted(channel->transfer != nullptr,
                      channel->transfer != nullptr ? channel->transfer->weights_wanted_events() : 0, channel->rank,
                      message);
-  ++inflight_;
+  mailbox_.Begin();
   channel->transfer->AwaitWeightsWanted(message.slot, [this, channel](std::optional<Error> error) {
-    Continue([this, channel, error = std::move(error)] {
+    mailbox_.Continue([this, channel, error = std::move(error)] {
       if (!ranks_.Attached(channel)) return;
       if (error)
         return ranks_.FailRank(*channel,
@@ -1103,7 +1080,7 @@ void StepEngine::Push(const std::shared_ptr<RankChannel>& channel, uint32_t b, i
                       const std::byte* source, uint64_t begin, uint64_t end, bool written) {
   ++channel->pushing[b];
   ++buckets_[b].pushes;
-  ++inflight_;
+  mailbox_.Begin();
   const uint64_t generation = channel->push_generation;
   const bool last = end == layout_.buckets[b].bytes();
   const int64_t pushing = trace_ ? StepTrace::Now() : 0;
@@ -1113,7 +1090,7 @@ void StepEngine::Push(const std::shared_ptr<RankChannel>& channel, uint32_t b, i
         if (trace_) {
           trace_->Record({SpanKind::kPush, b, static_cast<uint64_t>(step), bytes, pushing, StepTrace::Now()});
         }
-        Continue([this, channel, b, step, generation, written, last, error = std::move(error)] {
+        mailbox_.Continue([this, channel, b, step, generation, written, last, error = std::move(error)] {
           OnPushed(channel, b, static_cast<uint64_t>(step), generation, written, last, error);
         });
       });

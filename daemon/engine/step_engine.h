@@ -63,6 +63,7 @@
 #include "daemon/engine/all_reduce.h"
 #include "daemon/engine/bucket_lifecycle.h"
 #include "daemon/engine/bucket_passes.h"
+#include "daemon/engine/engine_mailbox.h"
 #include "daemon/engine/gpu_copies.h"
 #include "daemon/engine/micro_batches.h"
 #include "daemon/engine/rank_channel.h"
@@ -204,8 +205,6 @@ class StepEngine {
   // An update that runs without a decision can be taken back: the committed half stays as it was, and the
   // gradients it read are still there (two halves, gradients not in the upload copy).
   [[nodiscard]] bool Revocable(uint32_t bucket) const;
-  void Post(std::function<void()> work);
-  void Continue(std::function<void()> continuation);
   void RestartBucket(uint32_t bucket);
   void Abandon(uint32_t bucket);
   Sources GradientSlots();
@@ -286,8 +285,7 @@ class StepEngine {
   int64_t loaded_by_ = -1;  // the rank whose LOAD_STATE was the last one to complete
   uint64_t loaded_step_ = 0;
 
-  std::mutex finished_mutex_;
-  std::vector<std::function<void()>> finished_;  // continuations from worker threads
+  EngineMailbox mailbox_;  // continuations from worker threads, and the work in flight
 
   std::atomic<uint64_t> updates_{0};
   std::atomic<uint64_t> nonfinite_steps_{0};
@@ -295,9 +293,6 @@ class StepEngine {
   std::atomic<uint64_t> redone_steps_{0};
   std::atomic<uint64_t> accumulator_bytes_{0};
   uint64_t last_nonfinite_step_ = 0;  // engine thread
-  std::atomic<int64_t> inflight_{0};
-  std::mutex inflight_mutex_;
-  std::condition_variable inflight_zero_;
   std::atomic<bool> stopping_{false};
   std::thread thread_;
 };
