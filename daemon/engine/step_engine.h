@@ -1,4 +1,10 @@
-// The per-job step pipeline (docs/architecture.md, "Step protocol").
+// The per-job step pipeline (docs/architecture.md, "Step protocol"): the orchestration. StepEngine owns
+// the engine thread, one BucketLifecycle per bucket and the concern objects, tells each of the events
+// that concern it and acts on what it decides: which messages are allowed (ring_checks.h), what becomes
+// of a bucket (bucket_lifecycle.h), clipping and speculation (step_gates.h), accumulation
+// (micro_batches.h), a cuda-ipc rank's copies (gpu_copies.h), resume (resume_plan.h), an update's plan
+// and pieces (bucket_update.h), one block of a pass (pass_work.h), the ranks (rank_table.h) and what
+// comes back from the workers (engine_mailbox.h). None of them calls back into the engine.
 //
 // One engine thread per job waits on the job's doorbell, drains every attached rank's request ring,
 // validates each message, and tracks per bucket which ranks have delivered which micro-batch. When all
