@@ -9,6 +9,10 @@
 #include <limits>
 #include <utility>
 
+#include "daemon/engine/pass_work.h"
+#include "daemon/engine/rank_table.h"
+#include "daemon/engine/resume_plan.h"
+#include "daemon/engine/ring_checks.h"
 #include "daemon/optimizer/adamw_kernels.h"
 #include "shm/error.h"
 
@@ -16,26 +20,9 @@ namespace trainstream::daemon {
 
 namespace {
 
-constexpr uint64_t kBlockElements = 1 << 16;           // elements of one Block (the unit of work on the pool)
 constexpr uint32_t kMaxMessagesPerRankPerRound = 256;  // fairness between ranks
 constexpr auto kIdleWait = std::chrono::milliseconds(100);
 constexpr auto kResumeTimeout = std::chrono::minutes(5);  // passes in flight finish in milliseconds
-
-void CheckHParams(const shm::HParams& h, uint32_t group) {
-  const bool ok = std::isfinite(h.lr) && h.lr >= 0 && std::isfinite(h.beta1) && h.beta1 >= 0 && h.beta1 < 1 &&
-                  std::isfinite(h.beta2) && h.beta2 >= 0 && h.beta2 < 1 && std::isfinite(h.eps) && h.eps >= 0 &&
-                  std::isfinite(h.weight_decay) && h.weight_decay >= 0;
-  TS_CHECK(ok, Code::kInvalidArgument,
-           "invalid hyperparameters for group {}: lr={} betas=({}, {}) eps={} weight_decay={}", group, h.lr, h.beta1,
-           h.beta2, h.eps, h.weight_decay);
-}
-
-// The sum of per-block partial sums, in block order: deterministic whatever order the blocks ran in.
-double Total(const std::vector<double>& partial) {
-  double sum = 0;
-  for (const double value : partial) sum += value;
-  return sum;
-}
 
 }  // namespace
 
@@ -52,15 +39,16 @@ StepEngine::StepEngine(std::string job_name, const shm::LayoutSpec& spec, const 
       peers_(peers),
       on_commit_(std::move(on_commit)),
       trace_(std::move(trace)),
-      state_segment_(state_segment),
-      ranks_(spec.world_size),
-      buckets_(layout.buckets.size()),
+      ranks_(job_name_, spec.world_size, state_segment, peers),
       had_grad_(spec.params.size(), 0),
-      accumulator_(state.accum),
-      adopted_(adopted) {
-  for (size_t b = 0; b < buckets_.size(); ++b) {
-    buckets_[b].step = state_.bucket_state[b].Load().step + 1;
-    buckets_[b].delivered.assign(spec.world_size, 0);
+      gates_(layout.buckets.size(), spec.world_size, layout.speculative_clipping, spec.step_terms,
+             spec.accumulation_steps, spec.max_grad_norm),
+      micro_(spec.accumulation_steps, state.accum, layout.total_elems),
+      adopted_(adopted),
+      mailbox_(state.header->doorbell) {
+  buckets_.reserve(layout.buckets.size());
+  for (size_t b = 0; b < layout.buckets.size(); ++b) {
+    buckets_.emplace_back(state_.bucket_state[b].Load().step + 1, spec.world_size);
   }
   completed_ = CompletedStep();
   thread_ = std::thread([this] { Loop(); });
@@ -70,92 +58,39 @@ StepEngine::~StepEngine() {
   stopping_ = true;
   state_.header->doorbell.Ring();
   thread_.join();
-  std::unique_lock lock(inflight_mutex_);
-  inflight_zero_.wait(lock, [this] { return inflight_.load() == 0; });
+  mailbox_.WaitIdle();
 }
 
 void StepEngine::AddRank(std::shared_ptr<RankChannel> channel) {
-  std::lock_guard lock(mutex_);
-  const uint32_t rank = channel->rank;
-  TS_CHECK(rank < ranks_.size(), Code::kInvalidArgument, "rank {} out of range (world size {})", rank, ranks_.size());
-  TS_CHECK(ranks_[rank] == nullptr, Code::kAlreadyExists, "rank {} of job '{}' is already attached by another client",
-           rank, job_name_);
-  TS_CHECK(!CheckMemory(), Code::kAborted, "job '{}' is being dropped: {}", job_name_, lost_.value_or(""));
-  ranks_[rank] = std::move(channel);
+  std::lock_guard lock(ranks_.mutex());
+  ranks_.Add(std::move(channel));
 }
 
 void StepEngine::RemoveRank(uint32_t rank) {
-  std::lock_guard lock(mutex_);
-  if (rank >= ranks_.size() || ranks_[rank] == nullptr) return;
-  if (ranks_[rank]->transfer) ranks_[rank]->transfer->Abandon();  // its GPU may never reach its events
-  ranks_[rank] = nullptr;
-  ResetCollecting(fmt::format("rank {} detached", rank));
+  std::lock_guard lock(ranks_.mutex());
+  if (ranks_.Remove(rank)) ResetCollecting(fmt::format("rank {} detached", rank));
 }
 
 void StepEngine::SetTransfer(uint32_t rank, std::shared_ptr<RankTransfer> transfer) {
-  std::lock_guard lock(mutex_);
-  TS_CHECK(rank < ranks_.size() && ranks_[rank] != nullptr, Code::kFailedPrecondition, "rank {} is not attached", rank);
-  TS_CHECK(ranks_[rank]->transfer == nullptr, Code::kAlreadyExists, "rank {} registered its GPU buffers already", rank);
-  ranks_[rank]->transfer = std::move(transfer);
-  if (PastTheSeed()) ranks_[rank]->transfer->WillCopy(CopiedHostRanges(*ranks_[rank]));  // else at the seed's load
-}
-
-std::vector<HostRange> StepEngine::CopiedHostRanges(const RankChannel& channel) const {
-  std::vector<HostRange> ranges, second_half;
-  for (uint32_t b = 0; b < layout_.buckets.size(); ++b) {
-    const shm::BucketLayout& bucket = layout_.buckets[b];
-    if (!channel.transfer->ParamsOffset(b)) continue;
-    ranges.push_back(HostRange::Of(shm::GradsOf(bucket, state_, channel.view), bucket.bytes()));
-    if (!bucket.uploads_from_master()) {
-      ranges.push_back(HostRange::Of(state_.upload + bucket.upload_offset, bucket.bytes()));
-      continue;
-    }
-    ranges.push_back(HostRange::Of(state_.Other(b).master + bucket.elem_offset, bucket.bytes()));
-    if (state_.Other(b).master != state_.Committed(b).master) {
-      second_half.push_back(HostRange::Of(state_.Committed(b).master + bucket.elem_offset, bucket.bytes()));
-    }
-  }
-  ranges.insert(ranges.end(), second_half.begin(), second_half.end());
-  return ranges;
+  std::lock_guard lock(ranks_.mutex());
+  RankChannel& channel = ranks_.SetTransfer(rank, std::move(transfer));
+  if (PastTheSeed()) channel.transfer->WillCopy(CopiedHostRanges(layout_, state_, channel));  // else at the seed's load
 }
 
 bool StepEngine::HasRank(uint32_t rank) {
-  std::lock_guard lock(mutex_);
-  return rank < ranks_.size() && ranks_[rank] != nullptr;
+  std::lock_guard lock(ranks_.mutex());
+  return ranks_.Has(rank);
 }
 
 std::optional<std::string> StepEngine::Diverged() {
-  std::lock_guard lock(mutex_);
-  return diverged_;
+  std::lock_guard lock(ranks_.mutex());
+  return ranks_.diverged();
 }
 
 std::optional<std::string> StepEngine::Lost() {
-  std::lock_guard lock(mutex_);
-  CheckMemory();
-  return lost_;
-}
-
-// What a lost segment's pages hold now are zeros private to the daemon (daemon/guard/fault_guard.h):
-// nothing computed from them may reach a rank, so every session fails before the next message or
-// continuation, and the failed ranks get nothing more (PostTo, PublishWeights and pushes skip them).
-bool StepEngine::CheckMemory() {
-  if (lost_) return true;
-  const ClientSegment* lost = state_segment_ != nullptr && state_segment_->lost() ? state_segment_ : nullptr;
-  for (const auto& channel : ranks_) {
-    if (lost == nullptr && channel && channel->segment.lost()) lost = &channel->segment;
-  }
-  if (lost == nullptr) return false;
-  lost_ = lost->LostMessage();
-  const std::string message = fmt::format(
-      "job '{}' was dropped: {}; its optimizer state is gone, restart from a checkpoint", job_name_, *lost_);
-  spdlog::error("{}", message);
-  if (peers_ != nullptr) peers_->Reset(message);
-  for (const auto& channel : ranks_) {
-    if (!channel) continue;
-    channel->failed = true;
-    channel->session->Fail(message);
-  }
-  return true;
+  std::lock_guard lock(ranks_.mutex());
+  ranks_.CheckMemory();
+  return ranks_.lost();
 }
 
 EngineStats StepEngine::Stats() {
@@ -165,17 +100,15 @@ EngineStats StepEngine::Stats() {
                     .redone_steps = redone_steps_.load(),
                     .accumulator_bytes = accumulator_bytes_.load(),
                     .attached_ranks = {}};
-  std::lock_guard lock(mutex_);
-  for (const auto& channel : ranks_) {
-    if (channel) stats.attached_ranks.push_back(channel->rank);
-  }
+  std::lock_guard lock(ranks_.mutex());
+  stats.attached_ranks = ranks_.AttachedRanks();
   return stats;
 }
 
 uint64_t StepEngine::Resume() {
   auto resumed = std::make_shared<std::promise<uint64_t>>();
   std::future<uint64_t> step = resumed->get_future();
-  Post([this, resumed] {
+  mailbox_.Post([this, resumed] {
     resumes_.emplace_back([resumed](uint64_t completed) { resumed->set_value(completed); });
     RunResumes();
   });
@@ -187,9 +120,7 @@ uint64_t StepEngine::Resume() {
 
 bool StepEngine::Settled() const {
   if (loading_) return false;
-  return std::none_of(buckets_.begin(), buckets_.end(), [](const BucketProgress& progress) {
-    return progress.phase == Phase::kBusy || progress.pushes > 0;
-  });
+  return std::all_of(buckets_.begin(), buckets_.end(), [](const BucketLifecycle& bucket) { return bucket.Settled(); });
 }
 
 void StepEngine::RunResumes() {
@@ -204,38 +135,31 @@ void StepEngine::RunResumes() {
 // See Resume. Runs on the engine thread once no pass is in flight. By the skew bound a bucket is at
 // most one step past the job's completed step, and with two halves its other half holds that step.
 void StepEngine::ResumeNow(std::function<void(uint64_t)> reply) {
-  const uint64_t completed = CompletedStep();
-  std::vector<uint32_t> rolled_back, kept;
+  std::vector<uint64_t> committed(buckets_.size());
   for (uint32_t b = 0; b < buckets_.size(); ++b) {
-    BucketProgress& progress = buckets_[b];
-    const shm::BucketCommit commit = state_.bucket_state[b].Load();
-    // The dead daemon may have been writing it; a trainer that went away, its gradients into it.
-    const bool had_gradients = layout_.buckets[b].grads_in_upload && state_.header->initialized != 0;
-    if (adopted_ || had_gradients) progress.upload_dirty = true;
-    if (commit.step == completed) continue;
-    if (spec_.state_halves == 2) {
-      state_.bucket_state[b].Store({.step = completed, .half = OtherHalf(commit.half)});
-      progress.upload_dirty = true;
-      rolled_back.push_back(b);
-    } else {
-      kept.push_back(b);  // StartUpdate skips its replayed step
+    committed[b] = state_.bucket_state[b].Load().step;
+    const bool grads_in_upload = layout_.buckets[b].grads_in_upload;
+    if (UploadSuspect(adopted_, grads_in_upload, state_.header->initialized != 0)) buckets_[b].upload_dirty = true;
+  }
+  const ResumePlan plan = ResumePlan::Of(committed, spec_.state_halves);
+  const uint64_t completed = plan.completed;
+  for (const uint32_t b : plan.rolled_back) {
+    state_.bucket_state[b].Store({.step = completed, .half = OtherHalf(state_.bucket_state[b].Load().half)});
+    buckets_[b].upload_dirty = true;
+  }
+  for (const auto* moved : {&plan.rolled_back, &plan.kept}) {
+    for (const uint32_t b : *moved) {
+      buckets_[b].step = completed + 1;
+      RestartBucket(b);
     }
-    progress.step = completed + 1;
-    RestartBucket(b);
   }
   adopted_ = false;
   completed_ = completed;
   state_.header->completed_step.store(completed);
-  if (!rolled_back.empty() || !kept.empty()) {
-    spdlog::info("job '{}' resumes after step {}: bucket(s) [{}] rolled back from step {}{}", job_name_, completed,
-                 fmt::join(rolled_back, ", "), completed + 1,
-                 kept.empty() ? std::string()
-                              : fmt::format(", bucket(s) [{}] keep step {} and skip its replay (one state half)",
-                                            fmt::join(kept, ", "), completed + 1));
-  }
+  if (const std::string resumed = plan.Describe(job_name_); !resumed.empty()) spdlog::info("{}", resumed);
   std::vector<uint32_t> rewrite;
   for (uint32_t b = 0; b < buckets_.size(); ++b) {
-    BucketProgress& progress = buckets_[b];
+    BucketLifecycle& progress = buckets_[b];
     if (!progress.upload_dirty) continue;
     progress.upload_dirty = false;
     if (!layout_.buckets[b].uploads_from_master()) rewrite.push_back(b);
@@ -245,8 +169,7 @@ void StepEngine::ResumeNow(std::function<void(uint64_t)> reply) {
   auto done = std::make_shared<std::function<void(uint64_t)>>(std::move(reply));
   for (const uint32_t b : rewrite) {
     UploadCommitted(b, [this, b, remaining, done, completed] {
-      buckets_[b].phase = Phase::kCollecting;
-      buckets_[b].pass = Pass::kNone;
+      buckets_[b].Idle();
       if (--*remaining == 0) (*done)(completed);
     });
   }
@@ -254,37 +177,14 @@ void StepEngine::ResumeNow(std::function<void(uint64_t)> reply) {
 
 // Bucket b's upload region from its committed master weights, on the pool; then `done`.
 void StepEngine::UploadCommitted(uint32_t b, std::function<void()> done) {
-  buckets_[b].phase = Phase::kBusy;
-  buckets_[b].pass = Pass::kUpload;
+  buckets_[b].Begin(Pass::kUpload);
   Schedule(
-      b, 0, [](uint32_t) { return true; },
-      [passes = &passes_, half = &state_.Committed(b)](size_t, const Block& block) {
-        passes->UploadMaster(block, *half);
-      },
-      std::move(done));
+      b, 0, [](uint32_t) { return true; }, UploadWork(&passes_, &state_.Committed(b)), std::move(done));
 }
 
 void StepEngine::FailAll(const std::string& message) {
-  std::lock_guard lock(mutex_);
-  FailSessions(message);
-}
-
-void StepEngine::FailRank(RankChannel& channel, const std::string& message) {
-  if (CheckMemory()) return;  // what went wrong may be the zeros a lost segment holds now: the loss is the news
-  channel.failed = true;
-  spdlog::warn("job '{}' rank {}: {}", job_name_, channel.rank, message);
-  channel.session->Fail(message);
-}
-
-bool StepEngine::Attached(const std::shared_ptr<RankChannel>& channel) const {
-  return channel->rank < ranks_.size() && ranks_[channel->rank] == channel && !channel->failed;
-}
-
-void StepEngine::FailSessions(const std::string& message) {
-  if (CheckMemory()) return;
-  for (const auto& channel : ranks_) {
-    if (channel) channel->session->Fail(message);
-  }
+  std::lock_guard lock(ranks_.mutex());
+  ranks_.FailSessions(message);
 }
 
 // A rank left while others were mid-step: its share of the step's gradients is gone, so the partial
@@ -297,42 +197,27 @@ void StepEngine::FailSessions(const std::string& message) {
 void StepEngine::ResetCollecting(const std::string& reason) {
   bool discarded = false;
   for (uint32_t b = 0; b < buckets_.size(); ++b) {
-    BucketProgress& progress = buckets_[b];
-    const bool discardable_pass =
-        progress.pass == Pass::kAccumulate || progress.pass == Pass::kNorm || progress.pass == Pass::kSpeculate;
-    if (progress.phase == Phase::kCollecting) {
-      if (progress.delivered_count == 0 && progress.micro == 0) continue;
-      RestartBucket(b);
-    } else if (progress.phase == Phase::kAwaitingDecision && progress.plan != nullptr && !Revocable(b)) {
-      // Updated in place before its step's decision: it commits as it ran, and the replayed step skips
-      // it (SkipReplayedStep), as a one-half job's buckets that committed before a rank left always did.
-      CommitBucket(b, progress.step, progress.plan->to);
-      continue;
-    } else if (progress.phase == Phase::kAwaitingDecision) {
-      Abandon(b);
-    } else if (progress.streaming && GradientBytesIn(b) < layout_.buckets[b].bytes()) {
-      // Its update started with its first gradients (or waits to start), and the rest will not come:
-      // it ends with the pieces still running (OnPieceWritten), or now, and what it wrote is dropped.
-      progress.pending.reset();
-      if (progress.updating && progress.update != nullptr && progress.update->unfinished > 0) {
-        progress.discard = true;
-      } else {
+    BucketLifecycle& bucket = buckets_[b];
+    const BucketLifecycle::Dropped dropped = bucket.OnRankLeft(Revocable(b), layout_.buckets[b].bytes(), completed_);
+    discarded |= dropped.discards;
+    switch (dropped.drop) {
+      case BucketLifecycle::Drop::kRestart: RestartBucket(b); break;
+      case BucketLifecycle::Drop::kCommitAsRan: CommitBucket(b, bucket.step, bucket.plan->to); break;
+      case BucketLifecycle::Drop::kAbandon: Abandon(b); break;
+      case BucketLifecycle::Drop::kDropPending:
+        bucket.pending.reset();
         Abandon(b);
-      }
-    } else if (progress.pending && (progress.pending->second == Pass::kSpeculate || progress.step > completed_ + 1)) {
-      progress.pending.reset();  // held back by the skew bound: the step before cannot complete now
-      Abandon(b);
-    } else if (discardable_pass && !progress.pending) {
-      progress.discard = true;  // Discarded() restarts it when its pass ends
-    } else {
-      discarded |= progress.phase == Phase::kBusy && progress.pass != Pass::kUpload;  // commits, a step ahead
-      continue;
+        break;
+      case BucketLifecycle::Drop::kAtPassEnd:
+        bucket.pending.reset();
+        bucket.discard = true;  // Discarded() restarts it when its pass ends
+        break;
+      default: break;
     }
-    discarded = true;
   }
-  gates_.clear();  // no step with a gate left can complete: decided gates are gone already
-  more_step_ = 0;
-  discarding_.reset();
+  gates_.Clear();  // no step with a gate left can complete: decided gates are gone already
+  micro_.Forget();
+  micro_.ForgetDiscard();
   for (uint32_t b = 0; b < buckets_.size() && !discarded; ++b) {
     discarded = state_.bucket_state[b].Load().step != completed_;
   }
@@ -347,16 +232,7 @@ void StepEngine::ResetCollecting(const std::string& reason) {
 
 // Forgets what bucket b collected of its current step: it collects that step (progress.step) from scratch.
 void StepEngine::RestartBucket(uint32_t b) {
-  BucketProgress& progress = buckets_[b];
-  progress.phase = Phase::kCollecting;
-  progress.pass = Pass::kNone;
-  progress.micro = 0;
-  progress.delivered_count = 0;
-  std::fill(progress.delivered.begin(), progress.delivered.end(), 0);
-  progress.streaming = false;
-  progress.grad_bytes = 0;
-  progress.flags = 0;
-  progress.accumulated = progress.held = progress.from_accum = progress.take_back = false;
+  buckets_[b].Restart();
   for (uint32_t p : layout_.buckets[b].params) had_grad_[p] = 0;
   for (const auto& channel : ranks_) {
     if (channel) channel->staged[b] = channel->pulled[b] = 0;
@@ -366,21 +242,18 @@ void StepEngine::RestartBucket(uint32_t b) {
 // Bucket b's step is abandoned before its commit: a speculative update it wrote is dropped (the other
 // half is not read; the upload region holds its weights until Resume rewrites it).
 void StepEngine::Abandon(uint32_t b) {
-  BucketProgress& progress = buckets_[b];
+  BucketLifecycle& bucket = buckets_[b];
   ForgetSpeculated(b);
-  if (progress.plan != nullptr) {
-    progress.updating = false;
-    progress.upload_dirty = !layout_.buckets[b].uploads_from_master();
-    progress.plan.reset();
+  if (bucket.plan != nullptr) {
+    bucket.upload_dirty = false;  // set again below where the upload region holds what it wrote
+    bucket.Forget(!layout_.buckets[b].uploads_from_master());
   }
-  progress.update.reset();
+  bucket.update.reset();
   RestartBucket(b);
 }
 
 bool StepEngine::Discarded(uint32_t b) {
-  BucketProgress& progress = buckets_[b];
-  if (!progress.discard) return false;
-  progress.discard = false;
+  if (!buckets_[b].TakeDiscard()) return false;
   Abandon(b);
   RunResumes();
   MaybeFinishDiscard();
@@ -398,8 +271,8 @@ void StepEngine::Loop() {
 }
 
 bool StepEngine::DrainRequests() {
-  std::lock_guard lock(mutex_);
-  CheckMemory();  // every round: an idle job's too
+  std::lock_guard lock(ranks_.mutex());
+  ranks_.CheckMemory();  // every round: an idle job's too
   bool progress = false;
   for (const auto& channel : ranks_) {
     if (!channel || channel->failed) continue;
@@ -411,27 +284,23 @@ bool StepEngine::DrainRequests() {
         Handle(*channel, message);
       }
     } catch (const Error& e) {
-      FailRank(*channel, e.what());
+      ranks_.FailRank(*channel, e.what());
     }
   }
   return progress;
 }
 
 bool StepEngine::DrainFinished() {
-  std::vector<std::function<void()>> finished;
-  {
-    std::lock_guard lock(finished_mutex_);
-    finished.swap(finished_);
-  }
+  std::vector<std::function<void()>> finished = mailbox_.Take();
   if (finished.empty()) return false;
-  std::lock_guard lock(mutex_);
-  CheckMemory();  // a worker that found pages gone did so before it handed its continuation back
+  std::lock_guard lock(ranks_.mutex());
+  ranks_.CheckMemory();  // a worker that found pages gone did so before it handed its continuation back
   for (auto& continuation : finished) {
     try {
       continuation();
     } catch (const Error& e) {  // e.g. hyperparameters rewritten between validation and use
       spdlog::error("job '{}': {}", job_name_, e.what());
-      FailSessions(e.what());
+      ranks_.FailSessions(e.what());
     }
   }
   RunResumes();
@@ -454,49 +323,16 @@ void StepEngine::Handle(RankChannel& channel, const shm::Message& message) {
 
 void StepEngine::OnGradReady(RankChannel& channel, const shm::Message& message) {
   const uint32_t b = message.bucket;
-  TS_CHECK(b < buckets_.size(), Code::kInvalidArgument, "GRAD_READY for bucket {}, but the job has {} buckets", b,
-           buckets_.size());
-  BucketProgress& progress = buckets_[b];
-  TS_CHECK(!loading_, Code::kFailedPrecondition, "GRAD_READY for bucket {} while a state load is in progress", b);
-  TS_CHECK(message.step == progress.step, Code::kInvalidArgument,
-           "GRAD_READY for bucket {} of step {}, but that bucket expects step {}", b, message.step, progress.step);
-  // The rest of a bucket whose update started with its first piece (StreamsGradients).
-  const bool rest = progress.streaming && channel.staged[b] > 0;
-  TS_CHECK((rest || progress.phase == Phase::kCollecting) && message.micro == progress.micro, Code::kInvalidArgument,
-           "GRAD_READY for bucket {} micro-batch {} of step {}, but that bucket is {}", b, message.micro, message.step,
-           progress.phase == Phase::kCollecting || rest ? fmt::format("collecting micro-batch {}", progress.micro)
-                                                        : std::string("still being processed (slot not yet released)"));
-  TS_CHECK(rest || !progress.delivered[channel.rank], Code::kInvalidArgument,
-           "rank {} delivered bucket {} of step {} micro-batch {} twice", channel.rank, b, message.step, message.micro);
-  const bool final_micro = (message.flags & shm::kFinalMicro) != 0;
-  const bool uncertain = (message.flags & shm::kUncertainMicro) != 0;
-  if (spec_.accumulation_steps != 0) {
-    TS_CHECK(final_micro == (message.micro + 1 == spec_.accumulation_steps) && !uncertain, Code::kInvalidArgument,
-             "GRAD_READY micro-batch {} marked {}, but accumulation_steps is {}", message.micro,
-             uncertain     ? "uncertain"
-             : final_micro ? "final"
-                           : "not final",
-             spec_.accumulation_steps);
-  }
-  TS_CHECK(!(final_micro && uncertain), Code::kInvalidArgument,
-           "GRAD_READY micro-batch {} marked both final and uncertain", message.micro);
+  const bool rest =
+      CheckGradReady(spec_, buckets_, loading_, channel.rank, b < buckets_.size() ? channel.staged[b] : 0, message);
+  BucketLifecycle& progress = buckets_[b];
   if (!rest) progress.flags = message.flags;
   if (trace_) trace_->Mark(SpanKind::kGradReady, b, message.step, message.micro);
   if (channel.transfer == nullptr) return Deliver(channel, b);
-  TS_CHECK(message.slot < channel.transfer->staging_slots(), Code::kInvalidArgument,
-           "GRAD_READY for bucket {} names staging slot {}, but rank {} registered {}", b, message.slot, channel.rank,
-           channel.transfer->staging_slots());
-  const uint32_t pieces = PiecesOf(b, *channel.transfer);
-  TS_CHECK(message.piece == channel.staged[b] && message.piece < pieces, Code::kInvalidArgument,
-           "GRAD_READY for piece {} of bucket {} ({} pieces), but piece {} is the next one", message.piece, b, pieces,
-           channel.staged[b]);
+  CheckGradPiece(channel.transfer->staging_slots(), PiecesOf(layout_.buckets[b], channel.transfer->slot_bytes()),
+                 channel.rank, channel.staged[b], message);
   ++channel.staged[b];
   PullThenDeliver(ranks_[channel.rank], b, message.slot, message.piece);
-}
-
-uint32_t StepEngine::PiecesOf(uint32_t b, const RankTransfer& transfer) const {
-  const uint64_t bytes = layout_.buckets[b].bytes();
-  return static_cast<uint32_t>(std::max<uint64_t>(1, (bytes + transfer.slot_bytes() - 1) / transfer.slot_bytes()));
 }
 
 // cuda-ipc: each piece of the bucket's gradients reaches the rank's host slot first (the slot on the
@@ -508,27 +344,27 @@ void StepEngine::PullThenDeliver(const std::shared_ptr<RankChannel>& channel, ui
   const uint64_t step = buckets_[b].step;
   const uint32_t micro = buckets_[b].micro;
   const uint64_t offset = piece * channel->transfer->slot_bytes();
-  ++inflight_;
+  mailbox_.Begin();
   const int64_t pulling = trace_ ? StepTrace::Now() : 0;
   channel->transfer->PullGradients(
       slot, shm::GradsOf(bucket, state_, channel->view) + offset,
       std::min(channel->transfer->slot_bytes(), bucket.bytes() - offset),
       [this, channel, b, slot, step, micro, piece, pulling](std::optional<Error> error) {
         if (trace_) trace_->Record({SpanKind::kPull, b, step, piece, pulling, StepTrace::Now()});
-        Continue([this, channel, b, slot, step, micro, error = std::move(error)] {
-          if (!Attached(channel)) return;
+        mailbox_.Continue([this, channel, b, slot, step, micro, error = std::move(error)] {
+          if (!ranks_.Attached(channel)) return;
           if (error) {
-            return FailRank(*channel,
-                            fmt::format("copying bucket {}'s gradients from the GPU failed: {}", b, error->what()));
+            return ranks_.FailRank(
+                *channel, fmt::format("copying bucket {}'s gradients from the GPU failed: {}", b, error->what()));
           }
-          BucketProgress& progress = buckets_[b];
+          BucketLifecycle& progress = buckets_[b];
           if (progress.step != step || progress.micro != micro ||
               (progress.phase != Phase::kCollecting && !progress.streaming)) {
             return;
           }
-          PostTo(*channel, shm::Message{.kind = shm::MessageKind::kStagingFree, .step = step, .slot = slot});
+          ranks_.PostTo(*channel, shm::Message{.kind = shm::MessageKind::kStagingFree, .step = step, .slot = slot});
           const uint32_t pulled = ++channel->pulled[b];
-          const uint32_t pieces = PiecesOf(b, *channel->transfer);
+          const uint32_t pieces = PiecesOf(layout_.buckets[b], channel->transfer->slot_bytes());
           const bool delivered = progress.streaming;
           if (pulled == pieces) channel->staged[b] = channel->pulled[b] = 0;
           if (delivered || (pulled < pieces && StreamsGradients(b))) {
@@ -544,47 +380,28 @@ void StepEngine::PullThenDeliver(const std::shared_ptr<RankChannel>& channel, ui
 }
 
 void StepEngine::Deliver(RankChannel& channel, uint32_t b) {
-  BucketProgress& progress = buckets_[b];
-  progress.delivered[channel.rank] = 1;
-  ++progress.delivered_count;
   for (uint32_t p : layout_.buckets[b].params) had_grad_[p] |= channel.view.presence[p] != 0 ? 1 : 0;
-  if (progress.delivered_count == spec_.world_size) OnBucketDelivered(b);
+  if (buckets_[b].Deliver(channel.rank)) OnBucketDelivered(b);
 }
 
 void StepEngine::OnBucketDelivered(uint32_t b) {
-  BucketProgress& progress = buckets_[b];
-  const Last last = LastMicro(b);
+  BucketLifecycle& progress = buckets_[b];
+  const Last last = micro_.LastOf(progress, gates_.Find(progress.step));
   if (last == Last::kUnknown) return Hold(b);
   if (last == Last::kYes) HParamsFor(progress.step);  // refuse bad hyperparameters before any work starts
-  progress.phase = Phase::kBusy;
+  progress.phase = Phase::kBusy;                      // its pass is named below
   if (last == Last::kNo) return StartAccumulate(b);
   if (spec_.nodes() > 1) return StartReduce(b);
   AfterGradients(b);
 }
 
-// A fixed count says it; else what the step's ranks said (its terms' count, another backward pass),
-// else what the micro-batch's ranks expect.
-StepEngine::Last StepEngine::LastMicro(uint32_t b) {
-  const BucketProgress& progress = buckets_[b];
-  if (spec_.accumulation_steps != 0) return progress.micro + 1 == spec_.accumulation_steps ? Last::kYes : Last::kNo;
-  if (more_step_ == progress.step && progress.micro < more_micros_) return Last::kNo;
-  const auto gate = gates_.find(progress.step);
-  if (gate != gates_.end() && gate->second.terms().micro_batches != 0) {
-    return progress.micro + 1 == gate->second.terms().micro_batches ? Last::kYes : Last::kNo;
-  }
-  if ((progress.flags & shm::kUncertainMicro) != 0) return Last::kUnknown;
-  return (progress.flags & shm::kFinalMicro) != 0 ? Last::kYes : Last::kNo;
-}
-
 // Its ranks cannot tell whether this micro-batch is the step's last: its gradients stay in the slots
 // until the step's terms (then they are) or another backward pass (then they are accumulated) say.
 void StepEngine::Hold(uint32_t b) {
-  BucketProgress& progress = buckets_[b];
-  progress.phase = Phase::kAwaitingDecision;
-  progress.pass = Pass::kNone;
-  progress.held = true;
-  const auto gate = gates_.find(progress.step);
-  if (gate != gates_.end() && gate->second.NormsNeeded()) StartNorm(b);
+  BucketLifecycle& progress = buckets_[b];
+  progress.Hold();
+  const StepGate* gate = gates_.Find(progress.step);
+  if (gate != nullptr && gate->NormsNeeded()) StartNorm(b);
 }
 
 // The hyperparameters in force for `step`: those rank 0 wrote (the lowest attached rank if 0 is gone).
@@ -599,75 +416,29 @@ const shm::HParams* StepEngine::HParamsFor(uint64_t step) {
 }
 
 Sources StepEngine::SnapshotSources() {
-  return ranks_;
+  return ranks_.all();
 }
 
 // After a multi-node all-reduce the accumulator holds the whole sum: the slots must not count again.
 Sources StepEngine::GradientSlots() {
-  return spec_.nodes() > 1 ? Sources() : ranks_;
-}
-
-// Runs `work` on the engine thread.
-void StepEngine::Post(std::function<void()> work) {
-  {
-    std::lock_guard lock(finished_mutex_);
-    finished_.push_back(std::move(work));
-  }
-  state_.header->doorbell.Ring();
-}
-
-// Hands `continuation` from an asynchronous worker (pool, all-reduce) back to the engine thread, and
-// ends that worker's in-flight count.
-void StepEngine::Continue(std::function<void()> continuation) {
-  Post(std::move(continuation));
-  if (--inflight_ == 0) {
-    std::lock_guard lock(inflight_mutex_);
-    inflight_zero_.notify_all();
-  }
-}
-
-template <typename Include>
-std::shared_ptr<std::vector<Block>> StepEngine::BlocksOf(uint32_t bucket, Include include) const {
-  auto blocks = std::make_shared<std::vector<Block>>();
-  for (uint32_t p : layout_.buckets[bucket].params) {
-    if (!include(p)) continue;
-    const uint64_t numel = layout_.params[p].numel;
-    for (uint64_t begin = 0; begin < numel; begin += kBlockElements) {
-      blocks->push_back(Block{p, begin, std::min(kBlockElements, numel - begin)});
-    }
-  }
-  return blocks;
-}
-
-// With several NUMA nodes, each bucket is split into equal element ranges, one per node: a block's
-// home depends only on where its elements lie, so every pass (touch, accumulate, norm, update) runs
-// it on the same node, whichever parameters the pass includes.
-WorkerPool::Home StepEngine::HomesOf(std::shared_ptr<std::vector<Block>> blocks) const {
-  const uint32_t nodes = pool_.nodes();
-  if (nodes == 1) return {};
-  return [this, blocks = std::move(blocks), nodes](size_t i) {
-    const Block& block = (*blocks)[i];
-    const shm::ParamLayout& p = layout_.params[block.param];
-    const uint64_t numel = std::max<uint64_t>(layout_.buckets[p.bucket].numel, 1);
-    return static_cast<uint32_t>((p.offset_in_bucket + block.begin) * nodes / numel);
-  };
+  return spec_.nodes() > 1 ? Sources() : ranks_.all();
 }
 
 template <typename Work, typename Include>
 void StepEngine::Schedule(uint32_t bucket, int64_t priority, Include include, Work work, std::function<void()> done) {
-  const auto blocks = BlocksOf(bucket, include);
+  const auto blocks = BlocksOf(layout_, bucket, include);
   ScheduleBlocks(blocks, 0, blocks->size(), priority, std::move(work), std::move(done));
 }
 
 template <typename Work>
 void StepEngine::ScheduleBlocks(const std::shared_ptr<std::vector<Block>>& blocks, size_t begin, size_t end,
                                 int64_t priority, Work work, std::function<void()> done) {
-  WorkerPool::Home home = HomesOf(blocks);
+  WorkerPool::Home home = HomesOf(layout_, pool_.nodes(), blocks);
   if (home) home = [home = std::move(home), begin](size_t i) { return home(begin + i); };
-  ++inflight_;
+  mailbox_.Begin();
   pool_.Submit(
       end - begin, [blocks, begin, work = std::move(work)](size_t i) { work(begin + i, (*blocks)[begin + i]); },
-      [this, done = std::move(done)] { Continue(done); }, priority, home);
+      [this, done = std::move(done)] { mailbox_.Continue(done); }, priority, home);
 }
 
 void StepEngine::PlaceState() {
@@ -678,28 +449,24 @@ void StepEngine::TouchState() {
   if (pool_.nodes() == 1) return;
   std::latch touched(static_cast<std::ptrdiff_t>(layout_.buckets.size()));
   for (uint32_t b = 0; b < layout_.buckets.size(); ++b) {
-    auto blocks = BlocksOf(b, [](uint32_t) { return true; });
+    auto blocks = BlocksOf(layout_, b, [](uint32_t) { return true; });
     pool_.Submit(
         blocks->size(), [passes = &passes_, blocks](size_t i) { passes->Touch((*blocks)[i]); },
-        [&touched] { touched.count_down(); }, /*priority=*/0, HomesOf(blocks));
+        [&touched] { touched.count_down(); }, /*priority=*/0, HomesOf(layout_, pool_.nodes(), blocks));
   }
   touched.wait();
 }
 
 void StepEngine::StartAccumulate(uint32_t b) {
-  buckets_[b].phase = Phase::kBusy;
-  buckets_[b].pass = Pass::kAccumulate;
+  buckets_[b].Begin(Pass::kAccumulate);
   const int64_t started = trace_ ? StepTrace::Now() : 0;
   AccumulateSlots(b, [this, b, started] {
     if (Discarded(b)) return;
-    BucketProgress& progress = buckets_[b];
-    const uint32_t micro = progress.micro++;
+    BucketLifecycle& progress = buckets_[b];
+    const uint32_t micro = progress.EndAccumulate();
     if (trace_) trace_->Record({SpanKind::kAccumulate, b, progress.step, micro, started, StepTrace::Now()});
-    progress.delivered_count = 0;
-    std::fill(progress.delivered.begin(), progress.delivered.end(), 0);
-    progress.phase = Phase::kCollecting;
-    progress.pass = Pass::kNone;
-    PostToAll(shm::Message{.kind = shm::MessageKind::kSlotFree, .bucket = b, .step = progress.step, .micro = micro});
+    ranks_.PostToAll(
+        shm::Message{.kind = shm::MessageKind::kSlotFree, .bucket = b, .step = progress.step, .micro = micro});
     if (HoldAccumulated(b)) MaybeDecide(progress.step);
   });
 }
@@ -707,13 +474,8 @@ void StepEngine::StartAccumulate(uint32_t b) {
 // The step's terms say it summed as many micro-batches as bucket b has accumulated: its last gradients
 // are all in the accumulator, and it waits for the decision as a held bucket does.
 bool StepEngine::HoldAccumulated(uint32_t b) {
-  BucketProgress& progress = buckets_[b];
-  const auto gate = gates_.find(progress.step);
-  if (gate == gates_.end() || gate->second.terms().micro_batches == 0) return false;
-  if (progress.phase != Phase::kCollecting || !progress.accumulated || progress.delivered_count != 0 ||
-      progress.micro != gate->second.terms().micro_batches) {
-    return false;
-  }
+  BucketLifecycle& progress = buckets_[b];
+  if (!MicroBatches::AllAccumulated(progress, gates_.Find(progress.step))) return false;
   progress.from_accum = true;
   Hold(b);
   return true;
@@ -721,19 +483,18 @@ bool StepEngine::HoldAccumulated(uint32_t b) {
 
 // Multi-node: this node's sum goes into the accumulator, then around the ring of daemons.
 void StepEngine::StartReduce(uint32_t b) {
-  buckets_[b].pass = Pass::kReduce;
+  buckets_[b].Begin(Pass::kReduce);
   AccumulateSlots(b, [this, b] {
     const shm::BucketLayout& bucket = layout_.buckets[b];
-    ++inflight_;  // the all-reduce works on the accumulator
-    peers_->Submit(buckets_[b].step, b, accumulator_ + bucket.elem_offset, bucket.numel,
+    mailbox_.Begin();  // the all-reduce works on the accumulator
+    peers_->Submit(buckets_[b].step, b, micro_.accumulator() + bucket.elem_offset, bucket.numel,
                    [this, b](std::optional<Error> error) {
-                     Continue([this, b, error = std::move(error)] {
+                     mailbox_.Continue([this, b, error = std::move(error)] {
                        if (!error) return AfterGradients(b);
                        RestartBucket(b);
                        const std::string message = fmt::format("all-reduce between daemons failed: {}", error->what());
-                       if (!diverged_)
-                         diverged_ = fmt::format("{} (bucket {} of step {})", message, b, buckets_[b].step);
-                       FailSessions(message);
+                       ranks_.SetDiverged(fmt::format("{} (bucket {} of step {})", message, b, buckets_[b].step));
+                       ranks_.FailSessions(message);
                      });
                    });
   });
@@ -744,66 +505,35 @@ void StepEngine::StartReduce(uint32_t b) {
 // steps before had, unless a norm is needed and it could not be taken back or the step waits for the
 // norm (a run of clipped steps): then the norm comes first.
 void StepEngine::AfterGradients(uint32_t b) {
-  StepGate& gate = GateOf(buckets_[b].step);
-  if (gate.Decided()) {
-    return StartUpdate(b, gate.Decision().multiplier, Pass::kUpdate);
+  const StepGate& gate = gates_.Of(buckets_[b].step);
+  switch (StepGates::AfterGradients(gate, Revocable(b))) {
+    case StepGates::Next::kUpdate: return StartUpdate(b, gate.Decision().multiplier, Pass::kUpdate);
+    case StepGates::Next::kNorm: return StartNorm(b);
+    case StepGates::Next::kSpeculate: return StartUpdate(b, gate.assumed(), Pass::kSpeculate);
   }
-  if (gate.NormsNeeded() && !(gate.speculative() && Revocable(b))) return StartNorm(b);
-  StartUpdate(b, gate.assumed(), Pass::kSpeculate);
 }
 
 bool StepEngine::Revocable(uint32_t b) const {
   return spec_.state_halves == 2 && !layout_.buckets[b].grads_in_upload;
 }
 
-// The step's first bucket to need its gate decides what the step's updates assume: the multiplier and
-// whether a norm was needed of the step before, or the job's own terms. A step whose updates need the
-// norm speculates unless the last kClippedRunToWait steps all clipped. A clipped step's redo starts only
-// after the whole speculative pass (a bucket's norm is known when its update ends), so in a run of
-// clipped steps each step pays a second update pass on top of what waiting for the norm costs; an
-// isolated clipped step still speculates, as most steps after it do not clip (the 124M GPT on structured
-// data, one H200: 10 of 220 steps redone, 54.9 ms a step against 59.7 ms waiting for the norm).
-StepGate& StepEngine::GateOf(uint64_t step) {
-  auto found = gates_.find(step);
-  if (found != gates_.end()) return found->second;
-  const bool speculate = layout_.speculative_clipping && clipped_run_ < kClippedRunToWait;
-  const bool expects_norms = spec_.max_grad_norm > 0 || last_needed_norms_;
-  StepGate& gate =
-      gates_.try_emplace(step, buckets_.size(), spec_.world_size, speculate, last_factor_, expects_norms).first->second;
-  if (!spec_.step_terms) gate.SetTerms(StepGate::FromOptions(spec_.accumulation_steps, spec_.max_grad_norm));
-  return gate;
-}
-
 void StepEngine::AccumulateSlots(uint32_t b, std::function<void()> then) {
   float* accum = AccumulatorOf(b);
   const bool overwrite = !buckets_[b].accumulated;
   if (accum == nullptr) {
-    EnsureAccumulator();
-    accum = accumulator_;
+    accum = micro_.Accumulator(job_name_);
+    accumulator_bytes_ = micro_.own_bytes();
   }
   buckets_[b].accumulated = true;
   Schedule(
       b, 0, [](uint32_t) { return true; },
-      Traced(SpanKind::kAccumulateBlock, b, buckets_[b].step,
-             [passes = &passes_, accum, overwrite, sources = SnapshotSources()](size_t, const Block& block) {
-               passes->Accumulate(block, sources, accum, overwrite);
-             }),
+      Traced(trace_.get(), SpanKind::kAccumulateBlock, b, buckets_[b].step,
+             AccumulateWork(&passes_, accum, overwrite, SnapshotSources())),
       std::move(then));
 }
 
 float* StepEngine::AccumulatorOf(uint32_t b) {
-  return buckets_[b].accumulated ? accumulator_ : nullptr;
-}
-
-// A job that counts its micro-batches maps its accumulator when the first step sums several; a job
-// without the room fails that step (every rank hears why) and keeps its state.
-void StepEngine::EnsureAccumulator() {
-  if (accumulator_ != nullptr) return;
-  own_accumulator_ = std::make_unique<AccumulatorMemory>(layout_.total_elems);
-  accumulator_ = own_accumulator_->data();
-  accumulator_bytes_ = own_accumulator_->bytes();
-  spdlog::info("job '{}': {} bytes of gradient accumulator mapped (a step sums several backward passes)", job_name_,
-               own_accumulator_->bytes());
+  return buckets_[b].accumulated ? micro_.accumulator() : nullptr;
 }
 
 Sources StepEngine::FinalSlots(uint32_t b) {
@@ -813,31 +543,23 @@ Sources StepEngine::FinalSlots(uint32_t b) {
 // The squares of the bucket's last gradients (all of the step's, the accumulator's included), before any
 // update: the decision then says what the update applies (or whether it runs).
 void StepEngine::StartNorm(uint32_t b) {
-  BucketProgress& progress = buckets_[b];
-  progress.phase = Phase::kBusy;
-  progress.pass = Pass::kNorm;
+  BucketLifecycle& progress = buckets_[b];
+  progress.Begin(Pass::kNorm);
   const float scale = 1.0f / static_cast<float>(spec_.world_size * spec_.nodes());
   auto include = [this](uint32_t p) { return had_grad_[p] != 0; };
-  auto partial = std::make_shared<std::vector<double>>(BlocksOf(b, include)->size(), 0.0);
-  auto nonfinite = std::make_shared<std::atomic<bool>>(false);
+  auto results = std::make_shared<PassResults>(BlocksOf(layout_, b, include)->size());
   Schedule(b, 0, include,
-           Traced(SpanKind::kNormBlock, b, progress.step,
-                  [passes = &passes_, scale, partial, nonfinite, accum = AccumulatorOf(b), sources = FinalSlots(b)](
-                      size_t i, const Block& block) {
-                    bool bad = false;
-                    (*partial)[i] = passes->SumOfSquares(block, sources, accum, scale, &bad);
-                    if (bad) nonfinite->store(true);
-                  }),
-           [this, b, partial, nonfinite] { OnNormed(b, Total(*partial), nonfinite->load()); });
+           Traced(trace_.get(), SpanKind::kNormBlock, b, progress.step,
+                  NormWork(&passes_, scale, AccumulatorOf(b), FinalSlots(b), results)),
+           [this, b, results] { OnNormed(b, Total(results->partial), results->nonfinite.load()); });
 }
 
 void StepEngine::OnNormed(uint32_t b, double sum_of_squares, bool nonfinite) {
   if (Discarded(b)) return;
-  BucketProgress& progress = buckets_[b];
+  BucketLifecycle& progress = buckets_[b];
   if (progress.take_back) return Revoke(b);
-  progress.phase = Phase::kAwaitingDecision;
-  progress.pass = Pass::kNone;
-  GateOf(progress.step).AddNorm(b, sum_of_squares, nonfinite, 1.0f);
+  progress.AwaitDecision();
+  gates_.Of(progress.step).AddNorm(b, sum_of_squares, nonfinite, 1.0f);
   MaybeDecide(progress.step);
 }
 
@@ -845,12 +567,11 @@ void StepEngine::OnNormed(uint32_t b, double sum_of_squares, bool nonfinite) {
 // the squares. Once the step is decided, MaybeDecide commits, redoes or takes it back.
 void StepEngine::OnSpeculated(uint32_t b, double sum_of_squares, bool nonfinite) {
   if (Discarded(b)) return;
-  BucketProgress& progress = buckets_[b];
+  BucketLifecycle& progress = buckets_[b];
   if (progress.take_back) return Revoke(b);
-  progress.phase = Phase::kAwaitingDecision;
-  progress.pass = Pass::kNone;
+  progress.AwaitDecision();
   const uint64_t step = progress.step;
-  StepGate& gate = GateOf(step);
+  StepGate& gate = gates_.Of(step);
   if (progress.plan->with_norm) gate.AddNorm(b, sum_of_squares, nonfinite, progress.plan->multiplier);
   if (!gate.HasNorm(b) && gate.NormsNeeded()) return StartNorm(b);  // its gradients are still there
   MaybeDecide(step);
@@ -862,24 +583,23 @@ void StepEngine::OnSpeculated(uint32_t b, double sum_of_squares, bool nonfinite)
 }
 
 void StepEngine::StartMissingNorms(uint64_t step) {
-  StepGate& gate = GateOf(step);
+  StepGate& gate = gates_.Of(step);
   for (uint32_t b = 0; b < buckets_.size(); ++b) {
-    const BucketProgress& progress = buckets_[b];
+    const BucketLifecycle& progress = buckets_[b];
     if (progress.step == step && progress.phase == Phase::kAwaitingDecision && !gate.HasNorm(b)) StartNorm(b);
   }
 }
 
 // The ranks that asked get the step's norm once every bucket's is in; a decided step's buckets go on.
 void StepEngine::MaybeDecide(uint64_t step) {
-  const auto found = gates_.find(step);
-  if (found == gates_.end()) return;
-  StepGate& gate = found->second;
-  if (spec_.step_terms && gate.NormsComplete() && (gate.terms().norm_wanted || gate.terms().max_norm > 0) &&
-      gate.MarkNormSent()) {
-    PostToAll(shm::Message{.kind = shm::MessageKind::kStepNorm,
-                           .flags = static_cast<uint16_t>(gate.Decision().nonfinite ? shm::kNonFinite : 0),
-                           .step = step,
-                           .value = gate.Norm()});
+  StepGate* const found = gates_.Find(step);
+  if (found == nullptr) return;
+  StepGate& gate = *found;
+  if (spec_.step_terms && StepGates::SendNorm(gate)) {
+    ranks_.PostToAll(shm::Message{.kind = shm::MessageKind::kStepNorm,
+                                  .flags = static_cast<uint16_t>(gate.Decision().nonfinite ? shm::kNonFinite : 0),
+                                  .step = step,
+                                  .value = gate.Norm()});
   }
   if (!gate.Decided()) return;
   const StepDecision decision = gate.Decision();
@@ -892,11 +612,9 @@ void StepEngine::MaybeDecide(uint64_t step) {
 // A step decided: its warnings and counters, and what the next step's updates assume.
 void StepEngine::Count(uint64_t step, const StepGate& gate, const StepDecision& decision) {
   if (decision.nonfinite) ReportNonFinite(step, "gradients contain inf or NaN");
-  if (gate.terms().max_norm > 0) clipped_run_ = decision.clip_coefficient != 1.0 ? clipped_run_ + 1 : 0;
-  last_factor_ = gate.terms().factor;
-  last_needed_norms_ = gate.NormsNeeded();
+  gates_.Decided(gate, decision);
   bool written = false, changed = false;
-  for (const BucketProgress& progress : buckets_) {
+  for (const BucketLifecycle& progress : buckets_) {
     if (progress.step != step || progress.plan == nullptr || progress.phase != Phase::kAwaitingDecision) continue;
     written = true;
     changed |= progress.plan->multiplier != decision.multiplier;
@@ -911,39 +629,35 @@ void StepEngine::Count(uint64_t step, const StepGate& gate, const StepDecision& 
 // forward needs first. A bucket whose pass still runs settles when it ends (its end sees the step decided),
 // one whose last gradients are still coming when they are in (AfterGradients).
 void StepEngine::Settle(uint32_t b, const StepDecision& decision) {
-  BucketProgress& progress = buckets_[b];
+  BucketLifecycle& progress = buckets_[b];
   const uint64_t step = progress.step;
   if (progress.phase != Phase::kAwaitingDecision) return;
   progress.held = false;
   const std::shared_ptr<const UpdatePlan> plan = progress.plan;
-  if (plan == nullptr) return StartUpdate(b, decision.multiplier, Pass::kUpdate);  // held, or its norm taken first
-  if (plan->multiplier == decision.multiplier) return CommitBucket(b, step, plan->to);
-  if (!Revocable(b)) {
-    return Diverge(fmt::format(
-        "step {}: bucket {} was updated in place with gradient multiplier {} before the step's terms said {} (the "
-        "job has one state half, or keeps paged gradients in their upload copy, so an update cannot be taken "
-        "back); drop the job and pass the clipping (max_grad_norm=) to trainstream.wrap, or let the job keep two "
-        "state halves",
-        step, b, plan->multiplier, decision.multiplier));
+  switch (StepGates::Settle(plan.get(), decision, Revocable(b))) {
+    case StepGates::Settlement::kUpdate:  // held, or its norm taken first
+      return StartUpdate(b, decision.multiplier, Pass::kUpdate);
+    case StepGates::Settlement::kCommit: return CommitBucket(b, step, plan->to);
+    case StepGates::Settlement::kDiverge:
+      return Diverge(fmt::format(
+          "step {}: bucket {} was updated in place with gradient multiplier {} before the step's terms said {} (the "
+          "job has one state half, or keeps paged gradients in their upload copy, so an update cannot be taken "
+          "back); drop the job and pass the clipping (max_grad_norm=) to trainstream.wrap, or let the job keep two "
+          "state halves",
+          step, b, plan->multiplier, decision.multiplier));
+    case StepGates::Settlement::kRedo: return StartUpdate(b, decision.multiplier, Pass::kRedo);
   }
-  const bool any_gradient = std::any_of(plan->updated.begin(), plan->updated.end(), [](uint8_t u) { return u; });
-  if (!any_gradient) return CommitBucket(b, step, plan->to);  // it only carried its state across
-  StartUpdate(b, decision.multiplier, Pass::kRedo);
 }
 
 void StepEngine::TakeBack(uint32_t b) {
-  BucketProgress& progress = buckets_[b];
   ForgetSpeculated(b);
-  progress.updating = false;
-  progress.upload_dirty |= !layout_.buckets[b].uploads_from_master();
-  progress.plan.reset();
-  progress.update.reset();
+  buckets_[b].Forget(!layout_.buckets[b].uploads_from_master());
 }
 
 // Another backward pass follows the micro-batch bucket b holds: taken back where an update ran on it
 // (that fails the job where it ran in place), its gradients accumulated, and the bucket collects the next.
 void StepEngine::Revoke(uint32_t b) {
-  BucketProgress& progress = buckets_[b];
+  BucketLifecycle& progress = buckets_[b];
   progress.take_back = false;
   progress.held = false;
   if (progress.plan != nullptr) {
@@ -962,33 +676,9 @@ void StepEngine::Revoke(uint32_t b) {
 }
 
 void StepEngine::Diverge(const std::string& why) {
-  if (!diverged_) diverged_ = why;
+  ranks_.SetDiverged(why);
   spdlog::error("job '{}': {}", job_name_, why);
-  FailSessions(why);
-}
-
-// The update of bucket b's step: scalars per parameter (step counts written into the half it writes),
-// from the committed half into the other (the same with one half).
-std::shared_ptr<StepEngine::UpdatePlan> StepEngine::PlanUpdate(uint32_t b) {
-  auto plan = std::make_shared<UpdatePlan>();
-  plan->step = buckets_[b].step;
-  plan->from = state_.bucket_state[b].Load().half;
-  plan->to = OtherHalf(plan->from);
-  plan->scalars.resize(spec_.params.size());
-  plan->updated.assign(spec_.params.size(), 0);
-  const shm::StateHalf& from = state_.halves[plan->from];
-  const shm::StateHalf& to = state_.halves[plan->to];
-  const shm::HParams* hparams = HParamsFor(plan->step);
-  const bool decoupled = spec_.optimizer == shm::OptimizerKind::kAdamW;
-  for (uint32_t p : layout_.buckets[b].params) {
-    const uint64_t steps = from.param_state[p].step + (had_grad_[p] != 0 ? 1 : 0);
-    to.param_state[p].step = steps;
-    if (!had_grad_[p]) continue;
-    plan->updated[p] = 1;
-    const shm::HParams& h = hparams[spec_.params[p].group];
-    plan->scalars[p] = optimizer::AdamWStep::For(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, decoupled, steps);
-  }
-  return plan;
+  ranks_.FailSessions(why);
 }
 
 // Reads bucket b's committed half and writes the other (the same half, in place, with one half): the
@@ -1002,23 +692,23 @@ std::shared_ptr<StepEngine::UpdatePlan> StepEngine::PlanUpdate(uint32_t b) {
 // The update waits while a GPU still reads the bucket's weights of the last step, and until every bucket
 // has committed the step before (the skew bound, see the header).
 void StepEngine::StartUpdate(uint32_t b, float multiplier, Pass pass) {
-  BucketProgress& progress = buckets_[b];
+  BucketLifecycle& progress = buckets_[b];
   if (state_.bucket_state[b].Load().step >= progress.step) return SkipReplayedStep(b);
-  progress.phase = Phase::kBusy;
-  progress.pass = pass;
-  if (progress.pushes > 0 || progress.step > completed_ + 1) {
-    progress.pending = {multiplier, pass};
-    return;
-  }
+  progress.Begin(pass);
+  if (progress.pushes > 0 || progress.step > completed_ + 1) return progress.HoldBack(multiplier, pass);
   progress.pending.reset();
   if (pass == Pass::kRedo) ForgetSpeculated(b);  // no push reads the half now (pushes hold updates back)
   progress.updating = true;
   progress.update_started = std::chrono::steady_clock::now();
-  if (pass != Pass::kRedo) progress.plan = PlanUpdate(b);
+  if (pass != Pass::kRedo) {
+    const uint32_t from = state_.bucket_state[b].Load().half;
+    progress.plan = PlanUpdate(spec_, layout_, state_, b, progress.step, from, OtherHalf(from),
+                               HParamsFor(progress.step), had_grad_);
+  }
   const std::shared_ptr<UpdatePlan> plan = progress.plan;
   plan->multiplier = multiplier;
   plan->with_norm =
-      pass == Pass::kSpeculate && (GateOf(plan->step).NormsNeeded() || layout_.buckets[b].grads_in_upload);
+      pass == Pass::kSpeculate && (gates_.Of(plan->step).NormsNeeded() || layout_.buckets[b].grads_in_upload);
   if (spec_.state_halves == 1) {  // torn until the commit: a daemon that adopts the job must know
     state_.bucket_state[b].Store({.step = state_.bucket_state[b].Load().step, .half = 0, .updating = true});
   }
@@ -1027,90 +717,45 @@ void StepEngine::StartUpdate(uint32_t b, float multiplier, Pass pass) {
   const bool speculative = pass == Pass::kSpeculate;
   const float scale = multiplier / static_cast<float>(spec_.world_size * spec_.nodes());
   const uint64_t sr_seed = seed_ ^ (plan->step * 0xD1B54A32D192ED03ull);
-  const std::shared_ptr<std::vector<Block>> blocks = BlocksOf(b, include);
-  auto partial = std::make_shared<std::vector<double>>(plan->with_norm ? blocks->size() : 0, 0.0);
-  auto nonfinite = std::make_shared<std::atomic<bool>>(false);
-  auto norm_nonfinite = std::make_shared<std::atomic<bool>>(false);
-  auto work = [passes = &passes_, scale, sr_seed, plan, partial, nonfinite, norm_nonfinite,
-               from = &state_.halves[plan->from], to = &state_.halves[plan->to], accum = AccumulatorOf(b),
-               sources = FinalSlots(b)](size_t i, const Block& block) {
-    if (plan->updated[block.param] == 0) return passes->Carry(block, *from, *to);
-    bool bad_weights = false;
-    if (partial->empty()) {
-      bad_weights = passes->Update(block, sources, accum, scale, plan->scalars[block.param], sr_seed, *from, *to);
-    } else {  // the norm of the update's own g (scale included)
-      bool bad_gradients = false;
-      bad_weights = passes->UpdateWithNorm(block, sources, accum, scale, plan->scalars[block.param], sr_seed, *from,
-                                           *to, &(*partial)[i], &bad_gradients);
-      if (bad_gradients) norm_nonfinite->store(true);
-    }
-    if (bad_weights) nonfinite->store(true);
-  };
+  const std::shared_ptr<std::vector<Block>> blocks = BlocksOf(layout_, b, include);
+  auto results = std::make_shared<PassResults>(plan->with_norm ? blocks->size() : 0);
+  auto work = UpdateWork(&passes_, scale, sr_seed, plan, &state_.halves[plan->from], &state_.halves[plan->to],
+                         AccumulatorOf(b), FinalSlots(b), results);
   auto update = std::make_shared<RunningUpdate>();
   update->blocks = blocks;
-  update->pieces = UpdatePieces(b, *blocks);
+  update->pieces = SplitIntoPieces(layout_, b, *blocks, PieceBytes(b));
   update->piece_written.assign(update->pieces.size(), 0);
-  update->work = Traced(SpanKind::kUpdateBlock, b, plan->step, std::move(work));
-  update->finish = [this, b, plan, speculative, partial, nonfinite, norm_nonfinite] {
-    if (speculative) return OnSpeculated(b, Total(*partial), norm_nonfinite->load());
-    OnUpdated(b, plan->step, plan->to, nonfinite->load());
+  update->work = Traced(trace_.get(), SpanKind::kUpdateBlock, b, plan->step, std::move(work));
+  update->finish = [this, b, plan, speculative, results] {
+    if (speculative) return OnSpeculated(b, Total(results->partial), results->norm_nonfinite.load());
+    OnUpdated(b, plan->step, plan->to, results->nonfinite.load());
   };
-  progress.update = std::move(update);
+  progress.StartUpdate(std::move(update));
   for (const auto& channel : ranks_) {
     if (channel) channel->streamed[b] = 0;
   }
   ScheduleReadyPieces(b);
 }
 
-std::function<void(size_t, const Block&)> StepEngine::Traced(SpanKind kind, uint32_t b, uint64_t step,
-                                                             std::function<void(size_t, const Block&)> work) const {
-  if (!trace_) return work;
-  return [trace = trace_.get(), kind, b, step, work = std::move(work)](size_t i, const Block& block) {
-    const int64_t began = StepTrace::Now();
-    work(i, block);
-    trace->Record({kind, b, step, StepTrace::ThreadId(), began, StepTrace::Now()});
-  };
-}
-
 void StepEngine::ScheduleReadyPieces(uint32_t b) {
-  BucketProgress& progress = buckets_[b];
-  if (!progress.updating || progress.update == nullptr) return;  // not started yet (held back)
-  RunningUpdate& update = *progress.update;
-  const uint64_t gradients = GradientBytesIn(b);
-  for (; update.scheduled < update.pieces.size(); ++update.scheduled) {
-    const uint32_t k = update.scheduled;
-    const uint64_t end = update.pieces[k].second;
-    if (end > gradients) break;
-    const size_t first = k == 0 ? 0 : update.pieces[k - 1].first;
-    ++update.unfinished;
-    ScheduleBlocks(update.blocks, first, update.pieces[k].first, static_cast<int64_t>(b), update.work,
-                   [this, b, k, running = progress.update] {
+  BucketLifecycle& bucket = buckets_[b];
+  if (!bucket.updating || bucket.update == nullptr) return;  // not started yet (held back)
+  RunningUpdate& update = *bucket.update;
+  const auto [first, end] = update.TakeReady(bucket.GradientBytesIn(layout_.buckets[b].bytes()));
+  for (uint32_t k = first; k < end; ++k) {
+    ScheduleBlocks(update.blocks, update.FirstBlock(k), update.pieces[k].first, static_cast<int64_t>(b), update.work,
+                   [this, b, k, running = bucket.update] {
                      if (buckets_[b].update == running) OnPieceWritten(b, k);
                    });
   }
 }
 
-std::vector<std::pair<size_t, uint64_t>> StepEngine::UpdatePieces(uint32_t b, const std::vector<Block>& blocks) const {
-  const shm::BucketLayout& bucket = layout_.buckets[b];
-  uint64_t piece_bytes = bucket.bytes();
+uint64_t StepEngine::PieceBytes(uint32_t b) const {
+  uint64_t piece_bytes = layout_.buckets[b].bytes();
   for (const auto& channel : ranks_) {
     if (channel && channel->transfer != nullptr) piece_bytes = std::min(piece_bytes, channel->transfer->slot_bytes());
   }
-  std::vector<std::pair<size_t, uint64_t>> pieces;
-  const uint64_t element = SizeOf(bucket.dtype);
-  size_t first = 0;  // the first block of the piece being filled
-  for (size_t i = 0; i < blocks.size(); ++i) {
-    const Block& block = blocks[i];
-    const uint64_t begin = (layout_.params[block.param].offset_in_bucket + block.begin) * element;
-    // A piece ends before the block that would take it past the next multiple of a slot, so that it
-    // reads no gradients of the slot after: its update can run once the slots up to its end are in.
-    if (i > first && begin + block.count * element > (pieces.size() + 1) * piece_bytes) {
-      pieces.emplace_back(i, begin);
-      first = i;
-    }
-  }
-  pieces.emplace_back(blocks.size(), bucket.bytes());
-  return pieces;
+  return piece_bytes;
 }
 
 // Piece k of bucket b's update is written: with the pieces before it, it may go to the GPUs (a bucket
@@ -1118,18 +763,15 @@ std::vector<std::pair<size_t, uint64_t>> StepEngine::UpdatePieces(uint32_t b, co
 // The update ends with its last piece, or, abandoned while waiting for gradients, with the last piece
 // that was running.
 void StepEngine::OnPieceWritten(uint32_t b, uint32_t k) {
-  BucketProgress& progress = buckets_[b];
-  RunningUpdate& update = *progress.update;
-  update.piece_written[k] = 1;
-  while (update.written < update.pieces.size() && update.piece_written[update.written] != 0) ++update.written;
-  --update.unfinished;
+  RunningUpdate& update = *buckets_[b].update;
+  const RunningUpdate::PieceEnd end = update.MarkWritten(k);
   if (update.pieces.size() > 1) {
     for (const auto& channel : ranks_) {
       if (channel && channel->transfer != nullptr) MaybePush(channel, b);
     }
   }
-  if (update.unfinished > 0) return;
-  if (update.scheduled < update.pieces.size()) {
+  if (end == RunningUpdate::PieceEnd::kRunning) return;
+  if (end == RunningUpdate::PieceEnd::kWaitsForGradients) {
     Discarded(b);  // waits for gradients, unless its rank is gone
     return;
   }
@@ -1140,22 +782,16 @@ void StepEngine::OnPieceWritten(uint32_t b, uint32_t k) {
 }
 
 bool StepEngine::StreamsGradients(uint32_t b) {
-  const BucketProgress& progress = buckets_[b];
+  const BucketLifecycle& progress = buckets_[b];
   if (spec_.world_size != 1 || spec_.nodes() != 1 || spec_.state_halves != 2) return false;
-  if (LastMicro(b) != Last::kYes) return false;
-  const StepGate& gate = GateOf(progress.step);
-  return gate.Decided() || !gate.NormsNeeded() || gate.speculative();
-}
-
-uint64_t StepEngine::GradientBytesIn(uint32_t b) const {
-  const BucketProgress& progress = buckets_[b];
-  return progress.streaming ? progress.grad_bytes : layout_.buckets[b].bytes();
+  if (micro_.LastOf(progress, gates_.Find(progress.step)) != Last::kYes) return false;
+  return StepGates::MayStream(gates_.Of(progress.step));
 }
 
 // Updates held back (pushes, the skew bound) whose wait is over, from the highest bucket down.
 void StepEngine::StartPendingUpdates() {
   for (uint32_t b = static_cast<uint32_t>(buckets_.size()); b-- > 0;) {
-    const BucketProgress& progress = buckets_[b];
+    const BucketLifecycle& progress = buckets_[b];
     if (progress.pending && progress.pushes == 0 && progress.step <= completed_ + 1) {
       StartUpdate(b, progress.pending->first, progress.pending->second);
     }
@@ -1189,12 +825,9 @@ void StepEngine::OnUpdated(uint32_t b, uint64_t step, uint32_t half, bool nonfin
 void StepEngine::CommitBucket(uint32_t b, uint64_t step, uint32_t half) {
   state_.bucket_state[b].Store({.step = step, .half = half});
   if (trace_) trace_->Mark(SpanKind::kCommit, b, step, half);
-  BucketProgress& progress = buckets_[b];
-  progress.updating = false;
-  progress.upload_dirty = false;
-  progress.plan.reset();
-  progress.step = step + 1;
-  RestartBucket(b);  // collects the next step from scratch
+  BucketLifecycle& progress = buckets_[b];
+  progress.Committed(step);  // collects the next step from scratch
+  RestartBucket(b);
   updates_++;
   const uint64_t completed_before = completed_;
   AdvanceCompleted();  // before the last PARAMS_READY: a client may read it then
@@ -1219,8 +852,8 @@ void StepEngine::NotifyCommit(Commit commit) {
 }
 
 void StepEngine::AnnounceCommitted() {
-  ++inflight_;
-  Continue([this] {
+  mailbox_.Begin();
+  mailbox_.Continue([this] {
     for (uint32_t b = 0; b < buckets_.size(); ++b) {
       if (loading_ || buckets_[b].updating) continue;
       NotifyCommit(Commit{.bucket = b, .step = state_.bucket_state[b].Load().step, .announced = true});
@@ -1232,7 +865,7 @@ void StepEngine::AnnounceCommitted() {
 // died mid-step, and the trainer replayed the step): its gradients are not applied again, its current
 // weights go back.
 void StepEngine::SkipReplayedStep(uint32_t b) {
-  BucketProgress& progress = buckets_[b];
+  BucketLifecycle& progress = buckets_[b];
   const uint64_t step = progress.step;
   progress.step = step + 1;
   RestartBucket(b);
@@ -1250,36 +883,15 @@ void StepEngine::AdvanceCompleted() {
   if (completed <= completed_) return;
   completed_ = completed;
   state_.header->completed_step.store(completed);
-  gates_.erase(gates_.begin(), gates_.upper_bound(completed));
-}
-
-// The step the ranks are in: the one after the job's completed step (the buckets of a later step wait
-// for it to complete before they update).
-void CheckCurrentStep(const shm::Message& message, uint64_t completed, uint32_t rank, const char* what) {
-  TS_CHECK(message.step == completed + 1, Code::kInvalidArgument,
-           "{} from rank {} for step {}, but the job is in step {}", what, rank, message.step, completed + 1);
+  gates_.EraseThrough(completed);
 }
 
 void StepEngine::OnStepTerms(RankChannel& channel, const shm::Message& message) {
-  TS_CHECK(spec_.step_terms, Code::kInvalidArgument,
-           "step terms from rank {}, but the job was attached without them (LayoutSpec::step_terms)", channel.rank);
-  CheckCurrentStep(message, completed_, channel.rank, "step terms");
+  CheckStepTerms(spec_, completed_, channel.rank, message);
   const uint64_t step = message.step;
-  TS_CHECK(spec_.accumulation_steps == 0 || message.micro == spec_.accumulation_steps, Code::kInvalidArgument,
-           "step {} summed {} backward passes, but the job's accumulation_steps is {}", step, message.micro,
-           spec_.accumulation_steps);
-  TS_CHECK(more_step_ != step || message.micro > more_micros_, Code::kInvalidArgument,
-           "step {} summed {} backward passes, but rank(s) said another came after the {}th", step, message.micro,
-           more_micros_);
-  for (uint32_t b = 0; b < buckets_.size(); ++b) {
-    const BucketProgress& progress = buckets_[b];
-    const bool collected =
-        progress.delivered_count > 0 || (progress.phase != Phase::kCollecting && !progress.from_accum);
-    const uint32_t seen = progress.micro + (collected ? 1 : 0);  // micro-batches it has of the step
-    TS_CHECK(progress.step != step || seen <= message.micro, Code::kInvalidArgument,
-             "step {} summed {} backward passes, but bucket {} has {} already", step, message.micro, b, seen);
-  }
-  StepGate& gate = GateOf(step);
+  micro_.CheckTerms(step, message.micro);
+  CheckTermsAgainstBuckets(buckets_, message);
+  StepGate& gate = gates_.Of(step);
   gate.AddTerms(channel.rank, message);
   for (uint32_t b = 0; b < buckets_.size(); ++b) {
     if (buckets_[b].step == step) (void)HoldAccumulated(b);
@@ -1291,23 +903,15 @@ void StepEngine::OnStepTerms(RankChannel& channel, const shm::Message& message) 
 // Micro-batch message.micro of the step was not its last: what was held or updated on it is taken back
 // and accumulated (where it cannot be, no rank may go on), and the step's gate starts again.
 void StepEngine::OnMoreMicro(RankChannel& channel, const shm::Message& message) {
-  TS_CHECK(spec_.step_terms && spec_.accumulation_steps == 0, Code::kInvalidArgument,
-           "MORE_MICRO from rank {}, but the job's accumulation_steps is {}", channel.rank, spec_.accumulation_steps);
-  CheckCurrentStep(message, completed_, channel.rank, "MORE_MICRO");
+  CheckMoreMicro(spec_, completed_, channel.rank, message);
   const uint64_t step = message.step;
   if (trace_) trace_->Mark(SpanKind::kMoreMicro, 0, step, message.micro);
-  const auto gate = gates_.find(step);
-  TS_CHECK(gate == gates_.end() || gate->second.terms().micro_batches == 0, Code::kInvalidArgument,
-           "rank {} began backward pass {} of step {} after its terms said {} (backward after clip_grad_norm_, a "
-           "GradScaler's unscale_ or optimizer.step())",
-           channel.rank, message.micro + 2, step, gate->second.terms().micro_batches);
-  if (more_step_ != step) more_micros_ = 0;
-  more_step_ = step;
-  if (message.micro + 1 <= more_micros_) return;  // another rank said so already
-  more_micros_ = message.micro + 1;
-  if (gate != gates_.end()) gates_.erase(gate);  // its norms were of the micro-batch taken back
+  const StepGate* gate = gates_.Find(step);
+  CheckMoreAfterTerms(gate == nullptr ? 0 : gate->terms().micro_batches, channel.rank, message);
+  if (!micro_.More(step, message.micro)) return;  // another rank said so already
+  gates_.Erase(step);                             // its norms were of the micro-batch taken back
   for (uint32_t b = 0; b < buckets_.size(); ++b) {
-    BucketProgress& progress = buckets_[b];
+    BucketLifecycle& progress = buckets_[b];
     if (progress.step != step || progress.micro != message.micro) continue;
     if (progress.phase == Phase::kAwaitingDecision) {
       Revoke(b);
@@ -1322,67 +926,50 @@ void StepEngine::OnMoreMicro(RankChannel& channel, const shm::Message& message) 
 // kDiscarded. Every rank of a data-parallel job discards alike: the first rank's kDiscard of the step's
 // nth discard drops it, the others' find it dropped.
 void StepEngine::OnDiscard(RankChannel& channel, const shm::Message& message) {
-  TS_CHECK(spec_.step_terms && spec_.nodes() == 1, Code::kInvalidArgument,
-           "DISCARD from rank {}: a job spanning nodes cannot drop a step's gradients (they were all-reduced)",
-           channel.rank);
-  CheckCurrentStep(message, completed_, channel.rank, "DISCARD");
-  const uint32_t before = discarded_step_ == message.step ? discards_ : 0;
-  if (message.micro <= before) {  // another rank's discard of it came first
-    if (!discarding_)
-      PostTo(channel, shm::Message{.kind = shm::MessageKind::kDiscarded, .step = message.step, .micro = discards_});
-    return;
+  CheckDiscard(spec_, completed_, channel.rank, message);
+  switch (micro_.OnDiscard(message.step, message.micro, channel.rank)) {
+    case MicroBatches::Discard::kDropped:  // another rank's discard of it came first
+      return ranks_.PostTo(
+          channel,
+          shm::Message{.kind = shm::MessageKind::kDiscarded, .step = message.step, .micro = micro_.discards()});
+    case MicroBatches::Discard::kBeingDropped: return;
+    case MicroBatches::Discard::kDrop: break;
   }
-  TS_CHECK(message.micro == before + 1, Code::kInvalidArgument,
-           "DISCARD number {} of step {} from rank {}, but {} came before", message.micro, message.step, channel.rank,
-           before);
-  discarded_step_ = message.step;
-  discards_ = message.micro;
-  gates_.erase(message.step);
-  more_step_ = 0;
+  gates_.Erase(message.step);
   for (uint32_t b = 0; b < buckets_.size(); ++b) {
-    BucketProgress& progress = buckets_[b];
-    if (progress.phase == Phase::kBusy && progress.pending) {
-      progress.pending.reset();  // held back, not started
-      Abandon(b);
-    } else if (progress.phase == Phase::kBusy) {
-      progress.discard = true;  // Discarded() restarts it when its pass ends
-    } else if (progress.phase == Phase::kAwaitingDecision && progress.plan != nullptr && !Revocable(b)) {
-      Diverge(
-          fmt::format("step {}: zero_grad() after bucket {} was updated in place (the job has one state half, or "
-                      "keeps paged gradients in their upload copy); drop the job and call zero_grad() only "
-                      "after optimizer.step()",
-                      message.step, b));
-      return;
-    } else {
-      Abandon(b);
+    switch (buckets_[b].OnDiscard(Revocable(b))) {
+      case BucketLifecycle::Drop::kDropPending:
+        buckets_[b].pending.reset();  // held back, not started
+        Abandon(b);
+        break;
+      case BucketLifecycle::Drop::kAtPassEnd: buckets_[b].discard = true; break;  // Discarded() restarts it
+      case BucketLifecycle::Drop::kDiverge:
+        return Diverge(
+            fmt::format("step {}: zero_grad() after bucket {} was updated in place (the job has one state half, or "
+                        "keeps paged gradients in their upload copy); drop the job and call zero_grad() only "
+                        "after optimizer.step()",
+                        message.step, b));
+      default: Abandon(b); break;
     }
   }
-  discarding_ = message.step;
+  micro_.Dropping(message.step);
   MaybeFinishDiscard();
 }
 
 void StepEngine::MaybeFinishDiscard() {
-  if (!discarding_) return;
-  for (const BucketProgress& progress : buckets_) {
+  if (!micro_.discarding()) return;
+  for (const BucketLifecycle& progress : buckets_) {
     if (progress.phase != Phase::kCollecting) return;
   }
-  PostToAll(shm::Message{.kind = shm::MessageKind::kDiscarded, .step = *discarding_, .micro = discards_});
-  discarding_.reset();
+  const std::optional<uint64_t> step = micro_.FinishDiscard();
+  ranks_.PostToAll(shm::Message{.kind = shm::MessageKind::kDiscarded, .step = *step, .micro = micro_.discards()});
 }
 
 void StepEngine::OnLoadState(RankChannel& channel, const shm::Message& message) {
-  TS_CHECK(!loading_, Code::kFailedPrecondition, "LOAD_STATE while another load is in progress");
-  for (size_t b = 0; b < buckets_.size(); ++b) {
-    const BucketProgress& progress = buckets_[b];
-    TS_CHECK(progress.phase == Phase::kCollecting && progress.delivered_count == 0 && progress.micro == 0,
-             Code::kFailedPrecondition,
-             "LOAD_STATE from rank {} while bucket {} is in the middle of step {}; call synchronize() first",
-             channel.rank, b, progress.step);
-  }
-  TS_CHECK(message.step < (uint64_t{1} << 62), Code::kInvalidArgument, "LOAD_STATE step {} out of range", message.step);
+  CheckLoadState(buckets_, loading_, channel.rank, message);
   if (!PastTheSeed()) {  // the seed is written: SetTransfer left this to now
     for (const auto& rank : ranks_) {
-      if (rank && rank->transfer) rank->transfer->WillCopy(CopiedHostRanges(*rank));
+      if (rank && rank->transfer) rank->transfer->WillCopy(CopiedHostRanges(layout_, state_, *rank));
     }
   }
   loading_ = true;
@@ -1397,8 +984,7 @@ void StepEngine::OnLoadState(RankChannel& channel, const shm::Message& message) 
         // The client wrote the committed half: it commits as `step` where it is.
         state_.bucket_state[bucket].Store({.step = step, .half = state_.bucket_state[bucket].Load().half});
         buckets_[bucket].step = step + 1;
-        buckets_[bucket].phase = Phase::kCollecting;
-        buckets_[bucket].pass = Pass::kNone;
+        buckets_[bucket].Idle();
         buckets_[bucket].upload_dirty = false;
       }
       completed_ = step;
@@ -1408,14 +994,8 @@ void StepEngine::OnLoadState(RankChannel& channel, const shm::Message& message) 
       loaded_by_ = loader;
       loaded_step_ = step;
       for (const auto& channel : ranks_) {  // the GPUs' copies of the weights are stale now...
-        if (!channel) continue;
-        ++channel->push_generation;
-        std::fill(channel->pushed.begin(), channel->pushed.end(), -1);
-        std::fill(channel->speculated.begin(), channel->speculated.end(), -1);
         // ...except the loader's, if it said its GPU holds what it loaded
-        channel->on_gpu = channel->rank == loader && channel->claims_on_gpu == static_cast<int64_t>(step)
-                              ? static_cast<int64_t>(step)
-                              : -1;
+        if (channel) channel->Reloaded(channel->rank, loader, step);
       }
       for (uint32_t bucket = buckets_.size(); bucket-- > 0;) PublishWeights(bucket, step);
       for (uint32_t bucket = 0; bucket < buckets_.size(); ++bucket) {
@@ -1426,27 +1006,13 @@ void StepEngine::OnLoadState(RankChannel& channel, const shm::Message& message) 
   }
 }
 
-void StepEngine::PostToAll(const shm::Message& message) {
-  for (const auto& channel : ranks_) {
-    if (channel && !channel->failed) PostTo(*channel, message);
-  }
-}
-
-void StepEngine::PostTo(RankChannel& channel, const shm::Message& message) {
-  try {
-    channel.Post(message);
-  } catch (const Error& e) {
-    FailRank(channel, e.what());
-  }
-}
-
 void StepEngine::PublishWeights(uint32_t b, uint64_t step) {
   for (const auto& channel : ranks_) {
     if (!channel || channel->failed) continue;
     if (channel->transfer != nullptr) {
       MaybePush(channel, b);
     } else {
-      PostTo(*channel, shm::Message{.kind = shm::MessageKind::kParamsReady, .bucket = b, .step = step});
+      ranks_.PostTo(*channel, shm::Message{.kind = shm::MessageKind::kParamsReady, .bucket = b, .step = step});
     }
   }
 }
@@ -1454,19 +1020,16 @@ void StepEngine::PublishWeights(uint32_t b, uint64_t step) {
 // optimizer.step() was called for message.step: from now on that step's weights may overwrite the
 // rank's parameters, after (on the GPU) the kernels it queued before.
 void StepEngine::OnWeightsWanted(const std::shared_ptr<RankChannel>& channel, const shm::Message& message) {
-  TS_CHECK(channel->transfer != nullptr, Code::kInvalidArgument,
-           "WEIGHTS_WANTED from rank {}, which copies its weights itself (no cuda-ipc registration)", channel->rank);
-  TS_CHECK(message.slot < channel->transfer->weights_wanted_events(), Code::kInvalidArgument,
-           "WEIGHTS_WANTED names event {}, but rank {} registered {}", message.slot, channel->rank,
-           channel->transfer->weights_wanted_events());
-  TS_CHECK(message.step < (uint64_t{1} << 62), Code::kInvalidArgument, "WEIGHTS_WANTED step {} out of range",
-           message.step);
-  ++inflight_;
+  CheckWeightsWanted(channel->transfer != nullptr,
+                     channel->transfer != nullptr ? channel->transfer->weights_wanted_events() : 0, channel->rank,
+                     message);
+  mailbox_.Begin();
   channel->transfer->AwaitWeightsWanted(message.slot, [this, channel](std::optional<Error> error) {
-    Continue([this, channel, error = std::move(error)] {
-      if (!Attached(channel)) return;
+    mailbox_.Continue([this, channel, error = std::move(error)] {
+      if (!ranks_.Attached(channel)) return;
       if (error)
-        return FailRank(*channel, fmt::format("waiting for the rank's optimizer.step() failed: {}", error->what()));
+        return ranks_.FailRank(*channel,
+                               fmt::format("waiting for the rank's optimizer.step() failed: {}", error->what()));
       channel->view.header->weights_wanted_waits.fetch_add(1);
     });
   });
@@ -1483,71 +1046,33 @@ void StepEngine::OnWeightsWanted(const std::shared_ptr<RankChannel>& channel, co
 }
 
 // Pushes bucket b's weights to a cuda-ipc rank if it wants them and they are final and not there yet;
-// a speculated bucket's weights before they are final.
+// a speculated bucket's weights before they are final (NextPush).
 void StepEngine::MaybePush(const std::shared_ptr<RankChannel>& channel, uint32_t b) {
-  const BucketProgress& progress = buckets_[b];
+  const BucketLifecycle& bucket = buckets_[b];
   if (channel->failed || loading_ || state_.header->initialized == 0) return;
-  if (Writing(b)) return PushWritten(channel, b);
-  if (channel->pushing[b] > 0) return;
-  const auto step = static_cast<int64_t>(state_.bucket_state[b].Load().step);
-  if (step > channel->weights_wanted || channel->pushed[b] >= step || progress.updating || progress.upload_dirty) {
-    return;
-  }
+  const auto committed = static_cast<int64_t>(state_.bucket_state[b].Load().step);
   const std::optional<uint64_t> offset = channel->transfer->ParamsOffset(b);
-  // Nothing to copy when the rank's GPU holds these weights already (a load of its own, the speculation
-  // that committed), or keeps the bucket off it (weight paging: the rank loads the bucket from the host
-  // copy itself, once told it is final).
-  if (channel->on_gpu == step || channel->speculated[b] == step || !offset) {
-    channel->pushed[b] = step;
-    return PostTo(
-        *channel,
-        shm::Message{.kind = shm::MessageKind::kParamsReady, .bucket = b, .step = static_cast<uint64_t>(step)});
+  const PushOrder order = NextPush(*channel, b, bucket, committed, offset, layout_.buckets[b].bytes());
+  switch (order.kind) {
+    case PushOrder::Kind::kNone: return;
+    case PushOrder::Kind::kReady:
+      channel->pushed[b] = order.step;
+      return ranks_.PostTo(
+          *channel,
+          shm::Message{.kind = shm::MessageKind::kParamsReady, .bucket = b, .step = static_cast<uint64_t>(order.step)});
+    case PushOrder::Kind::kCommitted:
+      return Push(channel, b, order.step, *offset, WeightsIn(layout_, state_, b, state_.Committed(b)), order.begin,
+                  order.end, /*written=*/false);
+    case PushOrder::Kind::kWritten:
+      channel->streamed[b] = bucket.update->written;
+      return Push(channel, b, order.step, *offset, WeightsIn(layout_, state_, b, state_.halves[bucket.plan->to]),
+                  order.begin, order.end, /*written=*/true);
   }
-  Push(channel, b, step, *offset, WeightsIn(b, state_.Committed(b)), 0, layout_.buckets[b].bytes(), /*written=*/false);
-}
-
-bool StepEngine::Speculated(uint32_t b) const {
-  const BucketProgress& progress = buckets_[b];
-  return progress.phase == Phase::kAwaitingDecision && progress.plan != nullptr && !progress.discard;
-}
-
-bool StepEngine::Writing(uint32_t b) const {
-  const BucketProgress& progress = buckets_[b];
-  if (progress.update == nullptr) return false;
-  return Speculated(b) || (progress.updating && progress.phase == Phase::kBusy && !progress.pending &&
-                           !progress.discard && progress.plan != nullptr);
-}
-
-// A step that does not clip then has its weights on the GPU when it commits, as without clipping:
-// waiting for the commit, every bucket's push would start after the last bucket's update (1.86B GPT,
-// fp32 weights, 24 GiB cap on the H200: 604 ms a step with max_grad_norm against 425 ms without; the
-// pushes of 7.5 GB take about 136 ms at 55 GB/s). A bucket updated in pieces goes piece by piece.
-void StepEngine::PushWritten(const std::shared_ptr<RankChannel>& channel, uint32_t b) {
-  const BucketProgress& progress = buckets_[b];
-  const auto step = static_cast<int64_t>(progress.step);
-  const std::optional<uint64_t> offset = channel->transfer->ParamsOffset(b);
-  const RunningUpdate& update = *progress.update;
-  uint32_t& streamed = channel->streamed[b];
-  if (!offset || step > channel->weights_wanted || streamed >= update.written) return;
-  const uint64_t begin = streamed == 0 ? 0 : update.pieces[streamed - 1].second;
-  streamed = update.written;
-  Push(channel, b, step, *offset, WeightsIn(b, state_.halves[progress.plan->to]), begin,
-       update.pieces[streamed - 1].second, /*written=*/true);
-}
-
-const std::byte* StepEngine::WeightsIn(uint32_t b, const shm::StateHalf& half) const {
-  const shm::BucketLayout& bucket = layout_.buckets[b];
-  const void* weights = bucket.uploads_from_master() ? static_cast<const void*>(half.master + bucket.elem_offset)
-                                                     : static_cast<const void*>(state_.upload + bucket.upload_offset);
-  return static_cast<const std::byte*>(weights);
 }
 
 void StepEngine::ForgetSpeculated(uint32_t b) {
   for (const auto& channel : ranks_) {
-    if (!channel || channel->speculated[b] < 0) continue;
-    // The GPU holds weights of no committed step now: the next commit pushes again.
-    if (channel->speculated[b] > channel->pushed[b]) channel->pushed[b] = -1;
-    channel->speculated[b] = -1;
+    if (channel) channel->ForgetSpeculated(b);
   }
 }
 
@@ -1555,7 +1080,7 @@ void StepEngine::Push(const std::shared_ptr<RankChannel>& channel, uint32_t b, i
                       const std::byte* source, uint64_t begin, uint64_t end, bool written) {
   ++channel->pushing[b];
   ++buckets_[b].pushes;
-  ++inflight_;
+  mailbox_.Begin();
   const uint64_t generation = channel->push_generation;
   const bool last = end == layout_.buckets[b].bytes();
   const int64_t pushing = trace_ ? StepTrace::Now() : 0;
@@ -1565,7 +1090,7 @@ void StepEngine::Push(const std::shared_ptr<RankChannel>& channel, uint32_t b, i
         if (trace_) {
           trace_->Record({SpanKind::kPush, b, static_cast<uint64_t>(step), bytes, pushing, StepTrace::Now()});
         }
-        Continue([this, channel, b, step, generation, written, last, error = std::move(error)] {
+        mailbox_.Continue([this, channel, b, step, generation, written, last, error = std::move(error)] {
           OnPushed(channel, b, static_cast<uint64_t>(step), generation, written, last, error);
         });
       });
@@ -1573,24 +1098,22 @@ void StepEngine::Push(const std::shared_ptr<RankChannel>& channel, uint32_t b, i
 
 void StepEngine::OnPushed(const std::shared_ptr<RankChannel>& channel, uint32_t b, uint64_t step, uint64_t generation,
                           bool written, bool last, const std::optional<Error>& error) {
-  --channel->pushing[b];
-  const bool current = !error && generation == channel->push_generation;  // not overtaken by a state load
   // Written weights still awaiting the norm or the update's end, or committed as they are (a redo waits
-  // for this push, an abandoned step leaves the bucket collecting it again). Recorded before a redo held
-  // back by this push starts: the redo forgets them.
-  const bool holds = (Writing(b) && buckets_[b].step == step) || state_.bucket_state[b].Load().step == step;
-  if (current && written && last && holds) channel->speculated[b] = static_cast<int64_t>(step);
-  BucketProgress& progress = buckets_[b];
+  // for this push, an abandoned step leaves the bucket collecting it again).
+  const bool holds = (buckets_[b].Writing() && buckets_[b].step == step) || state_.bucket_state[b].Load().step == step;
+  const bool current = PushEnded(*channel, b, step, generation, written, last, !error, holds);
+  BucketLifecycle& progress = buckets_[b];
   if (--progress.pushes == 0) {
     if (progress.pending) StartPendingUpdates();
     RunResumes();
   }
-  if (!Attached(channel)) return;
+  if (!ranks_.Attached(channel)) return;
   if (error)
-    return FailRank(*channel, fmt::format("copying bucket {}'s weights to the GPU failed: {}", b, error->what()));
+    return ranks_.FailRank(*channel,
+                           fmt::format("copying bucket {}'s weights to the GPU failed: {}", b, error->what()));
   if (current && !written) {
     channel->pushed[b] = static_cast<int64_t>(step);
-    PostTo(*channel, shm::Message{.kind = shm::MessageKind::kParamsReady, .bucket = b, .step = step});
+    ranks_.PostTo(*channel, shm::Message{.kind = shm::MessageKind::kParamsReady, .bucket = b, .step = step});
   }
   MaybePush(channel, b);
 }

@@ -1,4 +1,10 @@
-// The per-job step pipeline (docs/architecture.md, "Step protocol").
+// The per-job step pipeline (docs/architecture.md, "Step protocol"): the orchestration. StepEngine owns
+// the engine thread, one BucketLifecycle per bucket and the concern objects, tells each of the events
+// that concern it and acts on what it decides: which messages are allowed (ring_checks.h), what becomes
+// of a bucket (bucket_lifecycle.h), clipping and speculation (step_gates.h), accumulation
+// (micro_batches.h), a cuda-ipc rank's copies (gpu_copies.h), resume (resume_plan.h), an update's plan
+// and pieces (bucket_update.h), one block of a pass (pass_work.h), the ranks (rank_table.h) and what
+// comes back from the workers (engine_mailbox.h). None of them calls back into the engine.
 //
 // One engine thread per job waits on the job's doorbell, drains every attached rank's request ring,
 // validates each message, and tracks per bucket which ranks have delivered which micro-batch. When all
@@ -16,14 +22,14 @@
 // and once the decision is in each bucket commits what it wrote or is redone from the committed half
 // with the decided multiplier. Where a norm is needed and the update cannot be taken back (one
 // state half), the norm comes first and the updates wait for the decision, then run in forward order;
-// after a run of clipped steps the next steps wait for the norm until one does not clip (GateOf).
+// after a run of clipped steps the next steps wait for the norm until one does not clip (StepGates).
 // A job that counts its micro-batches (accumulation_steps 0) learns a step's count from its terms, or
 // earlier from kMoreMicro (another backward pass follows). Each rank's GRAD_READY says what it expects
 // (kFinalMicro, or kUncertainMicro: held until known); an update started on a micro-batch that turns
 // out not to be the last is taken back (two halves) and its gradients accumulated. kDiscard (zero_grad()
 // mid-step) drops a step's gradients, one rank only.
 // Worker completions come back to the engine thread through a queue plus the same doorbell, so all
-// protocol state below is touched by the engine thread only; `mutex_` guards the rank table against
+// protocol state below is touched by the engine thread only; the rank table's mutex guards it against
 // attach/detach from gRPC threads.
 //
 // Each bucket advances through steps on its own: a fast rank may deliver bucket b of step t+1 while
@@ -49,10 +55,8 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -60,11 +64,15 @@
 #include <thread>
 #include <vector>
 
-#include "daemon/engine/accumulator_memory.h"
 #include "daemon/engine/all_reduce.h"
+#include "daemon/engine/bucket_lifecycle.h"
 #include "daemon/engine/bucket_passes.h"
+#include "daemon/engine/engine_mailbox.h"
+#include "daemon/engine/gpu_copies.h"
+#include "daemon/engine/micro_batches.h"
 #include "daemon/engine/rank_channel.h"
-#include "daemon/engine/step_gate.h"
+#include "daemon/engine/rank_table.h"
+#include "daemon/engine/step_gates.h"
 #include "daemon/engine/step_trace.h"
 #include "daemon/engine/worker_pool.h"
 #include "shm/job_layout.h"
@@ -144,62 +152,9 @@ class StepEngine {
   void AnnounceCommitted();
 
  private:
-  // kAwaitingDecision: the bucket's last gradients of the step are in (held, normed, or updated before
-  // the decision) and it waits for its step's decision.
-  enum class Phase { kCollecting, kBusy, kAwaitingDecision };
-  // What a busy bucket's pass is. A rank that leaves mid-step discards the passes of a step that can no
-  // longer complete (ResetCollecting): accumulation, norm and speculation; the rest have all their
-  // gradients and commit. kSpeculate: an update before the step's decision.
-  enum class Pass { kNone, kAccumulate, kReduce, kNorm, kSpeculate, kUpdate, kRedo, kUpload };
-  // Whether the micro-batch a bucket collects is its step's last.
-  enum class Last { kNo, kYes, kUnknown };
-  // An update and its per-parameter scalars, kept from a speculation to its redo.
-  struct UpdatePlan {
-    uint64_t step = 0;
-    uint32_t from = 0, to = 0;                  // state halves
-    std::vector<optimizer::AdamWStep> scalars;  // by parameter
-    std::vector<uint8_t> updated;               // by parameter: had a gradient (else carried)
-    float multiplier = 1.0f;                    // of the averaged gradients, in the update written last
-    bool with_norm = false;                     // that update summed the squares of what it read
-  };
-  struct RunningUpdate;
-  struct BucketProgress {
-    uint64_t step = 1;  // the step being collected
-    uint32_t micro = 0;
-    uint16_t flags = 0;        // the GRAD_READY flags of the micro-batch collected (what its ranks expect)
-    bool accumulated = false;  // the accumulator holds the step's micro-batches before `micro`
-    bool held = false;         // its last gradients are in, not yet known to be the last (kAwaitingDecision)
-    bool from_accum = false;   // the step's last micro-batch had no gradients left: the update reads the accumulator
-    bool take_back = false;    // not the last micro-batch after all: when its pass ends, accumulate instead
-    std::vector<uint8_t> delivered;  // per rank, for (step, micro)
-    uint32_t delivered_count = 0;
-    Phase phase = Phase::kCollecting;
-    Pass pass = Pass::kNone;
-    bool discard = false;       // its pass runs for a step a rank abandoned: restart when it ends
-    bool updating = false;      // an update wrote master and upload and has not committed: not pushed
-    bool upload_dirty = false;  // the upload region may hold weights of an uncommitted step
-    uint32_t pushes = 0;        // pushes to GPUs in flight: master and upload are read
-    std::optional<std::pair<float, Pass>> pending;  // an update waiting for pushes or the skew bound
-    std::shared_ptr<UpdatePlan> plan;               // the update written before the decision, for its redo
-    std::chrono::steady_clock::time_point update_started;
-    std::shared_ptr<RunningUpdate> update;  // the update started last (its pieces outlive its work)
-    // Delivered with its first piece of gradients (StreamsGradients): the rest are still coming, and
-    // `grad_bytes` of them are in.
-    bool streaming = false;
-    uint64_t grad_bytes = 0;
-  };
-  // An update runs in pieces (UpdatePieces): a piece goes to the pool once the gradients it reads are
-  // in, and may go to the GPUs once it and every piece before it are written.
-  struct RunningUpdate {
-    std::shared_ptr<std::vector<Block>> blocks;
-    std::vector<std::pair<size_t, uint64_t>> pieces;  // (end block, end byte in the bucket)
-    std::function<void(size_t, const Block&)> work;   // one block; dropped at the end (it holds the ranks)
-    std::function<void()> finish;                     // once every piece is written
-    std::vector<uint8_t> piece_written;
-    uint32_t scheduled = 0;   // pieces given to the pool
-    uint32_t unfinished = 0;  // of those, the ones still running
-    uint32_t written = 0;     // pieces written, counted from the first (those may go to the GPUs)
-  };
+  using Phase = BucketLifecycle::Phase;
+  using Pass = BucketLifecycle::Pass;
+  using Last = MicroBatches::Last;
 
   void Loop();
   bool DrainRequests();
@@ -208,44 +163,25 @@ class StepEngine {
   void OnGradReady(RankChannel& channel, const shm::Message& message);
   void Deliver(RankChannel& channel, uint32_t bucket);
   void PullThenDeliver(const std::shared_ptr<RankChannel>& channel, uint32_t bucket, uint32_t slot, uint32_t piece);
-  [[nodiscard]] uint32_t PiecesOf(uint32_t bucket, const RankTransfer& transfer) const;  // staged piece by piece
-  // What a cuda-ipc rank's copies touch on the host, in the order of its first two steps: each bucket on
-  // its GPU, in backward order, its gradients and the weights the first update writes; then the other
-  // state half's fp32 master weights (the second update's).
-  [[nodiscard]] std::vector<HostRange> CopiedHostRanges(const RankChannel& channel) const;
   // Whether a new job's seed is written (its first LOAD_STATE runs or ran): a transfer is told what its
   // copies touch only then, since page-locking beside the seed's copy slowed that copy threefold on an H100
   // (0.39-0.47 s against 0.14 s for 7 GiB; benchmarks/results/train_gpt.md, 2026-12-06). loading_ changes
-  // only in messages and continuations, which run holding mutex_.
+  // only in messages and continuations, which run holding the rank table's mutex.
   [[nodiscard]] bool PastTheSeed() const { return state_.header->initialized != 0 || loading_; }
   void OnLoadState(RankChannel& channel, const shm::Message& message);
   void OnWeightsWanted(const std::shared_ptr<RankChannel>& channel, const shm::Message& message);
   // The weights of `bucket` after `step` are final: PARAMS_READY, after a push for cuda-ipc ranks.
   void PublishWeights(uint32_t bucket, uint64_t step);
   void MaybePush(const std::shared_ptr<RankChannel>& channel, uint32_t bucket);
-  // Speculative clipping: a bucket whose speculated update is written, waiting for the step's norm.
-  [[nodiscard]] bool Speculated(uint32_t bucket) const;
-  // The bucket's weights written by its running update (not held back, not discarded) or its speculated
-  // ones may go to the GPUs before the commit, as far as they are written.
-  [[nodiscard]] bool Writing(uint32_t bucket) const;
-  // Pushes the pieces of the bucket's running update or speculation written since the rank's last push.
-  void PushWritten(const std::shared_ptr<RankChannel>& channel, uint32_t bucket);
-  // Where an update of the bucket splits: before each block that would reach past the next multiple of
-  // the smallest staging slot of the cuda-ipc ranks, as (end block, end byte) pairs; one piece for a
-  // bucket no larger than that slot, or without such ranks.
-  [[nodiscard]] std::vector<std::pair<size_t, uint64_t>> UpdatePieces(uint32_t bucket,
-                                                                      const std::vector<Block>& blocks) const;
+  // The bytes of the pieces an update of the bucket splits into: the smallest staging slot of the
+  // cuda-ipc ranks (SplitIntoPieces), or the bucket's size without such ranks.
+  [[nodiscard]] uint64_t PieceBytes(uint32_t bucket) const;
   void OnPieceWritten(uint32_t bucket, uint32_t piece);
-  // `work` (a block of a pass of `kind` over bucket's gradients of `step`), recording each block's span
-  // when tracing.
-  [[nodiscard]] std::function<void(size_t, const Block&)> Traced(SpanKind kind, uint32_t bucket, uint64_t step,
-                                                                 std::function<void(size_t, const Block&)> work) const;
   // Gives the pool the pieces of the bucket's running update whose gradients are in.
   void ScheduleReadyPieces(uint32_t bucket);
   // One rank, two state halves, the step's last micro-batch, no norm to wait for: the bucket's update
   // may start with its first piece of gradients (the others follow while it runs).
   [[nodiscard]] bool StreamsGradients(uint32_t bucket);
-  [[nodiscard]] uint64_t GradientBytesIn(uint32_t bucket) const;
   // The GPUs' copies of the bucket's speculated weights are void (redone, abandoned).
   void ForgetSpeculated(uint32_t bucket);
   // Copies bytes [begin, end) of the bucket's weights of `step` (the bucket's in `source`) to the rank's
@@ -256,37 +192,23 @@ class StepEngine {
   // of a rank complete in submission order).
   void OnPushed(const std::shared_ptr<RankChannel>& channel, uint32_t bucket, uint64_t step, uint64_t generation,
                 bool written, bool last, const std::optional<Error>& error);
-  // Where the bucket's weights of `half` lie: its master weights there (fp32), else the upload region.
-  [[nodiscard]] const std::byte* WeightsIn(uint32_t bucket, const shm::StateHalf& half) const;
-  [[nodiscard]] bool Attached(const std::shared_ptr<RankChannel>& channel) const;
-  void PostTo(RankChannel& channel, const shm::Message& message);
-  void FailRank(RankChannel& channel, const std::string& message);
   void OnBucketDelivered(uint32_t bucket);
   void OnStepTerms(RankChannel& channel, const shm::Message& message);
   void OnMoreMicro(RankChannel& channel, const shm::Message& message);
   void OnDiscard(RankChannel& channel, const shm::Message& message);
-  [[nodiscard]] Last LastMicro(uint32_t bucket);
   void Hold(uint32_t bucket);
   [[nodiscard]] bool HoldAccumulated(uint32_t bucket);
   void StartAccumulate(uint32_t bucket);
   void StartReduce(uint32_t bucket);
   void AccumulateSlots(uint32_t bucket, std::function<void()> then);
-  // The accumulator of the bucket's step (nullptr: no micro-batch before the last), mapping the job's
-  // own where it has none yet and `need` says it will.
+  // The accumulator of the bucket's step (nullptr: no micro-batch before the last).
   [[nodiscard]] float* AccumulatorOf(uint32_t bucket);
-  void EnsureAccumulator();
   // The ranks whose slots the bucket's last pass reads: none where its gradients are all in the accumulator.
   [[nodiscard]] Sources FinalSlots(uint32_t bucket);
   void AfterGradients(uint32_t bucket);
   // An update that runs without a decision can be taken back: the committed half stays as it was, and the
   // gradients it read are still there (two halves, gradients not in the upload copy).
   [[nodiscard]] bool Revocable(uint32_t bucket) const;
-  void Post(std::function<void()> work);
-  void Continue(std::function<void()> continuation);
-  void FailSessions(const std::string& message);  // requires mutex_
-  // Whether the job's memory is lost (Lost()); the first time, fails every session saying so. Requires
-  // mutex_.
-  bool CheckMemory();
   void RestartBucket(uint32_t bucket);
   void Abandon(uint32_t bucket);
   Sources GradientSlots();
@@ -295,11 +217,8 @@ class StepEngine {
   // averaged gradients.
   void StartUpdate(uint32_t bucket, float multiplier, Pass pass);
   void StartPendingUpdates();
-  [[nodiscard]] std::shared_ptr<UpdatePlan> PlanUpdate(uint32_t bucket);
   void OnNormed(uint32_t bucket, double sum_of_squares, bool nonfinite);
   void OnSpeculated(uint32_t bucket, double sum_of_squares, bool nonfinite);
-  // The gate of `step`, made (and what its updates assume decided) by the first that needs it.
-  StepGate& GateOf(uint64_t step);
   // Norm passes for the buckets of `step` whose last gradients are in and not yet counted.
   void StartMissingNorms(uint64_t step);
   // Sends the step's norm where asked and, once the step is decided, ends each bucket waiting for it.
@@ -330,14 +249,10 @@ class StepEngine {
   void ResumeNow(std::function<void(uint64_t)> reply);
   // Counts `step` once among the non-finite steps and tells every rank why.
   void ReportNonFinite(uint64_t step, const std::string& what);
-  void PostToAll(const shm::Message& message);
   void ResetCollecting(const std::string& reason);
   const shm::HParams* HParamsFor(uint64_t step);
   Sources SnapshotSources();
   void TouchState();
-  template <typename Include>
-  std::shared_ptr<std::vector<Block>> BlocksOf(uint32_t bucket, Include include) const;
-  WorkerPool::Home HomesOf(std::shared_ptr<std::vector<Block>> blocks) const;
   // Runs `work` on the pool for every block of `bucket`'s params selected by `include`; `done` runs on
   // the engine thread afterwards.
   template <typename Work, typename Include>
@@ -359,30 +274,14 @@ class StepEngine {
   const CommitObserver on_commit_;
   const std::unique_ptr<StepTrace> trace_;  // nullptr: not tracing; written once the engine has stopped
 
-  const ClientSegment* const state_segment_;
-
   std::once_flag placed_;
-  std::mutex mutex_;                                 // guards ranks_, diverged_ and lost_
-  std::vector<std::shared_ptr<RankChannel>> ranks_;  // by rank; nullptr when not attached
-  std::optional<std::string> diverged_;
-  std::optional<std::string> lost_;
+  RankTable ranks_;  // its mutex guards the table, against attach/detach from gRPC threads
 
   // Engine-thread state.
-  std::vector<BucketProgress> buckets_;
+  std::vector<BucketLifecycle> buckets_;
   std::vector<uint8_t> had_grad_;  // per parameter, for the step its bucket is collecting
-  std::map<uint64_t, StepGate> gates_;
-  static constexpr uint32_t kClippedRunToWait = 3;  // clipped steps in a row after which steps wait (GateOf)
-  uint32_t clipped_run_ = 0;                        // the steps decided last that clipped, in a row
-  // What the steps before said, which the next step's updates assume until its own terms are in.
-  float last_factor_ = 1.0f;
-  bool last_needed_norms_ = false;
-  uint64_t more_step_ = 0;  // kMoreMicro said: this step's micro-batches below more_micros_ are not its last
-  uint32_t more_micros_ = 0;
-  std::optional<uint64_t> discarding_;  // kDiscard of this step: kDiscarded once its passes ended
-  uint64_t discarded_step_ = 0;         // the step the last kDiscard dropped, and how many times
-  uint32_t discards_ = 0;
-  std::unique_ptr<AccumulatorMemory> own_accumulator_;  // jobs that count their micro-batches
-  float* accumulator_ = nullptr;                        // the segment's or own_accumulator_'s
+  StepGates gates_;
+  MicroBatches micro_;
   std::vector<std::function<void(uint64_t)>> resumes_;  // Resume calls waiting for the job to settle
   bool adopted_;                                        // until the first Resume
   uint64_t completed_ = 0;                              // CompletedStep(), as the header has it
@@ -390,8 +289,7 @@ class StepEngine {
   int64_t loaded_by_ = -1;  // the rank whose LOAD_STATE was the last one to complete
   uint64_t loaded_step_ = 0;
 
-  std::mutex finished_mutex_;
-  std::vector<std::function<void()>> finished_;  // continuations from worker threads
+  EngineMailbox mailbox_;  // continuations from worker threads, and the work in flight
 
   std::atomic<uint64_t> updates_{0};
   std::atomic<uint64_t> nonfinite_steps_{0};
@@ -399,9 +297,6 @@ class StepEngine {
   std::atomic<uint64_t> redone_steps_{0};
   std::atomic<uint64_t> accumulator_bytes_{0};
   uint64_t last_nonfinite_step_ = 0;  // engine thread
-  std::atomic<int64_t> inflight_{0};
-  std::mutex inflight_mutex_;
-  std::condition_variable inflight_zero_;
   std::atomic<bool> stopping_{false};
   std::thread thread_;
 };
