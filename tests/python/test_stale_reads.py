@@ -14,7 +14,7 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
+from test_stale_read_guard import Recording  # a mode of the user's own
 
 import trainstream
 
@@ -311,15 +311,6 @@ def test_a_compiled_model_compiles_once_with_an_ema_between_its_steps(client):
 
 
 def test_a_users_torch_function_mode_around_the_step_stays_on_top_and_sees_its_ops(client):
-    class Recording(TorchFunctionMode):
-        def __init__(self):
-            super().__init__()
-            self.functions = []
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            self.functions.append(func)
-            return func(*args, **(kwargs or {}))
-
     model, optimizer = wrap(make_model(), client)
     x, y = batch(0)
     F.mse_loss(model(x), y).backward()
