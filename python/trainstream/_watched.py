@@ -177,8 +177,8 @@ def _data(func, args: tuple):
 
 class Watch:
     """The watching of one Rank's parameters: which are watched when, and the forward's window before
-    its backward. `params` are the rank's trained parameters that do not page, `bucket_params` their
-    indices by bucket (Regions.bucket_params)."""
+    its backward. `params`: the rank's trained parameters that do not page, by their index in the rank
+    (grouped by bucket through the rank's Regions.bucket_params)."""
 
     def __init__(self, rank, params: dict[int, torch.nn.Parameter]):
         self.params = list(params.values())
