@@ -140,7 +140,6 @@ class Rank:
         self._handles = []
         self.relayout = None  # wrap's: re-attaches the job around a conversion of the model (ApplyGuard)
         self.paged: PagedWeights | None = None
-        self.pager: BlockPager | None = None  # the paged weights' pager
         self.watch: Watch | None = None  # the parameters' watching (_watched.py), from _install_hooks on
         self.edits = WeightEdits(self.params, [i for i, p in enumerate(self.params) if id(p) not in paged])
         self._seed_weights(rank)
@@ -148,7 +147,6 @@ class Rank:
         if paging:
             self.paged = PagedWeights(paging, self.regions, self.params, model, device, _WeightGate(self),
                                       page_prefetch, page_pool_mb, self.transport.pins_job_regions)
-            self.pager = self.paged.pager
             started = self._timed("pager", started)
         self.synchronize()
         started = self._timed("first weights", started)
@@ -192,6 +190,11 @@ class Rank:
             self.transport.step_done(max(self._ready_step, default=0))
         else:
             self._mark_all_stale(0)
+
+    @property
+    def pager(self) -> BlockPager | None:
+        """The paged weights' pager (weight paging), else None."""
+        return self.paged.pager if self.paged is not None else None
 
     def model_dtype(self, p: torch.nn.Parameter) -> torch.dtype:
         """The dtype parameter p has for the user (its state dicts' and optimizer state's), which a weight
@@ -254,7 +257,7 @@ class Rank:
         if not edited:
             return
         self._refuse_stale_edits(edited)
-        if self._micro or self._in_backward or self._step_pending:
+        if self.mid_step:
             self.edits.note(edited)  # refused: not kept, and not refused again
             raise TrainstreamError(
                 f"parameter {self.param_name(edited[0])} was changed in place between backward() and optimizer.step(): "
@@ -381,7 +384,7 @@ class Rank:
         self.synchronize()
 
     def require_idle(self, what: str) -> None:
-        if self._micro or self._in_backward or self._step_pending:
+        if self.mid_step:
             raise TrainstreamError(f"cannot {what} in the middle of a step (after backward, before optimizer.step())")
         self.synchronize()
 
@@ -499,6 +502,12 @@ class Rank:
         return LAST if micro + 1 == self._most_micros else NOT_LAST
 
     @property
+    def mid_step(self) -> bool:
+        """Between a step's first backward() and its optimizer.step() (or a zero_grad() that drops it): the
+        step's gradients are in the daemon or on their way (a pending step has had a backward too)."""
+        return bool(self._micro or self._in_backward)
+
+    @property
     def current_step(self) -> int:
         """The step the buckets collect (the one optimizer.step() completes next)."""
         return self._bucket_step[0] if self._bucket_step else 1
@@ -614,7 +623,7 @@ class Rank:
             # The pager and its hooks go now, and with them the pool's GPU memory: the pager's gate
             # refers back to this Rank, so while the Rank kept either, the pool lasted until a garbage
             # collection found the cycle (the next test on the GPU machine found a 75 MB pool still allocated).
-            self.paged = self.pager = None
+            self.paged = None
         self.transport.close()
         self.session.close()
         if drop:

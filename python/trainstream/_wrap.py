@@ -268,7 +268,7 @@ def _zero_grad(module: torch.nn.Module, set_to_none: bool = True) -> None:
             mine = sum(id(p) in ids for p in r.params)
             if mine == len(r.params):
                 r.zero_grad(set_to_none)
-            elif mine and (r._micro or r._in_backward):
+            elif mine and r.mid_step:
                 raise TrainstreamError(
                     f"zero_grad() of a module holding {mine} of the {len(r.params)} parameters of a wrapped model, "
                     "between backward() and optimizer.step(): trainstream drops a step's gradients for the whole "
