@@ -45,7 +45,11 @@ StepEngine::StepEngine(std::string job_name, const shm::LayoutSpec& spec, const 
              spec.accumulation_steps, spec.max_grad_norm),
       micro_(spec.accumulation_steps, state.accum, layout.total_elems),
       adopted_(adopted),
-      mailbox_(state.header->doorbell) {
+      mailbox_(state.header->doorbell),
+      pushes_(layout_, state_, buckets_, ranks_, mailbox_, trace_.get(), loading_, [this](uint32_t b) {
+        if (buckets_[b].pending) StartPendingUpdates();
+        RunResumes();
+      }) {
   buckets_.reserve(layout.buckets.size());
   for (size_t b = 0; b < layout.buckets.size(); ++b) {
     buckets_.emplace_back(state_.bucket_state[b].Load().step + 1, spec.world_size);
@@ -243,7 +247,7 @@ void StepEngine::RestartBucket(uint32_t b) {
 // half is not read; the upload region holds its weights until Resume rewrites it).
 void StepEngine::Abandon(uint32_t b) {
   BucketLifecycle& bucket = buckets_[b];
-  ForgetSpeculated(b);
+  pushes_.ForgetSpeculated(b);
   if (bucket.plan != nullptr) {
     bucket.upload_dirty = false;  // set again below where the upload region holds what it wrote
     bucket.Forget(!layout_.buckets[b].uploads_from_master());
@@ -311,7 +315,7 @@ void StepEngine::Handle(RankChannel& channel, const shm::Message& message) {
   switch (message.kind) {
     case shm::MessageKind::kGradReady: return OnGradReady(channel, message);
     case shm::MessageKind::kLoadState: return OnLoadState(channel, message);
-    case shm::MessageKind::kWeightsWanted: return OnWeightsWanted(ranks_[channel.rank], message);
+    case shm::MessageKind::kWeightsWanted: return pushes_.OnWeightsWanted(ranks_[channel.rank], message);
     case shm::MessageKind::kStepTerms: return OnStepTerms(channel, message);
     case shm::MessageKind::kMoreMicro: return OnMoreMicro(channel, message);
     case shm::MessageKind::kDiscard: return OnDiscard(channel, message);
@@ -575,11 +579,8 @@ void StepEngine::OnSpeculated(uint32_t b, double sum_of_squares, bool nonfinite)
   if (progress.plan->with_norm) gate.AddNorm(b, sum_of_squares, nonfinite, progress.plan->multiplier);
   if (!gate.HasNorm(b) && gate.NormsNeeded()) return StartNorm(b);  // its gradients are still there
   MaybeDecide(step);
-  if (buckets_[b].step != step || buckets_[b].phase != Phase::kAwaitingDecision)
-    return;                             // decided: committed or redone
-  for (const auto& channel : ranks_) {  // its weights reach the GPUs while the step waits for its decision
-    if (channel && channel->transfer != nullptr) MaybePush(channel, b);
-  }
+  const bool decided = buckets_[b].step != step || buckets_[b].phase != Phase::kAwaitingDecision;  // committed, redone
+  if (!decided) pushes_.PushWritten(b);  // its weights reach the GPUs while the step waits for its decision
 }
 
 void StepEngine::StartMissingNorms(uint64_t step) {
@@ -650,7 +651,7 @@ void StepEngine::Settle(uint32_t b, const StepDecision& decision) {
 }
 
 void StepEngine::TakeBack(uint32_t b) {
-  ForgetSpeculated(b);
+  pushes_.ForgetSpeculated(b);
   buckets_[b].Forget(!layout_.buckets[b].uploads_from_master());
 }
 
@@ -697,7 +698,7 @@ void StepEngine::StartUpdate(uint32_t b, float multiplier, Pass pass) {
   progress.Begin(pass);
   if (progress.pushes > 0 || progress.step > completed_ + 1) return progress.HoldBack(multiplier, pass);
   progress.pending.reset();
-  if (pass == Pass::kRedo) ForgetSpeculated(b);  // no push reads the half now (pushes hold updates back)
+  if (pass == Pass::kRedo) pushes_.ForgetSpeculated(b);  // no push reads the half now (pushes hold updates back)
   progress.updating = true;
   progress.update_started = std::chrono::steady_clock::now();
   if (pass != Pass::kRedo) {
@@ -765,11 +766,7 @@ uint64_t StepEngine::PieceBytes(uint32_t b) const {
 void StepEngine::OnPieceWritten(uint32_t b, uint32_t k) {
   RunningUpdate& update = *buckets_[b].update;
   const RunningUpdate::PieceEnd end = update.MarkWritten(k);
-  if (update.pieces.size() > 1) {
-    for (const auto& channel : ranks_) {
-      if (channel && channel->transfer != nullptr) MaybePush(channel, b);
-    }
-  }
+  if (update.pieces.size() > 1) pushes_.PushWritten(b);
   if (end == RunningUpdate::PieceEnd::kRunning) return;
   if (end == RunningUpdate::PieceEnd::kWaitsForGradients) {
     Discarded(b);  // waits for gradients, unless its rank is gone
@@ -831,7 +828,7 @@ void StepEngine::CommitBucket(uint32_t b, uint64_t step, uint32_t half) {
   updates_++;
   const uint64_t completed_before = completed_;
   AdvanceCompleted();  // before the last PARAMS_READY: a client may read it then
-  PublishWeights(b, step);
+  pushes_.Publish(b, step);
   const std::chrono::duration<double> took = std::chrono::steady_clock::now() - progress.update_started;
   NotifyCommit(Commit{.bucket = b,
                       .step = step,
@@ -869,7 +866,7 @@ void StepEngine::SkipReplayedStep(uint32_t b) {
   const uint64_t step = progress.step;
   progress.step = step + 1;
   RestartBucket(b);
-  PublishWeights(b, step);
+  pushes_.Publish(b, step);
 }
 
 uint64_t StepEngine::CompletedStep() const {
@@ -991,131 +988,13 @@ void StepEngine::OnLoadState(RankChannel& channel, const shm::Message& message) 
       state_.header->completed_step.store(step);
       state_.header->initialized = 1;
       loading_ = false;
-      loaded_by_ = loader;
-      loaded_step_ = step;
-      for (const auto& channel : ranks_) {  // the GPUs' copies of the weights are stale now...
-        // ...except the loader's, if it said its GPU holds what it loaded
-        if (channel) channel->Reloaded(channel->rank, loader, step);
-      }
-      for (uint32_t bucket = buckets_.size(); bucket-- > 0;) PublishWeights(bucket, step);
+      pushes_.Loaded(loader, step);
       for (uint32_t bucket = 0; bucket < buckets_.size(); ++bucket) {
         NotifyCommit(
             Commit{.bucket = bucket, .step = step, .step_completed = bucket + 1 == buckets_.size(), .loaded = true});
       }
     });
   }
-}
-
-void StepEngine::PublishWeights(uint32_t b, uint64_t step) {
-  for (const auto& channel : ranks_) {
-    if (!channel || channel->failed) continue;
-    if (channel->transfer != nullptr) {
-      MaybePush(channel, b);
-    } else {
-      ranks_.PostTo(*channel, shm::Message{.kind = shm::MessageKind::kParamsReady, .bucket = b, .step = step});
-    }
-  }
-}
-
-// optimizer.step() was called for message.step: from now on that step's weights may overwrite the
-// rank's parameters, after (on the GPU) the kernels it queued before.
-void StepEngine::OnWeightsWanted(const std::shared_ptr<RankChannel>& channel, const shm::Message& message) {
-  CheckWeightsWanted(channel->transfer != nullptr,
-                     channel->transfer != nullptr ? channel->transfer->weights_wanted_events() : 0, channel->rank,
-                     message);
-  mailbox_.Begin();
-  channel->transfer->AwaitWeightsWanted(message.slot, [this, channel](std::optional<Error> error) {
-    mailbox_.Continue([this, channel, error = std::move(error)] {
-      if (!ranks_.Attached(channel)) return;
-      if (error)
-        return ranks_.FailRank(*channel,
-                               fmt::format("waiting for the rank's optimizer.step() failed: {}", error->what()));
-      channel->view.header->weights_wanted_waits.fetch_add(1);
-    });
-  });
-  channel->weights_wanted = static_cast<int64_t>(message.step);
-  if (trace_) trace_->Mark(SpanKind::kWeightsWanted, 0, message.step, channel->rank);
-  if ((message.flags & shm::kWeightsOnGpu) != 0) {
-    channel->claims_on_gpu = static_cast<int64_t>(message.step);
-    // The load it follows may have completed already; if it is still running, its end checks the claim.
-    if (!loading_ && loaded_by_ == static_cast<int64_t>(channel->rank) && loaded_step_ == message.step) {
-      channel->on_gpu = static_cast<int64_t>(message.step);
-    }
-  }
-  for (uint32_t b = buckets_.size(); b-- > 0;) MaybePush(channel, b);  // the first layers first
-}
-
-// Pushes bucket b's weights to a cuda-ipc rank if it wants them and they are final and not there yet;
-// a speculated bucket's weights before they are final (NextPush).
-void StepEngine::MaybePush(const std::shared_ptr<RankChannel>& channel, uint32_t b) {
-  const BucketLifecycle& bucket = buckets_[b];
-  if (channel->failed || loading_ || state_.header->initialized == 0) return;
-  const auto committed = static_cast<int64_t>(state_.bucket_state[b].Load().step);
-  const std::optional<uint64_t> offset = channel->transfer->ParamsOffset(b);
-  const PushOrder order = NextPush(*channel, b, bucket, committed, offset, layout_.buckets[b].bytes());
-  switch (order.kind) {
-    case PushOrder::Kind::kNone: return;
-    case PushOrder::Kind::kReady:
-      channel->pushed[b] = order.step;
-      return ranks_.PostTo(
-          *channel,
-          shm::Message{.kind = shm::MessageKind::kParamsReady, .bucket = b, .step = static_cast<uint64_t>(order.step)});
-    case PushOrder::Kind::kCommitted:
-      return Push(channel, b, order.step, *offset, WeightsIn(layout_, state_, b, state_.Committed(b)), order.begin,
-                  order.end, /*written=*/false);
-    case PushOrder::Kind::kWritten:
-      channel->streamed[b] = bucket.update->written;
-      return Push(channel, b, order.step, *offset, WeightsIn(layout_, state_, b, state_.halves[bucket.plan->to]),
-                  order.begin, order.end, /*written=*/true);
-  }
-}
-
-void StepEngine::ForgetSpeculated(uint32_t b) {
-  for (const auto& channel : ranks_) {
-    if (channel) channel->ForgetSpeculated(b);
-  }
-}
-
-void StepEngine::Push(const std::shared_ptr<RankChannel>& channel, uint32_t b, int64_t step, uint64_t offset,
-                      const std::byte* source, uint64_t begin, uint64_t end, bool written) {
-  ++channel->pushing[b];
-  ++buckets_[b].pushes;
-  mailbox_.Begin();
-  const uint64_t generation = channel->push_generation;
-  const bool last = end == layout_.buckets[b].bytes();
-  const int64_t pushing = trace_ ? StepTrace::Now() : 0;
-  channel->transfer->PushWeights(
-      offset + begin, source + begin, end - begin,
-      [this, channel, b, step, generation, written, last, pushing, bytes = end - begin](std::optional<Error> error) {
-        if (trace_) {
-          trace_->Record({SpanKind::kPush, b, static_cast<uint64_t>(step), bytes, pushing, StepTrace::Now()});
-        }
-        mailbox_.Continue([this, channel, b, step, generation, written, last, error = std::move(error)] {
-          OnPushed(channel, b, static_cast<uint64_t>(step), generation, written, last, error);
-        });
-      });
-}
-
-void StepEngine::OnPushed(const std::shared_ptr<RankChannel>& channel, uint32_t b, uint64_t step, uint64_t generation,
-                          bool written, bool last, const std::optional<Error>& error) {
-  // Written weights still awaiting the norm or the update's end, or committed as they are (a redo waits
-  // for this push, an abandoned step leaves the bucket collecting it again).
-  const bool holds = (buckets_[b].Writing() && buckets_[b].step == step) || state_.bucket_state[b].Load().step == step;
-  const bool current = PushEnded(*channel, b, step, generation, written, last, !error, holds);
-  BucketLifecycle& progress = buckets_[b];
-  if (--progress.pushes == 0) {
-    if (progress.pending) StartPendingUpdates();
-    RunResumes();
-  }
-  if (!ranks_.Attached(channel)) return;
-  if (error)
-    return ranks_.FailRank(*channel,
-                           fmt::format("copying bucket {}'s weights to the GPU failed: {}", b, error->what()));
-  if (current && !written) {
-    channel->pushed[b] = static_cast<int64_t>(step);
-    ranks_.PostTo(*channel, shm::Message{.kind = shm::MessageKind::kParamsReady, .bucket = b, .step = step});
-  }
-  MaybePush(channel, b);
 }
 
 }  // namespace trainstream::daemon

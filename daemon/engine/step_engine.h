@@ -2,9 +2,10 @@
 // the engine thread, one BucketLifecycle per bucket and the concern objects, tells each of the events
 // that concern it and acts on what it decides: which messages are allowed (ring_checks.h), what becomes
 // of a bucket (bucket_lifecycle.h), clipping and speculation (step_gates.h), accumulation
-// (micro_batches.h), a cuda-ipc rank's copies (gpu_copies.h), resume (resume_plan.h), an update's plan
-// and pieces (bucket_update.h), one block of a pass (pass_work.h), the ranks (rank_table.h) and what
-// comes back from the workers (engine_mailbox.h). None of them calls back into the engine.
+// (micro_batches.h), a cuda-ipc rank's copies (gpu_copies.h) and the pushes that carry them out
+// (weight_pushes.h), resume (resume_plan.h), an update's plan and pieces (bucket_update.h), one block of
+// a pass (pass_work.h), the ranks (rank_table.h) and what comes back from the workers (engine_mailbox.h).
+// None of them calls back into the engine but WeightPushes, which says when no push reads a bucket.
 //
 // One engine thread per job waits on the job's doorbell, drains every attached rank's request ring,
 // validates each message, and tracks per bucket which ranks have delivered which micro-batch. When all
@@ -74,6 +75,7 @@
 #include "daemon/engine/rank_table.h"
 #include "daemon/engine/step_gates.h"
 #include "daemon/engine/step_trace.h"
+#include "daemon/engine/weight_pushes.h"
 #include "daemon/engine/worker_pool.h"
 #include "shm/job_layout.h"
 
@@ -169,10 +171,6 @@ class StepEngine {
   // only in messages and continuations, which run holding the rank table's mutex.
   [[nodiscard]] bool PastTheSeed() const { return state_.header->initialized != 0 || loading_; }
   void OnLoadState(RankChannel& channel, const shm::Message& message);
-  void OnWeightsWanted(const std::shared_ptr<RankChannel>& channel, const shm::Message& message);
-  // The weights of `bucket` after `step` are final: PARAMS_READY, after a push for cuda-ipc ranks.
-  void PublishWeights(uint32_t bucket, uint64_t step);
-  void MaybePush(const std::shared_ptr<RankChannel>& channel, uint32_t bucket);
   // The bytes of the pieces an update of the bucket splits into: the smallest staging slot of the
   // cuda-ipc ranks (SplitIntoPieces), or the bucket's size without such ranks.
   [[nodiscard]] uint64_t PieceBytes(uint32_t bucket) const;
@@ -182,16 +180,6 @@ class StepEngine {
   // One rank, two state halves, the step's last micro-batch, no norm to wait for: the bucket's update
   // may start with its first piece of gradients (the others follow while it runs).
   [[nodiscard]] bool StreamsGradients(uint32_t bucket);
-  // The GPUs' copies of the bucket's speculated weights are void (redone, abandoned).
-  void ForgetSpeculated(uint32_t bucket);
-  // Copies bytes [begin, end) of the bucket's weights of `step` (the bucket's in `source`) to the rank's
-  // GPU, at its parameter buffer's `offset` plus `begin`; `written`: not committed yet.
-  void Push(const std::shared_ptr<RankChannel>& channel, uint32_t bucket, int64_t step, uint64_t offset,
-            const std::byte* source, uint64_t begin, uint64_t end, bool written);
-  // `last`: the push held the bucket's end, so the GPU holds all of it once this push is done (pushes
-  // of a rank complete in submission order).
-  void OnPushed(const std::shared_ptr<RankChannel>& channel, uint32_t bucket, uint64_t step, uint64_t generation,
-                bool written, bool last, const std::optional<Error>& error);
   void OnBucketDelivered(uint32_t bucket);
   void OnStepTerms(RankChannel& channel, const shm::Message& message);
   void OnMoreMicro(RankChannel& channel, const shm::Message& message);
@@ -286,10 +274,9 @@ class StepEngine {
   bool adopted_;                                        // until the first Resume
   uint64_t completed_ = 0;                              // CompletedStep(), as the header has it
   bool loading_ = false;
-  int64_t loaded_by_ = -1;  // the rank whose LOAD_STATE was the last one to complete
-  uint64_t loaded_step_ = 0;
 
   EngineMailbox mailbox_;  // continuations from worker threads, and the work in flight
+  WeightPushes pushes_;
 
   std::atomic<uint64_t> updates_{0};
   std::atomic<uint64_t> nonfinite_steps_{0};
