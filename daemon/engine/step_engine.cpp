@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cmath>
 #include <future>
-#include <latch>
 #include <limits>
 #include <utility>
 
@@ -35,7 +34,6 @@ StepEngine::StepEngine(std::string job_name, const shm::LayoutSpec& spec, const 
       state_(state),
       passes_(layout_, state_, spec_.moment_dtype),
       seed_(seed),
-      pool_(pool),
       peers_(peers),
       on_commit_(std::move(on_commit)),
       trace_(std::move(trace)),
@@ -46,6 +44,7 @@ StepEngine::StepEngine(std::string job_name, const shm::LayoutSpec& spec, const 
       micro_(spec.accumulation_steps, state.accum, layout.total_elems),
       adopted_(adopted),
       mailbox_(state.header->doorbell),
+      scheduler_(layout_, pool, mailbox_),
       pushes_(layout_, state_, buckets_, ranks_, mailbox_, trace_.get(), loading_, [this](uint32_t b) {
         if (buckets_[b].pending) StartPendingUpdates();
         RunResumes();
@@ -182,7 +181,7 @@ void StepEngine::ResumeNow(std::function<void(uint64_t)> reply) {
 // Bucket b's upload region from its committed master weights, on the pool; then `done`.
 void StepEngine::UploadCommitted(uint32_t b, std::function<void()> done) {
   buckets_[b].Begin(Pass::kUpload);
-  Schedule(
+  scheduler_.Schedule(
       b, 0, [](uint32_t) { return true; }, UploadWork(&passes_, &state_.Committed(b)), std::move(done));
 }
 
@@ -428,37 +427,8 @@ Sources StepEngine::GradientSlots() {
   return spec_.nodes() > 1 ? Sources() : ranks_.all();
 }
 
-template <typename Work, typename Include>
-void StepEngine::Schedule(uint32_t bucket, int64_t priority, Include include, Work work, std::function<void()> done) {
-  const auto blocks = BlocksOf(layout_, bucket, include);
-  ScheduleBlocks(blocks, 0, blocks->size(), priority, std::move(work), std::move(done));
-}
-
-template <typename Work>
-void StepEngine::ScheduleBlocks(const std::shared_ptr<std::vector<Block>>& blocks, size_t begin, size_t end,
-                                int64_t priority, Work work, std::function<void()> done) {
-  WorkerPool::Home home = HomesOf(layout_, pool_.nodes(), blocks);
-  if (home) home = [home = std::move(home), begin](size_t i) { return home(begin + i); };
-  mailbox_.Begin();
-  pool_.Submit(
-      end - begin, [blocks, begin, work = std::move(work)](size_t i) { work(begin + i, (*blocks)[begin + i]); },
-      [this, done = std::move(done)] { mailbox_.Continue(done); }, priority, home);
-}
-
 void StepEngine::PlaceState() {
-  std::call_once(placed_, [this] { TouchState(); });
-}
-
-void StepEngine::TouchState() {
-  if (pool_.nodes() == 1) return;
-  std::latch touched(static_cast<std::ptrdiff_t>(layout_.buckets.size()));
-  for (uint32_t b = 0; b < layout_.buckets.size(); ++b) {
-    auto blocks = BlocksOf(layout_, b, [](uint32_t) { return true; });
-    pool_.Submit(
-        blocks->size(), [passes = &passes_, blocks](size_t i) { passes->Touch((*blocks)[i]); },
-        [&touched] { touched.count_down(); }, /*priority=*/0, HomesOf(layout_, pool_.nodes(), blocks));
-  }
-  touched.wait();
+  std::call_once(placed_, [this] { scheduler_.Touch(passes_); });
 }
 
 void StepEngine::StartAccumulate(uint32_t b) {
@@ -529,7 +499,7 @@ void StepEngine::AccumulateSlots(uint32_t b, std::function<void()> then) {
     accumulator_bytes_ = micro_.own_bytes();
   }
   buckets_[b].accumulated = true;
-  Schedule(
+  scheduler_.Schedule(
       b, 0, [](uint32_t) { return true; },
       Traced(trace_.get(), SpanKind::kAccumulateBlock, b, buckets_[b].step,
              AccumulateWork(&passes_, accum, overwrite, SnapshotSources())),
@@ -552,10 +522,10 @@ void StepEngine::StartNorm(uint32_t b) {
   const float scale = 1.0f / static_cast<float>(spec_.world_size * spec_.nodes());
   auto include = [this](uint32_t p) { return had_grad_[p] != 0; };
   auto results = std::make_shared<PassResults>(BlocksOf(layout_, b, include)->size());
-  Schedule(b, 0, include,
-           Traced(trace_.get(), SpanKind::kNormBlock, b, progress.step,
-                  NormWork(&passes_, scale, AccumulatorOf(b), FinalSlots(b), results)),
-           [this, b, results] { OnNormed(b, Total(results->partial), results->nonfinite.load()); });
+  scheduler_.Schedule(b, 0, include,
+                      Traced(trace_.get(), SpanKind::kNormBlock, b, progress.step,
+                             NormWork(&passes_, scale, AccumulatorOf(b), FinalSlots(b), results)),
+                      [this, b, results] { OnNormed(b, Total(results->partial), results->nonfinite.load()); });
 }
 
 void StepEngine::OnNormed(uint32_t b, double sum_of_squares, bool nonfinite) {
@@ -744,10 +714,10 @@ void StepEngine::ScheduleReadyPieces(uint32_t b) {
   RunningUpdate& update = *bucket.update;
   const auto [first, end] = update.TakeReady(bucket.GradientBytesIn(layout_.buckets[b].bytes()));
   for (uint32_t k = first; k < end; ++k) {
-    ScheduleBlocks(update.blocks, update.FirstBlock(k), update.pieces[k].first, static_cast<int64_t>(b), update.work,
-                   [this, b, k, running = bucket.update] {
-                     if (buckets_[b].update == running) OnPieceWritten(b, k);
-                   });
+    scheduler_.ScheduleBlocks(update.blocks, update.FirstBlock(k), update.pieces[k].first, static_cast<int64_t>(b),
+                              update.work, [this, b, k, running = bucket.update] {
+                                if (buckets_[b].update == running) OnPieceWritten(b, k);
+                              });
   }
 }
 

@@ -71,6 +71,7 @@
 #include "daemon/engine/engine_mailbox.h"
 #include "daemon/engine/gpu_copies.h"
 #include "daemon/engine/micro_batches.h"
+#include "daemon/engine/pass_scheduler.h"
 #include "daemon/engine/rank_channel.h"
 #include "daemon/engine/rank_table.h"
 #include "daemon/engine/step_gates.h"
@@ -240,15 +241,6 @@ class StepEngine {
   void ResetCollecting(const std::string& reason);
   const shm::HParams* HParamsFor(uint64_t step);
   Sources SnapshotSources();
-  void TouchState();
-  // Runs `work` on the pool for every block of `bucket`'s params selected by `include`; `done` runs on
-  // the engine thread afterwards.
-  template <typename Work, typename Include>
-  void Schedule(uint32_t bucket, int64_t priority, Include include, Work work, std::function<void()> done);
-  // Runs `work(i, blocks[i])` on the pool for i in [begin, end); `done` runs on the engine thread afterwards.
-  template <typename Work>
-  void ScheduleBlocks(const std::shared_ptr<std::vector<Block>>& blocks, size_t begin, size_t end, int64_t priority,
-                      Work work, std::function<void()> done);
   void UploadCommitted(uint32_t bucket, std::function<void()> done);
 
   const std::string job_name_;
@@ -257,7 +249,6 @@ class StepEngine {
   const shm::StateView state_;
   const BucketPasses passes_;  // over layout_ and state_
   const uint64_t seed_;
-  WorkerPool& pool_;
   AllReduce* const peers_;
   const CommitObserver on_commit_;
   const std::unique_ptr<StepTrace> trace_;  // nullptr: not tracing; written once the engine has stopped
@@ -276,6 +267,7 @@ class StepEngine {
   bool loading_ = false;
 
   EngineMailbox mailbox_;  // continuations from worker threads, and the work in flight
+  PassScheduler scheduler_;
   WeightPushes pushes_;
 
   std::atomic<uint64_t> updates_{0};
