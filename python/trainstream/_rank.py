@@ -107,8 +107,8 @@ class Rank:
             optimizer=self.kind, accumulation_steps=accumulation_steps or 0, world_size=world_size,
             max_grad_norm=float(max_grad_norm or 0.0), peers=list(peers or []), node_rank=node_rank,
             state_halves=halves, speculative_clipping=speculation, step_terms=True)
-        self.session = client._native.attach(job, rank, spec, seed, transport_name(device), describe_device(device),
-                                             wait_timeout_s=wait_timeout)
+        self.session = client.attach(job, rank, spec, seed, transport_name(device), describe_device(device),
+                                     wait_timeout_s=wait_timeout)
         self.resume_step = self.session.resume_step  # the optimizer steps the job had completed
         moments = torch.float32 if moment_dtype == "float32" else torch.bfloat16
         self.regions = Regions(self.session, self.params, dtypes, moments, [p for _, p in frozen])

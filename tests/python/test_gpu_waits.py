@@ -24,7 +24,7 @@ LAYOUT = [("w", [4, 4], 0, 0), ("b", [4], 0, 0)]  # one bucket
 
 
 def attach(client, job, wait_timeout_s=None):
-    session = client._native.attach(job, 0, raw_spec(LAYOUT), 7, transport="host", wait_timeout_s=wait_timeout_s)
+    session = client.attach(job, 0, raw_spec(LAYOUT), 7, transport="host", wait_timeout_s=wait_timeout_s)
     session.set_hparams(1, 0, 1e-3, 0.9, 0.999, 1e-8, 0.0)
     return session
 
