@@ -19,9 +19,9 @@ from trainstream._guards import StaleReadGuard
 _TIMED = (
     ("gradient hooks", None, "_on_grad"),
     ("bucket_done (in the gradient hooks)", "transport", "bucket_done"),
-    ("module pre-hooks", None, "_before_module"),
+    ("module pre-hooks", "reads", "before_module"),
     ("take_published (at the forward's start)", None, "take_published"),
-    ("refresh_read (in the guard's mode)", None, "refresh_read"),
+    ("refresh_read (in the guard's mode)", "reads", "refresh_read"),
     ("optimizer.step()", None, "step"),
 )
 _GUARD_CALLS = "torch functions in the guard's mode"

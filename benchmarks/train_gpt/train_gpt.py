@@ -272,8 +272,8 @@ def batches(args, device):
         yield tokens[:, :-1], tokens[:, 1:]
 
 
-# The blocking waits on the daemon a trainstream model counts: name -> (the attribute, on the rank or its
-# transport, the key of train_gpt's JSON).
+# The blocking waits on the daemon a trainstream model counts: name -> (the attribute, on the rank, its
+# WeightReads or its transport, the key of train_gpt's JSON).
 WAITS = {"weights": ("weights_wait_s", "weights_wait_ms"),  # forward: the host update behind
          "slots": ("slot_wait_s", "slot_wait_ms"),  # backward: a free staging slot, the gradient copies behind
          "gradient regions": ("region_wait_s", "region_wait_ms"),  # backward: a bucket's previous gradients consumed
@@ -292,7 +292,8 @@ def daemon_waits(model) -> dict[str, float]:
         rank = trainstream._wrap._rank_of(model)
     except trainstream.TrainstreamError:
         return dict.fromkeys(WAITS, 0.0)
-    return {name: getattr(rank, attribute, getattr(rank.transport, attribute, 0.0))
+    holders = (rank, rank.reads, rank.transport)
+    return {name: next((getattr(h, attribute) for h in holders if hasattr(h, attribute)), 0.0)
             for name, (attribute, _) in WAITS.items()}
 
 

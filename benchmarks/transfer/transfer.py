@@ -77,7 +77,7 @@ def worker(gpu: int, args, barrier, results) -> None:
 
     def wait_for_update():
         for b in range(len(rank.buckets)):
-            while rank.session.applied_step(b) < rank._bucket_step[b]:
+            while rank.session.applied_step(b) < rank.current_step:
                 time.sleep(1e-4)
 
     def trainstream_h2d():

@@ -168,6 +168,12 @@ class Client:
         """Removes a job of this user and its state from the daemon (root: of the user `uid`)."""
         self._native.drop_job(job, force, uid)
 
+    def attach(self, job: str, rank: int, spec: _C.LayoutSpec, seed: int, transport: str = "host",
+               device: str = "cpu", wait_timeout_s: float | None = None) -> _C.RankSession:
+        """Attaches rank `rank` of job `job` (made in the layout `spec` if new); the session it returns is
+        the rank's view of the job's shared memory and its line to the daemon (_rank.py)."""
+        return self._native.attach(job, rank, spec, seed, transport, device, wait_timeout_s=wait_timeout_s)
+
     def __repr__(self) -> str:
         kind = "private" if self.private_daemon else "shared"
         return f"trainstream.Client({self.socket_path!r}, {kind})"

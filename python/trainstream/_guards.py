@@ -7,8 +7,9 @@ ApplyGuard — `module.to()`, `.cuda()`, `.half()`, ... after wrap: a conversion
     parameters another dtype, device or storage goes to the rank's `relayout` (wrap's: the job is
     attached again in the new layout, its fp32 master weights and moments unchanged), or is refused.
 
-Both take the Rank (_rank.py) and use only its `model`, `params`, `needs_read_guard()`,
-`take_published()`, `take_all()`, `compiled_forward`, `refresh_read()`, `synchronize()` and `relayout`.
+Both take the Rank (_rank.py) and use only its `model`, `params`, `take_published()`, `take_all()`,
+`compiled_forward`, `synchronize()`, `relayout` and its WeightReads' `needs_read_guard()` and
+`refresh_read()` (_weight_reads.py).
 Invariants: a torch function of the model's forward never reads a stale wrapped parameter, nor a paged
 one whose block is not in its slot; a conversion that cannot be done is refused before anything changes.
 """
@@ -42,6 +43,7 @@ class StaleReadGuard(TorchFunctionMode):
     def __init__(self, rank):
         super().__init__()
         self.rank = rank
+        self.reads = rank.reads
         self.depth = 0  # nested forwards of the model; entered at the outermost one
         self.entered = False
         # Closures, not bound methods: copy.deepcopy(model) copies bound methods with their object.
@@ -53,8 +55,8 @@ class StaleReadGuard(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.rank.needs_read_guard():
-            self.rank.refresh_read(args, kwargs)
+        if self.reads.needs_read_guard():
+            self.reads.refresh_read(args, kwargs)
         return func(*args, **kwargs)
 
     def _forward_starts(self) -> None:
@@ -65,7 +67,7 @@ class StaleReadGuard(TorchFunctionMode):
         self.depth += 1
         if self.depth == 1:
             self.rank.take_published()
-            if self.rank.needs_read_guard():
+            if self.reads.needs_read_guard():
                 self.__enter__()
                 self.entered = True
 
@@ -91,7 +93,7 @@ class StaleReadGuard(TorchFunctionMode):
         """After that refresh: back into the mode while something is still stale; otherwise the forward
         runs on without it."""
         if paused:
-            if self.rank.needs_read_guard():
+            if self.reads.needs_read_guard():
                 self.__enter__()
             else:
                 self.entered = False

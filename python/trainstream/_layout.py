@@ -82,6 +82,13 @@ def parameters_of(optimizer: torch.optim.Optimizer, paged: set[int] = frozenset(
     return params
 
 
+def param_name(model: torch.nn.Module, params: list[torch.nn.Parameter], i: int) -> str:
+    """How errors name parameter i of `params`: its name in `model` (else its index), quoted."""
+    p = params[i]
+    name = next((n for n, q in model.named_parameters() if q is p), f"{i}")
+    return f"'{name}'"
+
+
 def layout_entries(model: torch.nn.Module, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
                    dtypes: list[torch.dtype], partition: dict[int, int] | None = None) -> list[ParamSpec]:
     """The job's ParamSpec of each parameter (name, shape, dtype code, group, partition); `dtypes` are

@@ -27,12 +27,12 @@ _BACKEND_FLAGS = ("fused", "foreach")  # kept from the stock optimizer's groups 
 
 
 class OffloadedOptimizer(torch.optim.Optimizer):
-    def __init__(self, inner: torch.optim.Optimizer, rank):
+    def __init__(self, inner: torch.optim.Optimizer, rank, dp=None):
         # Not Optimizer.__init__: the groups already exist and must stay the very same objects.
         self.defaults = inner.defaults
         self.param_groups = inner.param_groups
         self.state = {}
-        self._inner_type = type(inner)
+        self.inner_type = type(inner)  # AdamW or Adam: the stock optimizer's class once the state leaves the daemon
         # An LR scheduler made before wrap() checks that this optimizer stepped: torch marks the one it patched.
         self._scheduled = weakref.ref(inner)
         self._rank = rank                            # the daemon's job while offloaded, else None
@@ -40,7 +40,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._stock: StockOptimizer | None = None    # the torch optimizer once the state left the daemon
         # The torch.distributed group whose ranks train this job together (TrainStream 0.2's attribute), or
         # None: one process, or ranks placed without a group (torchrun's variables, explicit rank=).
-        self._dp = None
+        self._dp = dp
         self.after_step: list[Callable[[], None]] = []  # what wrap's automatic modes measure after a step
         self._optimizer_step_pre_hooks = OrderedDict()
         self._optimizer_step_post_hooks = OrderedDict()
@@ -53,7 +53,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         where = f"job={self._rank.job!r}" if self._rank is not None else f"in torch: {type(self.stock).__name__}"
-        return f"trainstream.OffloadedOptimizer({self._inner_type.__name__}, {where})"
+        return f"trainstream.OffloadedOptimizer({self.inner_type.__name__}, {where})"
 
     @property
     def offloaded(self) -> bool:

@@ -1,15 +1,17 @@
 """This process's rank of a job: the hooks and the step protocol (docs/architecture.md, "Step protocol"). The
-parameters' places in shared memory are _regions.py's, _transport.py moves the bytes, and
-_guards.py keeps the model's reads and conversions in line.
+parameters' places in shared memory are _regions.py's, _transport.py moves the bytes, _weight_reads.py
+brings the daemon's new weights in before the model reads them, and _guards.py keeps the model's reads
+and conversions in line.
 
 Per backward pass (a micro-batch): each parameter's gradient is copied into this rank's slot of its
 bucket as soon as autograd has accumulated it, and `p.grad` is freed; a bucket whose parameters are
 all in is sent (GRAD_READY) at once, the rest at the end of the backward pass. optimizer.step() sends
-the step's terms (how many backward passes it summed, the loss scale a GradScaler left) and records
-which step's weights each bucket must show; the forward pre-hook of a module waits for its buckets' new
-weights and copies them in, and a parameter the forward reads elsewhere (a parent using a child's weight
-directly) is refreshed when a torch function first gets it (StaleReadGuard); outside the forward, the
-parameters are watched (_watched.py: the Rank's Watch) and refreshed the same way.
+the step's terms (how many backward passes it summed, the loss scale a GradScaler left) and tells the
+Rank's WeightReads which step's weights are due: it takes them in before the model reads them (at the
+forward's start, in the modules' pre-hooks, at a torch function's first read of a stale parameter;
+outside the forward the parameters are watched, _watched.py: the Rank's Watch). At a forward's start
+and at optimizer.step() the Rank first takes the weights the user changed in place (WeightEdits),
+publishing them as the master weights, or refuses.
 
 Accumulation is counted, as p.grad sums backward passes in torch (`accumulation_steps="auto"`): each
 GRAD_READY says whether this rank expects the micro-batch to be the step's last (from the most backward
@@ -20,21 +22,19 @@ gradients (DISCARD). clip_grad_norm_ on the wrapped parameters (_clipping.py) an
 
 With weight paging (`paging`, a PagingPlan of paging/blocks.py), the paged blocks' weights stay in the job's host
 memory and a BlockPager (paging/pager.py) brings them to the GPU block by block: for their buckets the Rank
-only waits for PARAMS_READY, and the pager copies.
+only waits for PARAMS_READY, and the pager copies (through the WeightReads' gate).
 
 Invariants: a bucket's slot is written only after the daemon released it (SLOT_FREE / PARAMS_READY);
-a parameter is read by the model only after its bucket's weights of the last step are in place; a
-paged bucket's host copy is not read while the daemon may be updating it (after its last gradients
-of a step went out, before optimizer.step()).
+every bucket collects the gradients of the same step (current_step); a user's in-place edit of the
+weights is published, or refused, before a forward or a step uses it.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
-import warnings
 import weakref
-from typing import Iterable
 
 import torch
 
@@ -48,8 +48,9 @@ from trainstream._staged_copy import copy_to_host
 from trainstream._step_terms import StepTerms
 from trainstream._transport import Transport, describe_device, transport_for, transport_name
 from trainstream._watched import Watch, internal
+from trainstream._weight_reads import WeightReads, report_warnings
 from trainstream.paging.paged_weights import PagedWeights
-from trainstream.paging.pager import BlockPager, WeightGate
+from trainstream.paging.pager import BlockPager
 
 NOT_LAST, LAST, UNKNOWN = 0, 1, 2  # what a GRAD_READY says of its micro-batch (send_grad_ready's `last`)
 
@@ -97,7 +98,6 @@ class Rank:
         self.paged_as = paging.paged_as if paging else {}
         dtypes = [paging.job_dtype(p) if paging else p.dtype for p in self.params]
         self.timings: dict[str, float] = {}  # seconds each phase of wrap() took (benchmarks report them)
-        self.weights_wait_s = 0.0  # time the model waited for the daemon's new weights (benchmarks read it)
         self.region_wait_s = 0.0  # time backward waited for a bucket's gradient region to be released (ditto)
         started = time.perf_counter()
         spec = LayoutSpec(
@@ -107,8 +107,8 @@ class Rank:
             optimizer=self.kind, accumulation_steps=accumulation_steps or 0, world_size=world_size,
             max_grad_norm=float(max_grad_norm or 0.0), peers=list(peers or []), node_rank=node_rank,
             state_halves=halves, speculative_clipping=speculation, step_terms=True)
-        self.session = client._native.attach(job, rank, spec, seed, transport_name(device), describe_device(device),
-                                             wait_timeout_s=wait_timeout)
+        self.session = client.attach(job, rank, spec, seed, transport_name(device), describe_device(device),
+                                     wait_timeout_s=wait_timeout)
         self.resume_step = self.session.resume_step  # the optimizer steps the job had completed
         moments = torch.float32 if moment_dtype == "float32" else torch.bfloat16
         self.regions = Regions(self.session, self.params, dtypes, moments, [p for _, p in frozen])
@@ -117,10 +117,7 @@ class Rank:
         self.transport: Transport = transport_for(self.regions, self.session, device)
         started = self._timed("transport", started)
         self._bucket_step = [1] * len(self.buckets)  # the step each bucket is collecting
-        self._ready_step = [0] * len(self.buckets)   # the step whose weights the model must show
-        self.stale: set[int] = set()                 # buckets whose new weights are not yet copied in
         self._lock = threading.RLock()  # hooks may run on autograd threads
-        self._refreshing = None  # the thread whose refresh() runs (its own copies read stale parameters)
         self._micro = 0                 # micro-batches finished in this step
         self._step_pending = False      # all micro-batches in; optimizer.step() is due
         self._stepped = False           # optimizer.step() ran since the last backward
@@ -136,17 +133,22 @@ class Rank:
         self._zeroed = False  # zero_grad(set_to_none=True) since the last step: a step without backward does nothing
         self.grads = KeptGradients()  # the p.grad torch would keep: zero gradients to send
         self._zero_fill: set[int] = set()  # at the step's first backward pass: those it must send
-        self._loads = 0                     # state loads published (they change the weights at the same step)
         self._handles = []
         self.relayout = None  # wrap's: re-attaches the job around a conversion of the model (ApplyGuard)
-        self.paged: PagedWeights | None = None
         self.watch: Watch | None = None  # the parameters' watching (_watched.py), from _install_hooks on
         self.edits = WeightEdits(self.params, [i for i, p in enumerate(self.params) if id(p) not in paged])
+        self.param_index = {id(p): i for i, p in enumerate(self.params)}
+        # How errors name parameter i: not a bound method, which would make the WeightReads refer back to this
+        # Rank (a cycle: only a garbage collection would free the Rank and its transport's buffers).
+        self.param_name = functools.partial(_layout.param_name, model, self.params)
+        self.reads = WeightReads(self.session, self.regions, self.transport, self.edits, self._lock, self.param_index,
+                                 self.param_name)  # the forward's side: stale buckets, new weights taken in
         self._seed_weights(rank)
         started = self._timed("seed", started)
         if paging:
-            self.paged = PagedWeights(paging, self.regions, self.params, model, device, _WeightGate(self),
-                                      page_prefetch, page_pool_mb, self.transport.pins_job_regions)
+            gate = self.reads.gate(lambda: self._final_sent)
+            self.reads.paged = PagedWeights(paging, self.regions, self.params, model, device, gate, page_prefetch,
+                                            page_pool_mb, self.transport.pins_job_regions)
             started = self._timed("pager", started)
         self.synchronize()
         started = self._timed("first weights", started)
@@ -179,22 +181,24 @@ class Rank:
                     view.copy_(p.detach())
                     p.data = view
             s.send_load_state(0)
-            self._mark_all_stale(0, weights_on_gpu=True)
+            self._loaded(0, weights_on_gpu=True)
         elif s.initialized:
             # Every bucket resumes after the job's completed step (the daemon rolled back, or with one
             # state half skips, any bucket a step ahead): the trainer replays from there.
-            for b in range(len(self.buckets)):
-                self._bucket_step[b] = self.resume_step + 1
-                self._ready_step[b] = self.resume_step
-            self.stale = set(range(len(self.buckets)))
-            self.transport.step_done(max(self._ready_step, default=0))
+            self._bucket_step = [self.resume_step + 1] * len(self.buckets)
+            self.reads.due(self.resume_step)
         else:
-            self._mark_all_stale(0)
+            self._loaded(0)
+
+    @property
+    def paged(self) -> PagedWeights | None:
+        """The paged weights (weight paging), else None: the WeightReads' (its gate's pager reads them)."""
+        return self.reads.paged
 
     @property
     def pager(self) -> BlockPager | None:
         """The paged weights' pager (weight paging), else None."""
-        return self.paged.pager if self.paged is not None else None
+        return self.reads.pager
 
     def model_dtype(self, p: torch.nn.Parameter) -> torch.dtype:
         """The dtype parameter p has for the user (its state dicts' and optimizer state's), which a weight
@@ -209,44 +213,12 @@ class Rank:
         if self.paged is not None:
             self.paged.show_host_copies()
 
-    def _mark_all_stale(self, step: int, weights_on_gpu: bool = False) -> None:
-        """`weights_on_gpu`: this rank just loaded the master weights from its parameters."""
-        self.transport.step_done(step, weights_on_gpu)
-        for b in range(len(self.buckets)):
-            self._bucket_step[b] = step + 1
-            self._ready_step[b] = step
-        self.stale = set(range(len(self.buckets)))
-        self._loads += 1
-
-    def refresh(self, buckets: Iterable[int], on_gpu: bool = False) -> None:
-        """Makes the parameters of `buckets` show their latest weights (waits for the daemon); `on_gpu`:
-        to the kernels queued from now on the current stream, which may wait for them on the GPU
-        (the transport's wait_weights_on_gpu), while this thread goes on."""
-        self.session.check_healthy()  # a dead daemon is reported here even when nothing needs waiting for
-        with self._lock, internal():
-            self._refreshing = threading.get_ident()
-            try:
-                for b in buckets:
-                    if b not in self.stale:
-                        continue
-                    started = time.perf_counter()
-                    if not (on_gpu and self.transport.wait_weights_on_gpu(b, self._ready_step[b])):
-                        self.session.wait_params_ready(b, self._ready_step[b])
-                    self.weights_wait_s += time.perf_counter() - started
-                    if b not in self.regions.paged_buckets:  # the pager copies paged ones when it loads them
-                        params = self.regions.bucket_params[b]
-                        self._refuse_stale_edits(self.edits.edited(params))
-                        with torch.no_grad():
-                            for i in params:
-                                self.transport.weights_in(i)
-                        self.edits.note(params)
-                    self.stale.discard(b)
-                    if self.watch is not None:  # None while attaching
-                        self.watch.refreshed(b)
-                self.transport.weights_done()
-            finally:
-                self._refreshing = None
-        self._report_warnings()
+    def _loaded(self, step: int, weights_on_gpu: bool = False) -> None:
+        """The job's weights were loaded at `step` (seeded, published): the buckets collect the next step's
+        gradients and show these weights once taken in (WeightReads.loaded); `weights_on_gpu`: loaded from
+        this rank's parameters."""
+        self._bucket_step = [step + 1] * len(self.buckets)
+        self.reads.loaded(step, weights_on_gpu)
 
     def take_edits(self) -> None:
         """At a forward's start and at optimizer.step(): weights the user changed in place since trainstream
@@ -256,7 +228,7 @@ class Rank:
             edited = self.edits.edited()
         if not edited:
             return
-        self._refuse_stale_edits(edited)
+        self.reads.refuse_stale_edits(edited)
         if self.mid_step:
             self.edits.note(edited)  # refused: not kept, and not refused again
             raise TrainstreamError(
@@ -266,104 +238,21 @@ class Rank:
                 "optimizer.step() or before the step's first backward()")
         self.push_weights()
 
-    def _refuse_stale_edits(self, edited: list[int]) -> None:
-        """Of the parameters `edited` (WeightEdits.edited), one changed while it still showed the weights
-        before the last step (after optimizer.step(), before a forward or synchronize() took the new ones
-        in): the change cannot be applied to the new ones."""
-        stale = [i for i in edited if self.regions.bucket_of[i] in self.stale]
-        if stale:
-            self.edits.note(stale)  # refused: the new weights replace it, and it is not refused again
-            raise TrainstreamError(
-                f"parameter {self.param_name(stale[0])} was changed in place while it still showed the weights before "
-                "the last optimizer.step() (trainstream brings the new ones in at the next read), so the change is not "
-                "kept: call trainstream.synchronize(model) after optimizer.step(), then change the weights")
-
-    def param_name(self, i: int) -> str:
-        p = self.params[i]
-        name = next((n for n, q in self.model.named_parameters() if q is p), f"{i}")
-        return f"'{name}'"
-
     def take_published(self) -> None:
-        """At a forward's start, takes in what it can without waiting, so that the forward runs without
-        the StaleReadGuard's mode (about 1 us of Python per torch function) where nothing is left
-        stale: where the transport waits on the GPU, every stale bucket (its kernels wait for it, this
-        thread goes on), elsewhere the buckets published already. Not with paging (the guard is always
-        needed) nor where taking weights in early would delay the forward (the transport's
-        `weights_in_early`)."""
+        """At a forward's start: the user's edits, then the weights the daemon published already."""
         self.take_edits()
-        if not self.stale or self.pager is not None or not self.transport.weights_in_early:
-            return
-        if self.transport.waits_on_gpu:
-            # Nothing is lost by the first kernel waiting for every bucket: backward sends the first
-            # module's gradients last (a tied embedding's too), so its bucket is the last to be updated.
-            # The 124M GPT's forward ran 182 torch functions a step in the guard's mode before (one H100,
-            # 2026-12-05, benchmarks/results/train_gpt.md); queued module by module its step was no
-            # faster (41.6 against 40.7 ms, medians of 8 runs each on two H100s, 2026-12-06). Waits module
-            # by module pay only with the tied embedding's gradient in early: 2-3 ms of its 31-38 ms step
-            # in a probe that drops the lookup's gradient (train_gpt --probe-detached-lookup, 2026-12-06).
-            self.refresh(sorted(self.stale), on_gpu=True)
-            return
-        published = [b for b in sorted(self.stale) if self.session.params_ready(b, self._ready_step[b])]
-        if published:
-            self.refresh(published)
+        self.reads.take_published()
 
     def take_all(self) -> None:
-        """Before a compiled forward (_compile.py): every weight in place, waited for where it must be
-        (on the GPU where the transport can), the daemon's health checked."""
+        """Before a compiled forward (_compile.py): the daemon's health checked, the user's edits taken,
+        every weight in place."""
         self.session.check_healthy()
         self.take_edits()
-        if self.pager is not None:
-            raise TrainstreamError("torch.compile of a model whose weights page (param_offload): the pager loads "
-                                   "blocks from the forward's hooks, which Dynamo cannot trace; compile the blocks' "
-                                   "own modules instead, or train without compile")
-        if self.stale:
-            self.refresh(sorted(self.stale), on_gpu=True)
-
-    def _before_module(self, buckets: tuple[int, ...], guard: StaleReadGuard) -> None:
-        """A module's forward pre-hook: its buckets' weights in place, outside the guard's mode, which
-        the forward leaves for good once nothing is stale. Outside that mode, where none of them is stale
-        (every module of a forward whose start took every weight in), only the daemon's health is
-        checked. Traced by Dynamo (a compiled forward), nothing: the forward's start took every weight in."""
-        if torch.compiler.is_compiling():
-            return
-        if not guard.entered and self.stale.isdisjoint(buckets):
-            self.session.check_healthy()
-            return
-        paused = guard.pause()
-        try:
-            self.refresh(buckets, on_gpu=True)
-        finally:
-            guard.resume(paused)
-
-    def refresh_read(self, args: tuple, kwargs: dict) -> None:
-        """Refreshes the stale buckets of the wrapped parameters among a torch function's arguments
-        (and in lists and tuples among them, as torch.cat's), unless this thread's refresh is running already."""
-        if self._refreshing == threading.get_ident():  # another thread's read waits for that refresh
-            return
-        buckets, blocks, bucket_of = set(), set(), self.regions.bucket_of
-        paged = self.paged.block_of if self.paged is not None else {}
-        for a in (*args, *kwargs.values()):
-            for t in a if isinstance(a, (list, tuple)) else (a,):
-                k = paged.get(id(t))
-                if k is not None:
-                    blocks.add(k)
-                    continue
-                i = self.param_index.get(id(t))
-                if i is not None and bucket_of[i] in self.stale:
-                    buckets.add(bucket_of[i])
-        if buckets:
-            self.refresh(sorted(buckets))
-        for k in sorted(blocks):  # a paged weight read outside its block's forward
-            self.pager.use(k)
-
-    def needs_read_guard(self) -> bool:
-        """Whether a forward may read a weight that is not in place: a stale bucket, or any paged block."""
-        return bool(self.stale) or self.pager is not None
+        self.reads.take_all()
 
     def synchronize(self) -> None:
-        self.refresh(sorted(self.stale, reverse=True))
-        if self.pager is not None:
-            self.pager.refresh_loaded()
+        """Every parameter shows the latest weights (waits for the daemon's)."""
+        self.reads.synchronize()
 
     def push_weights(self) -> None:
         """Publishes the parameters' current values as the master weights (after model.load_state_dict)."""
@@ -380,7 +269,7 @@ class Rank:
     def publish(self) -> None:
         step = self.session.completed_step
         self.session.send_load_state(step)
-        self._mark_all_stale(step, weights_on_gpu=True)
+        self._loaded(step, weights_on_gpu=True)
         self.synchronize()
 
     def require_idle(self, what: str) -> None:
@@ -393,9 +282,9 @@ class Rank:
     def _install_hooks(self) -> None:
         for i, p in enumerate(self.params):
             self._handles.append(p.register_post_accumulate_grad_hook(lambda param, i=i: self._on_grad(i, param)))
-        self.param_index = index = {id(p): i for i, p in enumerate(self.params)}
+        index = self.param_index
         paged = self.paging.paged_ids if self.paging else set()
-        self.watch = Watch(self, {i: p for i, p in enumerate(self.params) if id(p) not in paged})
+        self.watch = self.reads.watch = Watch(self, {i: p for i, p in enumerate(self.params) if id(p) not in paged})
         self._handles += self.watch.handles
         guard = StaleReadGuard(self)  # kept by the handles only: it refers back to this Rank
         for module in self.model.modules():
@@ -403,7 +292,7 @@ class Rank:
             buckets = tuple(sorted({self.regions.bucket_of[i] for i in own}))
             if buckets:
                 self._handles.append(module.register_forward_pre_hook(
-                    lambda m, args, b=buckets: self._before_module(b, guard)))
+                    lambda m, args, b=buckets: self.reads.before_module(b, guard)))
         self._handles.append(self.model.register_state_dict_pre_hook(lambda *args, **kwargs: self.synchronize()))
         if self.pager is not None:
             self._handles.append(self.model.register_state_dict_post_hook(
@@ -558,10 +447,7 @@ class Rank:
             step = self.current_step
             self.terms.commit(step, self._micro)
             self._most_micros = max(self._most_micros, self._micro)
-            for b in range(len(self.buckets)):
-                self._ready_step[b] = self._bucket_step[b]
-                self._bucket_step[b] += 1
-            self.stale = set(range(len(self.buckets)))
+            self._bucket_step = [step + 1] * len(self.buckets)
             self._micro = 0
             self._step_pending = False
             self._final_sent.clear()
@@ -569,8 +455,8 @@ class Rank:
             self._zeroed = False
             self.watch.awaiting_backward = False
             self.grads.stepped()
-            self.transport.step_done(max(self._ready_step, default=0))
-        self._report_warnings()
+            self.reads.due(step)  # the weights of the step the daemon now runs
+        report_warnings(self.session)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """zero_grad() between backward() and optimizer.step(): the step's gradients so far are dropped, as
@@ -608,10 +494,6 @@ class Rank:
         with self._lock:
             self.terms.unscale(inv_scale)
 
-    def _report_warnings(self) -> None:
-        for message in self.session.take_warnings():
-            warnings.warn(f"trainstreamd: {message}", RuntimeWarning, stacklevel=3)
-
     def close(self, drop: bool = False, device: torch.device | None = None) -> None:
         """Detaches. Paged parameters get their current weights from the job's host copy: on the CPU,
         or on `device`."""
@@ -621,9 +503,10 @@ class Rank:
         if self.paged is not None:
             self.paged.close(device)
             # The pager and its hooks go now, and with them the pool's GPU memory: the pager's gate
-            # refers back to this Rank, so while the Rank kept either, the pool lasted until a garbage
-            # collection found the cycle (the next test on the GPU machine found a 75 MB pool still allocated).
-            self.paged = None
+            # refers back to the WeightReads (and this Rank), so while they kept either, the pool lasted until
+            # a garbage collection found the cycle (the next test on the GPU machine found a 75 MB pool still
+            # allocated).
+            self.reads.paged = None
         self.transport.close()
         self.session.close()
         if drop:
@@ -631,31 +514,3 @@ class Rank:
                 self.client.drop_job(self.job)
             except TrainstreamError:
                 pass
-
-
-class _WeightGate(WeightGate):
-    """The pager's view of the step protocol: a paged block's host copy may be read once its buckets'
-    weights of the step the model must show are published, and not while the daemon may be updating
-    them."""
-
-    def __init__(self, rank: Rank):
-        self.rank = rank
-
-    def wait(self, buckets: tuple[int, ...]) -> None:
-        rank = self.rank
-        updating = sorted(set(buckets) & rank._final_sent)
-        if updating:
-            raise TrainstreamError(
-                f"a forward reads the weights of paged bucket(s) {updating} after their last gradients of the step "
-                "went out and before optimizer.step(): the daemon may be updating their host copy; call "
-                "optimizer.step() first")
-        rank.refresh(buckets)
-
-    def ready(self, buckets: tuple[int, ...]) -> bool:
-        rank = self.rank
-        return all(b not in rank.stale or rank.session.params_ready(b, rank._ready_step[b]) for b in buckets) \
-            and not set(buckets) & rank._final_sent
-
-    def generation(self, buckets: tuple[int, ...]) -> int:
-        rank = self.rank
-        return hash((rank._loads, *(rank._ready_step[b] for b in buckets)))

@@ -52,7 +52,7 @@ class Transport(Protocol):
     # in at a forward's start, every published bucket would hold the first layer back.
     weights_in_early: bool
     # Whether wait_weights_on_gpu can queue every wait without this thread waiting (cuda-ipc, its words
-    # mapped): the forward's start then queues them all (Rank.take_published).
+    # mapped): the forward's start then queues them all (WeightReads.take_published).
     waits_on_gpu: bool
     # Whether it page-locks the job's upload region and fp32 master weights itself (cuda-client-copy):
     # weight paging then page-locks only the frozen weights.

@@ -7,8 +7,9 @@ WeightEdits (_edits.py); `p.grad` is empty after backward (the gradients left fo
 read hook on a tensor, so while wrapped, each trained parameter that does not page is a `WatchedParameter`:
 the same object (same id, optimizer-state key and autograd leaf, still an nn.Parameter) with its
 `__class__` swapped, whose `__torch_function__`
-- refreshes the stale buckets (Rank.refresh_read) of the parameters a torch function gets, before it runs
-  (an EMA right after step(), a logged norm, a head's weight used outside its module, another thread);
+- refreshes the stale buckets (WeightReads.refresh_read, _weight_reads.py) of the parameters a torch
+  function gets, before it runs (an EMA right after step(), a logged norm, a head's weight used outside
+  its module, another thread);
 - returns `p.detach()` for `p.data` (which shares the version counter, so WeightEdits sees the edits a
   WGAN clamp or a pruning mask make through it), and copies `p.data = t` into `p` (another shape, dtype
   or device is refused);
@@ -125,8 +126,8 @@ def _refresh_read(args: tuple, kwargs: dict) -> None:
                 if rank is not None:
                     ranks[id(rank)] = rank
     for rank in ranks.values():
-        if rank.stale:
-            rank.refresh_read(args, kwargs)
+        if rank.reads.stale:
+            rank.reads.refresh_read(args, kwargs)
 
 
 def _grad(func, args: tuple):
@@ -156,7 +157,7 @@ def _data(func, args: tuple):
     rank = _rank_of(p)
     if rank is None or rank.watch.awaiting_backward:
         return func(*args)
-    rank.refresh_read((p,), {})
+    rank.reads.refresh_read((p,), {})
     if func.__name__ == "__get__":
         return p.detach()
     value = args[1]
@@ -218,7 +219,7 @@ class Watch:
         self.awaiting_backward = False
         if self.depth == 1:
             for b, params in enumerate(self.by_bucket):
-                if b not in rank.stale:
+                if b not in rank.reads.stale:
                     for p in params:
                         p.__class__ = _Parameter
 

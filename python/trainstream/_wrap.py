@@ -199,9 +199,8 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, client: Cl
     placed_s = time.perf_counter() - started  # placement, the daemon's start or connection, the group's agreement
     r = attach(paging=paging, device=device)
     r.timings = {"place and connect": placed_s, **r.timings}
-    wrapped = OffloadedOptimizer(optimizer, r)
-    if world_size * max(1, len(peers)) > 1 and _distributed.spans_group(2):
-        wrapped._dp = torch.distributed.group.WORLD
+    in_group = world_size * max(1, len(peers)) > 1 and _distributed.spans_group(2)
+    wrapped = OffloadedOptimizer(optimizer, r, dp=torch.distributed.group.WORLD if in_group else None)
     w = Wrapped(model, wrapped, attach, auto_named, world_size * max(1, len(peers)), max_grad_norm,
                 own_client=own_client)
     _wrapped[model] = w
@@ -398,7 +397,7 @@ def _leave_daemon(w: Wrapped, *, fused: bool | None, contract: bool, drop: bool,
         except TrainstreamError as e:  # another rank of the job may still be attached: the last one drops it
             log.debug("job %r not dropped: %s", job, e)
     optimizer.use_stock(StockOptimizer(
-        optimizer._inner_type, optimizer.param_groups, optimizer.defaults, state, fused=fused,
+        optimizer.inner_type, optimizer.param_groups, optimizer.defaults, state, fused=fused,
         max_grad_norm=w.max_grad_norm if contract else None, clear_grads=contract))
 
 

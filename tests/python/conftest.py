@@ -34,7 +34,7 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool
 
 def raw_spec(params: list[tuple], world_size: int = 1) -> trainstream._C.LayoutSpec:
     """A job of (name, shape, dtype code, group) parameters, one param group, 1 MiB buckets, for tests that
-    attach with client._native.attach: the daemon decides its state halves and speculation."""
+    attach with client.attach: the daemon decides its state halves and speculation."""
     return trainstream._C.LayoutSpec(params=[trainstream._C.ParamSpec(*p) for p in params], bucket_bytes=1 << 20,
                                      world_size=world_size, state_halves=0, speculative_clipping=2)
 

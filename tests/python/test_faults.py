@@ -118,7 +118,7 @@ LAYOUT = [("w", [4, 4], 0, 0), ("b", [4], 0, 0)]
 
 
 def attach(client, job="raw", rank=0, params=LAYOUT, world_size=1, transport="host"):
-    return client._native.attach(job, rank, raw_spec(params, world_size), 7, transport=transport)
+    return client.attach(job, rank, raw_spec(params, world_size), 7, transport=transport)
 
 
 def assert_daemon_healthy(client):

@@ -24,7 +24,7 @@ LAYOUT = [("w", [4, 4], 0, 0), ("b", [4], 0, 0)]  # one bucket
 
 
 def attach(client, job, wait_timeout_s=None):
-    session = client._native.attach(job, 0, raw_spec(LAYOUT), 7, transport="host", wait_timeout_s=wait_timeout_s)
+    session = client.attach(job, 0, raw_spec(LAYOUT), 7, transport="host", wait_timeout_s=wait_timeout_s)
     session.set_hparams(1, 0, 1e-3, 0.9, 0.999, 1e-8, 0.0)
     return session
 
@@ -168,9 +168,9 @@ def test_the_forward_queues_every_wait_at_its_start_and_runs_outside_the_guards_
     entered = []
     monkeypatch.setattr(StaleReadGuard, "__enter__", lambda mode: entered.append(mode))
     try:
-        assert rank.stale, "the step's weights are not in yet (the daemon is stopped)"
+        assert rank.reads.stale, "the step's weights are not in yet (the daemon is stopped)"
         out, done = queued_forward(model, x)
-        assert not rank.stale and not entered, "the forward waited in the guard's mode"
+        assert not rank.reads.stale and not entered, "the forward waited in the guard's mode"
         assert not done.query()
     finally:
         daemon.process.send_signal(signal.SIGCONT)

@@ -92,7 +92,7 @@ def test_optimizer_synchronize_shows_the_latest_weights(client):
     train(model, opt, 3)
     train(reference, ref_opt, 3)
     opt.synchronize()
-    assert not trainstream._wrap._rank_of(model).stale
+    assert not trainstream._wrap._rank_of(model).reads.stale
     assert max_difference(model, reference) <= 1e-6
     trainstream.unwrap(model)
 

@@ -90,8 +90,8 @@ def wrapped(client, model):
 
 def wait_until_published(rank, timeout=30.0):
     deadline = time.monotonic() + timeout
-    while not all(rank.session.params_ready(b, rank._ready_step[b]) for b in rank.stale):
-        assert time.monotonic() < deadline, f"buckets {sorted(rank.stale)} not published in {timeout} s"
+    while not all(rank.reads.published(b) for b in rank.reads.stale):
+        assert time.monotonic() < deadline, f"buckets {sorted(rank.reads.stale)} not published in {timeout} s"
         time.sleep(0.001)
 
 
@@ -101,12 +101,12 @@ def test_a_forward_after_every_bucket_was_published_runs_without_the_mode(client
     for step in range(3):
         train_step(model, optimizer, step)
         train_step(reference, ref_optimizer, step)
-        assert rank.stale  # taken in by the next forward, not before
+        assert rank.reads.stale  # taken in by the next forward, not before
         wait_until_published(rank)
         x = torch.randn(4, WIDTH)
         assert (model(x) - reference(x)).abs().max() <= 1e-6
         assert [model[k].saw_guard[-1] for k in (0, 2, 5)] == [False, False, False]
-        assert not rank.stale
+        assert not rank.reads.stale
 
 
 def test_a_module_whose_weights_are_in_place_neither_refreshes_nor_pauses_the_mode(client, monkeypatch):
@@ -116,7 +116,7 @@ def test_a_module_whose_weights_are_in_place_neither_refreshes_nor_pauses_the_mo
     train_step(reference, ref_optimizer, 0)
     wait_until_published(rank)
     refreshed, paused = [], []
-    refresh, pause = rank.refresh, _guards.StaleReadGuard.pause
+    refresh, pause = rank.reads.refresh, _guards.StaleReadGuard.pause
 
     def recorded_refresh(buckets, on_gpu=False):
         refreshed.append(sorted(buckets))
@@ -126,7 +126,7 @@ def test_a_module_whose_weights_are_in_place_neither_refreshes_nor_pauses_the_mo
         paused.append(guard)
         return pause(guard)
 
-    monkeypatch.setattr(rank, "refresh", recorded_refresh)
+    monkeypatch.setattr(rank.reads, "refresh", recorded_refresh)
     monkeypatch.setattr(_guards.StaleReadGuard, "pause", recorded_pause)
     x = torch.randn(4, WIDTH)
     assert (model(x) - reference(x)).abs().max() <= 1e-6

@@ -66,7 +66,7 @@ def main() -> int:
     os.setgid(args.uid)
     os.setuid(args.uid)
     client = trainstream.connect(args.socket)
-    session = client._native.attach(args.job, 0, raw_spec(PARAMS), 7, wait_timeout_s=60.0)
+    session = client.attach(args.job, 0, raw_spec(PARAMS), 7, wait_timeout_s=60.0)
     fill(session.master(session.committed_half(0)), 0.5)
     session.send_load_state(0)
     wait(session, 0)

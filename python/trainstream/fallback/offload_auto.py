@@ -114,7 +114,7 @@ class AutoOffload:
             return
         del rank  # the switch frees the rank's GPU buffers: no reference may outlive it
         log.info("offload='auto': switches to torch.optim.%s(fused=True) on %s after %d offloaded steps (%s ms): %s",
-                 self.optimizer._inner_type.__name__, device, len(self.times), steps, fit.describe())
+                 self.optimizer.inner_type.__name__, device, len(self.times), steps, fit.describe())
         self.switch()
 
     @staticmethod
