@@ -75,7 +75,7 @@ bool BucketLifecycle::TakeDiscard() {
   return true;
 }
 
-// A rank left while others were mid-step (StepEngine::ResetCollecting): what can no longer complete is
+// A rank left while others were mid-step (StepProtocol::ResetCollecting): what can no longer complete is
 // discarded: partly collected buckets, norms and speculative updates waiting for the other buckets (or
 // still running: they restart when they end), updates held back by the skew bound, updates started with
 // part of their gradients. Updates that have all their gradients finish and commit.

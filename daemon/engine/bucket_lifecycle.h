@@ -111,7 +111,7 @@ class BucketLifecycle {
   std::shared_ptr<UpdatePlan> plan;               // the update written before the decision, for its redo
   std::chrono::steady_clock::time_point update_started;
   std::shared_ptr<RunningUpdate> update;  // the update started last (its pieces outlive its work)
-  // Delivered with its first piece of gradients (StepEngine::StreamsGradients): the rest are still
+  // Delivered with its first piece of gradients (StepProtocol::StreamsGradients): the rest are still
   // coming, and `grad_bytes` of them are in.
   bool streaming = false;
   uint64_t grad_bytes = 0;

@@ -3,7 +3,7 @@
 // clipping), the fused AdamW update from one half of the state into the other (shm/job_layout.h; the
 // same half with one), the carry of a parameter without a gradient into the other half, the upload copy
 // of master weights, and the first touch of a new job's state. The engine decides which blocks run when
-// (daemon/engine/step_engine.h); this file says what one block does to the job's memory.
+// (daemon/engine/step_protocol.h); this file says what one block does to the job's memory.
 //
 // Invariants: a pass reads and writes only the elements of its block, so the blocks of one pass run
 // concurrently on any threads; a rank contributes a block's gradients only where its presence flag

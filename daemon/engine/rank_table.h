@@ -5,7 +5,7 @@
 //
 // What a lost segment's pages hold now are zeros private to the daemon (daemon/guard/fault_guard.h):
 // nothing computed from them may reach a rank, so every session fails before the next message or
-// continuation, and the failed ranks get nothing more (PostTo, StepEngine::PublishWeights and pushes
+// continuation, and the failed ranks get nothing more (PostTo, WeightPushes::Publish and pushes
 // skip them).
 //
 // Invariants: a slot holds the channel of its rank or nullptr; a failed channel is posted nothing more;

@@ -6,7 +6,7 @@
 // without applying them again. The engine acts on the plan: it stores the rolled-back commits,
 // restarts those buckets and rewrites the upload regions the plan and UploadSuspect name.
 //
-// Invariants: by the skew bound (step_engine.h) no bucket is more than one step past the completed
+// Invariants: by the skew bound (step_protocol.h) no bucket is more than one step past the completed
 // step, so with two halves the other half of a bucket ahead holds the completed step.
 #pragma once
 

@@ -16,7 +16,7 @@ bool CheckGradReady(const shm::LayoutSpec& spec, const std::vector<BucketLifecyc
   TS_CHECK(!loading, Code::kFailedPrecondition, "GRAD_READY for bucket {} while a state load is in progress", b);
   TS_CHECK(message.step == progress.step, Code::kInvalidArgument,
            "GRAD_READY for bucket {} of step {}, but that bucket expects step {}", b, message.step, progress.step);
-  // The rest of a bucket whose update started with its first piece (StepEngine::StreamsGradients).
+  // The rest of a bucket whose update started with its first piece (StepProtocol::StreamsGradients).
   const bool rest = progress.streaming && staged > 0;
   const bool collecting = progress.phase == BucketLifecycle::Phase::kCollecting;
   TS_CHECK((rest || collecting) && message.micro == progress.micro, Code::kInvalidArgument,

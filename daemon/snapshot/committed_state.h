@@ -1,6 +1,6 @@
 // Where a job's committed optimizer state lies in its state segment, for snapshots: the one place that
 // knows. "Committed": what a bucket holds between two of its updates (the engine reports each commit,
-// daemon/engine/step_engine.h's Commit); with two state halves, the half its BucketState names (the
+// daemon/engine/step_protocol.h's Commit); with two state halves, the half its BucketState names (the
 // other one may be mid-update or hold an uncommitted speculation).
 #pragma once
 
