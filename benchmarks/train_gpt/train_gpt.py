@@ -292,7 +292,8 @@ def daemon_waits(model) -> dict[str, float]:
         rank = trainstream._wrap._rank_of(model)
     except trainstream.TrainstreamError:
         return dict.fromkeys(WAITS, 0.0)
-    holders = (rank, rank.reads, rank.transport)
+    # A package from before WeightReads (gpt-before-after's "before") has no rank.reads.
+    holders = (rank, getattr(rank, "reads", None), rank.transport)
     return {name: next((getattr(h, attribute) for h in holders if hasattr(h, attribute)), 0.0)
             for name, (attribute, _) in WAITS.items()}
 
