@@ -170,8 +170,9 @@ class Client:
 
     def attach(self, job: str, rank: int, spec: _C.LayoutSpec, seed: int, transport: str = "host",
                device: str = "cpu", wait_timeout_s: float | None = None) -> _C.RankSession:
-        """Attaches rank `rank` of job `job` (made in the layout `spec` if new); the session it returns is
-        the rank's view of the job's shared memory and its line to the daemon (_rank.py)."""
+        """Attaches rank `rank` of job `job` (made in the layout `spec` if new) and returns its session: the
+        rank's view of the job's shared memory and its line to the daemon. `trainstream.wrap` attaches for
+        you; this is the layer below it, for tools that drive the ring protocol themselves."""
         return self._native.attach(job, rank, spec, seed, transport, device, wait_timeout_s=wait_timeout_s)
 
     def __repr__(self) -> str:
