@@ -135,7 +135,6 @@ class Rank:
         self._zero_fill: set[int] = set()  # at the step's first backward pass: those it must send
         self._handles = []
         self.relayout = None  # wrap's: re-attaches the job around a conversion of the model (ApplyGuard)
-        self.watch: Watch | None = None  # the parameters' watching (_watched.py), from _install_hooks on
         self.edits = WeightEdits(self.params, [i for i, p in enumerate(self.params) if id(p) not in paged])
         self.param_index = {id(p): i for i, p in enumerate(self.params)}
         # How errors name parameter i: not a bound method, which would make the WeightReads refer back to this
@@ -194,6 +193,12 @@ class Rank:
     def paged(self) -> PagedWeights | None:
         """The paged weights (weight paging), else None: the WeightReads' (its gate's pager reads them)."""
         return self.reads.paged
+
+    @property
+    def watch(self) -> Watch | None:
+        """The parameters' watching (_watched.py), from _install_hooks on: the WeightReads' (it tells it of
+        each bucket taken in)."""
+        return self.reads.watch
 
     @property
     def pager(self) -> BlockPager | None:
@@ -284,7 +289,7 @@ class Rank:
             self._handles.append(p.register_post_accumulate_grad_hook(lambda param, i=i: self._on_grad(i, param)))
         index = self.param_index
         paged = self.paging.paged_ids if self.paging else set()
-        self.watch = self.reads.watch = Watch(self, {i: p for i, p in enumerate(self.params) if id(p) not in paged})
+        self.reads.watch = Watch(self, {i: p for i, p in enumerate(self.params) if id(p) not in paged})
         self._handles += self.watch.handles
         guard = StaleReadGuard(self)  # kept by the handles only: it refers back to this Rank
         for module in self.model.modules():
